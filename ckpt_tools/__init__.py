@@ -1,0 +1,1 @@
+"""Hugging Face <-> Megatron torch_dist checkpoint conversion, inspection and verification."""

@@ -1,0 +1,1 @@
+"""Job specs, sbatch rendering and submission; also home of the `slurmrl` command line."""

@@ -1,0 +1,1 @@
+"""Rollout: engine launch commands, router client, data, rewards and generate_rollout."""

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs what the tests need and runs them. The devcluster is started by the tests (and stopped
+# again, unless one was already running). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+exec python3 -m pytest -ra -q "$@"

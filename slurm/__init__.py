@@ -1,0 +1,1 @@
+"""SLURM-side assets: sbatch templates and the loopback development cluster."""

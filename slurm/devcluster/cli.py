@@ -1,0 +1,69 @@
+"""`slurmrl cluster up|down|status`: the loopback development cluster from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from slurm.devcluster.cluster import DevCluster, ensure_installed
+from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, ClusterPaths, ClusterShape, load_shape
+from slurm.devcluster.daemons import DevclusterError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("cluster", help="a real SLURM cluster on loopback for development and tests")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{up,down,status}")
+    up = actions.add_parser("up", help="install what is missing, start every daemon, wait until nodes are idle")
+    # Flags left out keep the shape of the cluster last brought up at --dir (else the defaults).
+    up.add_argument("--nodes", type=int, help=f"emulated nodes (default {ClusterShape.nodes})")
+    up.add_argument("--gpus-per-node", type=int, help=f"fake GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
+    up.add_argument("--cpus-per-node", type=int, help=f"CPUs each node declares (default {ClusterShape.cpus_per_node})")
+    up.add_argument("--port-base", type=int, help=f"first of the ports the daemons use (default {DEFAULT_PORT_BASE})")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (default %(default)s)")
+    actions.add_parser("down", help="cancel all jobs and stop the daemons that `up` started")
+    actions.add_parser("status", help="daemons, nodes, partitions and the SLURM_CONF line to export")
+    for action in actions.choices.values():
+        action.add_argument("--dir", type=Path, default=DEFAULT_ROOT,
+                            help="where configs, state and logs live (default %(default)s, or $SLURMRL_DEVCLUSTER_DIR)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        _fail(f"`slurmrl cluster {args.action}` must run as root (its daemons run as root and it installs "
+              "Debian packages); run it with sudo or as root")
+    try:
+        if args.action == "up":
+            shape = _requested_shape(args)
+            ensure_installed()
+            cluster = DevCluster(args.dir, shape)
+            cluster.up(timeout_s=args.timeout)
+            print(cluster.status())
+        elif args.action == "down":
+            stopped = DevCluster(args.dir).down()
+            print(f"stopped: {', '.join(stopped)}" if stopped else f"no devcluster daemons were running at {args.dir}")
+        else:
+            print(DevCluster(args.dir).status())
+    except (DevclusterError, TimeoutError) as err:
+        _fail(str(err))
+    return 0
+
+
+def _requested_shape(args: argparse.Namespace) -> ClusterShape:
+    flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "cpus_per_node": args.cpus_per_node,
+             "port_base": args.port_base}
+    base = load_shape(ClusterPaths(args.dir.resolve())) or ClusterShape()
+    shape = replace(base, **{k: v for k, v in flags.items() if v is not None})
+    try:
+        shape.validate()
+    except ValueError as err:
+        _fail(str(err))
+    return shape
+
+
+def _fail(message: str) -> None:
+    print(f"slurmrl cluster: error: {message}", file=sys.stderr)
+    sys.exit(1)

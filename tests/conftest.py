@@ -1,0 +1,34 @@
+"""Shared fixtures. `devcluster` brings the loopback SLURM cluster up once per session (or reuses
+one that is already running) and points SLURM_CONF at it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from slurm.devcluster import DevCluster
+from slurm.devcluster.config import DEFAULT_ROOT
+
+
+@pytest.fixture(scope="session")
+def devcluster() -> Iterator[DevCluster]:
+    cluster = DevCluster(DEFAULT_ROOT)
+    was_running = all(d.is_running() for d in cluster.daemons())
+    up = subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", "--dir", str(DEFAULT_ROOT)],
+                        capture_output=True, text=True)
+    if up.returncode != 0:
+        pytest.fail(f"devcluster did not come up:\n{up.stderr}")
+    cluster = DevCluster(DEFAULT_ROOT)
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.paths.slurm_conf)
+    yield cluster
+    if previous is None:
+        os.environ.pop("SLURM_CONF")
+    else:
+        os.environ["SLURM_CONF"] = previous
+    if not was_running:
+        subprocess.run([sys.executable, "-m", "slurm.devcluster", "down", "--dir", str(DEFAULT_ROOT)], check=True)

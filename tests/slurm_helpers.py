@@ -1,0 +1,59 @@
+"""Small helpers the integration tests use to drive the devcluster through SLURM's own commands."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from slurm.devcluster.daemons import wait_for
+
+
+def slurm(*argv: str) -> str:
+    """Run a SLURM command; its stdout, or an assertion error carrying its stderr."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"{' '.join(argv)} failed: {result.stderr}"
+    return result.stdout
+
+
+def sbatch(script: Path) -> str:
+    return slurm("sbatch", "--parsable", str(script)).strip().split(";")[0]
+
+
+def job_in_queue(job_id: str) -> bool:
+    return bool(slurm("squeue", "-h", "-j", job_id, "-o", "%i").strip())
+
+
+def wait_job_gone(job_id: str, timeout_s: float = 120) -> None:
+    wait_for(lambda: not job_in_queue(job_id), timeout_s, f"job {job_id} to leave the queue", interval_s=0.5)
+
+
+def wait_file_contains(path: Path, text: str, timeout_s: float = 120) -> None:
+    wait_for(lambda: path.exists() and text in path.read_text(), timeout_s, f"{text!r} in {path}", interval_s=0.3)
+
+
+def sacct_rows(job_id: str, *fields: str, duplicates: bool = False) -> list[dict[str, str]]:
+    """Accounting records of a job's allocations (not its steps), oldest first."""
+    argv = ["sacct", "-n", "-P", "-j", job_id, "-o", ",".join(("JobID", *fields))] + (["-D"] if duplicates else [])
+    rows = [line.split("|") for line in slurm(*argv).splitlines() if line]
+    # sacct -X would fold a hetjob's components into one row: drop the step rows instead.
+    return [dict(zip(fields, row[1:])) for row in rows if "." not in row[0]]
+
+
+def write_script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/bash\n" + body.lstrip())
+    return path
+
+
+def wait_sacct_states(job_id: str, expected: dict[str, str] | list[str], duplicates: bool = False,
+                      timeout_s: float = 30) -> None:
+    """slurmdbd records a job's end a moment after it leaves the queue: wait for the states."""
+    def states() -> dict[str, str] | list[str]:
+        rows = sacct_rows(job_id, "JobID", "State", duplicates=duplicates)
+        if isinstance(expected, dict):
+            return {r["JobID"]: r["State"] for r in rows}
+        return [r["State"] for r in rows]
+
+    try:
+        wait_for(lambda: states() == expected, timeout_s, f"sacct to show {expected} for job {job_id}")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}; it shows {states()}") from None

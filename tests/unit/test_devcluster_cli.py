@@ -1,0 +1,58 @@
+"""`slurmrl cluster` refuses bad input with a one-line error, a non-zero exit and no files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm.devcluster.config import MAX_NODES, ClusterShape
+
+
+def _cluster(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*prefix, sys.executable, "-m", "slurm.devcluster", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--nodes", "0", f"--nodes must be between 1 and {MAX_NODES}, got 0"),
+    ("--nodes", "65", f"--nodes must be between 1 and {MAX_NODES}, got 65"),
+    ("--gpus-per-node", "-1", "--gpus-per-node must be 0 or more, got -1"),
+    ("--cpus-per-node", "0", "--cpus-per-node must be 1 or more, got 0"),
+    ("--port-base", "80", "--port-base must be between 1024"),
+])
+def test_bad_shape_is_a_clear_error_and_writes_nothing(tmp_path: Path, flag: str, value: str, expected: str) -> None:
+    root = tmp_path / "cluster"
+    result = _cluster("up", "--dir", str(root), flag, value)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and expected in result.stderr
+    assert not root.exists()
+
+
+def test_not_root_is_a_clear_error_and_writes_nothing(tmp_path: Path) -> None:
+    # A user namespace without a uid mapping runs us as uid 65534, the overflow user.
+    if subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --user is not permitted here, so no non-root process can be made")
+    root = tmp_path / "cluster"
+    result = _cluster("up", "--dir", str(root), prefix=("unshare", "--user"))
+    assert result.returncode == 1
+    assert "must run as root" in result.stderr and result.stderr.count("\n") == 1
+    assert not root.exists()
+
+
+def test_unknown_action_is_a_usage_error() -> None:
+    result = _cluster("start")
+    assert result.returncode == 2 and "invalid choice: 'start'" in result.stderr
+
+
+def test_every_daemon_gets_its_own_port_even_at_the_node_limit() -> None:
+    ports = ClusterShape(nodes=MAX_NODES).all_ports()
+    assert len(set(ports.values())) == len(ports) == MAX_NODES + 3
+    assert max(ports.values()) <= 65535
+
+
+def test_shapes_within_limits_validate() -> None:
+    ClusterShape(nodes=1, gpus_per_node=0).validate()
+    ClusterShape(nodes=MAX_NODES).validate()

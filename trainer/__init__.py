@@ -1,0 +1,1 @@
+"""The RL trainer step: loop driver, losses, backends, checkpoints, weight publishing."""
