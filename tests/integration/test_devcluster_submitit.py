@@ -12,7 +12,7 @@ import submitit
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
 from tests.integration import submitit_tasks
-from tests.slurm_helpers import slurm
+from tests.slurm_helpers import slurm, wait_sacct_states
 
 pytestmark = pytest.mark.integration
 cloudpickle.register_pickle_by_value(submitit_tasks)
@@ -38,7 +38,12 @@ def test_preempted_checkpointable_is_requeued_and_continues(devcluster: DevClust
     n = 60
     job = _executor(tmp_path).submit(submitit_tasks.CountTo(), n, str(progress))
     wait_for(lambda: progress.exists() and int(progress.read_text() or 0) >= 5, 120, "the job to make progress")
-    slurm("scancel", "--signal=USR2", "--full", job.job_id)  # what SLURM sends a job it preempts
+    # What SLURM sends before preempting a job that asked for --signal=USR2@T, as Submitit does:
+    # the steps get it, not the batch shell (with --full the shell dies of USR2 and ends the job).
+    slurm("scancel", "--signal=USR2", job.job_id)
+    # While the requeued job is pending, sacct still lists the first run's failed step, and
+    # Submitit's own polling may take that for the job's end: wait for the real end first.
+    wait_sacct_states(job.job_id, ["REQUEUED", "COMPLETED"], duplicates=True, timeout_s=180)
     result = job.result()
     assert result["restarts"] == 1
     assert 5 <= result["start"] < n, "the requeued run did not continue from the checkpoint"
