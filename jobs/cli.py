@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ckpt_tools import cli as ckpt_cli
 from slurm.devcluster import cli as cluster_cli
 
 
@@ -12,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="slurmrl", description="SLURM-native RL post-training: submit, watch and steer jobs")
     subparsers = parser.add_subparsers(dest="command", required=True)
     cluster_cli.add_parser(subparsers)
+    ckpt_cli.add_parser(subparsers)
     return parser
 
 

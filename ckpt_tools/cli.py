@@ -1,0 +1,92 @@
+"""`slurmrl ckpt hf-to-torch-dist | torch-dist-to-hf | inspect | verify`: CPU-only checkpoint tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ckpt", help="Hugging Face <-> Megatron torch_dist conversion (CPU only)")
+    actions = parser.add_subparsers(dest="action", required=True)
+
+    to_td = actions.add_parser("hf-to-torch-dist", help="convert an HF safetensors folder into a Megatron save folder")
+    to_td.add_argument("--hf", type=Path, required=True, help="HF model folder (config.json + safetensors)")
+    to_td.add_argument("--out", type=Path, required=True, help="new folder; gets iter_0000000/ (or release/) and the tracker")
+    to_td.add_argument("--release", action="store_true", help="write the release/ layout instead of iter_0000000/")
+    to_td.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+                       help="pad the vocabulary to a multiple of N, as Megatron does (default %(default)s)")
+    _common(to_td)
+    to_td.add_argument("--threads", type=int, default=4, help="parallel writer threads (default %(default)s)")
+
+    to_hf = actions.add_parser("torch-dist-to-hf", help="convert a Megatron torch_dist checkpoint into HF safetensors")
+    to_hf.add_argument("--ckpt", type=Path, required=True, help="a save folder (with the tracker) or one iter_XXXXXXX folder")
+    to_hf.add_argument("--ckpt-step", type=int, help="which iteration of the save folder (default: the tracker's)")
+    to_hf.add_argument("--out", type=Path, required=True, help="new folder for the HF model")
+    to_hf.add_argument("--hf-config", type=Path, required=True, help="folder with the model's config.json (and tokenizer)")
+    to_hf.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard (default %(default)s)")
+    _common(to_hf)
+
+    inspect = actions.add_parser("inspect", help="keys, shapes, dtypes, iteration and sizes of a checkpoint")
+    inspect.add_argument("path", type=Path, help="an HF folder, a Megatron save folder or an iter_XXXXXXX folder")
+
+    verify = actions.add_parser("verify", help="convert HF -> torch_dist -> HF and check the result is bit-identical")
+    verify.add_argument("--hf", type=Path, required=True, help="HF model folder")
+    verify.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N")
+    parser.set_defaults(func=run)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep the source dtype)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that other `slurmrl` commands do not pay for torch.
+    import torch
+
+    from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
+    from ckpt_tools.hf_checkpoint import CheckpointError
+    from ckpt_tools.inspect import describe, roundtrip_differences
+
+    dtype = getattr(torch, DTYPES[args.dtype]) if getattr(args, "dtype", None) else None
+    try:
+        if args.action == "hf-to-torch-dist":
+            _positive("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
+            _positive("--threads", args.threads)
+            folder = hf_to_torch_dist(args.hf, args.out, iteration=None if args.release else 0,
+                                      dtype=dtype, threads=args.threads,
+                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                      progress=not args.no_progress)
+            print(f"wrote {folder}")
+        elif args.action == "torch-dist-to-hf":
+            folder = torch_dist_to_hf(args.ckpt, args.out, args.hf_config, step=args.ckpt_step,
+                                      dtype=dtype, shard_bytes=int(args.shard_size_gb * 1024**3),
+                                      progress=not args.no_progress)
+            print(f"wrote {folder}")
+        elif args.action == "inspect":
+            print(describe(args.path))
+        else:
+            with tempfile.TemporaryDirectory(prefix="slurmrl-verify-") as tmp:
+                hf_to_torch_dist(args.hf, Path(tmp) / "td", make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                 progress=False)
+                torch_dist_to_hf(Path(tmp) / "td", Path(tmp) / "hf", args.hf, progress=False)
+                problems = roundtrip_differences(args.hf, Path(tmp) / "hf")
+            if problems:
+                print("round trip differs:\n  " + "\n  ".join(problems), file=sys.stderr)
+                return 1
+            print(f"{args.hf}: HF -> torch_dist -> HF is bit-identical")
+    except (CheckpointError, FileNotFoundError) as err:
+        print(f"slurmrl ckpt: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        print(f"slurmrl ckpt: error: {flag} must be 1 or more, got {value}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,177 @@
+"""HF safetensors <-> Megatron torch_dist, streaming: one layer (or expert) slice in memory per
+writer thread, output built in a temporary folder and renamed into place only when complete."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ckpt_tools.hf_checkpoint import CheckpointError, HFCheckpoint
+from ckpt_tools.mapping import ModelShape, Rule, hf_slice_shapes, rules, stacking, to_hf, to_megatron
+from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
+from ckpt_tools.torch_dist import (
+    Chunk,
+    fsync_dir,
+    iteration_dirname,
+    read_metadata,
+    read_regions,
+    resolve_checkpoint,
+    tensor_entries,
+    write_chunks,
+    write_megatron_files,
+    write_tracker,
+)
+
+EXTRA_STATE = "_extra_state"
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+def _extra_state_payload() -> bytes:
+    """What megatron-core stores for a local-spec linear's (empty) extra state."""
+    buffer = io.BytesIO()
+    torch.save(None, buffer)
+    return buffer.getvalue()
+
+
+def _indices(rule: Rule, shape: ModelShape) -> list[tuple[int, ...]]:
+    """The stacking index of every slice of a rule: (), (l,) or (l, e)."""
+    stack = stacking(rule, shape)
+    if not stack:
+        return [()]
+    if len(stack) == 1:
+        return [(l,) for l in range(stack[0])]
+    return [(l, e) for l in range(stack[0]) for e in range(stack[1])]
+
+
+def _hf_names(rule: Rule, index: tuple[int, ...]) -> list[str]:
+    return rule.hf_names(*index) if index else rule.hf_names()
+
+
+def _prepare_out(out_dir: Path) -> Path:
+    """Refuse an existing --out; return a temporary sibling folder to build into."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"--out {out_dir} already exists; remove it or choose another folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    fsync_dir(tmp)
+    os.rename(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+
+
+def hf_to_torch_dist(hf_dir: Path, out_dir: Path, *, iteration: int | None = 0, dtype: torch.dtype | None = None,
+                     make_vocab_size_divisible_by: int = 1, threads: int = 4, progress: bool = True) -> Path:
+    """Convert an HF checkpoint into a Megatron save folder: OUT/iter_0000000 (or OUT/release) with
+    the tracker. Everything is checked before a byte is written; OUT appears only when complete."""
+    hf = HFCheckpoint(hf_dir, make_vocab_size_divisible_by)
+    shape = hf.shape
+    chunks: list[Chunk] = []
+    extra: dict[str, bytes] = {}
+    payload = _extra_state_payload()
+    for rule in rules(shape):
+        stack = stacking(rule, shape)
+        for index in _indices(rule, shape):
+            names = _hf_names(rule, index)
+            slice_shape = hf_slice_shapes(rule, shape, [hf.shapes[n] for n in names])
+            out_dtype = dtype or hf.dtypes[names[0]]
+            chunks.append(Chunk(
+                key=rule.megatron, global_shape=(*stack, *slice_shape), offsets=(*index, *[0] * len(slice_shape)),
+                sizes=(*[1] * len(stack), *slice_shape), dtype=out_dtype,
+                produce=lambda rule=rule, names=names: to_megatron(rule, hf.read(names), shape),
+            ))
+            if rule.linear:
+                module = rule.megatron.rsplit(".", 1)[0]
+                offsets, sizes = ".".join(map(str, index)), ".".join(map(str, stack))
+                extra[f"{module}.{EXTRA_STATE}/shard_{offsets}_{sizes}"] = payload
+    tmp = _prepare_out(out_dir)
+    try:
+        folder = tmp / iteration_dirname(iteration)
+        total = sum(c.nbytes for c in chunks)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="hf -> torch_dist", disable=not progress) as bar:
+            write_chunks(folder, chunks, extra, threads, on_written=bar.update)
+        write_megatron_files(folder, {"iteration": iteration or 0, "checkpoint_version": 3.0})
+        fsync_dir(folder)
+        write_tracker(tmp, iteration)
+        _publish(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(out_dir) / iteration_dirname(iteration)
+
+
+def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: int | None = None,
+                     dtype: torch.dtype | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     progress: bool = True) -> Path:
+    """Convert a Megatron torch_dist checkpoint into an HF safetensors folder, reading one slice at
+    a time. The config (and tokenizer files) come from --hf-config."""
+    config_path = Path(hf_config_dir) / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path} not found: --hf-config must be a folder with the model's config.json")
+    config = json.loads(config_path.read_text())
+    try:
+        folder = resolve_checkpoint(Path(ckpt), step)
+    except FileNotFoundError as err:
+        raise CheckpointError(str(err)) from None
+    stored = tensor_entries(read_metadata(folder))
+    shape = ModelShape.from_hf_config(config, _stored_vocab_multiple(stored, config))
+    plan = []  # (hf name, shape, dtype, rule, index, position in the rule's outputs)
+    for rule in rules(shape):
+        md = stored.get(rule.megatron)
+        if md is None:
+            raise CheckpointError(f"{folder} lacks {rule.megatron}, which {config_path} ({shape.architecture}) needs: "
+                                  "the checkpoint and --hf-config describe different models")
+        stack = stacking(rule, shape)
+        if tuple(md.size[: len(stack)]) != stack:
+            raise CheckpointError(f"{rule.megatron} is stacked as {list(md.size)}, but {config_path} implies "
+                                  f"{list(stack)} leading: the checkpoint and --hf-config disagree")
+        slice_shape = tuple(md.size[len(stack):])
+        probe = to_hf(rule, torch.empty(slice_shape, device="meta"), shape)
+        for index in _indices(rule, shape):
+            for pos, (name, t) in enumerate(zip(_hf_names(rule, index), probe)):
+                plan.append((name, tuple(t.shape), dtype or md.properties.dtype, rule, index, pos))
+    tmp = _prepare_out(out_dir)
+    try:
+        writer = StreamingSafetensorsWriter(tmp, [(n, s, d) for n, s, d, *_ in plan], shard_bytes)
+        with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="torch_dist -> hf",
+                  disable=not progress) as bar:
+            current: tuple[str, tuple[int, ...]] | None = None
+            parts: list[torch.Tensor] = []
+            for name, _, out_dtype, rule, index, pos in plan:
+                if current != (rule.megatron, index):
+                    current = (rule.megatron, index)
+                    md = stored[rule.megatron]
+                    stack = stacking(rule, shape)
+                    region = ((*index, *[0] * (len(md.size) - len(index))),
+                              (*[1] * len(index), *md.size[len(index):]))
+                    data = read_regions(folder, {rule.megatron: region})[rule.megatron]
+                    parts = to_hf(rule, data.reshape(tuple(md.size[len(stack):])), shape)
+                tensor = parts[pos].to(out_dtype).contiguous()
+                writer.write(name, tensor)
+                bar.update(tensor.numel() * tensor.element_size())
+        writer.close()
+        for side in HF_SIDE_FILES:
+            if (Path(hf_config_dir) / side).is_file():
+                shutil.copy2(Path(hf_config_dir) / side, tmp / side)
+        _publish(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(out_dir)
+
+
+def _stored_vocab_multiple(stored: dict, config: dict) -> int:
+    """The padded vocab the checkpoint holds, expressed as the divisor ModelShape expects."""
+    embedding = stored.get("embedding.word_embeddings.weight")
+    return int(embedding.size[0]) if embedding is not None and embedding.size[0] != config["vocab_size"] else 1

@@ -1,0 +1,119 @@
+"""Read a Hugging Face checkpoint lazily (safetensors, single file or sharded with an index) and
+check that its config and weights agree before anything is converted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ckpt_tools.mapping import ModelShape, Rule, rules
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Weights HF checkpoints may carry that the model does not need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be converted; the message names the file or field and the fix."""
+
+
+class HFCheckpoint:
+    """Tensor names, shapes and dtypes from the safetensors headers; data only when asked for."""
+
+    def __init__(self, hf_dir: Path, make_vocab_size_divisible_by: int = 1) -> None:
+        self.dir = Path(hf_dir)
+        config_path = self.dir / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path} not found: --hf must be a Hugging Face model folder")
+        try:
+            self.config = json.loads(config_path.read_text())
+            self.shape = ModelShape.from_hf_config(self.config, make_vocab_size_divisible_by)
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{config_path}: cannot read {err}") from None
+        except ValueError as err:
+            raise CheckpointError(f"{config_path}: {err}") from None
+        self.weight_map = self._weight_map()
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        for file in sorted(set(self.weight_map.values())) or [SINGLE]:
+            self._read_header(file)
+        self._check_against_config()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.dir / INDEX
+        if index.is_file():
+            return json.loads(index.read_text())["weight_map"]
+        if (self.dir / SINGLE).is_file():
+            return {}  # filled from the single file's header
+        raise CheckpointError(f"{self.dir} holds neither {SINGLE} nor {INDEX}: only safetensors checkpoints convert")
+
+    def _read_header(self, file: str) -> None:
+        path = self.dir / file
+        if not path.is_file():
+            raise CheckpointError(f"shard {path} is listed in {INDEX} but missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    self.shapes[name] = tuple(sl.get_shape())
+                    self.dtypes[name] = _DTYPES.get(sl.get_dtype(), torch.float32)
+                    self.weight_map.setdefault(name, file)
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{path} is damaged or truncated ({err}); re-download or re-save it") from None
+        size = path.stat().st_size
+        if size < _data_end(path):
+            raise CheckpointError(f"{path} is truncated ({size} bytes, header needs {_data_end(path)})")
+
+    def _check_against_config(self) -> None:
+        s = self.shape
+        expected = {
+            "model.embed_tokens.weight": (s.vocab_size, s.hidden_size),
+            "model.layers.0.self_attn.q_proj.weight": (s.num_heads * s.head_dim, s.hidden_size),
+            "model.layers.0.self_attn.k_proj.weight": (s.num_kv_heads * s.head_dim, s.hidden_size),
+            "model.layers.0.self_attn.o_proj.weight": (s.hidden_size, s.num_heads * s.head_dim),
+            "model.norm.weight": (s.hidden_size,),
+        }
+        needed = set()
+        for rule in rules(s):
+            for name in self.names_of(rule):
+                needed.add(name)
+                if name not in self.shapes:
+                    raise CheckpointError(f"weights lack {name}, which config.json ({s.architecture}, "
+                                          f"{s.num_layers} layers) requires: config and weights disagree")
+        for name, want in expected.items():
+            if self.shapes[name] != want:
+                raise CheckpointError(f"config.json and weights disagree: {name} is {list(self.shapes[name])}, "
+                                      f"the config implies {list(want)}")
+        extra = sorted(n for n in self.shapes if n not in needed and not n.endswith(IGNORED_SUFFIXES)
+                       and not (s.tied_embeddings and n == "lm_head.weight"))
+        if extra:
+            raise CheckpointError(f"weights hold {len(extra)} tensors config.json does not describe "
+                                  f"(e.g. {', '.join(extra[:3])}): config and weights disagree")
+
+    def names_of(self, rule: Rule) -> list[str]:
+        """Every HF tensor name a rule reads, over all layers and experts."""
+        layers = range(self.shape.num_layers) if rule.per_layer else [None]
+        experts = range(self.shape.num_experts) if rule.per_expert else [None]
+        return [n for l in layers for e in experts for n in rule.hf_names(l, e)]
+
+    def read(self, names: list[str]) -> list[torch.Tensor]:
+        """Load these tensors (each file opened per call, so threads may read in parallel)."""
+        out = []
+        for name in names:
+            with safe_open(str(self.dir / self.weight_map[name]), framework="pt") as f:
+                out.append(f.get_tensor(name))
+        return out
+
+
+def _data_end(path: Path) -> int:
+    """Where the last tensor's bytes end, from the safetensors header."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + header_len + max(ends, default=0)

@@ -1,0 +1,174 @@
+"""The one place where Hugging Face names and layouts meet Megatron GPTModel's torch_dist ones.
+
+Used by the converter (both directions) and by the trainer's weight publishing. Megatron stacks
+each per-layer weight over layers (a leading [num_layers] axis; experts add a second one); a rule
+says how one layer's (or one expert's) Megatron slice is built from HF tensors, and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the mapping needs to know of an HF config."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int  # 0 for dense models
+
+    @classmethod
+    def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1) -> ModelShape:
+        archs = config.get("architectures") or []
+        arch = archs[0] if archs else "(none)"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"config.json architectures: {arch} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        if arch == "Qwen3MoeForCausalLM" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+            raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "
+                             "which is not supported; every layer must be MoE")
+        vocab = config["vocab_size"]
+        multiple = max(1, make_vocab_size_divisible_by)
+        return cls(
+            architecture=arch,
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=vocab,
+            padded_vocab_size=-(-vocab // multiple) * multiple,
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            num_experts=experts if arch == "Qwen3MoeForCausalLM" else 0,
+        )
+
+
+# How one Megatron slice relates to its HF tensors.
+COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Megatron key `megatron` <- HF names `hf` ({l}: layer, {e}: expert) combined as `kind`."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str = COPY
+    per_layer: bool = True
+    per_expert: bool = False
+    linear: bool = False  # Megatron keeps an _extra_state entry for each linear module
+
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        return [name.format(l=layer, e=expert) for name in self.hf]
+
+
+def rules(shape: ModelShape) -> list[Rule]:
+    """Every tensor of the model, in the order the converter writes them."""
+    attn = "model.layers.{l}.self_attn."
+    mlp = "model.layers.{l}.mlp."
+    out = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, per_layer=False),
+        Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", ("model.layers.{l}.input_layernorm.weight",)),
+        Rule("decoder.layers.self_attention.linear_qkv.weight",
+             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), QKV, linear=True),
+    ]
+    if shape.qkv_bias:
+        out.append(Rule("decoder.layers.self_attention.linear_qkv.bias",
+                        (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV))
+    if shape.qk_norm:
+        out += [Rule("decoder.layers.self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
+                Rule("decoder.layers.self_attention.k_layernorm.weight", (attn + "k_norm.weight",))]
+    out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
+    if shape.num_experts:
+        expert = mlp + "experts.{e}."
+        out += [
+            Rule("decoder.layers.pre_mlp_layernorm.weight", ("model.layers.{l}.post_attention_layernorm.weight",)),
+            Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",)),
+            Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                 (expert + "gate_proj.weight", expert + "up_proj.weight"), GATE_UP, per_expert=True, linear=True),
+            Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", (expert + "down_proj.weight",),
+                 per_expert=True, linear=True),
+        ]
+    else:
+        out += [
+            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.{l}.post_attention_layernorm.weight",)),
+            Rule("decoder.layers.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                 GATE_UP, linear=True),
+            Rule("decoder.layers.mlp.linear_fc2.weight", (mlp + "down_proj.weight",), linear=True),
+        ]
+    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), per_layer=False))
+    if not shape.tied_embeddings:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
+    return out
+
+
+def to_megatron(rule: Rule, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+    """Build one Megatron slice (without the stacking axes) from its HF tensors."""
+    if rule.kind == COPY:
+        return tensors[0]
+    if rule.kind == GATE_UP:
+        return torch.cat(tensors, dim=0)
+    if rule.kind == VOCAB:
+        (table,) = tensors
+        pad = shape.padded_vocab_size - table.shape[0]
+        return torch.cat([table, table.new_zeros(pad, *table.shape[1:])]) if pad else table
+    q, k, v = tensors  # QKV: per KV group, that group's query heads, then its key, then its value
+    groups, per_group, d = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads, shape.head_dim
+    trailing = q.shape[1:]
+    return torch.cat([
+        q.reshape(groups, per_group * d, *trailing),
+        k.reshape(groups, d, *trailing),
+        v.reshape(groups, d, *trailing),
+    ], dim=1).reshape(-1, *trailing)
+
+
+def to_hf(rule: Rule, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    """Split one Megatron slice back into its HF tensors (the inverse of to_megatron)."""
+    if rule.kind == COPY:
+        return [tensor]
+    if rule.kind == GATE_UP:
+        return list(tensor.chunk(2, dim=0))
+    if rule.kind == VOCAB:
+        return [tensor[: shape.vocab_size]]
+    groups, per_group, d = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads, shape.head_dim
+    trailing = tensor.shape[1:]
+    q, k, v = tensor.reshape(groups, (per_group + 2) * d, *trailing).split([per_group * d, d, d], dim=1)
+    return [q.reshape(-1, *trailing), k.reshape(-1, *trailing), v.reshape(-1, *trailing)]
+
+
+def hf_slice_shapes(rule: Rule, shape: ModelShape, hf_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of one Megatron slice, computed from its HF tensors' shapes without loading them."""
+    if rule.kind == COPY:
+        return hf_shapes[0]
+    if rule.kind == VOCAB:
+        return (shape.padded_vocab_size, *hf_shapes[0][1:])
+    return (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
+
+
+def stacking(rule: Rule, shape: ModelShape) -> tuple[int, ...]:
+    """The leading axes Megatron stacks this key over: (), (layers,) or (layers, experts)."""
+    if not rule.per_layer:
+        return ()
+    return (shape.num_layers, shape.num_experts) if rule.per_expert else (shape.num_layers,)

@@ -1,0 +1,131 @@
+"""HF <-> torch_dist conversion: bit-identical round trips, and clear errors with no output for
+damaged or inconsistent input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
+from ckpt_tools.hf_checkpoint import CheckpointError
+from ckpt_tools.inspect import roundtrip_differences
+from ckpt_tools.torch_dist import TRACKER, read_metadata
+from tests.ckpt.tiny_hf import make_tiny_hf
+
+
+def _roundtrip(hf: Path, tmp: Path, **kwargs) -> Path:
+    hf_to_torch_dist(hf, tmp / "td", progress=False, **kwargs)
+    return torch_dist_to_hf(tmp / "td", tmp / "back", hf, progress=False)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen3", False), ("qwen3", True), ("qwen2", False),
+                                            ("llama", False), ("llama", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_roundtrip_is_bit_identical(tmp_path: Path, arch: str, tied: bool, dtype: torch.dtype) -> None:
+    hf = make_tiny_hf(arch, tmp_path / "hf", tied, dtype=dtype)
+    back = _roundtrip(hf, tmp_path, make_vocab_size_divisible_by=96)  # 128 -> 192: padding is exercised
+    assert roundtrip_differences(hf, back) == []
+    stored = read_metadata(tmp_path / "td" / "iter_0000000").state_dict_metadata
+    assert stored["embedding.word_embeddings.weight"].size[0] == 192
+    assert ("output_layer.weight" in stored) == (not tied)
+    assert (tmp_path / "td" / TRACKER).read_text() == "0"
+
+
+def test_fp16_and_release_layout(tmp_path: Path) -> None:
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False, dtype=torch.float16)
+    hf_to_torch_dist(hf, tmp_path / "td", iteration=None, progress=False)
+    assert (tmp_path / "td" / TRACKER).read_text() == "release"
+    assert (tmp_path / "td" / "release" / "common.pt").is_file()
+    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False)
+    assert roundtrip_differences(hf, back) == []
+
+
+def test_sharded_input_and_sharded_output(tmp_path: Path) -> None:
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)
+    sharded = tmp_path / "sharded"
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(hf).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    hf_to_torch_dist(sharded, tmp_path / "td", progress=False)
+    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, shard_bytes=100_000, progress=False)
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert roundtrip_differences(hf, back) == []
+
+
+def test_cast_dtype(tmp_path: Path) -> None:
+    hf = make_tiny_hf("llama", tmp_path / "hf", tied=False)
+    hf_to_torch_dist(hf, tmp_path / "td", dtype=torch.bfloat16, progress=False)
+    md = read_metadata(tmp_path / "td" / "iter_0000000").state_dict_metadata
+    assert md["decoder.layers.mlp.linear_fc1.weight"].properties.dtype == torch.bfloat16
+
+
+def _no_output(tmp_path: Path) -> None:
+    assert not (tmp_path / "td").exists()
+    assert not list(tmp_path.glob(".td.partial-*"))
+
+
+def test_truncated_safetensors_is_refused(tmp_path: Path) -> None:
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="truncated|damaged"):
+        hf_to_torch_dist(hf, tmp_path / "td", progress=False)
+    _no_output(tmp_path)
+
+
+def test_missing_shard_is_refused(tmp_path: Path) -> None:
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)
+    from transformers import AutoModelForCausalLM
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(hf).save_pretrained(sharded, max_shard_size="100KB")
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"shard .*{victim.name}.* missing"):
+        hf_to_torch_dist(sharded, tmp_path / "td", progress=False)
+    _no_output(tmp_path)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("hidden_size", 96, "config.json and weights disagree"),
+    ("num_hidden_layers", 3, "weights lack model.layers.2"),
+    ("num_hidden_layers", 1, "tensors config.json does not describe"),
+    ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel is not supported"),
+])
+def test_config_that_disagrees_with_weights_is_refused(tmp_path: Path, field: str, value, message: str) -> None:
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)
+    config = json.loads((hf / "config.json").read_text())
+    config[field] = value
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        hf_to_torch_dist(hf, tmp_path / "td", progress=False)
+    _no_output(tmp_path)
+
+
+def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path: Path) -> None:
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)
+    (tmp_path / "td").mkdir()
+    result = subprocess.run([sys.executable, "-m", "ckpt_tools", "hf-to-torch-dist", "--hf", str(hf),
+                             "--out", str(tmp_path / "td")], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == f"slurmrl ckpt: error: --out {tmp_path / 'td'} already exists; remove it or choose another folder\n"
+
+
+def test_cli_converts_inspects_and_verifies(tmp_path: Path) -> None:
+    hf = make_tiny_hf("qwen3_moe", tmp_path / "hf", tied=False)
+    cli = [sys.executable, "-m", "ckpt_tools"]
+    run = lambda *a: subprocess.run([*cli, *a], capture_output=True, text=True, check=True).stdout  # noqa: E731
+    run("hf-to-torch-dist", "--hf", str(hf), "--out", str(tmp_path / "td"), "--no-progress")
+    listing = run("inspect", str(tmp_path / "td"))
+    assert "iteration 0" in listing
+    assert re.search(r"decoder\.layers\.mlp\.experts\.experts\.linear_fc1\.weight +\[2, 4, 64, 64\] +float32 +8 chunks", listing)
+    run("torch-dist-to-hf", "--ckpt", str(tmp_path / "td"), "--ckpt-step", "0", "--out", str(tmp_path / "back"),
+        "--hf-config", str(hf), "--no-progress")
+    assert roundtrip_differences(hf, tmp_path / "back") == []
+    assert "bit-identical" in run("verify", "--hf", str(hf))

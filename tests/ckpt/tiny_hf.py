@@ -1,0 +1,47 @@
+"""Tiny random Hugging Face models on disk (safetensors), for checkpoint-conversion tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+_COMMON = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+_ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500000.0)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1000000.0)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+        dict(rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             norm_topk_prob=True),
+    ),
+}
+ARCHS = tuple(_ARCHS)
+
+
+def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Save a random tiny `arch` model (one of ARCHS) to out_dir with save_pretrained; returns out_dir.
+
+    Every parameter is random, norm weights included (around 1), and large enough that a
+    transposed, swapped or misplaced tensor changes the logits well beyond float32 noise."""
+    config_cls, model_cls, extra = _ARCHS[arch]
+    config = config_cls(**_COMMON, **extra, tie_word_embeddings=tied)
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    out_dir = Path(out_dir)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
