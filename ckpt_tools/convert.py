@@ -36,9 +36,9 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
 def _extra_state_payload() -> bytes:
-    """What megatron-core stores for a local-spec linear's (empty) extra state."""
+    """What megatron-core 0.16.1 stores for a local-spec linear's (empty) extra state."""
     buffer = io.BytesIO()
-    torch.save(None, buffer)
+    torch.save([None], buffer)
     return buffer.getvalue()
 
 

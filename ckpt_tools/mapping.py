@@ -35,9 +35,14 @@ class ModelShape:
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1) -> ModelShape:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else "(none)"
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"config.json architectures: {arch} is not supported; "
+        if len(archs) > 1 or arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"config.json architectures: {', '.join(archs) or arch} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if config.get(flag):
+                raise ValueError(f"config.json: {flag}=true is not supported for {arch}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (only silu)")
         heads = config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -59,7 +64,7 @@ class ModelShape:
             vocab_size=vocab,
             padded_vocab_size=-(-vocab // multiple) * multiple,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             num_experts=experts if arch == "Qwen3MoeForCausalLM" else 0,
         )
@@ -104,7 +109,8 @@ def rules(shape: ModelShape) -> list[Rule]:
     if shape.num_experts:
         expert = mlp + "experts.{e}."
         out += [
-            Rule("decoder.layers.pre_mlp_layernorm.weight", ("model.layers.{l}.post_attention_layernorm.weight",)),
+            # The local spec stores a MoE layer's pre-MLP norm under the dense name, too.
+            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.{l}.post_attention_layernorm.weight",)),
             Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",)),
             Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
                  (expert + "gate_proj.weight", expert + "up_proj.weight"), GATE_UP, per_expert=True, linear=True),

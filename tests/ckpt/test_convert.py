@@ -97,6 +97,8 @@ def test_missing_shard_is_refused(tmp_path: Path) -> None:
     ("num_hidden_layers", 3, "weights lack model.layers.2"),
     ("num_hidden_layers", 1, "tensors config.json does not describe"),
     ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel is not supported"),
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+    ("use_sliding_window", True, "use_sliding_window=true is not supported"),
 ])
 def test_config_that_disagrees_with_weights_is_refused(tmp_path: Path, field: str, value, message: str) -> None:
     hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)

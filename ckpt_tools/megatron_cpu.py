@@ -1,0 +1,40 @@
+"""Lets megatron-core 0.16.1 run on a CPU-only torch (gloo process groups).
+
+megatron-core assumes CUDA in a few places that are reached even on CPU (RNG tracker, rotary
+embedding, dist_checkpointing's barriers, TP gathers). `apply()` redirects exactly those to
+their CPU equivalents; it does nothing when a GPU is present and is safe to call repeatedly.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Without psutil, dist_checkpointing.save hangs forever (its writer subprocess dies on
+# _process_memory() and the parent waits on a queue): fail at import time instead.
+import psutil  # noqa: F401
+import torch
+
+_applied = False
+
+
+def apply() -> None:
+    """Redirect megatron-core's CUDA-only calls to CPU. No-op with a GPU; idempotent."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    cuda = torch.cuda
+    # dist_checkpointing preload/finalize and parallel_state synchronize; CPU ops are synchronous.
+    cuda.synchronize = lambda device=None: None
+    # Used as `device=` for buffers (TP gathers, rotary inv_freq.to(...)): "cpu" is valid there.
+    cuda.current_device = lambda: "cpu"
+    # The RNG tracker forks (even with dropout 0) and seeds "cuda" generators: use the CPU one.
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # 0.16.1 tests `te_general_gemm is not None` in the router without defining it when
+    # TransformerEngine is absent (NameError); None selects the torch path.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    moe_utils.te_general_gemm = None
+    _applied = True

@@ -1,0 +1,181 @@
+"""Megatron-core GPTModel built from a Hugging Face config, torch_dist loading, and logits.
+
+Used by the checkpoint tools (verify) and their tests; runs on CPU (gloo) through
+`ckpt_tools.megatron_cpu`, and on GPU unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from ckpt_tools import megatron_cpu
+from ckpt_tools.mapping import ModelShape
+
+megatron_cpu.apply()
+
+# Megatron-core hard-codes these Llama-3 RoPE scaling parameters; only the factor is configurable.
+_LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_kwargs(hf_config: dict) -> dict[str, Any]:
+    # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
+    if rope_type == "llama3":
+        fixed = {k: rope.get(k) for k in _LLAMA3_ROPE_FIXED}
+        if fixed != _LLAMA3_ROPE_FIXED:
+            raise ValueError(f"llama3 RoPE scaling needs {_LLAMA3_ROPE_FIXED} in megatron-core, got {fixed}")
+        kwargs.update(rope_scaling=True, rope_scaling_factor=rope["factor"])
+    elif rope_type != "default":
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: default, llama3")
+    return kwargs
+
+
+def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
+    return {
+        "num_moe_experts": shape.num_experts,
+        "moe_ffn_hidden_size": hf_config["moe_intermediate_size"],
+        "moe_router_topk": hf_config["num_experts_per_tok"],
+        "moe_router_score_function": "softmax",
+        # norm_topk_prob: softmax over the top-k logits; otherwise softmax over all, then top-k.
+        "moe_router_pre_softmax": not hf_config.get("norm_topk_prob", False),
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "none",
+        # alltoall creates a torch.cuda.Stream; grouped GEMM needs the grouped_gemm package.
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+    }
+
+
+def transformer_config_from_hf(
+    hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
+    params_dtype: torch.dtype = torch.float32,
+) -> tuple[TransformerConfig, dict[str, Any]]:
+    """TransformerConfig and GPTModel keyword arguments (besides config and layer spec).
+
+    The config is validated, and its shape derived, by ckpt_tools.mapping.ModelShape; the vocab
+    is padded as Megatron-LM does, to a multiple of make_vocab_size_divisible_by * tp."""
+    shape = ModelShape.from_hf_config(hf_config, make_vocab_size_divisible_by * tp)
+    config_kwargs: dict[str, Any] = {
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "ffn_hidden_size": hf_config["intermediate_size"],
+        "num_attention_heads": shape.num_heads,
+        "num_query_groups": shape.num_kv_heads,
+        "kv_channels": shape.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf_config.get("rms_norm_eps", 1e-6),
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": shape.qkv_bias,
+        "qk_layernorm": shape.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": hf_config.get("attention_dropout", 0.0),
+        "init_method_std": hf_config.get("initializer_range", 0.02),
+        "tensor_model_parallel_size": tp,
+        "expert_model_parallel_size": ep,
+        "use_cpu_initialization": not torch.cuda.is_available(),
+        "params_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
+        "fp16": params_dtype == torch.float16,
+    }
+    if shape.num_experts:
+        config_kwargs.update(_moe_kwargs(hf_config, shape))
+    model_kwargs = {
+        "vocab_size": shape.padded_vocab_size,
+        "max_sequence_length": hf_config.get("max_position_embeddings", 4096),
+        "share_embeddings_and_output_weights": shape.tied_embeddings,
+        **_rope_kwargs(hf_config),
+    }
+    return TransformerConfig(**config_kwargs), model_kwargs
+
+
+def build_gpt_model(
+    hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
+    params_dtype: torch.dtype = torch.float32,
+) -> GPTModel:
+    """A GPTModel (local layer spec, no TransformerEngine) for this rank of an initialised TP/EP grid.
+
+    The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
+    config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+    )
+    model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
+    model.hf_vocab_size = hf_config["vocab_size"]
+    return model
+
+
+# Megatron-LM keeps these non-model states in the same .distcp files; a model load skips them.
+# Megatron-LM also keeps optimizer and RNG state, and in common.pt the iteration, version and args.
+_NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "iteration", "checkpoint_version", "args",
+                       "num_floating_point_operations_so_far", "opt_param_scheduler")
+
+
+def load_torch_dist(model: GPTModel, ckpt_dir: str | os.PathLike) -> None:
+    """Load a torch_dist checkpoint directory (the iter_* folder) into this rank's shard of `model`.
+
+    Strict both ways: a model tensor absent from the checkpoint, or a checkpoint model tensor
+    the model has no place for (say output_layer.weight into tied embeddings), raises."""
+    state_dict, in_ckpt_only, in_model_only = dist_checkpointing.load(
+        model.sharded_state_dict(), str(ckpt_dir), strict=StrictHandling.RETURN_ALL)
+    in_ckpt_only = {k for k in in_ckpt_only if not k.startswith(_NON_MODEL_PREFIXES)}
+    # common.pt's entries come back merged into the state dict: they are not the model's.
+    state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_NON_MODEL_PREFIXES)}
+    problems = [f"{what} {sorted(keys)}" for what, keys in (
+        ("the checkpoint lacks", in_model_only), ("the model has no place for", in_ckpt_only)) if keys]
+    if problems:
+        raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
+    result = model.load_state_dict(state_dict, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(f"state dict from {ckpt_dir} does not fit the model: missing "
+                           f"{result.missing_keys}, unexpected {result.unexpected_keys}")
+
+
+@torch.no_grad()
+def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tensor:
+    """Full-vocabulary logits [B, S, V] (gathered over TP, padding trimmed); call on every TP rank."""
+    model.eval()
+    input_ids = input_ids.to(next(model.parameters()).device)
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    # True = masked. Megatron's default causal mask would be allocated on "cuda".
+    causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    logits = model(input_ids, position_ids, causal_mask[None, None], runtime_gather_output=True)
+    return logits[..., : getattr(model, "hf_vocab_size", logits.shape[-1])]
+
+
+def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
+    """Initialise torch.distributed (unless already up) and megatron's TP/EP groups and RNG.
+
+    Uses env:// when WORLD_SIZE is set (torchrun, srun wrappers), else a lone process."""
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if "WORLD_SIZE" in os.environ:
+            torch.distributed.init_process_group(backend)
+        else:
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Undo init_parallel (megatron groups, then the default process group)."""
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
