@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -30,13 +29,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     to_hf.add_argument("--hf-config", type=Path, required=True, help="folder with the model's config.json (and tokenizer)")
     to_hf.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard (default %(default)s)")
     _common(to_hf)
+    to_hf.add_argument("--threads", type=int, default=4, help="parallel reader threads (default %(default)s)")
 
     inspect = actions.add_parser("inspect", help="keys, shapes, dtypes, iteration and sizes of a checkpoint")
     inspect.add_argument("path", type=Path, help="an HF folder, a Megatron save folder or an iter_XXXXXXX folder")
 
-    verify = actions.add_parser("verify", help="convert HF -> torch_dist -> HF and check the result is bit-identical")
+    verify = actions.add_parser("verify", help="check HF -> torch_dist -> HF is bit-identical and Megatron's "
+                                               "logits on the converted checkpoint equal HF's")
     verify.add_argument("--hf", type=Path, required=True, help="HF model folder")
     verify.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N")
+    verify.add_argument("--atol", type=float, default=1e-4, help="largest |Megatron - HF| logit (default %(default)s)")
+    verify.add_argument("--no-logits", action="store_true", help="only the round trip (no megatron-core needed)")
     parser.set_defaults(func=run)
 
 
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
     from ckpt_tools.hf_checkpoint import CheckpointError
-    from ckpt_tools.inspect import describe, roundtrip_differences
+    from ckpt_tools.inspect import describe
+    from ckpt_tools.verify import verify
 
     dtype = getattr(torch, DTYPES[args.dtype]) if getattr(args, "dtype", None) else None
     try:
@@ -64,22 +68,27 @@ def run(args: argparse.Namespace) -> int:
                                       progress=not args.no_progress)
             print(f"wrote {folder}")
         elif args.action == "torch-dist-to-hf":
-            folder = torch_dist_to_hf(args.ckpt, args.out, args.hf_config, step=args.ckpt_step,
+            _positive("--threads", args.threads)
+            folder = torch_dist_to_hf(args.ckpt, args.out, args.hf_config, step=args.ckpt_step, threads=args.threads,
                                       dtype=dtype, shard_bytes=int(args.shard_size_gb * 1024**3),
                                       progress=not args.no_progress)
             print(f"wrote {folder}")
         elif args.action == "inspect":
             print(describe(args.path))
         else:
-            with tempfile.TemporaryDirectory(prefix="slurmrl-verify-") as tmp:
-                hf_to_torch_dist(args.hf, Path(tmp) / "td", make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                 progress=False)
-                torch_dist_to_hf(Path(tmp) / "td", Path(tmp) / "hf", args.hf, progress=False)
-                problems = roundtrip_differences(args.hf, Path(tmp) / "hf")
-            if problems:
-                print("round trip differs:\n  " + "\n  ".join(problems), file=sys.stderr)
+            verdict = verify(args.hf, args.make_vocab_size_divisible_by, logits=not args.no_logits)
+            if verdict.roundtrip_problems:
+                print("round trip differs:\n  " + "\n  ".join(verdict.roundtrip_problems), file=sys.stderr)
                 return 1
             print(f"{args.hf}: HF -> torch_dist -> HF is bit-identical")
+            if verdict.logits_max_diff is None:
+                print(verdict.note)
+            elif verdict.logits_max_diff > args.atol:
+                print(f"Megatron logits differ from HF by {verdict.logits_max_diff:.3g} > --atol {args.atol}",
+                      file=sys.stderr)
+                return 1
+            else:
+                print(f"Megatron logits equal HF's: max difference {verdict.logits_max_diff:.3g} <= {args.atol}")
     except (CheckpointError, FileNotFoundError) as err:
         print(f"slurmrl ckpt: error: {err}", file=sys.stderr)
         return 1

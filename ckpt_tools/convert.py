@@ -8,13 +8,24 @@ import json
 import os
 import shutil
 import tempfile
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ckpt_tools.hf_checkpoint import CheckpointError, HFCheckpoint
-from ckpt_tools.mapping import ModelShape, Rule, hf_slice_shapes, rules, stacking, to_hf, to_megatron
+from ckpt_tools.mapping import (
+    ModelShape,
+    Rule,
+    hf_slice_shapes,
+    rules,
+    stacking,
+    to_hf,
+    to_megatron,
+)
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
 from ckpt_tools.torch_dist import (
     Chunk,
@@ -111,11 +122,20 @@ def hf_to_torch_dist(hf_dir: Path, out_dir: Path, *, iteration: int | None = 0, 
     return Path(out_dir) / iteration_dirname(iteration)
 
 
+@dataclass(frozen=True)
+class _Slice:
+    """One stored Megatron slice and the HF tensors (name, shape, dtype) it becomes."""
+
+    rule: Rule
+    index: tuple[int, ...]
+    outputs: list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
 def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: int | None = None,
                      dtype: torch.dtype | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                     progress: bool = True) -> Path:
-    """Convert a Megatron torch_dist checkpoint into an HF safetensors folder, reading one slice at
-    a time. The config (and tokenizer files) come from --hf-config."""
+                     threads: int = 4, progress: bool = True) -> Path:
+    """Convert a Megatron torch_dist checkpoint into an HF safetensors folder. Slices are read by
+    `threads` readers a few ahead of the (ordered) writer. Config and tokenizer come from --hf-config."""
     config_path = Path(hf_config_dir) / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} not found: --hf-config must be a folder with the model's config.json")
@@ -126,40 +146,30 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
         raise CheckpointError(str(err)) from None
     stored = tensor_entries(read_metadata(folder))
     shape = ModelShape.from_hf_config(config, _stored_vocab_multiple(stored, config))
-    plan = []  # (hf name, shape, dtype, rule, index, position in the rule's outputs)
-    for rule in rules(shape):
-        md = stored.get(rule.megatron)
-        if md is None:
-            raise CheckpointError(f"{folder} lacks {rule.megatron}, which {config_path} ({shape.architecture}) needs: "
-                                  "the checkpoint and --hf-config describe different models")
-        stack = stacking(rule, shape)
-        if tuple(md.size[: len(stack)]) != stack:
-            raise CheckpointError(f"{rule.megatron} is stacked as {list(md.size)}, but {config_path} implies "
-                                  f"{list(stack)} leading: the checkpoint and --hf-config disagree")
-        slice_shape = tuple(md.size[len(stack):])
-        probe = to_hf(rule, torch.empty(slice_shape, device="meta"), shape)
-        for index in _indices(rule, shape):
-            for pos, (name, t) in enumerate(zip(_hf_names(rule, index), probe)):
-                plan.append((name, tuple(t.shape), dtype or md.properties.dtype, rule, index, pos))
+    slices = _plan_slices(stored, shape, folder, config_path, dtype)
+
+    def load(item: _Slice) -> list[torch.Tensor]:
+        md = stored[item.rule.megatron]
+        lead = len(item.index)
+        region = ((*item.index, *[0] * (len(md.size) - lead)), (*[1] * lead, *md.size[lead:]))
+        data = read_regions(folder, {item.rule.megatron: region})[item.rule.megatron]
+        parts = to_hf(item.rule, data.reshape(tuple(md.size[lead:])), shape)
+        return [p.to(d).contiguous() for p, (_, _, d) in zip(parts, item.outputs)]
+
     tmp = _prepare_out(out_dir)
     try:
-        writer = StreamingSafetensorsWriter(tmp, [(n, s, d) for n, s, d, *_ in plan], shard_bytes)
+        writer = StreamingSafetensorsWriter(tmp, [o for item in slices for o in item.outputs], shard_bytes)
         with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="torch_dist -> hf",
-                  disable=not progress) as bar:
-            current: tuple[str, tuple[int, ...]] | None = None
-            parts: list[torch.Tensor] = []
-            for name, _, out_dtype, rule, index, pos in plan:
-                if current != (rule.megatron, index):
-                    current = (rule.megatron, index)
-                    md = stored[rule.megatron]
-                    stack = stacking(rule, shape)
-                    region = ((*index, *[0] * (len(md.size) - len(index))),
-                              (*[1] * len(index), *md.size[len(index):]))
-                    data = read_regions(folder, {rule.megatron: region})[rule.megatron]
-                    parts = to_hf(rule, data.reshape(tuple(md.size[len(stack):])), shape)
-                tensor = parts[pos].to(out_dtype).contiguous()
-                writer.write(name, tensor)
-                bar.update(tensor.numel() * tensor.element_size())
+                  disable=not progress) as bar, ThreadPoolExecutor(threads) as pool:
+            ahead = 2 * threads  # slices in memory at once, bounding peak RSS
+            pending = deque(pool.submit(load, item) for item in slices[:ahead])
+            for k, item in enumerate(slices):
+                tensors = pending.popleft().result()
+                if k + ahead < len(slices):
+                    pending.append(pool.submit(load, slices[k + ahead]))
+                for (name, _, _), tensor in zip(item.outputs, tensors):
+                    writer.write(name, tensor)
+                    bar.update(tensor.numel() * tensor.element_size())
         writer.close()
         for side in HF_SIDE_FILES:
             if (Path(hf_config_dir) / side).is_file():
@@ -169,6 +179,27 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Path(out_dir)
+
+
+def _plan_slices(stored: dict, shape: ModelShape, folder: Path, config_path: Path,
+                 dtype: torch.dtype | None) -> list[_Slice]:
+    """Every stored slice in HF write order, checked against the config before anything is read."""
+    slices = []
+    for rule in rules(shape):
+        md = stored.get(rule.megatron)
+        if md is None:
+            raise CheckpointError(f"{folder} lacks {rule.megatron}, which {config_path} ({shape.architecture}) needs: "
+                                  "the checkpoint and --hf-config describe different models")
+        stack = stacking(rule, shape)
+        if tuple(md.size[: len(stack)]) != stack:
+            raise CheckpointError(f"{rule.megatron} is stacked as {list(md.size)}, but {config_path} implies "
+                                  f"{list(stack)} leading: the checkpoint and --hf-config disagree")
+        probe = to_hf(rule, torch.empty(tuple(md.size[len(stack):]), device="meta"), shape)
+        out_dtype = dtype or md.properties.dtype
+        for index in _indices(rule, shape):
+            outputs = [(name, tuple(t.shape), out_dtype) for name, t in zip(_hf_names(rule, index), probe)]
+            slices.append(_Slice(rule, index, outputs))
+    return slices
 
 
 def _stored_vocab_multiple(stored: dict, config: dict) -> int:

@@ -7,7 +7,12 @@ from pathlib import Path
 import torch
 
 from ckpt_tools.hf_checkpoint import HFCheckpoint
-from ckpt_tools.torch_dist import TRACKER, read_metadata, resolve_checkpoint, tensor_entries
+from ckpt_tools.torch_dist import (
+    TRACKER,
+    read_metadata,
+    resolve_checkpoint,
+    tensor_entries,
+)
 
 
 def _size(nbytes: int) -> str:

@@ -67,7 +67,7 @@ class StreamingSafetensorsWriter:
             raise RuntimeError(f"tensor {name} written out of the planned order")
         if not self._remaining:
             self._open_next_shard()
-        self._file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self._file.write(tensor.contiguous().view(torch.uint8).numpy())  # the buffer itself: no copy
         self._remaining.discard(name)
         self._next += 1
 

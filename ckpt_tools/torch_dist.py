@@ -6,9 +6,9 @@ latest_checkpointed_iteration.txt)."""
 from __future__ import annotations
 
 import io
-import warnings
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (
+    create_read_items_for_chunk_list,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,

@@ -9,7 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from slurm.devcluster.cluster import DevCluster, ensure_installed
-from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, ClusterPaths, ClusterShape, load_shape
+from slurm.devcluster.config import (
+    DEFAULT_PORT_BASE,
+    DEFAULT_ROOT,
+    ClusterPaths,
+    ClusterShape,
+    load_shape,
+)
 from slurm.devcluster.daemons import DevclusterError
 
 

@@ -17,10 +17,15 @@ import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file
 
-from ckpt_tools.megatron_model import (
-    build_gpt_model, destroy_parallel, init_parallel, load_torch_dist, megatron_logits, transformer_config_from_hf,
-)
 from ckpt_tools.convert import hf_to_torch_dist
+from ckpt_tools.megatron_model import (
+    build_gpt_model,
+    destroy_parallel,
+    init_parallel,
+    load_torch_dist,
+    megatron_logits,
+    transformer_config_from_hf,
+)
 from tests.ckpt.tiny_hf import make_tiny_hf
 
 ATOL = 1e-5  # float32 end to end; TP only reorders sums
