@@ -1,0 +1,119 @@
+"""Prompts from a jsonl file, in a seeded order, epoch after epoch, with an exact resume position."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from rollout.sample import Sample
+
+
+class DataError(ValueError):
+    """Bad data: the message names the file, the line and the fix."""
+
+
+def _read_jsonl(path: Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"--prompt-data {path} does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict) or input_key not in row:
+                raise DataError(f"{path}:{number}: no {input_key!r} field (set --input-key to the prompt's field)")
+            prompt = row[input_key]
+            if not (isinstance(prompt, str) or _is_messages(prompt)):
+                raise DataError(f"{path}:{number}: {input_key!r} must be a string or a list of "
+                                "{'role', 'content'} messages")
+            if label_key and label_key not in row:
+                raise DataError(f"{path}:{number}: no {label_key!r} field (check --label-key)")
+            if metadata_key and not isinstance(row.get(metadata_key, {}), dict):
+                raise DataError(f"{path}:{number}: {metadata_key!r} must be an object (check --metadata-key)")
+            rows.append({"prompt": prompt, "label": row.get(label_key) if label_key else None,
+                         "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {}})
+    if not rows:
+        raise DataError(f"{path} holds no prompts")
+    return rows
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+class JsonlDataSource:
+    """Hands out groups of `n_samples_per_prompt` samples, one group per prompt. The order is a
+    permutation seeded by (seed, epoch); state_dict() records where the next prompt comes from."""
+
+    def __init__(self, path: str | Path, *, input_key: str = "input", label_key: str | None = None,
+                 metadata_key: str | None = None, tokenizer: Any = None, apply_chat_template: bool = False,
+                 shuffle: bool = True, seed: int = 42, n_samples_per_prompt: int = 1) -> None:
+        if n_samples_per_prompt < 1:
+            raise DataError(f"--n-samples-per-prompt must be 1 or more, got {n_samples_per_prompt}")
+        if apply_chat_template and tokenizer is None:
+            raise DataError("--apply-chat-template needs the model's tokenizer")
+        self.path = Path(path)
+        self.rows = _read_jsonl(self.path, input_key, label_key, metadata_key)
+        self.tokenizer = tokenizer
+        self.apply_chat_template = apply_chat_template
+        self.shuffle = shuffle
+        self.seed = seed
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.epoch = 0
+        self.offset = 0  # position in this epoch's order
+        self.next_sample_index = 0
+        self._order = self._order_of(0)
+
+    def _order_of(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _prompt(self, raw: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+        if not self.apply_chat_template:
+            return raw
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def get_samples(self, num_prompts: int) -> list[list[Sample]]:
+        groups = []
+        for _ in range(num_prompts):
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._order_of(self.epoch)
+            row_index = self._order[self.offset]
+            self.offset += 1
+            row = self.rows[row_index]
+            metadata = {**row["metadata"], "row": row_index, "epoch": self.epoch}
+            if _is_messages(row["prompt"]):
+                # Multi-turn data: which assistant turns count towards the loss (slime's step_loss_mask).
+                metadata["step_loss_mask"] = [m.get("step_loss_mask", 1) for m in row["prompt"]
+                                              if m["role"] == "assistant"]
+            group_index = self.next_sample_index // self.n_samples_per_prompt
+            group = []
+            for _ in range(self.n_samples_per_prompt):
+                group.append(Sample(index=self.next_sample_index, group_index=group_index,
+                                    prompt=self._prompt(row["prompt"]), label=row["label"], metadata=dict(metadata)))
+                self.next_sample_index += 1
+            groups.append(group)
+        return groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "next_sample_index": self.next_sample_index,
+                "seed": self.seed, "shuffle": self.shuffle, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_rows"] != len(self.rows) or state["seed"] != self.seed or state["shuffle"] != self.shuffle:
+            raise DataError(f"resume state is for {state['num_rows']} prompts with seed {state['seed']}, "
+                            f"shuffle {state['shuffle']}; {self.path} has {len(self.rows)} with seed {self.seed}, "
+                            f"shuffle {self.shuffle}: resume with the same data and --seed")
+        self.epoch, self.offset, self.next_sample_index = state["epoch"], state["offset"], state["next_sample_index"]
+        self._order = self._order_of(self.epoch)
