@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ckpt_tools import cli as ckpt_cli
+from rollout import cli as rollout_cli
 from slurm.devcluster import cli as cluster_cli
 
 
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     cluster_cli.add_parser(subparsers)
     ckpt_cli.add_parser(subparsers)
+    rollout_cli.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,46 @@
+"""`python -m rollout.cpu_engine --model-path P --host H --port N [...]`: load the model (the port
+stays closed meanwhile), serve, warm up, print SGLang's ready line."""
+
+from __future__ import annotations
+
+import sys
+
+from rollout.cpu_engine.args import ServerArgs, parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Imported after the flags are checked, so a bad command line fails at once.
+    import torch
+
+    from rollout.cpu_engine.engine import EngineLoadError, load_engine
+    from rollout.cpu_engine.server import EngineServer
+
+    torch.set_num_threads(args.num_threads)
+    _report_ignored(args)
+    try:
+        engine = load_engine(args)
+    except EngineLoadError as err:
+        print(f"cpu_engine: error: {err}", file=sys.stderr)
+        return 1
+    engine.scheduler.start()
+    server = EngineServer(engine)
+    try:
+        server.run()
+    finally:
+        engine.scheduler.stop()
+        for group in engine.groups.values():
+            group.close()
+    return 1 if server.warmup_failed or not server.started else 0
+
+
+def _report_ignored(args: ServerArgs) -> None:
+    defaults = parse_args(["--model-path", args.model_path]).ignored
+    changed = {k: v for k, v in args.ignored.items() if v != defaults[k]}
+    if changed:
+        shown = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in changed.items())
+        print(f"cpu_engine: no effect on CPU, ignored: {shown}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""Command-line flags of the CPU engine: `sglang.launch_server`'s names, so launch code is shared."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+# sglang.launch_server flags that a job spec may pass but that mean nothing on one CPU process.
+# They are accepted (so the same command line works) and reported in /server_info.
+_IGNORED_FLAGS: tuple[tuple[str, type | None, Any], ...] = (
+    ("--tp-size", int, 1), ("--dp-size", int, 1), ("--mem-fraction-static", float, None),
+    ("--base-gpu-id", int, 0), ("--gpu-id-step", int, 1), ("--nnodes", int, 1), ("--node-rank", int, 0),
+    ("--dist-init-addr", str, None), ("--enable-memory-saver", None, False), ("--trust-remote-code", None, False),
+    ("--log-level", str, "info"), ("--disable-radix-cache", None, False), ("--chunked-prefill-size", int, None),
+    ("--cuda-graph-max-bs", int, None), ("--disable-cuda-graph", None, False), ("--attention-backend", str, None),
+    ("--sampling-backend", str, None), ("--max-total-tokens", int, None), ("--schedule-policy", str, "fcfs"),
+    ("--enable-deterministic-inference", None, False), ("--watchdog-timeout", float, 300.0),
+    ("--load-format", str, "auto"),
+)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    host: str
+    port: int
+    api_key: str | None
+    weight_version: str
+    skip_server_warmup: bool
+    max_running_requests: int
+    context_length: int | None
+    dtype: str
+    random_seed: int | None
+    num_threads: int
+    ignored: dict[str, Any] = field(default_factory=dict)
+
+    def public(self) -> dict[str, Any]:
+        """The resolved flags as /server_info shows them: flat, and without the API key."""
+        shown = {k: v for k, v in self.__dict__.items() if k not in ("api_key", "ignored")}
+        return {**shown, **self.ignored}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout.cpu_engine",
+        description="SGLang-compatible HTTP engine over a transformers causal LM on CPU")
+    parser.add_argument("--model-path", required=True, help="HF model folder (config, safetensors, tokenizer)")
+    parser.add_argument("--tokenizer-path", help="tokenizer folder (default: --model-path)")
+    parser.add_argument("--served-model-name", help="name in /model_info (default: --model-path)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=30000, help="port to bind (default %(default)s)")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route")
+    parser.add_argument("--weight-version", default="default", help="initial weight version (default %(default)s)")
+    parser.add_argument("--skip-server-warmup", action="store_true", help="be ready without a warmup generation")
+    parser.add_argument("--max-running-requests", type=int, default=64,
+                        help="most sequences decoded together in one batch (default %(default)s)")
+    parser.add_argument("--context-length", type=int,
+                        help="most prompt + output tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--random-seed", type=int, help="seed of requests without sampling_seed (default: random)")
+    parser.add_argument("--num-threads", type=int, default=1,
+                        help="torch CPU threads (default %(default)s, to stay light beside other processes)")
+    ignored = parser.add_argument_group("accepted for sglang compatibility, no effect on CPU")
+    for flag, kind, default in _IGNORED_FLAGS:
+        if kind is None:
+            ignored.add_argument(flag, action="store_true", default=default)
+        else:
+            ignored.add_argument(flag, type=kind, default=default)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not 0 < ns.port < 65536:
+        parser.error(f"--port must be 1..65535, got {ns.port}")
+    for flag in ("max_running_requests", "num_threads", "context_length"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {value}")
+    ignored_names = {flag[2:].replace("-", "_") for flag, _, _ in _IGNORED_FLAGS}
+    return ServerArgs(
+        model_path=ns.model_path, tokenizer_path=ns.tokenizer_path or ns.model_path,
+        served_model_name=ns.served_model_name or ns.model_path, host=ns.host, port=ns.port,
+        api_key=ns.api_key, weight_version=ns.weight_version, skip_server_warmup=ns.skip_server_warmup,
+        max_running_requests=ns.max_running_requests, context_length=ns.context_length, dtype=ns.dtype,
+        random_seed=ns.random_seed, num_threads=ns.num_threads,
+        ignored={name: getattr(ns, name) for name in sorted(ignored_names)},
+    )

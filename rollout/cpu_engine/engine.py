@@ -1,0 +1,70 @@
+"""The engine's state shared by its HTTP routes, and loading it from a model folder."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollout.cpu_engine.args import ServerArgs
+from rollout.cpu_engine.codec import Codec
+from rollout.cpu_engine.scheduler import Scheduler
+from rollout.cpu_engine.weight_sync import UpdateGroup
+
+STARTING, UP, UNHEALTHY, SHUTTING_DOWN = "Starting", "Up", "UnHealthy", "ShuttingDown"
+
+
+class EngineLoadError(Exception):
+    """The model or tokenizer cannot be loaded."""
+
+
+@dataclass
+class Engine:
+    args: ServerArgs
+    model: torch.nn.Module
+    codec: Codec
+    scheduler: Scheduler
+    context_len: int
+    model_path: str  # the folder the current weights came from
+    health_timeout_s: float
+    seeds: random.Random  # seeds of requests without sampling_seed
+    status: str = STARTING
+    paused: bool = False
+    weight_update_open: bool = False  # between /begin_weight_update and /end_weight_update
+    groups: dict[str, UpdateGroup] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+
+def load_engine(args: ServerArgs) -> Engine:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    folder = Path(args.model_path)
+    if not (folder / "config.json").is_file():
+        raise EngineLoadError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer_path)
+    except (OSError, ValueError, KeyError) as err:
+        raise EngineLoadError(f"cannot load {folder}: {err}") from err
+    model.requires_grad_(False)
+    # The batched forward keeps every past token per sequence: sliding windows are not honoured.
+    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
+        raise EngineLoadError(f"{folder} uses sliding-window attention, which the CPU engine does not support")
+    codec = Codec(tokenizer, model.config, args.model_path)
+    return Engine(
+        args=args, model=model, codec=codec,
+        scheduler=Scheduler(model, codec, args.weight_version, args.max_running_requests),
+        context_len=args.context_length or model.config.max_position_embeddings,
+        model_path=args.model_path,
+        # SGLang's variable and default, so probes behave the same against either engine.
+        health_timeout_s=float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")),
+        seeds=random.Random(args.random_seed),
+    )

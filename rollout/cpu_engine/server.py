@@ -1,0 +1,201 @@
+"""The HTTP API (reference/sglang-http.md): health, generate, info, pause/continue/abort, cache;
+weight routes live in weight_routes.py. Also the uvicorn server with SGLang's start-up sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from rollout.cpu_engine.engine import SHUTTING_DOWN, STARTING, UNHEALTHY, UP, Engine
+from rollout.cpu_engine.generate_io import GenerateError, parse_generate, render
+from rollout.cpu_engine.http_util import BodyError, error, read_json, run_on_scheduler
+from rollout.cpu_engine.sampling import SamplingParams
+from rollout.cpu_engine.scheduler import PAUSE_MODES
+from rollout.cpu_engine.sequence import Sequence
+from rollout.cpu_engine.weight_routes import add_weight_routes
+
+VERSION = "0.1.0-slurmrl-cpu-engine"
+READY_LINE = "The server is fired up and ready to roll!"
+_WARMUP_TEXT = "The capital city of France is"
+
+
+class BearerAuth:
+    """With --api-key every route needs `Authorization: Bearer KEY` (401 otherwise), except, as in
+    SGLang's own middleware, OPTIONS and /health* and /metrics*: sglang-router 0.3.2 probes
+    /health without the key even when POST /workers gave it one (it sends it to /server_info)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        exempt = scope.get("method") == "OPTIONS" or scope.get("path", "").startswith(("/health", "/metrics"))
+        if scope["type"] == "http" and not exempt:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="slurmrl cpu_engine", docs_url=None, redoc_url=None, openapi_url=None)
+    if engine.args.api_key:
+        app.add_middleware(BearerAuth, api_key=engine.args.api_key)
+    scheduler = engine.scheduler
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        # SGLang's probe: a 1-token generation through the scheduler; healthy if any forward
+        # pass ends within the timeout (another request's counts too).
+        if engine.status in (STARTING, SHUTTING_DOWN):
+            return Response(status_code=503)
+        probe = internal_sequence(engine, f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], max_new_tokens=1)
+        progressed = asyncio.wrap_future(scheduler.output_after(time.monotonic()))
+        scheduler.submit([probe])
+        done, _ = await asyncio.wait({progressed}, timeout=engine.health_timeout_s)
+        progressed.cancel()
+        scheduler.call(lambda: scheduler.abort(probe.rid, "health check over"))
+        if engine.status == SHUTTING_DOWN:
+            return Response(status_code=503)
+        engine.status = UP if done else UNHEALTHY
+        return Response(status_code=200 if done else 503)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200 if engine.status == UP else 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return Response(status_code=200 if engine.status == UP and not engine.paused else 503)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            parsed = parse_generate(body, engine.codec, engine.vocab_size, engine.context_len, engine.seeds)
+        except BodyError as err:
+            return error(str(err))
+        except GenerateError as err:
+            return JSONResponse(err.body, status_code=400)
+        scheduler.submit(parsed.seqs)
+        await asyncio.wait([asyncio.wrap_future(seq.done) for seq in parsed.seqs])
+        outputs = [render(seq, engine.codec) for seq in parsed.seqs]
+        return JSONResponse(outputs[0] if parsed.single else outputs)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        config = engine.model.config
+        return {"model_path": engine.model_path, "served_model_name": engine.args.served_model_name,
+                "tokenizer_path": engine.args.tokenizer_path, "is_generation": True,
+                "weight_version": scheduler.weight_version, "model_type": config.model_type,
+                "architectures": config.architectures}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        # `internal_states` as SGLang nests scheduler state; forward_passes shows batching at work.
+        return {**engine.args.public(), "model_path": engine.model_path, "context_length": engine.context_len,
+                "weight_version": scheduler.weight_version, "internal_states": [scheduler.stats()],
+                "version": VERSION}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # There is no prefix cache to drop; like SGLang, refuse while requests are in flight.
+        queued = await run_on_scheduler(engine, scheduler.queued)
+        if queued:
+            return PlainTextResponse(f"Cache not flushed: {queued} requests are running or waiting.\n",
+                                     status_code=400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        try:
+            mode = (await read_json(request)).get("mode", "abort")
+        except BodyError as err:
+            return error(str(err))
+        if mode not in PAUSE_MODES:
+            return error(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await run_on_scheduler(engine, lambda: scheduler.pause(mode))
+        engine.paused = True
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await run_on_scheduler(engine, scheduler.resume)
+        engine.paused = False
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = await read_json(request)
+        except BodyError as err:
+            return error(str(err))
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if abort_all is True:
+            await run_on_scheduler(engine, lambda: scheduler.abort(None))
+        elif isinstance(rid, str) and rid:
+            await run_on_scheduler(engine, lambda: scheduler.abort(rid))
+        else:
+            return error("give a non-empty rid, or abort_all: true")
+        return Response(status_code=200)
+
+    add_weight_routes(app, engine)
+    return app
+
+
+def internal_sequence(engine: Engine, rid: str, prompt: list[int], max_new_tokens: int) -> Sequence:
+    return Sequence(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+                    generator=torch.Generator(), internal=True)
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn with SGLang's start-up: the port opens once weights are loaded, /health answers 503
+    until a warmup generation went through, then the ready line is printed."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(uvicorn.Config(build_app(engine), host=engine.args.host, port=engine.args.port,
+                                        log_level="info", access_log=False, timeout_graceful_shutdown=5))
+        self.engine = engine
+        self.warmup_failed = False
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            threading.Thread(target=self._warm_up, name="cpu-engine-warmup", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        engine = self.engine
+        if not engine.args.skip_server_warmup:
+            warmup = internal_sequence(engine, "WARMUP", engine.codec.encode(_WARMUP_TEXT), max_new_tokens=8)
+            engine.scheduler.submit([warmup])
+            reason = warmup.done.result().finish_reason
+            if reason["type"] == "abort":
+                print(f"cpu_engine: error: warmup failed: {reason['message']}", flush=True)
+                self.warmup_failed = True
+                self.should_exit = True
+                return
+        if engine.status == STARTING:
+            engine.status = UP
+            print(READY_LINE, flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        # End in-flight requests (as aborted) so that uvicorn's graceful shutdown does not wait on
+        # them; from a thread, since this runs in a signal handler.
+        self.engine.status = SHUTTING_DOWN
+        threading.Thread(target=self.engine.scheduler.call,
+                         args=(lambda: self.engine.scheduler.abort(None, "the server is shutting down"),),
+                         daemon=True).start()
+        super().handle_exit(sig, frame)

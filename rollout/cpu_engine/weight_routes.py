@@ -1,0 +1,197 @@
+"""Weight routes: from disk, over a gloo group (init/begin/update/end/destroy), the version tag,
+and reading a parameter back. Every update answers {"success", "message"}: 200 or 400."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rollout.cpu_engine.engine import Engine
+from rollout.cpu_engine.http_util import BodyError, error, read_json, run_on_scheduler
+from rollout.cpu_engine.weight_sync import WeightSyncError, create_group, parse_dtype, receive
+from rollout.cpu_engine.weights import WeightError, load_into, read_safetensors_folder
+
+# How long a group rendezvous or one broadcast may wait for the trainer before failing.
+GROUP_TIMEOUT_S = 300.0
+DEFAULT_GROUP = "weight_update_group"
+
+
+def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def add_weight_routes(app: FastAPI, engine: Engine) -> None:
+    scheduler = engine.scheduler
+    group_lock = asyncio.Lock()  # one group operation at a time: they share the trainer's stream
+
+    async def body_or_fail(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            return await read_json(request)
+        except BodyError as err:
+            return _result(False, str(err))
+
+    async def apply(tensors: dict, complete: bool, version: Any) -> JSONResponse | None:
+        """Load on the scheduler thread once no request runs (or generation is paused)."""
+        def load() -> None:
+            load_into(engine.model, tensors, complete=complete)
+            if version is not None:
+                scheduler.weight_version = version
+        try:
+            await run_on_scheduler(engine, load, needs_idle=True)
+        except WeightError as err:
+            return _result(False, f"Failed to update weights: {err}; the previous weights are kept.")
+        return None
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await body_or_fail(request)
+        if isinstance(body, JSONResponse):
+            return body
+        path, version = body.get("model_path"), body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            return _result(False, "model_path (an HF safetensors folder) is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return _result(False, f"load_format {body['load_format']!r} is not supported; use auto or safetensors")
+        if version is not None and not isinstance(version, str):
+            return _result(False, "weight_version must be a string")
+        if body.get("abort_all_requests", False):
+            await run_on_scheduler(engine, lambda: scheduler.abort(None, "aborted for a weight update"))
+        try:
+            tensors = await asyncio.to_thread(read_safetensors_folder, path)
+        except WeightError as err:
+            return _result(False, f"Failed to update weights: {err}; the previous weights are kept.")
+        failed = await apply(tensors, complete=True, version=version)
+        if failed:
+            return failed
+        engine.model_path = path
+        return _result(True, "Succeeded to update model weights.")
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        body = await body_or_fail(request)
+        if isinstance(body, JSONResponse):
+            return body
+        address, port = body.get("master_address"), body.get("master_port")
+        offset, world = body.get("rank_offset"), body.get("world_size")
+        name = body.get("group_name", DEFAULT_GROUP)
+        if not (isinstance(address, str) and address and _is_int(port) and _is_int(offset) and _is_int(world)
+                and isinstance(name, str) and name):
+            return _result(False, "need master_address (str), master_port, rank_offset, world_size (ints) "
+                                  "and a group_name")
+        async with group_lock:
+            if name in engine.groups:
+                return _result(False, f"group {name!r} already exists; destroy it first")
+            try:
+                # One CPU process is tensor-parallel rank 0 of its engine.
+                engine.groups[name] = await asyncio.to_thread(create_group, address, port, offset, world, name,
+                                                              GROUP_TIMEOUT_S)
+            except WeightSyncError as err:
+                return _result(False, str(err))
+        # The CPU engine always uses gloo, whatever `backend` asked for (nccl needs GPUs).
+        return _result(True, f"Succeeded to initialize custom process group {name!r} (gloo).")
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        body = await body_or_fail(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if body.get("selector", "all") != "all":
+            return _result(False, f"selector {body['selector']!r} is not supported; use all")
+        if engine.weight_update_open:
+            return _result(False, "a weight update is already open; call /end_weight_update first")
+        engine.weight_update_open = True
+        # New requests wait from now on; running ones finish first (unless generation is paused).
+        await run_on_scheduler(engine, lambda: scheduler.hold_admission(+1))
+        await run_on_scheduler(engine, lambda: None, needs_idle=True)
+        return _result(True, "Weight update begun; new requests wait until /end_weight_update.")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        if not engine.weight_update_open:
+            return _result(False, "no weight update is open; call /begin_weight_update first")
+        await run_on_scheduler(engine, lambda: scheduler.hold_admission(-1))
+        engine.weight_update_open = False
+        return _result(True, "Weight update ended.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        body = await body_or_fail(request)
+        if isinstance(body, JSONResponse):
+            return body
+        if not engine.weight_update_open:
+            return _result(False, "update_weights_from_distributed must sit between /begin_weight_update "
+                                  "and /end_weight_update")
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        name, version = body.get("group_name", DEFAULT_GROUP), body.get("weight_version")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes) and all(isinstance(n, str) for n in names)
+                and all(isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in shapes)):
+            return _result(False, "names, dtypes and shapes must be lists of the same length "
+                                  "(strings, dtype names, lists of sizes)")
+        if version is not None and not isinstance(version, str):
+            return _result(False, "weight_version must be a string")
+        try:
+            torch_dtypes = [parse_dtype(d) for d in dtypes]
+        except WeightSyncError as err:
+            return _result(False, str(err))
+        async with group_lock:
+            group = engine.groups.get(name)
+            if group is None:
+                return _result(False, f"no group {name!r}; call /init_weights_update_group first")
+            try:
+                # Receive everything even if a name is wrong, so the trainer's broadcasts complete.
+                tensors = await asyncio.to_thread(receive, group, names, torch_dtypes, shapes)
+            except RuntimeError as err:
+                return _result(False, f"broadcast failed: {err}")
+        failed = await apply(tensors, complete=False, version=version)
+        return failed or _result(True, f"Succeeded to update {len(names)} parameters.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await body_or_fail(request)
+        if isinstance(body, JSONResponse):
+            return body
+        name = body.get("group_name", DEFAULT_GROUP)
+        async with group_lock:
+            group = engine.groups.pop(name, None)
+            if group is None:
+                return _result(False, f"no group {name!r}")
+            group.close()
+        return _result(True, f"Succeeded to destroy group {name!r}.")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await body_or_fail(request)
+        if isinstance(body, JSONResponse):
+            return body
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            return _result(False, "new_version (a non-empty string) is required")
+
+        def update() -> None:
+            if body.get("abort_all_requests", True):
+                scheduler.abort(None, "aborted for a weight version update")
+            scheduler.weight_version = version
+        await run_on_scheduler(engine, update)
+        return _result(True, f"Weight version updated to {version}", new_version=version)
+
+    @app.post("/get_weights_by_name")
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        # SGLang's route for checking a weight update: the first truncate_size rows of a parameter.
+        try:
+            body = await read_json(request)
+        except BodyError as err:
+            return error(str(err))
+        name, size = body.get("name"), body.get("truncate_size", 100)
+        params = engine.model.state_dict(keep_vars=True)
+        if name not in params or not _is_int(size) or size < 1:
+            return error(f"no parameter {name!r} (or a bad truncate_size)")
+        values = await run_on_scheduler(engine, lambda: params[name].detach()[:size].tolist())
+        return JSONResponse(values)

@@ -1,0 +1,83 @@
+"""Reading an HF safetensors folder and loading tensors into the live model, all or nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class WeightError(Exception):
+    """The new weights cannot be loaded; the model keeps its previous weights."""
+
+
+def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF model folder (single file or sharded with an index)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise WeightError(f"{folder} is not a folder")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, AttributeError) as err:
+            raise WeightError(f"{index} is not a valid safetensors index: {err}") from err
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{folder} holds no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in tensors:
+                        raise WeightError(f"tensor {name} appears in more than one file of {folder}")
+                    tensors[name] = handle.get_tensor(name)
+        except WeightError:
+            raise
+        except Exception as err:  # safetensors raises its own error types for damaged files
+            raise WeightError(f"cannot read {path}: {err}") from err
+    return tensors
+
+
+def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> None:
+    """Copy `tensors` into the model's parameters, or change nothing and raise WeightError.
+
+    complete=True (a whole checkpoint) requires every parameter; tied parameters (an lm_head
+    sharing the embedding) count as one and may come under either name. Everything is checked
+    before the first copy, and the copies are undone if one fails."""
+    targets = model.state_dict(keep_vars=True)
+    unknown = sorted(set(tensors) - set(targets))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise WeightError(f"unexpected tensor {unknown[0]}{more}")
+    by_storage: dict[int, list[str]] = {}
+    for name, target in targets.items():
+        by_storage.setdefault(target.data_ptr(), []).append(name)
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for names in by_storage.values():
+        given = [name for name in names if name in tensors]
+        if not given:
+            if complete:
+                raise WeightError(f"missing tensor {names[0]}")
+            continue
+        target = targets[given[0]]
+        for name in given:
+            if tuple(tensors[name].shape) != tuple(target.shape):
+                raise WeightError(f"tensor {name} has shape {list(tensors[name].shape)}, "
+                                  f"the model needs {list(target.shape)}")
+            if not torch.equal(tensors[name], tensors[given[0]]):
+                raise WeightError(f"tied tensors {given[0]} and {name} differ")
+        plan.append((target, tensors[given[0]]))
+    backup = [target.detach().clone() for target, _ in plan]
+    with torch.no_grad():
+        try:
+            for target, source in plan:
+                target.copy_(source)
+        except Exception as err:
+            for (target, _), saved in zip(plan, backup):
+                target.copy_(saved)
+            raise WeightError(f"loading failed, previous weights restored: {err}") from err

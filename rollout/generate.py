@@ -1,0 +1,230 @@
+"""generate_rollout: prompt groups from the buffer -> the router -> scored samples.
+
+Requests go through the router with bounded concurrency. A request whose engine fails is sent
+again (the router's 500 names the engine, which is reported once to a failure handler that takes
+it out of the router), so a round finishes while any engine lives, and every sample is returned
+exactly once. With dynamic sampling, groups are generated until enough pass the filter; groups
+still running then are aborted on the engines and, with --partial-rollout, go back to the buffer
+with the tokens they have, to be continued in a later round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import aiohttp
+
+from rollout import debug_data, rewards
+from rollout.buffer import DataBuffer
+from rollout.plugins import load_function
+from rollout.router_client import RouterClient
+from rollout.sample import Sample, Status
+
+_UPSTREAM = re.compile(r"URL: (https?://[^/\s]+)")
+_FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+@dataclass
+class RolloutArgs:
+    """The rollout's share of the job's flags (slime's names)."""
+
+    hf_checkpoint: str  # where the tokenizer comes from
+    router_url: str  # http://{--sglang-router-ip}:{--sglang-router-port}
+    api_key: str | None = None  # the job's key, for the router and the engines
+    rollout_batch_size: int = 32  # groups (prompts) per rollout
+    n_samples_per_prompt: int = 4
+    rollout_max_response_len: int = 64
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    rollout_top_k: int = -1
+    rollout_stop: list[str] | None = None
+    rollout_seed: int = 42
+    rollout_concurrency: int = 64  # requests in flight at once
+    rm_type: str = "math"  # built-in reward: math | toy
+    custom_rm_path: str | None = None
+    custom_generate_function_path: str | None = None
+    rollout_function_path: str | None = None
+    over_sampling_batch_size: int | None = None  # groups started per batch with dynamic sampling
+    dynamic_sampling_filter_path: str | None = None
+    partial_rollout: bool = False
+    save_debug_rollout_data: str | None = None  # path with {rollout_id}
+    load_debug_rollout_data: str | None = None
+    retry_timeout_s: float = 1800.0  # give up on a request after this long without any engine
+    # Called with an engine url the router could not reach; default: remove it from the router.
+    engine_failure_handler: Callable[[str], None] | None = field(default=None, repr=False)
+
+
+def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer,
+                     evaluation: bool = False) -> list[list[Sample]]:
+    if args.rollout_function_path:
+        return load_function(args.rollout_function_path, "--rollout-function-path")(
+            args, rollout_id, data_buffer, evaluation)
+    if args.load_debug_rollout_data:
+        return debug_data.load(args.load_debug_rollout_data, rollout_id)
+    groups = asyncio.run(_Round(args, rollout_id, data_buffer, evaluation).run())
+    if args.save_debug_rollout_data:
+        debug_data.save(args.save_debug_rollout_data, rollout_id, groups)
+    return groups
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _seed(*parts: object) -> int:
+    """A stable per-sample sampling seed, so a resumed run samples exactly as an uninterrupted one."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+class _Round:
+    def __init__(self, args: RolloutArgs, rollout_id: int, buffer: DataBuffer, evaluation: bool) -> None:
+        self.args, self.rollout_id, self.buffer, self.evaluation = args, rollout_id, buffer, evaluation
+        self.tokenizer = _tokenizer(args.hf_checkpoint)
+        self.router = RouterClient(args.router_url, args.api_key)
+        self.reported: set[str] = set()
+        self.done = False  # enough groups: stop continuing aborted samples
+        self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+                                if args.custom_generate_function_path else None)
+        self.custom_rm = load_function(args.custom_rm_path, "--custom-rm-path") if args.custom_rm_path else None
+        self.keep = (load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+                     if args.dynamic_sampling_filter_path and not evaluation else None)
+
+    async def run(self) -> list[list[Sample]]:
+        target = self.args.rollout_batch_size
+        batch = (self.args.over_sampling_batch_size or target) if self.keep else target
+        headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
+        self.gate = asyncio.Semaphore(self.args.rollout_concurrency)
+        kept: list[list[Sample]] = []
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as self.http:
+            running: set[asyncio.Task] = set()
+            while len(kept) < target:
+                if not running:
+                    running = {asyncio.create_task(self._group(g)) for g in self.buffer.get(batch)}
+                finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    group = task.result()
+                    if self.keep is None or self.keep(self.args, group):
+                        kept.append(group)
+            self.done = True
+            leftovers = await self._abort(running) if running else []
+        kept.sort(key=lambda g: g[0].group_index)
+        for group in kept[target:]:
+            leftovers.append(group)  # finished beyond the target: not wasted with partial rollout
+        if self.args.partial_rollout:
+            self.buffer.add(sorted(leftovers, key=lambda g: g[0].group_index))
+        return kept[:target]
+
+    async def _abort(self, running: set[asyncio.Task]) -> list[list[Sample]]:
+        """Abort what is still generating (the router does not forward aborts: each engine gets one)."""
+        for url in await asyncio.to_thread(lambda: list(self.router.workers())):
+            try:
+                async with self.http.post(url + "/abort_request", json={"abort_all": True}):
+                    pass
+            except aiohttp.ClientError:
+                pass  # an engine that cannot be reached has nothing running for us either
+        return list(await asyncio.gather(*running))
+
+    async def _group(self, group: list[Sample]) -> list[Sample]:
+        await asyncio.gather(*(self._sample(s) for s in group))
+        if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in group):
+            for s in group:
+                s.reward = await self._reward(s)
+        return group
+
+    async def _reward(self, sample: Sample) -> float:
+        if self.custom_rm:
+            value = self.custom_rm(self.args, sample)
+            return float(await value if inspect.isawaitable(value) else value)
+        if self.args.rm_type == "toy":
+            return rewards.toy_reward(sample.response, sample.label)
+        return rewards.math_reward(sample.response, sample.label)
+
+    def _sampling_params(self, sample: Sample) -> dict[str, Any]:
+        params = {"max_new_tokens": self.args.rollout_max_response_len - sample.response_length,
+                  "temperature": 0.0 if self.evaluation else self.args.rollout_temperature,
+                  "top_p": self.args.rollout_top_p, "top_k": self.args.rollout_top_k,
+                  "sampling_seed": _seed(self.args.rollout_seed, self.rollout_id, sample.index, sample.response_length)}
+        if self.args.rollout_stop:
+            params["stop"] = self.args.rollout_stop
+        return params
+
+    async def _sample(self, sample: Sample) -> None:
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+            return  # finished in an earlier round of a partial rollout
+        if not sample.tokens:
+            prompt = sample.prompt
+            if not isinstance(prompt, str):
+                prompt = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            sample.tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        while True:
+            if self.custom_generate:
+                await self.custom_generate(self.args, sample, self._sampling_params(sample))
+            else:
+                self._apply(sample, await self._post(sample))
+            # Aborted by someone else (a weight update's pause): continue where it stopped.
+            if sample.status is not Status.ABORTED or self.done or sample.response_length >= self.args.rollout_max_response_len:
+                return
+
+    async def _post(self, sample: Sample) -> dict[str, Any]:
+        payload = {"rid": f"r{self.rollout_id}-s{sample.index}-t{sample.response_length}", "input_ids": sample.tokens,
+                   "sampling_params": self._sampling_params(sample), "return_logprob": True}
+        deadline, backoff = time.monotonic() + self.args.retry_timeout_s, 0.2
+        while True:
+            async with self.gate:
+                try:
+                    async with self.http.post(self.args.router_url + "/generate", json=payload) as response:
+                        status, text = response.status, await response.text()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                    status, text = None, str(err)  # the router itself is away: it will be relaunched
+            if status == 200:
+                return _parse(text)
+            if status is not None and status < 500 and status != 429:
+                raise RolloutError(f"router refused sample {sample.index}: {status} {text[:300]}")
+            if (url := _UPSTREAM.search(text)) and url.group(1) not in self.reported:
+                self.reported.add(url.group(1))
+                await asyncio.to_thread(self._report_failure, url.group(1))
+            if time.monotonic() > deadline:
+                raise RolloutError(f"sample {sample.index}: no engine answered for {self.args.retry_timeout_s:.0f} s "
+                                   f"(last: {status} {text[:200]})")
+            await asyncio.sleep(backoff * (1 + random.random()))  # backoff, jittered so retries spread out
+            backoff = min(backoff * 2, 5.0)
+
+    def _report_failure(self, url: str) -> None:
+        if self.args.engine_failure_handler:
+            self.args.engine_failure_handler(url)
+        else:
+            self.router.remove_worker(url)
+
+    @staticmethod
+    def _apply(sample: Sample, body: dict[str, Any]) -> None:
+        meta = body["meta_info"]
+        out = body["output_ids"]
+        sample.tokens += out
+        sample.response += body["text"]
+        sample.response_length += len(out)
+        sample.loss_mask += [1] * len(out)
+        sample.rollout_log_probs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+        sample.weight_version = meta.get("weight_version")
+        sample.status = _FINISH[meta["finish_reason"]["type"]]
+
+
+def _parse(text: str) -> dict[str, Any]:
+    body = json.loads(text)
+    return body[0] if isinstance(body, list) else body

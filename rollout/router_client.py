@@ -1,0 +1,63 @@
+"""Client for sglang-router's worker API (0.3.x: POST/GET /workers, DELETE /workers/{id}).
+
+A worker added with POST is pending until the router has read its /health, /server_info and
+/model_info; only then is it listed and routed to. Deleting takes the worker id, not its url."""
+
+from __future__ import annotations
+
+import time
+
+import requests
+
+
+class RouterError(RuntimeError):
+    pass
+
+
+class RouterClient:
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.session = requests.Session()
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, **kwargs) -> requests.Response:
+        try:
+            response = self.session.request(method, self.url + path, timeout=self.timeout_s, **kwargs)
+        except requests.RequestException as err:
+            raise RouterError(f"router {self.url} did not answer {method} {path}: {err}") from None
+        if response.status_code >= 400:
+            raise RouterError(f"router {self.url}: {method} {path} -> {response.status_code} {response.text[:200]}")
+        return response
+
+    def alive(self) -> bool:
+        try:
+            return self.session.get(self.url + "/liveness", timeout=self.timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def workers(self) -> dict[str, str]:
+        """url -> worker id, for every worker the router routes to."""
+        return {w["url"]: w["id"] for w in self._call("GET", "/workers").json()["workers"]}
+
+    def add_worker(self, url: str, api_key: str | None = None) -> str:
+        body = {"url": url, **({"api_key": api_key} if api_key else {})}
+        return self._call("POST", "/workers", json=body).json()["worker_id"]
+
+    def remove_worker(self, url: str) -> bool:
+        """Remove by url (the router wants the id). False if the router does not list it."""
+        worker_id = self.workers().get(url)
+        if worker_id is None:
+            return False
+        self._call("DELETE", f"/workers/{worker_id}")
+        return True
+
+    def wait_listed(self, url: str, listed: bool = True, timeout_s: float = 60.0) -> None:
+        """Wait until the router lists (or no longer lists) `url`."""
+        deadline = time.monotonic() + timeout_s
+        while (url in self.workers()) != listed:
+            if time.monotonic() > deadline:
+                state = "listed" if listed else "removed"
+                raise RouterError(f"router {self.url} did not have {url} {state} within {timeout_s:.0f} s")
+            time.sleep(0.1)

@@ -1,0 +1,153 @@
+"""generate_rollout against two real CPU engines behind the real sglang-router: a round of 32
+prompts x 4 samples completes; with one engine SIGKILLed mid-round it still returns all 128
+samples, each exactly once, each with its weight version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import requests
+
+from rollout.buffer import DataBuffer
+from rollout.data import JsonlDataSource
+from rollout.generate import RolloutArgs, generate_rollout
+from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, router_command
+from rollout.router_client import RouterClient
+from rollout.sample import Status
+from rollout.tiny_model import write_tiny_model
+from slurm.devcluster.daemons import wait_for
+
+API_KEY = "test-job-key"
+PROMPTS, N = 32, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def served(self) -> int:
+        return self.log.read_text().count("cpu_engine served")
+
+
+def _start(argv: list[str], url: str, log: Path, ready: str) -> Server:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = Server(proc, url, log)
+
+    def up() -> bool:
+        assert proc.poll() is None, f"{argv[2]} exited: {log.read_text()[-2000:]}"
+        try:
+            return requests.get(url + ready, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2).ok
+        except requests.RequestException:
+            return False
+
+    try:
+        wait_for(up, 120, f"{url}{ready}")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _engine(model: Path, log: Path) -> Server:
+    port = _free_port()
+    argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1"))
+    return _start(argv, f"http://127.0.0.1:{port}", log, "/health")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture
+def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Server]]]:
+    """Two engines behind a router, all on loopback, all stopped by PID at the end."""
+    servers: list[Server] = []
+    try:
+        engines = [_engine(model, tmp_path / f"engine{i}.log") for i in range(2)]
+        servers += engines
+        port = _free_port()
+        argv = router_command(RouterLaunch("127.0.0.1", port, _free_port(), api_key=API_KEY, policy="round_robin"))
+        servers.append(_start(argv, f"http://127.0.0.1:{port}", tmp_path / "router.log", "/liveness"))
+        router = RouterClient(servers[-1].url, API_KEY)
+        for engine in engines:
+            router.add_worker(engine.url, api_key=API_KEY)
+        for engine in engines:
+            router.wait_listed(engine.url)
+        yield router, engines
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _args(model: Path, router: RouterClient) -> RolloutArgs:
+    return RolloutArgs(hf_checkpoint=str(model), router_url=router.url, api_key=API_KEY, rollout_batch_size=PROMPTS,
+                       n_samples_per_prompt=N, rollout_max_response_len=8, rm_type="toy")
+
+
+def _buffer(tmp_path: Path) -> DataBuffer:
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps({"input": f"repeat: {i % 10}", "label": str(i % 10)}) + "\n"
+                            for i in range(PROMPTS)))
+    return DataBuffer(JsonlDataSource(data, label_key="label", n_samples_per_prompt=N, seed=3))
+
+
+def _check_complete(groups) -> None:
+    samples = [s for g in groups for s in g]
+    assert len(groups) == PROMPTS and all(len(g) == N for g in groups)
+    assert sorted(s.index for s in samples) == list(range(PROMPTS * N))  # each exactly once
+    for s in samples:
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+        assert s.weight_version == "v1"
+        assert 0 < s.response_length == len(s.loss_mask) == len(s.rollout_log_probs) <= 8
+        assert s.reward in (0.0, 1.0)
+
+
+def test_round_completes_over_two_engines(cluster, model: Path, tmp_path: Path) -> None:
+    router, engines = cluster
+    groups = generate_rollout(_args(model, router), 0, _buffer(tmp_path))
+    _check_complete(groups)
+    assert all(e.served() > 0 for e in engines), "the router did not spread the round over both engines"
+
+
+def test_round_survives_an_engine_killed_mid_round(cluster, model: Path, tmp_path: Path) -> None:
+    router, (victim, survivor) = cluster
+    result: dict = {}
+    # Long enough responses that the kill lands while the round is in flight.
+    args = replace(_args(model, router), rollout_max_response_len=8, rollout_concurrency=8)
+    worker = threading.Thread(target=lambda: result.update(groups=generate_rollout(args, 0, _buffer(tmp_path))))
+    worker.start()
+    wait_for(lambda: victim.served() >= 4, 120, "the victim engine to serve a few requests")
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "the round did not finish with one engine left"
+    _check_complete(result["groups"])
+    assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+    assert router.workers().keys() == {survivor.url}, "the dead engine was not taken out of the router"
