@@ -13,7 +13,12 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.rollout.cpu_engine_helpers import EngineProcess, make_tiny_model, served_lines, wait_until
+from tests.rollout.cpu_engine_helpers import (
+    EngineProcess,
+    make_tiny_model,
+    served_lines,
+    wait_until,
+)
 
 API_KEY = "test-key-3f9a"
 # Every route but /health and /health_generate, which SGLang (and so the router's probe) leave open.

@@ -15,7 +15,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rollout.cpu_engine.weight_sync import create_group
-from tests.rollout.cpu_engine_helpers import EngineProcess, free_port, make_tiny_model, served_lines, wait_until
+from tests.rollout.cpu_engine_helpers import (
+    EngineProcess,
+    free_port,
+    make_tiny_model,
+    served_lines,
+    wait_until,
+)
 
 PROMPT = [1, 5, 104, 7, 85, 102, 15, 2]
 PROBE = {"input_ids": PROMPT, "return_logprob": True,

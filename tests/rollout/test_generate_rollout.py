@@ -7,78 +7,27 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import requests
 
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
-from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, router_command
+from rollout.launch import (
+    RouterLaunch,
+    router_command,
+)
 from rollout.router_client import RouterClient
 from rollout.sample import Status
 from rollout.tiny_model import write_tiny_model
 from slurm.devcluster.daemons import wait_for
+from tests.rollout.servers import API_KEY, Server, engine, free_port, start
 
-API_KEY = "test-job-key"
 PROMPTS, N = 32, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def served(self) -> int:
-        return self.log.read_text().count("cpu_engine served")
-
-
-def _start(argv: list[str], url: str, log: Path, ready: str) -> Server:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = Server(proc, url, log)
-
-    def up() -> bool:
-        assert proc.poll() is None, f"{argv[2]} exited: {log.read_text()[-2000:]}"
-        try:
-            return requests.get(url + ready, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2).ok
-        except requests.RequestException:
-            return False
-
-    try:
-        wait_for(up, 120, f"{url}{ready}")
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
-def _engine(model: Path, log: Path) -> Server:
-    port = _free_port()
-    argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1"))
-    return _start(argv, f"http://127.0.0.1:{port}", log, "/health")
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +40,11 @@ def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Se
     """Two engines behind a router, all on loopback, all stopped by PID at the end."""
     servers: list[Server] = []
     try:
-        engines = [_engine(model, tmp_path / f"engine{i}.log") for i in range(2)]
+        engines = [engine(model, tmp_path / f"engine{i}.log") for i in range(2)]
         servers += engines
-        port = _free_port()
-        argv = router_command(RouterLaunch("127.0.0.1", port, _free_port(), api_key=API_KEY, policy="round_robin"))
-        servers.append(_start(argv, f"http://127.0.0.1:{port}", tmp_path / "router.log", "/liveness"))
+        port = free_port()
+        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
+        servers.append(start(argv, f"http://127.0.0.1:{port}", tmp_path / "router.log", "/liveness"))
         router = RouterClient(servers[-1].url, API_KEY)
         for engine in engines:
             router.add_worker(engine.url, api_key=API_KEY)

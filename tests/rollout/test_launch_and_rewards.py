@@ -9,7 +9,14 @@ import pytest
 from rollout import debug_data
 from rollout.filters import nonzero_reward_std
 from rollout.launch import (
-    EngineLaunch, LaunchError, RouterLaunch, cpu_engine_command, passthrough, redacted, router_command, sglang_command,
+    EngineLaunch,
+    LaunchError,
+    RouterLaunch,
+    cpu_engine_command,
+    passthrough,
+    redacted,
+    router_command,
+    sglang_command,
 )
 from rollout.plugins import load_function
 from rollout.rewards import extract_answer, math_reward, toy_reward

@@ -1,0 +1,67 @@
+"""Local CPU engines and routers as processes on 127.0.0.1, for tests and benchmarks; each is
+stopped by its PID."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from rollout.launch import EngineLaunch, cpu_engine_command
+from slurm.devcluster.daemons import wait_for
+
+API_KEY = "test-job-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def served(self) -> int:
+        return self.log.read_text().count("cpu_engine served")
+
+
+def start(argv: list[str], url: str, log: Path, ready: str) -> Server:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = Server(proc, url, log)
+
+    def up() -> bool:
+        assert proc.poll() is None, f"{argv[2]} exited: {log.read_text()[-2000:]}"
+        try:
+            return requests.get(url + ready, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2).ok
+        except requests.RequestException:
+            return False
+
+    try:
+        wait_for(up, 120, f"{url}{ready}")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def engine(model: Path, log: Path) -> Server:
+    port = free_port()
+    argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1"))
+    return start(argv, f"http://127.0.0.1:{port}", log, "/health")
