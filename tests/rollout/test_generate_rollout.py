@@ -46,10 +46,10 @@ def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Se
         argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
         servers.append(start(argv, f"http://127.0.0.1:{port}", tmp_path / "router.log", "/liveness"))
         router = RouterClient(servers[-1].url, API_KEY)
-        for engine in engines:
-            router.add_worker(engine.url, api_key=API_KEY)
-        for engine in engines:
-            router.wait_listed(engine.url)
+        for server in engines:
+            router.add_worker(server.url, api_key=API_KEY)
+        for server in engines:
+            router.wait_listed(server.url)
         yield router, engines
     finally:
         for server in servers:
