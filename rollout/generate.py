@@ -176,18 +176,21 @@ class _Round:
         while True:
             if self.custom_generate:
                 await self.custom_generate(self.args, sample, self._sampling_params(sample))
-            else:
-                self._apply(sample, await self._post(sample))
+            elif (body := await self._post(sample)) is not None:
+                self._apply(sample, body)
             # Aborted by someone else (a weight update's pause): continue where it stopped.
             if sample.status is not Status.ABORTED or self.done or sample.response_length >= self.args.rollout_max_response_len:
-                return
+                return  # (a sample the round ended before it started stays PENDING, for partial rollout)
 
-    async def _post(self, sample: Sample) -> dict[str, Any]:
+    async def _post(self, sample: Sample) -> dict[str, Any] | None:
+        """The engine's answer; None if the round ended while this request waited its turn."""
         payload = {"rid": f"r{self.rollout_id}-s{sample.index}-t{sample.response_length}", "input_ids": sample.tokens,
                    "sampling_params": self._sampling_params(sample), "return_logprob": True}
         deadline, backoff = time.monotonic() + self.args.retry_timeout_s, 0.2
         while True:
             async with self.gate:
+                if self.done:
+                    return None  # enough groups: nothing new starts once engines were told to abort
                 try:
                     async with self.http.post(self.args.router_url + "/generate", json=payload) as response:
                         status, text = response.status, await response.text()

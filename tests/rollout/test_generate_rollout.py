@@ -100,3 +100,60 @@ def test_round_survives_an_engine_killed_mid_round(cluster, model: Path, tmp_pat
     _check_complete(result["groups"])
     assert victim.proc.wait(timeout=10) == -signal.SIGKILL
     assert router.workers().keys() == {survivor.url}, "the dead engine was not taken out of the router"
+
+
+def keep_even_groups(args, group) -> bool:
+    """A dynamic-sampling filter for the test: keep groups with an even group index."""
+    return group[0].group_index % 2 == 0
+
+
+def test_dynamic_sampling_generates_until_enough_groups_pass(cluster, model: Path, tmp_path: Path) -> None:
+    router, _ = cluster
+    args = replace(_args(model, router), rollout_batch_size=6, over_sampling_batch_size=4,
+                   dynamic_sampling_filter_path=f"{__name__}.keep_even_groups")
+    groups = generate_rollout(args, 0, _buffer(tmp_path))
+    assert len(groups) == 6 and all(len(g) == N for g in groups)
+    assert [g[0].group_index for g in groups] == [0, 2, 4, 6, 8, 10]  # batches of 4 until 6 pass, in order
+
+
+def test_partial_rollout_keeps_unfinished_groups_for_the_next_round(cluster, model: Path, tmp_path: Path) -> None:
+    router, _ = cluster
+    # 12 groups start; the round needs 8, so 4 are still running (or just done) when it ends.
+    args = replace(_args(model, router), rollout_batch_size=8, over_sampling_batch_size=12, partial_rollout=True,
+                   dynamic_sampling_filter_path="rollout.filters.nonzero_reward_std", rollout_max_response_len=32,
+                   rm_type="toy", custom_rm_path=f"{__name__}.reward_by_index")
+    buffer = _buffer(tmp_path)
+    first = generate_rollout(args, 0, buffer)
+    assert len(first) == 8 and len(buffer.pending) == 4
+    carried = {g[0].group_index for g in buffer.pending}
+    second = generate_rollout(args, 1, buffer)
+    assert carried <= {g[0].group_index for g in second}, "carried-over groups were not resumed first"
+    samples = [s for g in first + second for s in g]
+    assert len({s.index for s in samples}) == len(samples) == 16 * N  # nothing generated twice or lost
+    assert all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in samples)
+    assert all(s.response_length == len(s.loss_mask) == len(s.rollout_log_probs) for s in samples)
+
+
+def reward_by_index(args, sample) -> float:
+    """Rewards that differ within every group, so nonzero_reward_std keeps all of them."""
+    return float(sample.index % 2)
+
+
+def test_partial_rollout_continues_aborted_samples_where_they_stopped(cluster, model: Path, tmp_path: Path) -> None:
+    router, _ = cluster
+    # Few requests in flight and long responses: when 4 groups are done, others are mid-generation.
+    args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=12, partial_rollout=True,
+                   rollout_concurrency=8, rollout_max_response_len=48, rollout_temperature=1.0,
+                   dynamic_sampling_filter_path="rollout.filters.nonzero_reward_std",
+                   custom_rm_path=f"{__name__}.reward_by_index")
+    buffer = _buffer(tmp_path)
+    generate_rollout(args, 0, buffer)
+    carried = {s.index: (s.status, list(s.tokens), s.response_length) for g in buffer.pending for s in g}
+    aborted = {i: c for i, c in carried.items() if c[0] is Status.ABORTED and c[2] > 0}
+    assert aborted, f"no sample was aborted mid-generation: {[(c[0], c[2]) for c in carried.values()]}"
+    resumed = {s.index: s for g in generate_rollout(replace(args, rollout_batch_size=8), 1, buffer) for s in g}
+    for index, (_, tokens, length) in aborted.items():
+        sample = resumed[index]
+        assert sample.tokens[:len(tokens)] == tokens and sample.response_length > length, "restarted, not continued"
+        assert sample.response_length == len(sample.loss_mask) == len(sample.rollout_log_probs)
+        assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
