@@ -7,14 +7,33 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout.cpu_engine.engine import Engine
 
 
 class BodyError(ValueError):
-    """The request body is not a JSON object."""
+    """The request body is not a JSON object (answered in SGLang's error shape by the app)."""
+
+
+class EarlyResponse(Exception):
+    """Ends a route with a ready response, from a helper the route calls."""
+
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    async def body_error(request: Request, err: BodyError) -> JSONResponse:
+        return error(str(err))
+
+    async def early(request: Request, err: EarlyResponse) -> JSONResponse:
+        return err.response
+
+    app.add_exception_handler(BodyError, body_error)
+    app.add_exception_handler(EarlyResponse, early)
 
 
 async def read_json(request: Request) -> dict[str, Any]:

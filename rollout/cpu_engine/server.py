@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollout.cpu_engine.engine import SHUTTING_DOWN, STARTING, UNHEALTHY, UP, Engine
 from rollout.cpu_engine.generate_io import GenerateError, parse_generate, render
-from rollout.cpu_engine.http_util import BodyError, error, read_json, run_on_scheduler
+from rollout.cpu_engine.http_util import add_error_handlers, error, read_json, run_on_scheduler
 from rollout.cpu_engine.sampling import SamplingParams
 from rollout.cpu_engine.scheduler import PAUSE_MODES
 from rollout.cpu_engine.sequence import Sequence
@@ -49,6 +49,7 @@ class BearerAuth:
 
 def build_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="slurmrl cpu_engine", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
     if engine.args.api_key:
         app.add_middleware(BearerAuth, api_key=engine.args.api_key)
     scheduler = engine.scheduler
@@ -81,11 +82,9 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        body = await read_json(request)
         try:
-            body = await read_json(request)
             parsed = parse_generate(body, engine.codec, engine.vocab_size, engine.context_len, engine.seeds)
-        except BodyError as err:
-            return error(str(err))
         except GenerateError as err:
             return JSONResponse(err.body, status_code=400)
         scheduler.submit(parsed.seqs)
@@ -121,10 +120,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
-        try:
-            mode = (await read_json(request)).get("mode", "abort")
-        except BodyError as err:
-            return error(str(err))
+        mode = (await read_json(request)).get("mode", "abort")
         if mode not in PAUSE_MODES:
             return error(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         await run_on_scheduler(engine, lambda: scheduler.pause(mode))
@@ -139,10 +135,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        try:
-            body = await read_json(request)
-        except BodyError as err:
-            return error(str(err))
+        body = await read_json(request)
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
         if abort_all is True:
             await run_on_scheduler(engine, lambda: scheduler.abort(None))

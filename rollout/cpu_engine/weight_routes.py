@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout.cpu_engine.engine import Engine
-from rollout.cpu_engine.http_util import BodyError, error, read_json, run_on_scheduler
+from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
 from rollout.cpu_engine.weight_sync import WeightSyncError, create_group, parse_dtype, receive
 from rollout.cpu_engine.weights import WeightError, load_into, read_safetensors_folder
 
@@ -31,11 +31,12 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
     scheduler = engine.scheduler
     group_lock = asyncio.Lock()  # one group operation at a time: they share the trainer's stream
 
-    async def body_or_fail(request: Request) -> dict[str, Any] | JSONResponse:
+    async def weight_body(request: Request) -> dict[str, Any]:
+        """The JSON body; a bad one ends the route in the weight routes' {"success": false} shape."""
         try:
             return await read_json(request)
         except BodyError as err:
-            return _result(False, str(err))
+            raise EarlyResponse(_result(False, str(err))) from None
 
     async def apply(tensors: dict, complete: bool, version: Any) -> JSONResponse | None:
         """Load on the scheduler thread once no request runs (or generation is paused)."""
@@ -51,9 +52,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        body = await body_or_fail(request)
-        if isinstance(body, JSONResponse):
-            return body
+        body = await weight_body(request)
         path, version = body.get("model_path"), body.get("weight_version")
         if not isinstance(path, str) or not path:
             return _result(False, "model_path (an HF safetensors folder) is required")
@@ -75,9 +74,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
-        body = await body_or_fail(request)
-        if isinstance(body, JSONResponse):
-            return body
+        body = await weight_body(request)
         address, port = body.get("master_address"), body.get("master_port")
         offset, world = body.get("rank_offset"), body.get("world_size")
         name = body.get("group_name", DEFAULT_GROUP)
@@ -99,9 +96,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
-        body = await body_or_fail(request)
-        if isinstance(body, JSONResponse):
-            return body
+        body = await weight_body(request)
         if body.get("selector", "all") != "all":
             return _result(False, f"selector {body['selector']!r} is not supported; use all")
         if engine.weight_update_open:
@@ -122,9 +117,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
-        body = await body_or_fail(request)
-        if isinstance(body, JSONResponse):
-            return body
+        body = await weight_body(request)
         if not engine.weight_update_open:
             return _result(False, "update_weights_from_distributed must sit between /begin_weight_update "
                                   "and /end_weight_update")
@@ -155,9 +148,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
-        body = await body_or_fail(request)
-        if isinstance(body, JSONResponse):
-            return body
+        body = await weight_body(request)
         name = body.get("group_name", DEFAULT_GROUP)
         async with group_lock:
             group = engine.groups.pop(name, None)
@@ -168,9 +159,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
-        body = await body_or_fail(request)
-        if isinstance(body, JSONResponse):
-            return body
+        body = await weight_body(request)
         version = body.get("new_version")
         if not isinstance(version, str) or not version:
             return _result(False, "new_version (a non-empty string) is required")
@@ -185,10 +174,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/get_weights_by_name")
     async def get_weights_by_name(request: Request) -> JSONResponse:
         # SGLang's route for checking a weight update: the first truncate_size rows of a parameter.
-        try:
-            body = await read_json(request)
-        except BodyError as err:
-            return error(str(err))
+        body = await read_json(request)
         name, size = body.get("name"), body.get("truncate_size", 100)
         params = engine.model.state_dict(keep_vars=True)
         if name not in params or not _is_int(size) or size < 1:

@@ -271,9 +271,16 @@ def test_unknown_sampling_field_error_shape(engine: EngineProcess) -> None:
     assert ok.status_code == 200  # unknown top-level keys are ignored
 
 
-def test_not_json_is_a_400(engine: EngineProcess) -> None:
-    response = requests.post(engine.url + "/generate", data=b"{nope", headers=engine.headers, timeout=30)
+@pytest.mark.parametrize("route", ["/generate", "/abort_request", "/pause_generation"])
+def test_not_json_is_a_400(engine: EngineProcess, route: str) -> None:
+    response = requests.post(engine.url + route, data=b"{nope", headers=engine.headers, timeout=30)
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_not_json_to_a_weight_route_is_a_failed_update(engine: EngineProcess) -> None:
+    response = requests.post(engine.url + "/update_weights_from_disk", data=b"[1", headers=engine.headers, timeout=30)
+    body = response.json()
+    assert response.status_code == 400 and body["success"] is False and "JSON" in body["message"]
 
 
 def test_every_served_request_is_logged_with_its_weight_version(engine: EngineProcess) -> None:
