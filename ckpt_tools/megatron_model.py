@@ -16,6 +16,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ckpt_tools import megatron_cpu
 from ckpt_tools.mapping import ModelShape
@@ -104,13 +105,14 @@ def transformer_config_from_hf(
 
 def build_gpt_model(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
-    params_dtype: torch.dtype = torch.float32,
+    params_dtype: torch.dtype = torch.float32, spec: ModuleSpec | None = None,
 ) -> GPTModel:
-    """A GPTModel (local layer spec, no TransformerEngine) for this rank of an initialised TP/EP grid.
+    """A GPTModel (no TransformerEngine) for this rank of an initialised TP/EP grid, with the given
+    layer spec (say trainer.megatron_attention.gpt_layer_spec(...)); default: megatron's local spec.
 
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype)
-    spec = get_gpt_layer_local_spec(
+    spec = spec or get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
     )
@@ -121,7 +123,7 @@ def build_gpt_model(
 
 # Megatron-LM keeps these non-model states in the same .distcp files; a model load skips them.
 # Megatron-LM also keeps optimizer and RNG state, and in common.pt the iteration, version and args.
-_NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "iteration", "checkpoint_version", "args",
+_NON_MODEL_PREFIXES = ("optimizer", "rng_state", "iteration", "checkpoint_version", "args",
                        "num_floating_point_operations_so_far", "opt_param_scheduler")
 
 
@@ -165,7 +167,8 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            # SLURM may already have narrowed CUDA_VISIBLE_DEVICES to this task's GPU.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         if "WORLD_SIZE" in os.environ:
             torch.distributed.init_process_group(backend)
         else:

@@ -181,12 +181,24 @@ def write_megatron_files(ckpt_folder: Path, common: dict) -> None:
     """common.pt and metadata.json beside the DCP files, fsync'd."""
     buffer = io.BytesIO()
     torch.save(common, buffer)
-    _write_durable(ckpt_folder / "common.pt", buffer.getvalue())
-    _write_durable(ckpt_folder / "metadata.json", json.dumps(METADATA_JSON).encode())
+    write_durable(ckpt_folder / "common.pt", buffer.getvalue())
+    write_durable(ckpt_folder / "metadata.json", json.dumps(METADATA_JSON).encode())
 
 
 def write_tracker(save_dir: Path, iteration: int | None) -> None:
-    _write_durable(save_dir / TRACKER, ("release" if iteration is None else str(iteration)).encode())
+    """Point the tracker at an iteration (None: release), atomically: a crash leaves the old one."""
+    replace_durable(save_dir / TRACKER, ("release" if iteration is None else str(iteration)).encode())
+
+
+def read_tracker(save_dir: Path) -> int | None:
+    """The iteration the tracker names (None: release). FileNotFoundError without one, ValueError
+    when it holds something else."""
+    text = (Path(save_dir) / TRACKER).read_text().strip()
+    if text == "release":
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{Path(save_dir) / TRACKER} holds {text!r}, not an iteration or 'release'")
+    return int(text)
 
 
 def resolve_checkpoint(save_dir: Path, step: int | None = None) -> Path:
@@ -197,21 +209,27 @@ def resolve_checkpoint(save_dir: Path, step: int | None = None) -> Path:
     if step is not None:
         folder = save_dir / iteration_dirname(step)
     else:
-        tracker = save_dir / TRACKER
-        if not tracker.is_file():
+        if not (save_dir / TRACKER).is_file():
             raise FileNotFoundError(f"{save_dir} has no {TRACKER} and no .metadata: not a torch_dist checkpoint")
-        text = tracker.read_text().strip()
-        folder = save_dir / iteration_dirname(None if text == "release" else int(text))
+        folder = save_dir / iteration_dirname(read_tracker(save_dir))
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"{folder} is not a complete torch_dist checkpoint (no .metadata)")
     return folder
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def write_durable(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_durable(path: Path, data: bytes) -> None:
+    """Replace `path` atomically and durably: write a sibling, fsync it, rename, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

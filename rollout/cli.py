@@ -1,4 +1,5 @@
-"""`slurmrl tiny-model DIR [--seed N]`: write the tiny model that the CPU engine, tests and demo serve."""
+"""`slurmrl tiny-model DIR` and `slurmrl toy-data FILE`: the tiny model and the toy task's prompts
+that the CPU engine, the tests and the demo use."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("dir", type=Path, help="new (or empty) folder for the model")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
     parser.set_defaults(func=run)
+    toy = subparsers.add_parser("toy-data", help="write the toy task's prompts (repeat D -> D) as jsonl")
+    toy.add_argument("file", type=Path, help="jsonl file to write")
+    toy.add_argument("--num-prompts", type=int, default=64, help="default %(default)s")
+    toy.add_argument("--labels", default="0123", help="digits the prompts ask for (default %(default)s)")
+    toy.add_argument("--seed", type=int, default=0, help="default %(default)s")
+    toy.set_defaults(func=run_toy_data)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,4 +35,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"slurmrl tiny-model: error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
+    return 0
+
+
+def run_toy_data(args: argparse.Namespace) -> int:
+    from rollout.toy_task import write_toy_data
+
+    if args.num_prompts < 1 or not args.labels.isdigit():
+        print("slurmrl toy-data: error: --num-prompts must be 1 or more and --labels digits only", file=sys.stderr)
+        return 1
+    print(f"wrote {write_toy_data(args.file, args.num_prompts, args.labels, args.seed)}")
     return 0

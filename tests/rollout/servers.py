@@ -3,14 +3,17 @@ stopped by its PID."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from rollout.launch import EngineLaunch, cpu_engine_command
+from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, router_command
+from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
 
 API_KEY = "test-job-key"
@@ -65,3 +68,24 @@ def engine(model: Path, log: Path) -> Server:
     port = free_port()
     argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1"))
     return start(argv, f"http://127.0.0.1:{port}", log, "/health")
+
+
+@contextlib.contextmanager
+def engines_behind_router(model: Path, log_dir: Path, count: int = 2) -> Iterator[tuple[RouterClient, list[Server]]]:
+    """`count` CPU engines behind a real router, all on loopback, all stopped by PID at the end."""
+    servers: list[Server] = []
+    try:
+        engines = [engine(model, log_dir / f"engine{i}.log") for i in range(count)]
+        servers += engines
+        port = free_port()
+        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
+        servers.append(start(argv, f"http://127.0.0.1:{port}", log_dir / "router.log", "/liveness"))
+        router = RouterClient(servers[-1].url, API_KEY)
+        for server in engines:
+            router.add_worker(server.url, api_key=API_KEY)
+        for server in engines:
+            router.wait_listed(server.url)
+        yield router, engines
+    finally:
+        for server in servers:
+            server.stop()

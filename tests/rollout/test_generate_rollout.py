@@ -17,15 +17,11 @@ import pytest
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
-from rollout.launch import (
-    RouterLaunch,
-    router_command,
-)
 from rollout.router_client import RouterClient
 from rollout.sample import Status
 from rollout.tiny_model import write_tiny_model
 from slurm.devcluster.daemons import wait_for
-from tests.rollout.servers import API_KEY, Server, engine, free_port, start
+from tests.rollout.servers import API_KEY, Server, engines_behind_router
 
 PROMPTS, N = 32, 4
 
@@ -37,23 +33,8 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Server]]]:
-    """Two engines behind a router, all on loopback, all stopped by PID at the end."""
-    servers: list[Server] = []
-    try:
-        engines = [engine(model, tmp_path / f"engine{i}.log") for i in range(2)]
-        servers += engines
-        port = free_port()
-        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
-        servers.append(start(argv, f"http://127.0.0.1:{port}", tmp_path / "router.log", "/liveness"))
-        router = RouterClient(servers[-1].url, API_KEY)
-        for server in engines:
-            router.add_worker(server.url, api_key=API_KEY)
-        for server in engines:
-            router.wait_listed(server.url)
-        yield router, engines
-    finally:
-        for server in servers:
-            server.stop()
+    with engines_behind_router(model, tmp_path) as pair:
+        yield pair
 
 
 def _args(model: Path, router: RouterClient) -> RolloutArgs:

@@ -5,10 +5,16 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import (gae, grpo_advantages, gspo_advantages, kl,
-                                reinforce_plus_plus_advantages,
-                                reinforce_plus_plus_baseline_advantages,
-                                reinforce_plus_plus_returns, whiten)
+from trainer.advantages import (
+    gae,
+    grpo_advantages,
+    gspo_advantages,
+    kl,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    reinforce_plus_plus_returns,
+    whiten,
+)
 
 
 def close(actual, expected, atol=1e-5):

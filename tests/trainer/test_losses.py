@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from trainer.losses import LossConfig, masked_mean, policy_loss, tis_weights, total_loss, value_loss
+from trainer.losses import (
+    LossConfig,
+    masked_mean,
+    policy_loss,
+    tis_weights,
+    total_loss,
+    value_loss,
+)
 
 
 def close(actual, expected, atol=1e-5):

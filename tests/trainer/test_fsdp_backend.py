@@ -1,0 +1,237 @@
+"""The fsdp backend on CPU (FSDP2 over gloo) against plain Hugging Face runs of the same model."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from rollout.tiny_model import write_tiny_model
+from tests.ckpt.tiny_hf import make_tiny_hf
+from trainer.args import ArgsError, parse_args
+from trainer.backend import PackLoss
+from trainer.batch import Pack, TrainSample, make_packs
+from trainer.fsdp_backend import FSDPBackend
+
+ATOL = 1e-5  # float32 throughout; packing and sharding only reorder sums
+MAX_TOKENS = 24  # small, so the five samples make packs of several samples each
+LR = 1e-2  # large, so one step moves the weights well beyond float noise
+LENGTHS = [(9, 4), (6, 3), (11, 5), (5, 2), (8, 1)]  # (tokens, response tokens)
+
+
+def _samples() -> list[TrainSample]:
+    gen = torch.Generator().manual_seed(0)
+    return [TrainSample(tokens=torch.randint(0, 100, (n,), generator=gen), response_length=r,
+                        loss_mask=torch.ones(r), reward=0.0) for n, r in LENGTHS]
+
+
+def _nll_loss(n_samples: int) -> PackLoss:
+    """Mean over samples of each sample's mean negative log-prob, pre-scaled for summation."""
+    def loss(pack: Pack, logps: list[Tensor], ents: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+        value = sum(-lp.mean() for lp in logps) / n_samples
+        metrics = {"nll": value.detach()}
+        if ents is not None:
+            metrics["entropy"] = sum(e.mean() for e in ents).detach() / n_samples
+        return value, metrics
+    return loss
+
+
+def _mean_nll(logps: dict[int, tuple[Tensor, Tensor | None]]) -> float:
+    return sum(float(-lp.mean()) for lp, _ in logps.values()) / len(logps)
+
+
+def _hf_model(model_dir: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_alone(model: transformers.PreTrainedModel, sample: TrainSample) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of the sample's response, the sample run alone through plain HF."""
+    with torch.no_grad():
+        logits = model(sample.tokens[None]).logits[0, sample.prompt_length - 1:-1]
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, sample.tokens[sample.prompt_length:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _assert_close(actual: Tensor, expected: Tensor) -> None:
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() <= ATOL
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"actor": write_tiny_model(root / "actor", seed=0), "ref": write_tiny_model(root / "ref", seed=1)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lone_process_group(tmp_path_factory):
+    init = tmp_path_factory.mktemp("pg") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_log_probs_equal_each_sample_alone(models, attn: str) -> None:
+    samples = _samples()
+    assert any(len(p.sample_ids) > 1 for p in make_packs(samples, list(range(5)), MAX_TOKENS))
+    backend = FSDPBackend(models["actor"], max_tokens_per_gpu=MAX_TOKENS, ref_checkpoint=models["ref"],
+                          attn_implementation=attn)
+    for name in ("actor", "ref"):
+        got = backend.log_probs(samples, list(range(5)), model=name, with_entropy=True)
+        assert sorted(got) == list(range(5))
+        hf_model = _hf_model(models[name])
+        for i, sample in enumerate(samples):
+            logp, ent = _hf_alone(hf_model, sample)
+            _assert_close(got[i][0], logp)
+            _assert_close(got[i][1], ent)
+    with pytest.raises(ValueError, match="'ref'"):
+        backend.log_probs(samples, [0], model="critic")
+
+
+def test_train_step_lowers_the_loss_and_changes_the_weights(models) -> None:
+    samples, ids = _samples(), list(range(5))
+    backend = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS)
+    before = backend.log_probs(samples, ids)
+    weights_before = dict(backend.hf_weights())
+    metrics = backend.train_step(samples, ids, _nll_loss(len(ids)), need_entropy=True)
+    # The metrics are summed over packs: the pre-scaled pieces add up to the batch mean.
+    assert metrics["nll"] == pytest.approx(_mean_nll(before), abs=ATOL)
+    assert metrics["grad_norm"] > 0 and metrics["lr"] == LR and "entropy" in metrics
+    assert _mean_nll(backend.log_probs(samples, ids)) < metrics["nll"] - 0.1
+    moved = [(w - weights_before[k]).abs().max().item() for k, w in backend.hf_weights()]
+    assert min(moved) > 1e-3  # every tensor took a step (Adam's first step is about lr each)
+
+
+def _scenario(backend: FSDPBackend) -> dict:
+    """Two steps (the second on one sample, so one of two ranks has none), then log-probs and
+    the weights."""
+    samples, ids = _samples(), list(range(len(LENGTHS)))
+    first = backend.train_step(samples, ids, _nll_loss(len(ids)), need_entropy=True)
+    second = backend.train_step(samples, [2], _nll_loss(1), need_entropy=False)
+    logps = backend.log_probs(samples, ids, with_entropy=True)
+    return {"metrics": [first, second], "logps": logps, "weights": dict(backend.hf_weights())}
+
+
+# Adam with eps 1 moves each weight about lr * g / (|g| + 1), nearly proportional to its
+# gradient, and no clipping: the weights then show the gradient's scale (a sum over ranks, not a
+# mean) and float-level noise, instead of Adam's first-step g / |g| blowing up the noise of
+# near-zero gradient elements.
+PARITY = {"lr": LR, "max_tokens_per_gpu": MAX_TOKENS, "adam_eps": 1.0, "clip_grad": 1e6}
+
+
+def _parallel_worker(rank: int, world: int, init_file: str, model_dir: Path, out: Path) -> None:
+    # A collective that one rank never joins fails after the timeout instead of hanging the test.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    result = _scenario(FSDPBackend(model_dir, **PARITY))
+    assert rank == 0 or not result["weights"]  # hf_weights yields on rank 0 only
+    torch.save(result, out / f"result_{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_take_the_same_step_as_one(models, tmp_path: Path) -> None:
+    mp.start_processes(_parallel_worker, args=(2, str(tmp_path / "rendezvous"), models["actor"], tmp_path),
+                       nprocs=2, start_method="spawn")
+    alone = _scenario(FSDPBackend(models["actor"], **PARITY))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"result_{rank}.pt")
+        # Averaging gradients over ranks instead of summing would halve grad_norm.
+        for got, want in zip(result["metrics"], alone["metrics"]):
+            assert got.keys() == want.keys()
+            for key in want:
+                assert got[key] == pytest.approx(want[key], abs=ATOL), key
+        for i, (logp, ent) in alone["logps"].items():
+            _assert_close(result["logps"][i][0], logp)
+            _assert_close(result["logps"][i][1], ent)
+    weights = torch.load(tmp_path / "result_0.pt")["weights"]
+    assert weights.keys() == alone["weights"].keys()
+    for name, tensor in alone["weights"].items():
+        _assert_close(weights[name], tensor)
+
+
+def _halving(step: int) -> float:
+    return 0.5 ** step
+
+
+def test_resume_takes_the_same_next_step(models, tmp_path: Path) -> None:
+    samples, ids, loss = _samples(), list(range(5)), _nll_loss(5)
+    first = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS, lr_schedule=_halving)
+    first.train_step(samples, ids, loss, need_entropy=False)
+    after_save = first.log_probs(samples, ids)
+    first.save(tmp_path, {"rollout_id": 7})
+    draw = torch.rand(4)
+    expected = first.train_step(samples, [0, 2, 4], loss, need_entropy=False)
+    expected_weights = dict(first.hf_weights())
+
+    torch.manual_seed(999)
+    resumed = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS, lr_schedule=_halving)
+    assert resumed.load(tmp_path, weights_only=False) == {"rollout_id": 7}
+    assert torch.equal(torch.rand(4), draw)  # RNG restored
+    assert expected["lr"] == LR / 2  # the schedule's second step
+    assert resumed.train_step(samples, [0, 2, 4], loss, need_entropy=False) == expected
+    for name, tensor in resumed.hf_weights():
+        assert torch.equal(tensor, expected_weights[name]), name
+
+    # weights_only: the saved weights, a fresh optimizer (so the next step differs).
+    weights_only = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS, lr_schedule=_halving)
+    assert weights_only.load(tmp_path, weights_only=True) == {}
+    for i, (logp, _) in weights_only.log_probs(samples, ids).items():
+        assert torch.equal(logp, after_save[i][0])
+    fresh = weights_only.train_step(samples, [0, 2, 4], loss, need_entropy=False)
+    assert fresh["nll"] == expected["nll"] and fresh["lr"] == LR
+    assert dict(weights_only.hf_weights())["model.norm.weight"].ne(expected_weights["model.norm.weight"]).any()
+
+
+def test_hf_weights_load_into_a_fresh_hf_model(models, tmp_path: Path) -> None:
+    samples, ids = _samples(), list(range(5))
+    backend = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS)
+    backend.train_step(samples, ids, _nll_loss(5), need_entropy=False)
+    weights = dict(backend.hf_weights())
+    # Tied embeddings: the checkpoint's names exactly, no lm_head.weight.
+    assert weights.keys() == load_file(models["actor"] / "model.safetensors").keys()
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    shutil.copy(models["actor"] / "config.json", exported)
+    save_file(weights, exported / "model.safetensors")
+    hf_model = _hf_model(exported)
+    for i, (logp, _) in backend.log_probs(samples, ids).items():
+        _assert_close(_hf_alone(hf_model, samples[i])[0], logp)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_hf_weights_keep_the_checkpoint_dtype_and_names(arch: str, tmp_path: Path) -> None:
+    model_dir = make_tiny_hf(arch, tmp_path / "bf16", tied=False, dtype=torch.bfloat16)
+    backend = FSDPBackend(model_dir)  # computes in fp32 on CPU
+    saved = load_file(model_dir / "model.safetensors")
+    weights = dict(backend.hf_weights())
+    # Untied: lm_head.weight is its own tensor. MoE: transformers fuses the experts of a layer
+    # into one tensor in memory; the checkpoint's per-expert tensors come back.
+    assert weights.keys() == saved.keys()
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, saved[name]), name
+
+
+def test_from_args_reads_the_trainer_flags(models, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("")
+    argv = ["--hf-checkpoint", str(models["actor"]), "--num-rollout", "1", "--prompt-data", str(prompts),
+            "--engine-urls", "http://127.0.0.1:1", "--train-backend", "fsdp", "--use-kl-loss",
+            "--lr", "0.5", "--lr-warmup-iters", "4", "--max-tokens-per-gpu", str(MAX_TOKENS)]
+    backend = FSDPBackend.from_args(parse_args(argv))
+    samples = _samples()
+    assert backend.max_tokens == MAX_TOKENS
+    # The KL reference is the starting checkpoint itself.
+    ref, actor = backend.log_probs(samples, [0], "ref"), backend.log_probs(samples, [0])
+    assert torch.equal(ref[0][0], actor[0][0])
+    assert backend.train_step(samples, [0], _nll_loss(1), need_entropy=False)["lr"] == 0.5 / 4  # warmup
+    with pytest.raises(ArgsError, match="--ref-load"):
+        FSDPBackend.from_args(parse_args(argv + ["--ref-load", str(tmp_path)]))

@@ -1,0 +1,136 @@
+"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention) on a tiny Qwen3 converted from HF:
+packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
+layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
+tensors under HF names."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+
+from ckpt_tools.convert import hf_to_torch_dist
+from rollout.tiny_model import write_tiny_model
+from tests.rollout.servers import free_port
+from trainer.args import build_parser, validate
+from trainer.batch import TrainSample
+from trainer.losses import LossConfig
+from trainer.rl_step import make_pack_loss
+
+ATOL = 1e-5
+LENGTHS = [(7, 3), (12, 5), (5, 1), (9, 4), (15, 6), (6, 2)]  # (total tokens, response tokens)
+
+
+def _samples(vocab: int) -> list[TrainSample]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for total, response in LENGTHS:
+        out.append(TrainSample(tokens=torch.randint(0, vocab, (total,), generator=g), response_length=response,
+                               loss_mask=torch.ones(response), reward=0.0,
+                               advantages=torch.randn(response, generator=g)))
+    return out
+
+
+def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Path, ckpt: Path, out: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from trainer.megatron_backend import (
+        MegatronBackend,  # imports megatron: only in the workers
+    )
+
+    args = build_parser().parse_args([
+        "--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only",
+        "--load-debug-rollout-data", "unused/{rollout_id}", "--tensor-model-parallel-size", str(tp),
+        "--attention-backend", attention, "--lr", "1e-2", "--clip-grad", "0.5", "--max-tokens-per-gpu", "24",
+        # Adam's first step is about lr * sign(g): float noise in a near-zero gradient element would
+        # flip it. With eps = 1 the update follows the gradient, so layouts can be compared.
+        "--adam-eps", "1"])
+    validate(args)
+    backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
+    backend.load(ckpt, weights_only=True)
+    before = {name: t.clone() for name, t in backend.hf_weights()}  # they may share the live model's memory
+    samples = _samples(backend.shape.vocab_size)
+    ids = list(range(len(samples)))
+    logps = backend.log_probs(samples, ids, with_entropy=True)
+    for i, s in enumerate(samples):
+        s.old_log_probs = logps[i][0] + (0.3 if i % 2 else -0.3)  # off-policy enough that clipping matters
+    metrics = backend.train_step(samples, ids, make_pack_loss(LossConfig(), samples, ids), need_entropy=False)
+    weights = dict(backend.hf_weights())
+    if rank == 0:
+        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights}, out / f"result_tp{tp}_world{world}_{attention}.pt")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("megatron_backend")
+    model = write_tiny_model(root / "model", seed=0)
+    ckpt = hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+    return model, ckpt
+
+
+def _run(tiny: tuple[Path, Path], tmp_path: Path, tp: int, world: int, attention: str) -> dict:
+    model, ckpt = tiny
+    mp.start_processes(_worker, args=(world, free_port(), tp, attention, model, ckpt, tmp_path), nprocs=world,
+                       start_method="spawn")
+    return torch.load(tmp_path / f"result_tp{tp}_world{world}_{attention}.pt")
+
+
+def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            logits = hf(s.tokens[None]).logits[0, :-1]
+            logp = torch.log_softmax(logits, -1).gather(-1, s.tokens[1:, None]).squeeze(-1)
+            out.append(logp[-s.response_length:])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tiny, tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("runs")
+    layouts = (("tp1", 1, 1, "local"), ("tp2", 2, 2, "local"), ("dp2", 1, 2, "local"), ("tp2_sdpa", 2, 2, "sdpa"))
+    return {name: _run(tiny, tmp, tp, world, attention) for name, tp, world, attention in layouts}
+
+
+def test_packed_log_probs_equal_hf(tiny, results) -> None:
+    model, _ = tiny
+    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
+    for name, result in results.items():
+        for i, want in enumerate(expected):
+            got = result["logps"][i][0]
+            assert got.shape == want.shape
+            assert (got - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
+
+
+def test_one_step_is_the_same_in_every_layout(results) -> None:
+    base = results["tp1"]
+    assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
+    for name in ("tp2", "dp2", "tp2_sdpa"):
+        other = results[name]
+        for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
+            assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
+        for hf_name, tensor in base["weights"].items():
+            assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
+
+
+def test_hf_weights_have_hf_names_and_changed(tiny, results) -> None:
+    model, _ = tiny
+    from safetensors.torch import load_file
+
+    initial = load_file(model / "model.safetensors")
+    for name, result in results.items():
+        assert result["before"].keys() == initial.keys()
+        for key, tensor in initial.items():
+            assert torch.equal(result["before"][key], tensor), f"{name}: {key} does not round-trip"
+    after = results["tp2"]["weights"]
+    assert set(after) == set(initial)
+    for name, tensor in initial.items():
+        assert after[name].shape == tensor.shape and after[name].dtype == tensor.dtype, name
+    changed = [n for n in initial if not torch.equal(after[n], initial[n])]
+    assert len(changed) == len(initial), f"a step should move every tensor; unchanged: {set(initial) - set(changed)}"

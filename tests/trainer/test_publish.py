@@ -1,0 +1,228 @@
+"""Weight publishing against real CPU engines on 127.0.0.1: over disk and over gloo (the CPU
+form of the nccl transport), in several buckets, with engines that die, hang or answer errors.
+Every check reads the weights back from the engines, so nothing passes unless they moved."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from rollout.tiny_model import write_tiny_model
+from tests.rollout import servers
+from trainer.publish import PublishResult, WeightPublisher
+
+BUCKET = 64 * 1024  # the tiny model is about 320 KiB: several buckets (and disk shards)
+AUTH = {"Authorization": f"Bearer {servers.API_KEY}"}
+Tensors = list[tuple[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("publish") / "model")
+
+
+@pytest.fixture(scope="module")
+def base(model: Path) -> dict[str, torch.Tensor]:
+    return load_file(model / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[servers.Server]]:
+    logs = tmp_path_factory.mktemp("engine-logs")
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(servers.engine, model, logs / f"engine{i}.log") for i in range(2)]
+    started = [f.result() for f in futures if f.exception() is None]
+    try:
+        if len(started) < 2:
+            raise next(f.exception() for f in futures if f.exception() is not None)
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def shifted(base: dict[str, torch.Tensor], delta: float, dtype: torch.dtype = torch.float32) -> Tensors:
+    """Every tensor + delta, in `dtype`: the new weights a training step would produce."""
+    return [(name, (tensor + delta).to(dtype)) for name, tensor in sorted(base.items())]
+
+
+def assert_serving(url: str, version: str, tensors: Tensors) -> None:
+    info = requests.get(url + "/model_info", headers=AUTH, timeout=10).json()
+    assert info["weight_version"] == version
+    for name, expected in tensors:
+        got = requests.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 10**6},
+                            headers=AUTH, timeout=10).json()
+        assert torch.equal(torch.tensor(got, dtype=torch.float32), expected.float()), name
+
+
+def timed(publisher: WeightPublisher, version: str, engines: list[str], weights) -> tuple[PublishResult, float]:
+    start = time.monotonic()
+    result = publisher.publish(version, engines, weights)
+    return result, time.monotonic() - start
+
+
+def visible_incomplete(weights_dir: Path) -> list[str]:
+    """Version folders an engine could be pointed at that lack their index or config (one that
+    vanished while being looked at was being removed, which hides it first)."""
+    if not weights_dir.is_dir():
+        return []
+    return [e.name for e in weights_dir.iterdir() if not e.name.startswith(".")
+            and not ((e / "model.safetensors.index.json").is_file() and (e / "config.json").is_file())
+            and e.exists()]
+
+
+def test_disk_publish_reaches_every_engine_and_keeps_the_last_versions(
+        engines: list[servers.Server], model: Path, base: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    urls = [e.url for e in engines]
+    weights_dir = tmp_path / "weights"
+    publisher = WeightPublisher("disk", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, keep_versions=2,
+                                timeout_s=60)
+    seen_incomplete: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:  # what a reader of the job dir could see while publishes run
+        while not done.wait(0.002):
+            seen_incomplete.extend(visible_incomplete(weights_dir))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        # v4 twice: a resumed run publishes a version again, and its folder is replaced.
+        for version, delta, dtype in (("v2", 0.01, torch.float32), ("v3", 0.02, torch.bfloat16),
+                                      ("v4", 0.03, torch.float32), ("v4", 0.04, torch.float32)):
+            weights = shifted(base, delta, dtype)
+            result, seconds = timed(publisher, version, urls, iter(weights))
+            assert result.updated == urls and result.fenced == {}
+            assert result.bytes == sum(t.numel() * t.element_size() for _, t in weights)
+            for url in urls:
+                assert_serving(url, version, weights)
+            print(f"disk publish {version}: {seconds:.3f} s for {result.bytes} bytes to 2 engines")
+        with pytest.raises(RuntimeError, match="trainer failed"):  # the caller's weights break off
+            publisher.publish("v5", urls, (item if i < 5 else _fail() for i, item in enumerate(shifted(base, 0.05))))
+    finally:
+        done.set()
+        watcher.join()
+    assert seen_incomplete == []
+    assert sorted(e.name for e in weights_dir.iterdir()) == ["v3", "v4"]  # no v5, no temporary folder
+    shards = sorted(p.name for p in (weights_dir / "v4").glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert {p.name for p in model.iterdir() if p.suffix != ".safetensors"} <= {p.name for p in (weights_dir / "v4").iterdir()}
+
+
+def _fail() -> tuple[str, torch.Tensor]:
+    raise RuntimeError("trainer failed while gathering weights")
+
+
+def test_dead_or_failing_engines_are_fenced_and_the_others_still_update(
+        engines: list[servers.Server], model: Path, base: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    live = engines[0].url
+    dead = f"http://127.0.0.1:{servers.free_port()}"  # nothing listens there
+    failing = engines[1].url + "/no-such-prefix"  # a live server answering 404
+    calls: list[tuple[str, str]] = []
+    publisher = WeightPublisher("disk", tmp_path, model, servers.API_KEY, timeout_s=30,
+                                on_fence=lambda url, reason: calls.append((url, reason)))
+    weights = shifted(base, 0.06)
+    result = publisher.publish("v6", [dead, live, failing], iter(weights))
+    assert result.updated == [live]
+    assert set(result.fenced) == {dead, failing} and dict(calls) == result.fenced and len(calls) == 2
+    assert "ConnectionError" in result.fenced[dead] and "404" in result.fenced[failing]
+    assert all(servers.API_KEY not in reason for reason in result.fenced.values())
+    assert_serving(live, "v6", weights)
+
+
+def test_gloo_publish_in_buckets_keeps_its_group(engines: list[servers.Server], model: Path,
+                                                 base: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    urls = [e.url for e in engines]
+    publisher = WeightPublisher("nccl", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=60,
+                                backend="gloo")
+    try:
+        names = []
+        for version, delta, dtype in (("v7", 0.07, torch.float32), ("v8", 0.08, torch.bfloat16),
+                                      ("v9", 0.09, torch.float32)):
+            weights = shifted(base, delta, dtype)
+            result, seconds = timed(publisher, version, urls, iter(weights))
+            assert result.updated == urls and result.fenced == {}
+            for url in urls:
+                assert_serving(url, version, weights)
+            names.append(publisher.group_name)
+            print(f"gloo publish {version}: {seconds:.3f} s for {result.bytes} bytes to 2 engines")
+        assert publisher.group_engines == urls and names[0] is not None and names == [names[0]] * 3
+        assert not (tmp_path / "weights").exists()  # nothing went through the disk
+    finally:
+        publisher.close()
+    for url in urls:  # close() destroyed the group on every engine
+        answer = requests.post(url + "/destroy_weights_update_group", json={"group_name": names[0]},
+                               headers=AUTH, timeout=10)
+        assert answer.status_code == 400
+
+
+def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, freezing an engine (SIGSTOP) once the publisher asks for tensor `index`:
+    mid-publish, after some buckets went out."""
+    for i, item in enumerate(weights):
+        if i == index:
+            os.kill(pid, signal.SIGSTOP)
+        yield item
+
+
+def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Server], model: Path,
+                                                      base: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """Last in the file: it freezes the second module engine for good."""
+    timeout = 5.0
+    (a, b), hung = (e.url for e in engines), engines[1]
+    fenced: list[str] = []
+    publisher = WeightPublisher("nccl", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=timeout,
+                                backend="gloo", on_fence=lambda url, reason: fenced.append(url))
+    fresh = None
+    try:
+        # Frozen mid-broadcast: bounded by the timeout, the engine is fenced, the group dropped.
+        weights = shifted(base, 0.11)
+        stream = stop_process_at(weights, len(weights) // 2, hung.proc.pid)
+        result, seconds = timed(publisher, "v11", [a, b], stream)
+        print(f"gloo publish with an engine frozen mid-broadcast: {seconds:.1f} s, fenced {result.fenced}")
+        assert b in result.fenced and fenced == list(result.fenced)
+        assert seconds < 2 * timeout and publisher.group_engines == []
+        assert next(stream, None) is None  # drawn to the end all the same: gathering it is collective
+
+        # The next publish, without it, works.
+        weights = shifted(base, 0.12)
+        result = publisher.publish("v12", [a], iter(weights))
+        assert result.updated == [a], result.fenced
+        assert_serving(a, "v12", weights)
+        alone = publisher.group_name
+
+        # A freshly started engine replaces it: the group is rebuilt around the new set.
+        fresh = servers.engine(model, tmp_path / "fresh.log")
+        weights = shifted(base, 0.13, torch.bfloat16)
+        result = publisher.publish("v13", [a, fresh.url], iter(weights))
+        assert result.updated == [a, fresh.url] and publisher.group_engines == [a, fresh.url]
+        assert publisher.group_name != alone
+        for url in (a, fresh.url):
+            assert_serving(url, "v13", weights)
+
+        # Dead before the publish: fenced at once, the other still updated.
+        fresh.stop()
+        weights = shifted(base, 0.14)
+        result, seconds = timed(publisher, "v14", [a, fresh.url], iter(weights))
+        assert result.updated == [a] and list(result.fenced) == [fresh.url] and seconds < timeout
+        assert_serving(a, "v14", weights)
+
+        # No engine left: nothing is sent, yet every tensor is still drawn.
+        stream = iter(shifted(base, 0.15))
+        result = publisher.publish("v15", [fresh.url], stream)
+        assert result.updated == [] and list(result.fenced) == [fresh.url] and next(stream, None) is None
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        publisher.close()
+        if fresh is not None:
+            fresh.stop()

@@ -1,0 +1,131 @@
+"""The whole loop, no mocks: `python -m trainer` (megatron backend, gloo) + 2 CPU engines + the real
+sglang-router on the toy task.
+
+- The reward rises from about 0.05 to above 0.6: the engines generate every sample, so this only
+  happens if each new weight version reaches them.
+- Save, resume, continue: an interrupted run whose latest checkpoint is damaged falls back to the
+  one before and then produces exactly the rollout ids, data and losses of an uninterrupted run.
+- --true-on-policy-mode: the trainer's log-probs equal the engines' to 1e-5.
+- --debug-train-only trains on saved rollouts without engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from rollout.router_client import RouterClient
+from rollout.tiny_model import write_tiny_model
+from rollout.toy_task import write_toy_data
+from tests.rollout.servers import API_KEY, Server, engines_behind_router
+
+TOY = ["--label-key", "label", "--rm-type", "toy", "--rollout-shuffle", "--rollout-max-response-len", "1",
+       "--n-samples-per-prompt", "8", "--attention-backend", "local"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("rl_loop")
+    return write_tiny_model(root / "model", seed=0), write_toy_data(root / "toy.jsonl", num_prompts=64)
+
+
+@pytest.fixture(scope="module")
+def cluster(files, tmp_path_factory) -> Iterator[tuple[RouterClient, list[Server]]]:
+    # Shared by the tests: every trainer run first publishes its own starting weights.
+    with engines_behind_router(files[0], tmp_path_factory.mktemp("servers")) as pair:
+        yield pair
+
+
+def trainer(files: tuple[Path, Path], router: RouterClient | None, job: Path, *flags: str,
+            timeout_s: float = 600) -> str:
+    """Run `python -m trainer` to its end; returns its output (asserts exit 0)."""
+    model, data = files
+    argv = [sys.executable, "-m", "trainer", "--hf-checkpoint", str(model), "--prompt-data", str(data),
+            "--job-dir", str(job), *TOY, *flags]
+    if router is not None:
+        host, port = router.url.removeprefix("http://").split(":")
+        argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
+    done = subprocess.run(argv, env={**os.environ, "SLURMRL_API_KEY": API_KEY}, capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"trainer failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout + done.stderr
+
+
+def metrics(job: Path) -> list[dict]:
+    return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_reward_rises_and_engines_follow_the_weights(files, cluster, tmp_path: Path) -> None:
+    router, engines = cluster
+    rollouts = 30
+    trainer(files, router, tmp_path / "job", "--num-rollout", str(rollouts), "--rollout-batch-size", "16",
+            "--lr", "1e-2")
+    rewards = [m["reward_mean"] for m in metrics(tmp_path / "job")]
+    assert [m["rollout_id"] for m in metrics(tmp_path / "job")] == list(range(rollouts))
+    assert rewards[0] < 0.2, rewards
+    assert sum(rewards[-8:]) / 8 > 0.6, f"the reward did not rise: {rewards}"
+    for engine in engines:
+        info = requests.get(engine.url + "/model_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert info.json()["weight_version"] == str(rollouts), "an engine missed the last weight version"
+        served = engine.log.read_text()
+        assert f"weight_version={rollouts - 1} " in served, "an engine never served a late weight version"
+
+
+def _rollout_tokens(job: Path, rollout_id: int) -> list[list[int]]:
+    groups = json.loads((job / "rollouts" / f"{rollout_id}.json").read_text())["groups"]
+    return [s["tokens"] for group in groups for s in group]
+
+
+def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cluster, tmp_path: Path) -> None:
+    router, _ = cluster
+    common = ["--rollout-batch-size", "8", "--lr", "1e-2", "--save-interval", "2", "--seed", "7"]
+
+    def run(name: str, rollouts: int) -> str:
+        job = tmp_path / name
+        return trainer(files, router, job, "--num-rollout", str(rollouts), "--save", str(job / "ckpt"),
+                       "--load", str(job / "ckpt"), "--save-debug-rollout-data", str(job / "rollouts/{rollout_id}.json"),
+                       *common)
+
+    run("whole", 6)
+    run("parts", 4)  # saves after rollouts 1 and 3
+    latest = tmp_path / "parts/ckpt/iter_0000003"
+    victim = max(latest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    output = run("parts", 6)
+    assert "iter_0000003 is damaged" in output and "resumed from" in output and "iter_0000001" in output
+
+    whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
+    assert [m["rollout_id"] for m in parts] == list(range(6)), "a rollout id was skipped or repeated"
+    for a, b in zip(whole, parts):
+        for key in ("reward_mean", "loss", "pg_loss", "grad_norm", "weight_version"):
+            assert a[key] == b[key], f"rollout {a['rollout_id']}: {key} {a[key]} != {b[key]}"
+    for rollout_id in range(6):
+        assert _rollout_tokens(tmp_path / "whole", rollout_id) == _rollout_tokens(tmp_path / "parts", rollout_id)
+
+
+def test_true_on_policy_mode_matches_the_engines(files, cluster, tmp_path: Path) -> None:
+    router, _ = cluster
+    trainer(files, router, tmp_path / "job", "--num-rollout", "2", "--rollout-batch-size", "8",
+            "--true-on-policy-mode", "--lr", "1e-2")
+    for m in metrics(tmp_path / "job"):
+        assert m["logp_mismatch_max"] < 1e-5
+
+
+def test_debug_train_only_needs_no_engines(files, cluster, tmp_path: Path) -> None:
+    router, _ = cluster
+    saved = str(tmp_path / "rollouts/{rollout_id}.json")
+    trainer(files, router, tmp_path / "collect", "--num-rollout", "2", "--rollout-batch-size", "8",
+            "--save-debug-rollout-data", saved)
+    trainer(files, None, tmp_path / "replay", "--num-rollout", "2", "--rollout-batch-size", "8",
+            "--debug-train-only", "--load-debug-rollout-data", saved)
+    replayed, collected = metrics(tmp_path / "replay"), metrics(tmp_path / "collect")
+    assert [m["reward_mean"] for m in replayed] == [m["reward_mean"] for m in collected]
+    assert [m["loss"] for m in replayed] == [m["loss"] for m in collected]

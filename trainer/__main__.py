@@ -1,0 +1,30 @@
+"""`python -m trainer [flags]`: one process per GPU (or CPU worker), as a SLURM step or alone."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from trainer.args import ArgsError, main_error, parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args = parse_args(argv)
+    except ArgsError as err:
+        main_error(err)
+    from trainer import dist_env
+    from trainer.setup import build
+
+    dist_env.setup(master_port=args.master_port)
+    try:
+        loop, initial, load_reference = build(args)
+    except ArgsError as err:
+        main_error(err)
+    loop.start(initial, load_reference)
+    loop.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

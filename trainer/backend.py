@@ -1,0 +1,68 @@
+"""The contract between the RL loop and a training backend (megatron, fsdp).
+
+Every method is collective: every rank of the trainer calls it with the same arguments (the
+whole batch is broadcast to every rank first). A backend splits the batch over its
+data-parallel ranks itself; log-probs come back to every rank for the samples it was given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainer.batch import Pack, TrainSample
+
+# (pack, per-sample log-probs [R] with grad, per-sample entropies [R] or None) -> (loss, metrics)
+# The loss is already scaled so that summing it over every micro-batch of every data-parallel
+# rank gives the global batch's loss.
+PackLoss = Callable[[Pack, list[Tensor], list[Tensor] | None], tuple[Tensor, dict[str, Tensor]]]
+
+
+class Backend(ABC):
+    rank: int  # global rank in the trainer
+    world_size: int
+    dp_rank: int
+    dp_size: int
+
+    @abstractmethod
+    def log_probs(self, samples: list[TrainSample], ids: list[int], model: str = "actor",
+                  with_entropy: bool = False) -> dict[int, tuple[Tensor, Tensor | None]]:
+        """No-grad per-token log-probs (and entropies) of the response tokens of samples `ids`
+        under `model` ("actor", or "ref" when a reference model was loaded). Returns, on every
+        rank, the result for every id (gathered over data-parallel ranks)."""
+
+    @abstractmethod
+    def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
+                   need_entropy: bool) -> dict[str, float]:
+        """One optimizer step on the global batch `ids`: forward/backward over micro-batches
+        of this rank's share, gradient all-reduce, clipping, the optimizer and LR schedule.
+        Returns metrics averaged over the batch, plus grad_norm and lr."""
+
+    @abstractmethod
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The actor's weights under Hugging Face names, full (gathered over model-parallel
+        ranks), in the HF dtype. Collective: yields on global rank 0 only, nothing elsewhere.
+        The tensors may share memory with the live model: use them before the next step."""
+
+    @abstractmethod
+    def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
+        """Write model, optimizer and RNG state plus `common` (rank 0's loop state) into the
+        existing, empty folder ckpt_dir. Collective."""
+
+    @abstractmethod
+    def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
+        """Read what save() wrote (weights_only: only the model, e.g. --ref-load or a converted
+        HF checkpoint) and return `common` ({} when weights_only). Collective."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's obj on every rank (over a CPU group, whatever the training backend)."""
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    cpu_group: Any = None  # a gloo group over all trainer ranks, set by the backend

@@ -1,0 +1,68 @@
+"""torch.distributed's environment for the trainer: from a SLURM step, torchrun, or nothing.
+
+In a SLURM step each task is one rank: RANK = SLURM_PROCID, WORLD_SIZE = SLURM_NTASKS,
+LOCAL_RANK = SLURM_LOCALID, and the master is the step's first node (for a heterogeneous job,
+the first node of the trainer's group, which is the group the step runs in). torchrun's
+variables, when present, win; a lone process gets a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import MutableMapping
+
+# Ports below this are the devcluster's and the usual services'; the job id spreads jobs apart.
+_PORT_BASE, _PORT_SPAN = 20000, 20000
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM nodelist expression ("node[1-3],gpu7" -> "node1")."""
+    if "[" not in nodelist and "," not in nodelist:
+        return nodelist
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
+def master_address(host: str) -> str:
+    """The address other nodes reach `host` on (devcluster nodes are names for 127.0.0.1)."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def setup(env: MutableMapping[str, str] = os.environ, master_port: int | None = None) -> None:
+    """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in `env` where missing."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return  # torchrun, or set by hand
+    if "SLURM_PROCID" in env and "SLURM_STEP_NODELIST" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("MASTER_ADDR", master_address(first_node(env["SLURM_STEP_NODELIST"])))
+        job = int(env.get("SLURM_JOB_ID", "0"))
+        env.setdefault("MASTER_PORT", str(master_port or _PORT_BASE + job % _PORT_SPAN))
+        return
+    env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(master_port or _free_port()))
+
+
+def init_process_group() -> None:
+    """The default process group from the environment setup() filled: NCCL with GPUs, else gloo."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        # SLURM may already have narrowed CUDA_VISIBLE_DEVICES to this task's GPU.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,303 @@
+"""The `fsdp` training backend: a Hugging Face causal LM sharded with PyTorch FSDP2.
+
+Weights load straight from an HF folder (every rank reads it, then fully_shard keeps one shard
+per rank: one FSDP unit per decoder layer plus the root). FSDP2 runs on CPU over gloo in the
+torch this project pins (2.13), so CPU uses the same code path as GPU; only the dtype differs
+(fp32 on CPU; bf16 compute with fp32 master weights and fp32 gradient reduction on GPU).
+
+Samples are packed several to a sequence (trainer.batch.make_packs); a packed row restarts its
+position ids at each sample and carries a block-diagonal causal mask (or, with flash attention,
+lets HF derive the varlen boundaries from the position ids), so no sample attends to another.
+
+FSDP runs a collective in every layer's forward and backward, so every rank runs the same
+number of forward (and backward) passes: a rank with fewer packs pads with one-token dummies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import transformers
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
+
+from trainer.backend import Backend, PackLoss
+from trainer.batch import (
+    Pack,
+    TrainSample,
+    make_packs,
+    response_slices,
+    split_for_data_parallel,
+)
+from trainer.checkpoint import process_rng_state, set_process_rng_state
+from trainer.loop import seed_everything
+from trainer.lr_schedule import lr_lambda
+
+Result = tuple[Tensor, Tensor | None]  # per-token log-probs [R], entropies [R] or None
+_LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+class FSDPBackend(Backend):
+    def __init__(self, hf_checkpoint: str | Path, lr: float = 1e-6, weight_decay: float = 0.0,
+                 adam_betas: tuple[float, float] = (0.9, 0.98), adam_eps: float = 1e-8,
+                 clip_grad: float = 1.0, max_tokens_per_gpu: int = 4096, seed: int = 1234,
+                 dtype: torch.dtype = torch.bfloat16, ref_checkpoint: str | Path | None = None,
+                 lr_schedule: Callable[[int], float] | None = None,
+                 attn_implementation: str | None = None) -> None:
+        """torch.distributed must already be initialised (gloo on CPU, nccl on GPU).
+        dtype: the compute dtype on GPU (master weights and gradient reduction stay fp32); CPU
+        always computes in fp32. lr_schedule: the LR factor of each optimizer step (constant 1
+        when None). attn_implementation: HF's (sdpa, eager, flash_attention_2...), HF's default
+        when None."""
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = self.rank, self.world_size
+        self.cpu_group = dist.new_group(backend="gloo")
+        self.device = _device()
+        self.dtype = dtype if self.device.type == "cuda" else torch.float32
+        self.clip_grad = clip_grad
+        self.max_tokens = max_tokens_per_gpu
+        seed_everything(seed)
+        self.hf_dtype = _checkpoint_dtype(hf_checkpoint)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.model = self._load(hf_checkpoint, mesh, attn_implementation, trainable=True)
+        self.ref_model = (self._load(ref_checkpoint, mesh, attn_implementation, trainable=False)
+                          if ref_checkpoint is not None else None)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=adam_betas, eps=adam_eps,
+                                           weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_schedule or (lambda step: 1.0))
+        self.flash = self.model.config._attn_implementation.startswith("flash_attention")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FSDPBackend:
+        """From the trainer's flags. The reference model (KL) is --hf-checkpoint itself."""
+        return cls(args.hf_checkpoint, lr=args.lr, weight_decay=args.weight_decay,
+                   adam_betas=(args.adam_beta1, args.adam_beta2), adam_eps=args.adam_eps,
+                   clip_grad=args.clip_grad, max_tokens_per_gpu=args.max_tokens_per_gpu, seed=args.seed,
+                   dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                   ref_checkpoint=args.hf_checkpoint if args.ref_model_needed else None,
+                   lr_schedule=lr_lambda(args))
+
+    def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
+              trainable: bool) -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation)
+        # No dropout ever: train_step's log-probs must equal log_probs()'s for the same weights.
+        model.eval()
+        model.requires_grad_(trainable)
+        # Compute in self.dtype, reduce gradients in fp32 (a no-op policy when both are fp32).
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        # FSDP averages gradients over ranks; the losses are pre-scaled to be summed. A plain
+        # SUM collective: a divide factor alone asks for PREMUL_SUM, which gloo lacks.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def _pack_logits(self, model: nn.Module, pack: Pack) -> Tensor:
+        """Logits [T, V] of one packed row, each sample seeing only itself."""
+        tokens = pack.tokens.to(self.device)[None]
+        positions = pack.position_ids.to(self.device)[None]
+        # Flash attention reads sample boundaries from the restarting position ids; eager and
+        # sdpa take the explicit mask (HF passes a 4-D mask through unchanged).
+        mask = None if self.flash else block_causal_mask(pack.cu_seqlens, self.dtype, self.device)
+        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False).logits[0]
+
+    def _padded_packs(self, samples: list[TrainSample], ids: list[int]) -> list[Pack]:
+        """This rank's share packed, padded with dummies to the largest pack count of any rank."""
+        mine = split_for_data_parallel(samples, ids, self.dp_size)[self.dp_rank]
+        packs = make_packs(samples, mine, self.max_tokens)
+        count = torch.tensor([len(packs)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return packs + [_dummy_pack() for _ in range(int(count) - len(packs))]
+
+    def log_probs(self, samples: list[TrainSample], ids: list[int], model: str = "actor",
+                  with_entropy: bool = False) -> dict[int, Result]:
+        net = self._model(model)
+        mine: dict[int, Result] = {}
+        with torch.no_grad():
+            for pack in self._padded_packs(samples, ids):
+                logits = self._pack_logits(net, pack)
+                logps, ents = response_log_probs(logits, pack.tokens.to(self.device),
+                                                 response_slices(pack, samples), with_entropy)
+                for k, i in enumerate(pack.sample_ids):
+                    mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
+        gathered: list[dict[int, Result]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, mine, group=self.cpu_group)
+        return {i: result for part in gathered for i, result in part.items()}
+
+    def _model(self, name: str) -> nn.Module:
+        if name == "actor":
+            return self.model
+        if name == "ref" and self.ref_model is not None:
+            return self.ref_model
+        raise ValueError(f"no model {name!r}: 'actor', or 'ref' when ref_checkpoint was given")
+
+    # ---- training -----------------------------------------------------------------------------
+
+    def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
+                   need_entropy: bool) -> dict[str, float]:
+        sums: dict[str, Tensor] = {}
+        for pack in self._padded_packs(samples, ids):
+            logits = self._pack_logits(self.model, pack)
+            if not pack.sample_ids:  # dummy: a zero loss still runs every layer's gradient reduce
+                (logits.sum() * 0).backward()
+                continue
+            logps, ents = response_log_probs(logits, pack.tokens.to(self.device),
+                                             response_slices(pack, samples), need_entropy)
+            value, metrics = loss(pack, logps, ents)
+            value.backward()
+            for key, metric in metrics.items():  # tensors: no host sync per micro-batch
+                sums[key] = sums.get(key, 0.0) + metric.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        totals = self._sum_over_ranks(sums)
+        totals.update(grad_norm=float(_full(grad_norm)), lr=lr)
+        return totals
+
+    def _sum_over_ranks(self, sums: dict[str, Tensor]) -> dict[str, float]:
+        # Objects, not a tensor all-reduce: a rank without samples has no metric keys at all.
+        gathered: list[dict[str, float]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, {key: float(value) for key, value in sums.items()}, group=self.cpu_group)
+        totals: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    # ---- weights and checkpoints --------------------------------------------------------------
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Streams one decoder layer at a time, so rank 0 never holds the whole model."""
+        chunk: dict[str, Tensor] = {}
+        chunk_key = None
+        for name, tensor in _untied_state(self.model):
+            key = _chunk_key(name)
+            if chunk and key != chunk_key:
+                yield from self._hf_chunk(chunk)
+                chunk = {}
+            chunk_key = key
+            full = _full(tensor.detach())  # collective: every rank gathers
+            if self.rank == 0:  # a copy: on one rank `full` is the live parameter itself
+                chunk[name] = full.to("cpu", self.hf_dtype, copy=True)
+        if chunk:
+            yield from self._hf_chunk(chunk)
+
+    def _hf_chunk(self, chunk: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+        # transformers may load checkpoint tensors into fused ones (e.g. MoE experts); undo that.
+        yield from revert_weight_conversion(self.model, chunk).items()
+
+    def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt_dir)
+        torch.save(process_rng_state(), Path(ckpt_dir) / f"rng_{self.rank}.pt")
+        if self.rank == 0:
+            torch.save({**common, "lr_scheduler": self.scheduler.state_dict()}, Path(ckpt_dir) / "common.pt")
+        dist.barrier(group=self.cpu_group)
+
+    def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
+        ckpt_dir = Path(ckpt_dir)
+        if weights_only:
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=ckpt_dir)
+            set_model_state_dict(self.model, state["model"])
+            return {}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        set_process_rng_state(torch.load(ckpt_dir / f"rng_{self.rank}.pt", weights_only=False))
+        # The loop state is the job's own file, written by save(): trusted, any picklable value.
+        common = torch.load(ckpt_dir / "common.pt", weights_only=False)
+        self.scheduler.load_state_dict(common.pop("lr_scheduler"))
+        return common
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def block_causal_mask(cu_seqlens: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask [1, 1, T, T]: 0 where query q may see key k (same sample, k <= q), the
+    dtype's minimum elsewhere. Float, not bool: eager attention adds the mask to the scores."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths).to(device)
+    pos = torch.arange(sample.numel(), device=device)
+    allowed = (sample[:, None] == sample[None, :]) & (pos[None, :] <= pos[:, None])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def response_log_probs(logits: Tensor, tokens: Tensor, slices: list[slice],
+                       with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Per sample: log-prob of each response token (fp32 log-softmax of the logits one position
+    before it) and, when asked, the entropy of that distribution."""
+    logps, ents = [], []
+    for sl in slices:
+        logp_all = torch.log_softmax(logits[sl].float(), dim=-1)
+        targets = tokens[sl.start + 1:sl.stop + 1]
+        logps.append(logp_all.gather(-1, targets[:, None]).squeeze(-1))
+        if with_entropy:
+            ents.append(-(logp_all.exp() * logp_all).sum(-1))
+    return logps, ents if with_entropy else None
+
+
+def _dummy_pack() -> Pack:
+    return Pack(sample_ids=[], tokens=torch.zeros(1, dtype=torch.int64),
+                cu_seqlens=torch.tensor([0, 1], dtype=torch.int32))
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The dtype the HF folder stores its weights in (fp32 when the config does not say)."""
+    dtype = getattr(transformers.AutoConfig.from_pretrained(path), "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _untied_state(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The state dict without tied aliases: a tied tensor keeps its first name (e.g. the input
+    embedding, not lm_head), as HF's save_pretrained writes it."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor
+
+
+def _chunk_key(name: str) -> str:
+    """'model.layers.3' for a decoder layer's tensors, '' for the others."""
+    match = _LAYER_PREFIX.match(name)
+    return match.group(1) if match else ""

@@ -1,0 +1,243 @@
+"""The RL loop. Rank 0 drives it (rollout, rewards, publishing, reports); every rank trains.
+
+    for rollout_id from the resume point:
+        generate_rollout -> broadcast the samples -> old/ref log-probs -> advantages
+        -> optimizer steps over global batches -> publish weights as version v+1
+        -> every --save-interval rollouts (and at the end), save
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.buffer import DataBuffer
+from rollout.data import JsonlDataSource
+from rollout.generate import RolloutArgs, generate_rollout
+from rollout.router_client import RouterClient
+from trainer import checkpoint, rl_step
+from trainer.backend import Backend
+from trainer.batch import TrainSample
+from trainer.metrics import Reporter
+
+log = logging.getLogger(__name__)
+
+
+class OffPolicyError(RuntimeError):
+    """--true-on-policy-mode: the trainer's log-probs differ from the engine's."""
+
+
+def rollout_args(args: argparse.Namespace, router_url: str, on_engine_failure: Callable[[str], None] | None) -> RolloutArgs:
+    names = set(RolloutArgs.__dataclass_fields__) - {"router_url", "api_key", "engine_failure_handler"}
+    return RolloutArgs(router_url=router_url, api_key=args.api_key, engine_failure_handler=on_engine_failure,
+                       **{name: getattr(args, name) for name in names})
+
+
+class Driver:
+    """Rank 0's side: data, rollouts, engines, weight publishing and reports."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.router_url = (f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+                           if args.sglang_router_ip else None)
+        self.router = RouterClient(self.router_url, args.api_key) if self.router_url else None
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint) if args.apply_chat_template else None
+        self.buffer = DataBuffer(JsonlDataSource(
+            args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
+            tokenizer=tokenizer, apply_chat_template=args.apply_chat_template, shuffle=args.rollout_shuffle,
+            seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
+        self.rollout = rollout_args(args, self.router_url or "", self.fence if self.router else None)
+        self.reporter = Reporter(Path(args.job_dir), args.tensorboard_dir)
+        self.publisher = None
+        if not args.debug_train_only:
+            from trainer.publish import WeightPublisher
+
+            self.publisher = WeightPublisher(
+                args.update_weight_transport, Path(args.job_dir), Path(args.hf_checkpoint), args.api_key,
+                bucket_bytes=args.update_weight_buffer_size, keep_versions=args.keep_weight_versions,
+                timeout_s=args.update_weight_timeout, on_fence=lambda url, reason: self.fence(url))
+
+    def engines(self) -> list[str]:
+        if self.args.engine_urls:
+            return list(self.args.engine_urls)
+        return sorted(self.router.workers()) if self.router else []
+
+    def fence(self, url: str) -> None:
+        """An engine that failed a request or an update leaves the router (the supervisor brings
+        it back at the current version)."""
+        log.warning("fencing engine %s", url)
+        if self.router:
+            self.router.remove_worker(url)
+
+    def generate(self, rollout_id: int) -> list[TrainSample]:
+        groups = generate_rollout(self.rollout, rollout_id, self.buffer)
+        return [TrainSample.from_sample(s) for group in groups for s in group]
+
+    def state(self) -> dict[str, Any]:
+        return {"data_buffer": self.buffer.state_dict() if self.buffer else None}
+
+    def restore(self, common: dict[str, Any], next_rollout: int) -> None:
+        if self.buffer and common.get("data_buffer"):
+            self.buffer.load_state_dict(common["data_buffer"])
+        _drop_metrics_from(self.reporter.metrics_path, next_rollout)
+
+
+def _drop_metrics_from(path: Path, rollout_id: int) -> None:
+    """A resumed run redoes rollouts after its checkpoint: forget their earlier lines."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["rollout_id"] < rollout_id]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class Loop:
+    def __init__(self, args: argparse.Namespace, backend: Backend) -> None:
+        self.args, self.backend = args, backend
+        self.rank0 = backend.rank == 0
+        self.driver = Driver(args) if self.rank0 else None
+        self.next_rollout, self.weight_version = 0, 0
+        self.loss_cfg = rl_step.loss_config(args)
+
+    # ---------------------------------------------------------------- start
+    def start(self, initial_weights: Path | None, load_reference: Callable[[], None] | None) -> None:
+        """Resume from --load if it holds a checkpoint, else start from `initial_weights` (None:
+        the backend loaded them itself); then load the reference model, if there is one."""
+        args = self.args
+        resume = checkpoint.find_loadable(Path(args.load), args.ckpt_step) if args.load else None
+        if resume is not None:
+            common = self.backend.load(resume, weights_only=False)
+            self.next_rollout, self.weight_version = common["rollout_id"] + 1, common["weight_version"]
+            if self.driver:
+                self.driver.restore(common, self.next_rollout)
+            log.info("resumed from %s: next rollout %d, weight version %d", resume, self.next_rollout, self.weight_version)
+        elif initial_weights is not None:
+            self.backend.load(initial_weights, weights_only=True)
+        if load_reference is not None:
+            load_reference()
+        self.publish()  # the engines serve exactly the trainer's weights from the first rollout on
+
+    # ---------------------------------------------------------------- loop
+    def run(self) -> None:
+        for rollout_id in range(self.next_rollout, self.args.num_rollout):
+            metrics = self.step(rollout_id)
+            self.publish_and_save(rollout_id, metrics)
+        if self.driver:
+            self.driver.reporter.close()
+
+    def step(self, rollout_id: int) -> dict[str, Any]:
+        began = time.monotonic()
+        samples: list[TrainSample] | None = None
+        if self.driver:
+            self.driver.reporter.heartbeat("rollout", rollout_id)
+            samples = self.driver.generate(rollout_id)
+        samples = self.backend.broadcast_object(samples)
+        rolled = time.monotonic()
+        if self.driver:
+            self.driver.reporter.heartbeat("train", rollout_id)
+        metrics = self.train(samples)
+        metrics.update(reward_mean=sum(s.reward for s in samples) / max(1, len(samples)),
+                       samples=len(samples), rollout_seconds=rolled - began, train_seconds=time.monotonic() - rolled)
+        metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics["train_seconds"], 1e-9)
+        return metrics
+
+    def train(self, samples: list[TrainSample]) -> dict[str, Any]:
+        args, ids = self.args, list(range(len(samples)))
+        need_entropy = args.entropy_coef != 0
+        old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
+        for i, s in enumerate(samples):
+            s.old_log_probs = old[i][0]
+        out: dict[str, Any] = {}
+        if args.true_on_policy_mode:
+            out["logp_mismatch_max"] = self.check_on_policy(samples)
+        if args.ref_model_needed:
+            ref = self.backend.log_probs(samples, ids, "ref")
+            for i, s in enumerate(samples):
+                s.ref_log_probs = ref[i][0]
+        rl_step.compute_advantages(args, samples)
+        entropy = [old[i][1] for i in ids]
+        mask = [s.loss_mask for s in samples]
+        out["entropy"] = float(sum((e * m).sum() for e, m in zip(entropy, mask)) / max(1.0, float(sum(m.sum() for m in mask))))
+        totals: dict[str, float] = {}
+        steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
+        for batch in steps:
+            step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss_cfg, samples, batch),
+                                                   need_entropy)
+            for name, value in step_metrics.items():
+                totals[name] = totals.get(name, 0.0) + value / len(steps)
+        out.update(totals)
+        return out
+
+    def check_on_policy(self, samples: list[TrainSample]) -> float:
+        worst = logp_mismatch(samples)
+        if worst > self.args.true_on_policy_tolerance:
+            raise OffPolicyError(f"--true-on-policy-mode: max |logp_train - logp_rollout| = {worst:.3g} exceeds "
+                                 f"--true-on-policy-tolerance {self.args.true_on_policy_tolerance:g}: the trainer "
+                                 "and the engines no longer compute the same distribution")
+        return worst
+
+    # ---------------------------------------------------------------- weights and checkpoints
+    def publish(self) -> dict[str, Any]:
+        """Send the current weights to every ready engine as version self.weight_version."""
+        weights = self.backend.hf_weights()
+        if self.driver is None or self.driver.publisher is None:
+            for _ in weights:  # collective: the other ranks take part in the gathers
+                pass
+            return {}
+        self.driver.reporter.heartbeat("publish", self.next_rollout)
+        result = self.driver.publisher.publish(str(self.weight_version), self.driver.engines(), weights)
+        return {"publish_seconds": result.seconds, "engines_updated": len(result.updated),
+                "engines_fenced": len(result.fenced)}
+
+    def publish_and_save(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        self.weight_version += 1
+        self.next_rollout = rollout_id + 1
+        metrics.update(self.publish(), weight_version=self.weight_version)
+        last = rollout_id == self.args.num_rollout - 1
+        if self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0)):
+            began = time.monotonic()
+            self.save(rollout_id)
+            metrics["save_seconds"] = time.monotonic() - began
+        if self.driver:
+            self.driver.reporter.rollout(rollout_id, metrics)
+
+    def save(self, rollout_id: int) -> None:
+        if self.driver:
+            self.driver.reporter.heartbeat("save", rollout_id)
+        common = {"rollout_id": rollout_id, "weight_version": self.weight_version,
+                  **(self.driver.state() if self.driver else {})}
+        common = self.backend.broadcast_object(common)
+        checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
+                        keep=self.args.keep_checkpoints)
+
+
+def logp_mismatch(samples: list[TrainSample]) -> float:
+    """max |logp_train - logp_rollout| over every counted response token."""
+    worst = 0.0
+    for s in samples:
+        if s.rollout_log_probs is None or s.rollout_log_probs.shape != s.old_log_probs.shape:
+            raise OffPolicyError("--true-on-policy-mode needs the engines' log-prob of every response token")
+        diff = (s.old_log_probs - s.rollout_log_probs).abs() * s.loss_mask
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    return worst
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy
+
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,120 @@
+"""Fused core attention for megatron-core GPT layers, without TransformerEngine.
+
+megatron-core's own `DotProductAttention` (the local spec) materialises the [b, np, s, s] score
+matrix and refuses packed sequences; TransformerEngine, which has the fused kernels, is not
+installed here. `SDPAttention` takes its place in the layer spec and runs
+torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kernels on GPU).
+
+Packed sequences (several samples concatenated into one row) come with megatron's
+`PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
+max_seqlen_kv=m)`: megatron's Attention then hands over q/k/v as [t, heads, head_dim] with RoPE
+already applied per sequence, and each sequence attends causally to itself only. Keep `cu` (int32)
+on the CPU: megatron's per-sequence RoPE reads it with .tolist() twice a layer, a host sync each
+time were it on the GPU; SDPAttention copies it to the device itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+try:  # flash-attention varlen kernel (torch >= 2.10); CUDA with 16-bit inputs only
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+if varlen_attn is not None:
+    # Its causal flag moved into window_size, and GQA became opt-in, across torch releases.
+    _params = inspect.signature(varlen_attn).parameters
+    _VARLEN_KWARGS: dict = {"window_size": (-1, 0)} if "window_size" in _params else {"is_causal": True}
+    if "enable_gqa" in _params:
+        _VARLEN_KWARGS["enable_gqa"] = True
+
+AttentionKind = Literal["sdpa", "local"]
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for megatron's core attention (same constructor and forward arguments).
+
+    Unpacked: q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]; causal unless an explicit
+    attention_mask (bool, True = masked, broadcastable to [b, np, s, s]) is given.
+    Packed (thd): q [t, np, hn], k/v [t, ng, hn] -> [t, np * hn]; causal within each sequence.
+    Heads are this TP rank's; ng < np (GQA) is handled inside the kernels.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection=None) -> None:
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # The kernels below run without dropout, softmax variants, windows or context parallelism:
+        # refuse such configs rather than silently computing something else.
+        unsupported = {
+            "attention_dropout": dropout != 0.0, "softmax_type": config.softmax_type != "vanilla",
+            "window_size": config.window_size is not None, "context_parallel_size": config.context_parallel_size != 1,
+            "attn_mask_type": attn_mask_type != AttnMaskType.causal,
+        }
+        if any(unsupported.values()):
+            raise ValueError(f"SDPAttention does not support {[k for k, v in unsupported.items() if v]}")
+        # apply_query_key_layer_scaling cancels out in DotProductAttention (the scale is divided by
+        # the layer number and the softmax multiplies it back), so it is ignored here too.
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        seq, batch = query.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+        mask = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.softmax_scale, enable_gqa=True)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention packs only qkv_format='thd', got {params.qkv_format!r}")
+        cu = params.cu_seqlens_q
+        others = (params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)
+        if any(o is not None and o is not cu and not torch.equal(o, cu) for o in others):
+            raise ValueError("SDPAttention needs self-attention packs without padding (cu_seqlens_q == kv)")
+        if varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+            max_len = int(params.max_seqlen_q)
+            cu = cu.to(query.device, non_blocking=True)
+            out = varlen_attn(query, key, value, cu, cu, max_len, max_len, scale=self.softmax_scale, **_VARLEN_KWARGS)
+        else:  # CPU / fp32: one causal SDPA call per sequence
+            bounds = cu.tolist()
+            out = torch.cat([
+                F.scaled_dot_product_attention(
+                    *(x[a:b].transpose(0, 1) for x in (query, key, value)),
+                    is_causal=True, scale=self.softmax_scale, enable_gqa=True).transpose(0, 1)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ])
+        return out.reshape(out.shape[0], -1)
+
+
+def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: AttentionKind) -> ModuleSpec:
+    """The GPTModel layer spec (RMSNorm, local linears): megatron's local spec, with its core
+    attention replaced by SDPAttention when attention == "sdpa"."""
+    if attention not in ("sdpa", "local"):
+        raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec

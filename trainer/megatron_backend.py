@@ -1,0 +1,282 @@
+"""The megatron backend: a megatron-core GPTModel (TP/EP/DP), plain AdamW, packed micro-batches.
+
+Runs on CPU through gloo (ckpt_tools.megatron_cpu) and on GPU through NCCL. Parameters are kept
+in fp32; on GPU the forward runs under bf16 autocast (--bf16), so the optimizer always updates
+fp32 master weights without megatron's DDP or distributed optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import param_is_not_shared
+
+from ckpt_tools import mapping
+from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
+from rollout.plugins import load_function
+from trainer import megatron_state
+from trainer.backend import Backend, PackLoss
+from trainer.batch import (
+    Pack,
+    TrainSample,
+    make_packs,
+    response_slices,
+    split_for_data_parallel,
+)
+from trainer.lr_schedule import lr_lambda
+from trainer.megatron_attention import gpt_layer_spec
+from trainer.token_stats import log_probs_and_entropy
+
+log = logging.getLogger(__name__)
+
+# The local layer spec names two norms differently from the checkpoint (and ckpt_tools.mapping).
+_LOCAL_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+
+
+class MegatronBackend(Backend):
+    def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
+        self.args = args
+        init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.cpu_group = dist.new_group(backend="gloo")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.hf_config = hf_config
+        self.shape = mapping.ModelShape.from_hf_config(hf_config, args.make_vocab_size_divisible_by * self.tp_size)
+        self.model = self._build_model()
+        if args.custom_megatron_init_path:
+            load_function(args.custom_megatron_init_path, "--custom-megatron-init-path")(args, self.model)
+        self.ref_model = self._build_model() if args.ref_model_needed else None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                           eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(args))
+        self._hooks = {name: load_function(path, flag) for name, path, flag in (
+            ("log_prob", args.custom_megatron_before_log_prob_hook_path, "--custom-megatron-before-log-prob-hook-path"),
+            ("train_step", args.custom_megatron_before_train_step_hook_path,
+             "--custom-megatron-before-train-step-hook-path")) if path}
+
+    # ---------------------------------------------------------------- model
+    def _build_model(self) -> GPTModel:
+        args = self.args
+        config, model_kwargs = transformer_config_from_hf(
+            self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by)
+        config.recompute_granularity = args.recompute_granularity
+        config.recompute_method = args.recompute_method
+        config.recompute_num_layers = args.recompute_num_layers
+        model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, args.attention_backend), **model_kwargs)
+        return model.to(self.device)
+
+    def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
+        """This rank's vocab slice of the logits, [T, V / tp]."""
+        tokens = pack.tokens.to(self.device)[None]
+        positions = pack.position_ids.to(self.device)[None]
+        inputs: dict[str, Any] = {}
+        if self.args.attention_backend == "local":
+            # Block-diagonal causal mask (True = masked): no sample sees another.
+            seq = torch.repeat_interleave(torch.arange(len(pack.sample_ids)),
+                                          (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()).to(self.device)
+            causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=self.device).triu(1)
+            inputs["attention_mask"] = (causal | (seq[:, None] != seq[None, :]))[None, None]
+        else:  # the fused path takes the sample boundaries themselves (THD layout)
+            cu = pack.cu_seqlens.to(self.device)
+            longest = int((pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).max())
+            inputs["attention_mask"] = None
+            inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                          max_seqlen_q=longest, max_seqlen_kv=longest)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"):
+            logits = model(tokens, positions, **inputs)
+        return logits[0]
+
+    def _token_stats(self, model: GPTModel, pack: Pack, samples: list[TrainSample],
+                     with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        logits = self._forward(model, pack)
+        vocab_local = logits.shape[-1]
+        start = self.tp_rank * vocab_local
+        valid = max(0, min(vocab_local, self.shape.vocab_size - start))
+        slices = response_slices(pack, samples)
+        rows = torch.cat([torch.arange(s.start, s.stop) for s in slices]).to(self.device)
+        targets = pack.tokens.to(self.device)[rows + 1]
+        group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+        logp, ent = log_probs_and_entropy(logits[rows], targets, start, valid, group, with_entropy)
+        lengths = [s.stop - s.start for s in slices]
+        return list(logp.split(lengths)), (list(ent.split(lengths)) if ent is not None else None)
+
+    def _my_packs(self, samples: list[TrainSample], ids: list[int]) -> list[Pack]:
+        share = split_for_data_parallel(samples, ids, self.dp_size)[self.dp_rank]
+        return make_packs(samples, share, self.args.max_tokens_per_gpu)
+
+    # ---------------------------------------------------------------- Backend
+    @torch.no_grad()
+    def log_probs(self, samples: list[TrainSample], ids: list[int], model: str = "actor",
+                  with_entropy: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        net = self.model if model == "actor" else self.ref_model
+        if net is None:
+            raise RuntimeError(f"no {model} model was loaded")
+        if "log_prob" in self._hooks:
+            self._hooks["log_prob"](self.args, net, samples, model)
+        net.eval()
+        mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for pack in self._my_packs(samples, ids):
+            logps, ents = self._token_stats(net, pack, samples, with_entropy)
+            for k, i in enumerate(pack.sample_ids):
+                mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
+        gathered: list[dict] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, mine, group=self.cpu_group)
+        return {i: v for part in gathered for i, v in part.items()}
+
+    def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
+                   need_entropy: bool) -> dict[str, float]:
+        if "train_step" in self._hooks:
+            self._hooks["train_step"](self.args, self.model, self.scheduler.last_epoch)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        totals: dict[str, torch.Tensor] = {}
+        for pack in self._my_packs(samples, ids):
+            logps, ents = self._token_stats(self.model, pack, samples, need_entropy)
+            value, metrics = loss(pack, logps, ents)
+            value.backward()
+            for name, m in metrics.items():
+                totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
+        self._reduce_gradients()
+        grad_norm = self._grad_norm()
+        if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, self.args.clip_grad / (grad_norm + 1e-6))
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": lr}
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients where several ranks hold parts of one: q/k layernorm weights over the TP
+        group (each rank normalises only its own heads), then every replica over data-parallel
+        ranks (the loss is already scaled for a sum); expert weights over the expert-DP group."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        qk_norms = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
+        _all_reduce_sum(qk_norms, ps.get_tensor_model_parallel_group())
+        experts = [not getattr(p, "allreduce", True) for _, p in named]
+        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
+        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
+
+    def _grad_norm(self) -> float:
+        """The global L2 norm: each TP shard once, replicated weights (norms) once per TP group,
+        expert weights summed over the expert-parallel ranks that hold different experts."""
+        squares = []
+        for expert, group in ((False, ps.get_model_parallel_group()),
+                              (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None and param_is_not_shared(p)
+                     and (not getattr(p, "allreduce", True)) == expert
+                     and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
+            sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            for g in grads:
+                sq += g.float().pow(2).sum()
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+            squares.append(sq)
+        return float(sum(squares).sqrt())
+
+    def _sum_over_data_parallel(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        names = sorted(self.broadcast_object(sorted(totals)))  # ranks with no samples still join
+        values = torch.stack([torch.as_tensor(totals.get(n, 0.0), dtype=torch.float64) for n in names]) \
+            if names else torch.zeros(0, dtype=torch.float64)
+        # One TP rank per data-parallel rank contributes, so each sample is counted once.
+        if self.tp_rank != 0:
+            values.zero_()
+        dist.all_reduce(values, group=self.cpu_group)
+        return {n: float(v) for n, v in zip(names, values)}
+
+    # ---------------------------------------------------------------- weights
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        rules = {rule.megatron: rule for rule in mapping.rules(self.shape)}
+        dtype = getattr(torch, self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
+        for name, param in self.model.named_parameters():
+            key, layer, experts = self._checkpoint_key(name)
+            for expert, full in self._gather(name, param, experts):
+                if self.rank != 0:
+                    continue
+                rule = rules[key]
+                for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
+                    yield hf_name, tensor.to(dtype).cpu()
+
+    def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:
+        """(checkpoint key, layer, (local expert, experts per rank) or None) of a parameter name."""
+        match = _LAYER.fullmatch(name)
+        if not match:
+            return name, None, None
+        layer, rest = int(match.group(1)), match.group(2)
+        expert = _EXPERT.fullmatch(rest)
+        if expert:
+            per_rank = self.shape.num_experts // self.args.expert_model_parallel_size
+            return "decoder.layers.mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
+        return "decoder.layers." + _LOCAL_NAMES.get(rest, rest), layer, None
+
+    def _gather(self, name: str, param: torch.Tensor,
+                experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:
+        """The full tensor (TP shards joined), once per global expert for expert weights."""
+        data = param.detach()
+        if experts is not None and self.args.expert_model_parallel_size > 1:
+            parts = [torch.empty_like(data) for _ in range(self.args.expert_model_parallel_size)]
+            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
+            local, per_rank = experts
+            for ep_rank, part in enumerate(parts):
+                yield ep_rank * per_rank + local, part
+            return
+        if getattr(param, "tensor_model_parallel", False) and self.tp_size > 1:
+            parts = [torch.empty_like(data) for _ in range(self.tp_size)]
+            dist.all_gather(parts, data.contiguous(), group=ps.get_tensor_model_parallel_group())
+            dim = param.partition_dim
+            if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
+                # Each rank holds [gate shard; up shard]: join the gates, then the ups.
+                halves = [p.chunk(2, dim=0) for p in parts]
+                data = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+            else:
+                data = torch.cat(parts, dim=dim)
+        yield (experts[0] if experts else None), data
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
+        megatron_state.save_megatron(ckpt_dir, self.model, self.optimizer,
+                                     {**common, "lr_scheduler": self.scheduler.state_dict()})
+
+    def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
+        common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.optimizer)
+        if not weights_only:
+            self.scheduler.load_state_dict(common.pop("lr_scheduler"))
+        return {} if weights_only else common
+
+    def load_reference(self, ckpt_dir: Path) -> None:
+        megatron_state.load_megatron(ckpt_dir, self.ref_model, None)
+        self.ref_model.requires_grad_(False)
+
+
+def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:
+    """One coalesced all-reduce of these tensors, in place."""
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
+    path = Path(hf_checkpoint) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--hf-checkpoint {hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
+    return json.loads(path.read_text())

@@ -1,0 +1,189 @@
+"""What the megatron backend keeps in a checkpoint folder, through megatron-core's dist_checkpointing
+(torch_dist): the model, the AdamW state, every rank's RNG states and rank 0's loop state.
+
+Layout, as Megatron-LM writes it where it has a say:
+- model tensors under their sharded keys (the keys ckpt_tools writes: a converted HF checkpoint
+  loads as weights);
+- `optimizer.state.exp_avg.<param key>`, `optimizer.state.exp_avg_sq.<param key>`: sharded like
+  the parameter; the step, shared by every parameter, and the param groups go to common.pt;
+- `rng_state`: one object per (pp, tp, dp) rank (python, numpy, torch, CUDA, megatron's tracker);
+- `common`: the loop state (rollout id, weight version, data buffer...), in common.pt.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.models.gpt import GPTModel
+
+from ckpt_tools.torch_dist import read_metadata
+from trainer.checkpoint import process_rng_state, set_process_rng_state
+
+log = logging.getLogger(__name__)
+
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def sharded_state(model: GPTModel, optimizer: torch.optim.Optimizer, common: dict[str, Any]) -> dict[str, Any]:
+    """The state dict to hand to dist_checkpointing.save (every rank; `common` matters on rank 0)."""
+    model_state = model.sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": _optimizer_state(optimizer, model_state),
+        "rng_state": _rng_object(_rng_states()),
+        "common": common,
+    }
+
+
+def save_megatron(ckpt_dir: Path, model: GPTModel, optimizer: torch.optim.Optimizer, common: dict[str, Any]) -> None:
+    """Write model, optimizer, RNG and `common` into the existing empty folder ckpt_dir. Collective."""
+    _in_process_results_queue()
+    dist_checkpointing.save(
+        sharded_state(model, optimizer, common), str(ckpt_dir),
+        # `common` is rank 0's: other ranks may hold something else, which is not a mistake.
+        preprocess_common_before_consistancy_check=lambda state: {k: v for k, v in state.items() if k != "common"},
+    )
+
+
+def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Restore what save_megatron wrote and return `common` ({} if the checkpoint has none).
+    optimizer None: the model's weights only (--ref-load, a checkpoint converted from HF); a full
+    load also restores the optimizer and, when saved with the same parallel layout, RNG states.
+    Collective."""
+    model_state = model.sharded_state_dict()
+    request: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        request.update(_optimizer_and_rng_request(Path(ckpt_dir), optimizer, model_state))
+    # megatron's "missing" keys are the checkpoint's that nobody asked for; "unexpected", the reverse.
+    loaded, in_ckpt_only, in_request_only = dist_checkpointing.load(
+        request, str(ckpt_dir), strict=StrictHandling.RETURN_ALL)
+    _check_keys(ckpt_dir, in_ckpt_only, in_request_only)
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        _load_optimizer(optimizer, loaded["optimizer"])
+    if "rng_state" in request:
+        _set_rng_states(loaded["rng_state"])
+    return loaded.get("common", {})
+
+
+def _optimizer_and_rng_request(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
+                               model_state: dict[str, Any]) -> dict[str, Any]:
+    """What a full load asks for besides the model: the optimizer state (which must be there) and
+    this rank's RNG states (skipped, with a warning, when saved with another parallel layout)."""
+    stored = read_metadata(ckpt_dir).state_dict_metadata
+    if not any(key.startswith("optimizer.") for key in stored):
+        raise RuntimeError(f"{ckpt_dir} holds no optimizer state (converted from HF, or saved weights only): "
+                           "load it as weights only (optimizer=None), as --ref-load does")
+    request = {"optimizer": _optimizer_state(optimizer, model_state)}
+    rng = _rng_object(None)
+    if rng.unique_key in stored:
+        request["rng_state"] = rng
+    else:
+        log.warning("%s has no RNG states for this rank's (pp, tp, dp) position %s in %s (saved with "
+                    "another parallel layout?): random streams go on from the current seed",
+                    ckpt_dir, rng.global_offset, rng.global_shape)
+    return request
+
+
+def _in_process_results_queue() -> None:
+    """megatron-core gathers its writer processes' results in a process-wide queue, made the first
+    time as a spawn-context Manager: a new interpreter that re-imports the main module (about 5 s
+    on CPU machines, 13 s seen on a GPU node). A synchronous save puts and gets that queue in this
+    process only, so a plain queue.Queue serves and the first save costs what the others do."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _check_keys(ckpt_dir: Path, in_ckpt_only: set[str], in_request_only: set[str]) -> None:
+    """Strict both ways for the model; a weights-only load skips optimizer and RNG entries."""
+    unused = {k for k in in_ckpt_only if not k.startswith(("optimizer.", "rng_state"))}
+    problems = [f"{what} {sorted(keys)}" for what, keys in (
+        ("the checkpoint lacks", in_request_only), ("the model has no place for", unused)) if keys]
+    if problems:
+        raise RuntimeError(f"checkpoint {ckpt_dir} does not match the model: {'; '.join(problems)}")
+
+
+# ---- optimizer ---------------------------------------------------------------------------------
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
+    """AdamW's state with each moment as a ShardedTensor shaped like its parameter (as megatron's
+    FP32Optimizer does for a torch optimizer); the step is one value for all parameters."""
+    _init_moments(optimizer)  # a fresh optimizer has no state to save, or to load into
+    state = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    step = _common_step(optimizer)
+    optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",))
+    state["state"]["common_step"] = step
+    return state
+
+
+def _init_moments(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter the state Adam would create on its first step (step 0, zero moments),
+    which changes nothing in what the optimizer computes next."""
+    if not isinstance(optimizer, _ADAM):
+        raise TypeError(f"megatron checkpoints hold Adam/AdamW state; got {type(optimizer).__name__}")
+    if optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _common_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    without = [i for i, p in enumerate(params) if "step" not in optimizer.state[p]]
+    if without:
+        raise ValueError(f"optimizer parameters {without} have no state while others do (never given a "
+                         "gradient?): the checkpoint keeps one step for all parameters")
+    steps = {float(optimizer.state[p]["step"]) for p in params}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer steps differ between parameters {sorted(steps)}: the checkpoint "
+                         "keeps one step for all parameters")
+    return optimizer.state[params[0]]["step"].clone()
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+    step = loaded["state"].pop("common_step")
+    for param_state in loaded["state"].values():
+        param_state["step"] = copy.deepcopy(step)
+    optimizer.load_state_dict(loaded)
+
+
+# ---- RNG ---------------------------------------------------------------------------------------
+
+def _rng_states() -> dict[str, Any]:
+    return {**process_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    set_process_rng_state(states)
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _rng_object(states: dict[str, Any] | None) -> ShardedObject:
+    """This rank's RNG states as its own entry of a (pp, tp, dp) grid: each rank draws its own
+    random numbers, so each rank's states are kept (replica_id 0 everywhere)."""
+    ps = parallel_state
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size(with_context_parallel=True))
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject("rng_state", states, shape, offset, replica_id=0)
