@@ -72,7 +72,8 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
-def _last_token_index(loss_mask: Tensor) -> Tensor:
+def last_token_index(loss_mask: Tensor) -> Tensor:
+    """[B] index of each row's last response token that counts."""
     # Index of the last 1 in each row: argmax finds the first 1 of the flipped row.
     T = loss_mask.shape[-1]
     return T - 1 - loss_mask.flip(-1).to(torch.long).argmax(dim=-1)
@@ -86,7 +87,7 @@ def reinforce_plus_plus_returns(rewards: Tensor, kl_per_token: Tensor, kl_coef: 
     then the discounted return-to-go G_t = r_t + gamma * G_{t+1}."""
     mask = loss_mask.to(kl_per_token.dtype)
     token_rewards = -kl_coef * kl_per_token * mask
-    last = _last_token_index(loss_mask).unsqueeze(-1)
+    last = last_token_index(loss_mask).unsqueeze(-1)
     token_rewards = token_rewards.scatter_add(-1, last, rewards.to(token_rewards.dtype).unsqueeze(-1))
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])

@@ -132,7 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tis-clip", type=float, default=2.0)
     add("--true-on-policy-mode", action="store_true")
     add("--true-on-policy-tolerance", type=float, default=1e-5)
-    add("--opd-teacher-url", help="on-policy distillation: an engine (or router) serving the teacher")
     add("--opd-teacher-load", help="on-policy distillation: a torch_dist teacher loaded into the trainer")
     add("--opd-kl-coef", type=float, default=1.0)
     # rollout (see rollout.generate.RolloutArgs)
@@ -209,7 +208,7 @@ def validate(args: argparse.Namespace) -> None:
     gbs = args.global_batch_size or total
     need(total % gbs == 0, f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt = {total}")
     need(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
-    need(not (args.opd_teacher_url and args.opd_teacher_load), "give one of --opd-teacher-url and --opd-teacher-load")
+    need(not args.opd_teacher_load or args.train_backend == "megatron", "--opd-teacher-load needs --train-backend megatron")
     need(not (args.train_backend == "fsdp" and args.ref_load), "--ref-load: the fsdp backend starts from "
          "--hf-checkpoint and does not read torch_dist weights; drop --ref-load or use --train-backend megatron")
     need(args.advantage_estimator != "ppo" or args.train_backend == "megatron", "--advantage-estimator ppo needs "

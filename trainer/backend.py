@@ -38,10 +38,16 @@ class Backend(ABC):
 
     @abstractmethod
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
-                   need_entropy: bool) -> dict[str, float]:
+                   need_entropy: bool, role: str = "actor") -> dict[str, float]:
         """One optimizer step on the global batch `ids`: forward/backward over micro-batches
         of this rank's share, gradient all-reduce, clipping, the optimizer and LR schedule.
-        Returns metrics averaged over the batch, plus grad_norm and lr."""
+        Returns metrics averaged over the batch, plus grad_norm and lr. role "critic" (PPO) trains
+        the critic, whose per-sample outputs handed to `loss` are values instead of log-probs."""
+
+    def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, Tensor]:
+        """No-grad critic values [R] per sample (PPO), gathered like log_probs."""
+        raise NotImplementedError(f"{type(self).__name__} has no critic: --advantage-estimator ppo needs "
+                                  "--train-backend megatron")
 
     @abstractmethod
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -157,7 +157,9 @@ class FSDPBackend(Backend):
     # ---- training -----------------------------------------------------------------------------
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
-                   need_entropy: bool) -> dict[str, float]:
+                   need_entropy: bool, role: str = "actor") -> dict[str, float]:
+        if role != "actor":
+            raise NotImplementedError("the fsdp backend has no critic: --advantage-estimator ppo needs megatron")
         sums: dict[str, Tensor] = {}
         for pack in self._padded_packs(samples, ids):
             logits = self._pack_logits(self.model, pack)

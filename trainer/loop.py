@@ -165,15 +165,27 @@ class Loop:
             ref = self.backend.log_probs(samples, ids, "ref")
             for i, s in enumerate(samples):
                 s.ref_log_probs = ref[i][0]
+        if args.opd_teacher_load:
+            teacher = self.backend.log_probs(samples, ids, "teacher")
+            for i, s in enumerate(samples):
+                s.teacher_log_probs = teacher[i][0]
+            out["teacher_kl"] = _masked_token_mean([s.old_log_probs - s.teacher_log_probs for s in samples], samples)
+        if args.advantage_estimator == "ppo":
+            values = self.backend.values(samples, ids)
+            for i, s in enumerate(samples):
+                s.values = values[i]
         rl_step.compute_advantages(args, samples)
-        entropy = [old[i][1] for i in ids]
-        mask = [s.loss_mask for s in samples]
-        out["entropy"] = float(sum((e * m).sum() for e, m in zip(entropy, mask)) / max(1.0, float(sum(m.sum() for m in mask))))
+        out["entropy"] = _masked_token_mean([old[i][1] for i in ids], samples)
         totals: dict[str, float] = {}
         steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
         for batch in steps:
             step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss_cfg, samples, batch),
                                                    need_entropy)
+            if args.advantage_estimator == "ppo":
+                critic_loss = rl_step.make_value_pack_loss(args.value_clip, args.calculate_per_token_loss, samples, batch)
+                critic_metrics = self.backend.train_step(samples, batch, critic_loss, False, role="critic")
+                step_metrics.update(value_loss=critic_metrics["value_loss"], value_clipfrac=critic_metrics["value_clipfrac"],
+                                    critic_grad_norm=critic_metrics["grad_norm"])
             for name, value in step_metrics.items():
                 totals[name] = totals.get(name, 0.0) + value / len(steps)
         out.update(totals)
@@ -220,6 +232,12 @@ class Loop:
         common = self.backend.broadcast_object(common)
         checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
                         keep=self.args.keep_checkpoints)
+
+
+def _masked_token_mean(values: list[torch.Tensor], samples: list[TrainSample]) -> float:
+    """The mean of per-token values over every counted response token of the rollout."""
+    total = sum(float((v * s.loss_mask).sum()) for v, s in zip(values, samples))
+    return total / max(1.0, sum(float(s.loss_mask.sum()) for s in samples))
 
 
 def logp_mismatch(samples: list[TrainSample]) -> float:

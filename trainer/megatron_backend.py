@@ -12,6 +12,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,33 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
+CRITIC_DIR = "critic"  # PPO's critic is saved in this sub-folder of each checkpoint
+
+
+@dataclass
+class Trainee:
+    """A model with its own optimizer and LR schedule (the actor; PPO's critic)."""
+
+    model: GPTModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+class ValueHead(torch.nn.Module):
+    """Hidden state -> scalar value, in place of GPTModel's output layer (same call signature).
+    Replicated on every TP rank: its input is the full hidden state. Starts at zero."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        # Named weight and bias, as the layer it replaces: GPTModel's checkpoint code expects them.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.bias = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
+
+
 class MegatronBackend(Backend):
     def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
         self.args = args
@@ -58,29 +86,46 @@ class MegatronBackend(Backend):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.hf_config = hf_config
         self.shape = mapping.ModelShape.from_hf_config(hf_config, args.make_vocab_size_divisible_by * self.tp_size)
-        self.model = self._build_model()
+        self.actor = self._trainee(self._build_model(), args.lr)
+        self.model = self.actor.model
         if args.custom_megatron_init_path:
             load_function(args.custom_megatron_init_path, "--custom-megatron-init-path")(args, self.model)
         self.ref_model = self._build_model() if args.ref_model_needed else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                           eps=args.adam_eps, weight_decay=args.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(args))
+        # On-policy distillation's teacher: frozen, the student's architecture, its own weights.
+        self.teacher_model = self._build_model() if args.opd_teacher_load else None
+        self.critic = self._trainee(self._build_critic(), args.critic_lr or args.lr) \
+            if args.advantage_estimator == "ppo" else None
         self._hooks = {name: load_function(path, flag) for name, path, flag in (
             ("log_prob", args.custom_megatron_before_log_prob_hook_path, "--custom-megatron-before-log-prob-hook-path"),
             ("train_step", args.custom_megatron_before_train_step_hook_path,
              "--custom-megatron-before-train-step-hook-path")) if path}
 
     # ---------------------------------------------------------------- model
-    def _build_model(self) -> GPTModel:
+    def _build_model(self, tied: bool | None = None) -> GPTModel:
         args = self.args
         config, model_kwargs = transformer_config_from_hf(
             self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by)
+        if tied is not None:
+            model_kwargs["share_embeddings_and_output_weights"] = tied
         config.recompute_granularity = args.recompute_granularity
         config.recompute_method = args.recompute_method
         config.recompute_num_layers = args.recompute_num_layers
-        model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, args.attention_backend), **model_kwargs)
+        spec = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, args.attention_backend)
+        model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
         return model.to(self.device)
+
+    def _build_critic(self) -> GPTModel:
+        """The actor's architecture with a scalar value head instead of the vocabulary projection."""
+        critic = self._build_model(tied=False)
+        critic.output_layer = ValueHead(self.shape.hidden_size).to(self.device)
+        return critic
+
+    def _trainee(self, model: GPTModel, lr: float) -> Trainee:
+        args = self.args
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                      weight_decay=args.weight_decay)
+        return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args)))
 
     def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
         """This rank's vocab slice of the logits, [T, V / tp]."""
@@ -122,10 +167,20 @@ class MegatronBackend(Backend):
         return make_packs(samples, share, self.args.max_tokens_per_gpu)
 
     # ---------------------------------------------------------------- Backend
+    def _values(self, pack: Pack, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """The critic's value of the state before each response token, per sample."""
+        values = self._forward(self.critic.model, pack)[..., 0].float()
+        return [values[s] for s in response_slices(pack, samples)]
+
+    def _gather_per_sample(self, mine: dict[int, Any]) -> dict[int, Any]:
+        gathered: list[dict] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, mine, group=self.cpu_group)
+        return {i: v for part in gathered for i, v in part.items()}
+
     @torch.no_grad()
     def log_probs(self, samples: list[TrainSample], ids: list[int], model: str = "actor",
                   with_entropy: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-        net = self.model if model == "actor" else self.ref_model
+        net = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
         if net is None:
             raise RuntimeError(f"no {model} model was loaded")
         if "log_prob" in self._hooks:
@@ -136,51 +191,62 @@ class MegatronBackend(Backend):
             logps, ents = self._token_stats(net, pack, samples, with_entropy)
             for k, i in enumerate(pack.sample_ids):
                 mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
-        gathered: list[dict] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(gathered, mine, group=self.cpu_group)
-        return {i: v for part in gathered for i, v in part.items()}
+        return self._gather_per_sample(mine)
+
+    @torch.no_grad()
+    def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, torch.Tensor]:
+        self.critic.model.eval()
+        mine = {}
+        for pack in self._my_packs(samples, ids):
+            for i, v in zip(pack.sample_ids, self._values(pack, samples)):
+                mine[i] = v.cpu()
+        return self._gather_per_sample(mine)
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
-                   need_entropy: bool) -> dict[str, float]:
-        if "train_step" in self._hooks:
-            self._hooks["train_step"](self.args, self.model, self.scheduler.last_epoch)
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=False)
+                   need_entropy: bool, role: str = "actor") -> dict[str, float]:
+        trainee = self.critic if role == "critic" else self.actor
+        if "train_step" in self._hooks and role == "actor":
+            self._hooks["train_step"](self.args, self.model, self.actor.scheduler.last_epoch)
+        trainee.model.train()
+        trainee.optimizer.zero_grad(set_to_none=False)
         totals: dict[str, torch.Tensor] = {}
         for pack in self._my_packs(samples, ids):
-            logps, ents = self._token_stats(self.model, pack, samples, need_entropy)
-            value, metrics = loss(pack, logps, ents)
+            if role == "critic":
+                value, metrics = loss(pack, self._values(pack, samples), None)
+            else:
+                logps, ents = self._token_stats(self.model, pack, samples, need_entropy)
+                value, metrics = loss(pack, logps, ents)
             value.backward()
             for name, m in metrics.items():
                 totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
-        self._reduce_gradients()
-        grad_norm = self._grad_norm()
+        self._reduce_gradients(trainee.model)
+        grad_norm = self._grad_norm(trainee.model)
         if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in trainee.model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, self.args.clip_grad / (grad_norm + 1e-6))
-        self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        trainee.optimizer.step()
+        lr = trainee.scheduler.get_last_lr()[0]
+        trainee.scheduler.step()
         return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": lr}
 
-    def _reduce_gradients(self) -> None:
+    def _reduce_gradients(self, model: GPTModel) -> None:
         """Sum gradients where several ranks hold parts of one: q/k layernorm weights over the TP
         group (each rank normalises only its own heads), then every replica over data-parallel
         ranks (the loss is already scaled for a sum); expert weights over the expert-DP group."""
-        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
         qk_norms = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
         _all_reduce_sum(qk_norms, ps.get_tensor_model_parallel_group())
         experts = [not getattr(p, "allreduce", True) for _, p in named]
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self, model: GPTModel) -> float:
         """The global L2 norm: each TP shard once, replicated weights (norms) once per TP group,
         expert weights summed over the expert-parallel ranks that hold different experts."""
         squares = []
         for expert, group in ((False, ps.get_model_parallel_group()),
                               (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None and param_is_not_shared(p)
+            grads = [p.grad for p in model.parameters() if p.grad is not None and param_is_not_shared(p)
                      and (not getattr(p, "allreduce", True)) == expert
                      and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -251,14 +317,29 @@ class MegatronBackend(Backend):
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
-        megatron_state.save_megatron(ckpt_dir, self.model, self.optimizer,
-                                     {**common, "lr_scheduler": self.scheduler.state_dict()})
+        megatron_state.save_megatron(ckpt_dir, self.model, self.actor.optimizer,
+                                     {**common, "lr_scheduler": self.actor.scheduler.state_dict()})
+        if self.critic is not None:
+            (ckpt_dir / CRITIC_DIR).mkdir(exist_ok=True)
+            megatron_state.save_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer,
+                                         {"lr_scheduler": self.critic.scheduler.state_dict()})
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
-        common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.optimizer)
-        if not weights_only:
-            self.scheduler.load_state_dict(common.pop("lr_scheduler"))
-        return {} if weights_only else common
+        common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.actor.optimizer)
+        if weights_only:
+            if self.critic is not None:  # the critic starts as the initial policy with a zero value head
+                backbone = {k: v for k, v in self.model.state_dict().items() if not k.startswith("output_layer")}
+                self.critic.model.load_state_dict(backbone, strict=False)
+            return {}
+        self.actor.scheduler.load_state_dict(common.pop("lr_scheduler"))
+        if self.critic is not None:
+            critic_common = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer)
+            self.critic.scheduler.load_state_dict(critic_common["lr_scheduler"])
+        return common
+
+    def load_teacher(self, ckpt_dir: Path) -> None:
+        megatron_state.load_megatron(ckpt_dir, self.teacher_model, None)
+        self.teacher_model.requires_grad_(False)
 
     def load_reference(self, ckpt_dir: Path) -> None:
         megatron_state.load_megatron(ckpt_dir, self.ref_model, None)

@@ -7,18 +7,20 @@ Samples carry [R]-shaped tensors of different lengths; the estimators and losses
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from trainer import advantages as adv
 from trainer.backend import PackLoss
 from trainer.batch import Pack, TrainSample
-from trainer.losses import LossConfig, total_loss
+from trainer.losses import LossConfig, total_loss, value_loss
 
 
 def padded(rows: list[Tensor]) -> Tensor:
-    return torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)
+    return pad_sequence([r.float() for r in rows], batch_first=True)
 
 
 def loss_config(args: argparse.Namespace) -> LossConfig:
@@ -42,7 +44,7 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
     penalty = torch.zeros_like(mask)
     if args.kl_coef:
         penalty += args.kl_coef * adv.kl(old, padded([s.ref_log_probs for s in samples]), args.kl_loss_type)
-    if args.opd_teacher_url or args.opd_teacher_load:
+    if args.opd_teacher_load:
         penalty += args.opd_kl_coef * (old - padded([s.teacher_log_probs for s in samples]))
     penalty *= mask
     estimator = args.advantage_estimator
@@ -55,36 +57,64 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
         token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
     elif estimator == "reinforce_plus_plus_baseline":
         token_adv = adv.reinforce_plus_plus_baseline_advantages(rewards, n, penalty, 1.0, mask, args.gamma)
-    else:
-        raise ValueError(f"--advantage-estimator {estimator} is computed with a critic (see trainer.loop)")
+    else:  # ppo: per-token rewards (the reward on the last token, minus the penalty), GAE on the critic
+        token_rewards = (-penalty).scatter_add(-1, adv.last_token_index(mask)[:, None], rewards[:, None])
+        token_adv, returns = adv.gae(token_rewards, padded([s.values for s in samples]), mask, args.gamma, args.lambd)
+        for s, row in zip(samples, returns):
+            s.returns = row[: s.response_length].clone()
     if args.normalize_advantages:
         token_adv = adv.whiten(token_adv, mask)
     for s, row in zip(samples, token_adv):
         s.advantages = row[: s.response_length].clone()
 
 
-def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[int]) -> PackLoss:
-    """The loss of one micro-batch, scaled so that the sum over every micro-batch of every
-    data-parallel rank is the loss of the whole global batch `batch_ids`."""
+def _scaled(samples: list[TrainSample], batch_ids: list[int], per_token: bool,
+            pack_loss: Callable[[list[TrainSample], Tensor, list[Tensor], list[Tensor] | None],
+                                tuple[Tensor, dict[str, Tensor]]]) -> PackLoss:
+    """Wrap a micro-batch loss (a mean over its samples or tokens) so that the sum over every
+    micro-batch of every data-parallel rank is the mean over the whole global batch `batch_ids`."""
     num_samples = len(batch_ids)
     num_tokens = float(sum(samples[i].loss_mask.sum() for i in batch_ids))
 
-    def loss(pack: Pack, logps: list[Tensor], entropies: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(pack: Pack, outputs: list[Tensor], entropies: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         group = [samples[i] for i in pack.sample_ids]
-        device = logps[0].device
-        mask = padded([s.loss_mask for s in group]).to(device)
-
-        def column(name: str) -> Tensor | None:
-            values = [getattr(s, name) for s in group]
-            return None if any(v is None for v in values) else padded(values).to(device)
-
-        value, metrics = total_loss(
-            cfg, torch.nn.utils.rnn.pad_sequence(logps, batch_first=True), column("old_log_probs"),
-            column("advantages"), mask,
-            entropy=torch.nn.utils.rnn.pad_sequence(entropies, batch_first=True) if entropies is not None else None,
-            ref_logp=column("ref_log_probs"), rollout_logp=column("rollout_log_probs"))
-        scale = float(mask.sum()) / max(num_tokens, 1.0) if cfg.per_token_loss else len(group) / num_samples
-        metrics["loss"] = value.detach()
+        mask = padded([s.loss_mask for s in group]).to(outputs[0].device)
+        value, metrics = pack_loss(group, mask, outputs, entropies)
+        scale = float(mask.sum()) / max(num_tokens, 1.0) if per_token else len(group) / num_samples
         return value * scale, {k: v * scale for k, v in metrics.items()}
 
     return loss
+
+
+def _column(group: list[TrainSample], name: str, device: torch.device) -> Tensor | None:
+    values = [getattr(s, name) for s in group]
+    return None if any(v is None for v in values) else padded(values).to(device)
+
+
+def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[int]) -> PackLoss:
+    """The policy loss of one micro-batch (see _scaled)."""
+    def policy(group: list[TrainSample], mask: Tensor, logps: list[Tensor],
+               entropies: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+        device = mask.device
+        value, metrics = total_loss(
+            cfg, pad_sequence(logps, batch_first=True), _column(group, "old_log_probs", device),
+            _column(group, "advantages", device), mask,
+            entropy=pad_sequence(entropies, batch_first=True) if entropies is not None else None,
+            ref_logp=_column(group, "ref_log_probs", device), rollout_logp=_column(group, "rollout_log_probs", device))
+        metrics["loss"] = value.detach()
+        return value, metrics
+
+    return _scaled(samples, batch_ids, cfg.per_token_loss, policy)
+
+
+def make_value_pack_loss(value_clip: float, per_token: bool, samples: list[TrainSample],
+                         batch_ids: list[int]) -> PackLoss:
+    """PPO's clipped critic loss of one micro-batch (see _scaled)."""
+    def critic(group: list[TrainSample], mask: Tensor, values: list[Tensor],
+               _: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+        device = mask.device
+        loss, metrics = value_loss(pad_sequence(values, batch_first=True), _column(group, "values", device),
+                                   _column(group, "returns", device), mask, value_clip, per_token)
+        return loss, {**metrics, "value_loss": loss.detach()}
+
+    return _scaled(samples, batch_ids, per_token, critic)

@@ -28,17 +28,23 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
         return Loop(args, backend), None, None
     backend = MegatronBackend(args, hf_config)
     initial = initial_weights(args, backend.rank == 0, backend.cpu_group)
+    if args.opd_teacher_load:
+        backend.load_teacher(_resolve("--opd-teacher-load", args.opd_teacher_load))
     load_reference = (lambda: backend.load_reference(initial)) if args.ref_model_needed else None
     return Loop(args, backend), initial, load_reference
+
+
+def _resolve(flag: str, path: str) -> Path:
+    try:
+        return resolve_checkpoint(Path(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise ArgsError(f"{flag}: {err}") from None
 
 
 def initial_weights(args: argparse.Namespace, rank0: bool, group) -> Path:
     """--ref-load's checkpoint; without one, --hf-checkpoint converted once into the job dir."""
     if args.ref_load:
-        try:
-            return resolve_checkpoint(Path(args.ref_load))
-        except (FileNotFoundError, ValueError) as err:
-            raise ArgsError(f"--ref-load: {err}") from None
+        return _resolve("--ref-load", args.ref_load)
     converted = Path(args.job_dir) / "hf_torch_dist"
     if rank0 and not converted.exists():
         from ckpt_tools.convert import hf_to_torch_dist

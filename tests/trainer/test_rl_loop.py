@@ -7,6 +7,7 @@ sglang-router on the toy task.
   one before and then produces exactly the rollout ids, data and losses of an uninterrupted run.
 - --true-on-policy-mode: the trainer's log-probs equal the engines' to 1e-5.
 - --debug-train-only trains on saved rollouts without engines.
+- PPO (critic, GAE) resumes exactly; on-policy distillation pulls the student towards a teacher.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import requests
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
-from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.rollout.servers import API_KEY, Server, engines_behind_router, free_port
 
 TOY = ["--label-key", "label", "--rm-type", "toy", "--rollout-shuffle", "--rollout-max-response-len", "1",
        "--n-samples-per-prompt", "8", "--attention-backend", "local"]
@@ -44,10 +45,14 @@ def cluster(files, tmp_path_factory) -> Iterator[tuple[RouterClient, list[Server
 
 
 def trainer(files: tuple[Path, Path], router: RouterClient | None, job: Path, *flags: str,
-            timeout_s: float = 600) -> str:
-    """Run `python -m trainer` to its end; returns its output (asserts exit 0)."""
+            processes: int = 1, timeout_s: float = 600) -> str:
+    """Run `python -m trainer` (under torchrun with several processes) to its end; returns its
+    output (asserts exit 0)."""
     model, data = files
-    argv = [sys.executable, "-m", "trainer", "--hf-checkpoint", str(model), "--prompt-data", str(data),
+    launcher = [sys.executable, "-m", "trainer"] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer"]
+    argv = [*launcher, "--hf-checkpoint", str(model), "--prompt-data", str(data),
             "--job-dir", str(job), *TOY, *flags]
     if router is not None:
         host, port = router.url.removeprefix("http://").split(":")
@@ -83,9 +88,13 @@ def _rollout_tokens(job: Path, rollout_id: int) -> list[list[int]]:
     return [s["tokens"] for group in groups for s in group]
 
 
-def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("estimator", ["grpo", "ppo"])
+def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cluster, tmp_path: Path,
+                                                                       estimator: str) -> None:
+    """PPO adds a critic with its own optimizer, saved beside the actor: it must resume exactly too."""
     router, _ = cluster
-    common = ["--rollout-batch-size", "8", "--lr", "1e-2", "--save-interval", "2", "--seed", "7"]
+    common = ["--rollout-batch-size", "8", "--lr", "1e-2", "--save-interval", "2", "--seed", "7",
+              "--advantage-estimator", estimator]
 
     def run(name: str, rollouts: int) -> str:
         job = tmp_path / name
@@ -105,18 +114,25 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
     whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
     assert [m["rollout_id"] for m in parts] == list(range(6)), "a rollout id was skipped or repeated"
     for a, b in zip(whole, parts):
-        for key in ("reward_mean", "loss", "pg_loss", "grad_norm", "weight_version"):
+        keys = ("reward_mean", "loss", "pg_loss", "grad_norm", "weight_version")
+        for key in keys + (("value_loss", "critic_grad_norm") if estimator == "ppo" else ()):
             assert a[key] == b[key], f"rollout {a['rollout_id']}: {key} {a[key]} != {b[key]}"
     for rollout_id in range(6):
         assert _rollout_tokens(tmp_path / "whole", rollout_id) == _rollout_tokens(tmp_path / "parts", rollout_id)
 
 
-def test_true_on_policy_mode_matches_the_engines(files, cluster, tmp_path: Path) -> None:
-    router, _ = cluster
-    trainer(files, router, tmp_path / "job", "--num-rollout", "2", "--rollout-batch-size", "8",
-            "--true-on-policy-mode", "--lr", "1e-2")
-    for m in metrics(tmp_path / "job"):
-        assert m["logp_mismatch_max"] < 1e-5
+def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path: Path) -> None:
+    """Two trainer processes at TP=2 publish through a gloo update group (--update-weight-transport
+    nccl on CPU engines); in --true-on-policy-mode every step checks that the engines' log-probs
+    equal the trainer's, which holds only if each version arrived intact."""
+    router, engines = cluster
+    trainer(files, router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8",
+            "--true-on-policy-mode", "--lr", "1e-2", "--tensor-model-parallel-size", "2",
+            "--update-weight-transport", "nccl", "--attention-backend", "sdpa", processes=2)
+    rows = metrics(tmp_path / "job")
+    assert [m["rollout_id"] for m in rows] == [0, 1, 2]
+    assert all(m["logp_mismatch_max"] < 1e-5 and m["engines_updated"] == 2 for m in rows), rows
+    assert rows[-1]["entropy"] < rows[0]["entropy"], "the weights the engines sample from did not change"
 
 
 def test_debug_train_only_needs_no_engines(files, cluster, tmp_path: Path) -> None:
@@ -129,3 +145,19 @@ def test_debug_train_only_needs_no_engines(files, cluster, tmp_path: Path) -> No
     replayed, collected = metrics(tmp_path / "replay"), metrics(tmp_path / "collect")
     assert [m["reward_mean"] for m in replayed] == [m["reward_mean"] for m in collected]
     assert [m["loss"] for m in replayed] == [m["loss"] for m in collected]
+
+
+def test_on_policy_distillation_moves_the_student_towards_the_teacher(files, cluster, tmp_path: Path) -> None:
+    """No reward (it is always 0): only the teacher's log-probs, folded into the advantage, move
+    the student; the KL to the teacher falls. The teacher is another random model."""
+    from ckpt_tools.convert import hf_to_torch_dist
+
+    router, _ = cluster
+    teacher = hf_to_torch_dist(write_tiny_model(tmp_path / "teacher_hf", seed=1), tmp_path / "teacher",
+                               iteration=None, progress=False)
+    trainer(files, router, tmp_path / "job", "--num-rollout", "12", "--rollout-batch-size", "8", "--lr", "5e-3",
+            "--rollout-max-response-len", "4", "--custom-rm-path", "tests.trainer.plugins.zero_reward",
+            "--opd-teacher-load", str(teacher), "--opd-kl-coef", "1.0")
+    kl = [m["teacher_kl"] for m in metrics(tmp_path / "job")]
+    assert all(m["reward_mean"] == 0 for m in metrics(tmp_path / "job"))
+    assert sum(kl[-3:]) / 3 < 0.6 * kl[0], f"the student did not move towards the teacher: {kl}"
