@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bf16", action="store_true", help="compute in bf16 on GPU (fp32 master weights)")
     add("--attention-backend", choices=("sdpa", "local"), default="sdpa",
         help="sdpa: fused scaled_dot_product_attention over packed samples; local: megatron's unfused one")
+    add("--torch-compile", action="store_true", help="torch.compile each transformer layer (GPU)")
     # parallelism
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--sequence-parallel", action="store_true")
@@ -170,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--update-weight-buffer-size", type=int, default=512 * 2**20)
     add("--keep-weight-versions", type=int, default=3)
     add("--update-weight-timeout", type=float, default=600.0)
-    add("--supervisor-socket", help="ask this supervisor which engines are ready (set by slurmrl)")
+    add("--supervised", action="store_true",
+        help="a slurmrl supervisor owns the engines: ask it on --job-dir's control socket (set by slurmrl)")
     # logging
     add("--tensorboard-dir")
     add("--master-port", type=int, help="torch.distributed port (default: from the SLURM job id)")

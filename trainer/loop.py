@@ -27,6 +27,7 @@ from trainer import checkpoint, rl_step
 from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
+from trainer.supervisor_link import SupervisorLink
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +52,14 @@ class Driver:
         self.router_url = (f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
                            if args.sglang_router_ip else None)
         self.router = RouterClient(self.router_url, args.api_key) if self.router_url else None
+        self.supervisor = SupervisorLink(Path(args.job_dir)) if args.supervised else None
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint) if args.apply_chat_template else None
         self.buffer = DataBuffer(JsonlDataSource(
             args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
             tokenizer=tokenizer, apply_chat_template=args.apply_chat_template, shuffle=args.rollout_shuffle,
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
-        self.rollout = rollout_args(args, self.router_url or "", self.fence if self.router else None)
+        self.rollout = rollout_args(args, self.router_url or "",
+                                    (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
         self.reporter = Reporter(Path(args.job_dir), args.tensorboard_dir)
         self.publisher = None
         if not args.debug_train_only:
@@ -65,18 +68,22 @@ class Driver:
             self.publisher = WeightPublisher(
                 args.update_weight_transport, Path(args.job_dir), Path(args.hf_checkpoint), args.api_key,
                 bucket_bytes=args.update_weight_buffer_size, keep_versions=args.keep_weight_versions,
-                timeout_s=args.update_weight_timeout, on_fence=lambda url, reason: self.fence(url))
+                timeout_s=args.update_weight_timeout, on_fence=self.fence)
 
     def engines(self) -> list[str]:
         if self.args.engine_urls:
             return list(self.args.engine_urls)
+        if self.supervisor:
+            return self.supervisor.ready_engines()
         return sorted(self.router.workers()) if self.router else []
 
-    def fence(self, url: str) -> None:
-        """An engine that failed a request or an update leaves the router (the supervisor brings
-        it back at the current version)."""
-        log.warning("fencing engine %s", url)
-        if self.router:
+    def fence(self, url: str, reason: str) -> None:
+        """An engine that failed a request or an update stops getting work: the supervisor takes
+        it out and brings it back at the current version; without one it leaves the router."""
+        log.warning("fencing engine %s: %s", url, reason)
+        if self.supervisor:
+            self.supervisor.engine_failed(url, reason)
+        elif self.router:
             self.router.remove_worker(url)
 
     def generate(self, rollout_id: int) -> list[TrainSample]:
@@ -108,6 +115,7 @@ class Loop:
         self.rank0 = backend.rank == 0
         self.driver = Driver(args) if self.rank0 else None
         self.next_rollout, self.weight_version = 0, 0
+        self.last_saved: int | None = None
         self.loss_cfg = rl_step.loss_config(args)
 
     # ---------------------------------------------------------------- start
@@ -119,6 +127,7 @@ class Loop:
         if resume is not None:
             common = self.backend.load(resume, weights_only=False)
             self.next_rollout, self.weight_version = common["rollout_id"] + 1, common["weight_version"]
+            self.last_saved = common["rollout_id"]
             if self.driver:
                 self.driver.restore(common, self.next_rollout)
             log.info("resumed from %s: next rollout %d, weight version %d", resume, self.next_rollout, self.weight_version)
@@ -131,10 +140,19 @@ class Loop:
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
         for rollout_id in range(self.next_rollout, self.args.num_rollout):
+            if self.stop_requested(rollout_id):
+                if self.args.save and rollout_id > 0 and self.last_saved != rollout_id - 1:
+                    self.save(rollout_id - 1)  # the last finished rollout
+                log.info("stopping before rollout %d, as the supervisor asked", rollout_id)
+                break
             metrics = self.step(rollout_id)
             self.publish_and_save(rollout_id, metrics)
         if self.driver:
             self.driver.reporter.close()
+
+    def stop_requested(self, rollout_id: int) -> bool:
+        stop = bool(self.driver and self.driver.supervisor and self.driver.supervisor.stop_requested(rollout_id))
+        return bool(self.backend.broadcast_object(stop))
 
     def step(self, rollout_id: int) -> dict[str, Any]:
         began = time.monotonic()
@@ -209,6 +227,8 @@ class Loop:
             return {}
         self.driver.reporter.heartbeat("publish", self.next_rollout)
         result = self.driver.publisher.publish(str(self.weight_version), self.driver.engines(), weights)
+        if self.driver.supervisor:
+            self.driver.supervisor.published(self.weight_version, result.updated, result.fenced)
         return {"publish_seconds": result.seconds, "engines_updated": len(result.updated),
                 "engines_fenced": len(result.fenced)}
 
@@ -232,6 +252,7 @@ class Loop:
         common = self.backend.broadcast_object(common)
         checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
                         keep=self.args.keep_checkpoints)
+        self.last_saved = rollout_id
 
 
 def _masked_token_mean(values: list[torch.Tensor], samples: list[TrainSample]) -> float:

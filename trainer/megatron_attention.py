@@ -16,6 +16,7 @@ time were it on the GPU; SDPAttention copies it to the device itself.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from typing import Literal
 
@@ -98,12 +99,11 @@ class SDPAttention(MegatronModule):
             cu = cu.to(query.device, non_blocking=True)
             out = varlen_attn(query, key, value, cu, cu, max_len, max_len, scale=self.softmax_scale, **_VARLEN_KWARGS)
         else:  # CPU / fp32: one causal SDPA call per sequence
-            bounds = cu.tolist()
             out = torch.cat([
                 F.scaled_dot_product_attention(
                     *(x[a:b].transpose(0, 1) for x in (query, key, value)),
                     is_causal=True, scale=self.softmax_scale, enable_gqa=True).transpose(0, 1)
-                for a, b in zip(bounds[:-1], bounds[1:])
+                for a, b in itertools.pairwise(cu.tolist())
             ])
         return out.reshape(out.shape[0], -1)
 

@@ -107,12 +107,17 @@ class MegatronBackend(Backend):
             self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
+        # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
+        config.bias_activation_fusion = self.device.type == "cuda"
         config.recompute_granularity = args.recompute_granularity
         config.recompute_method = args.recompute_method
         config.recompute_num_layers = args.recompute_num_layers
         spec = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, args.attention_backend)
-        model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
-        return model.to(self.device)
+        model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs).to(self.device)
+        if args.torch_compile:
+            for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
+                layer.compile()
+        return model
 
     def _build_critic(self) -> GPTModel:
         """The actor's architecture with a scalar value head instead of the vocabulary projection."""
@@ -139,7 +144,7 @@ class MegatronBackend(Backend):
             causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=self.device).triu(1)
             inputs["attention_mask"] = (causal | (seq[:, None] != seq[None, :]))[None, None]
         else:  # the fused path takes the sample boundaries themselves (THD layout)
-            cu = pack.cu_seqlens.to(self.device)
+            cu = pack.cu_seqlens  # on the CPU: megatron's per-sample RoPE reads it with .tolist()
             longest = int((pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).max())
             inputs["attention_mask"] = None
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
