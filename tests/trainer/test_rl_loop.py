@@ -161,3 +161,15 @@ def test_on_policy_distillation_moves_the_student_towards_the_teacher(files, clu
     kl = [m["teacher_kl"] for m in metrics(tmp_path / "job")]
     assert all(m["reward_mean"] == 0 for m in metrics(tmp_path / "job"))
     assert sum(kl[-3:]) / 3 < 0.6 * kl[0], f"the student did not move towards the teacher: {kl}"
+
+
+def test_fsdp_backend_runs_the_loop_on_policy(files, cluster, tmp_path: Path) -> None:
+    """The fsdp backend (HF model, FSDP2 over gloo) drives the same loop: its log-probs equal the
+    engines' after every publish over the update group."""
+    router, _ = cluster
+    trainer(files, router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8", "--lr", "1e-2",
+            "--train-backend", "fsdp", "--true-on-policy-mode", "--update-weight-transport", "nccl", processes=2)
+    rows = metrics(tmp_path / "job")
+    assert [m["rollout_id"] for m in rows] == [0, 1, 2]
+    assert all(m["logp_mismatch_max"] < 1e-5 and m["engines_updated"] == 2 for m in rows), rows
+    assert rows[-1]["entropy"] < rows[0]["entropy"]
