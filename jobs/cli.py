@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ckpt_tools import cli as ckpt_cli
+from jobs import submit_cli
 from rollout import cli as rollout_cli
 from slurm.devcluster import cli as cluster_cli
 
@@ -16,10 +18,14 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cli.add_parser(subparsers)
     ckpt_cli.add_parser(subparsers)
     rollout_cli.add_parser(subparsers)
+    submit_cli.add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["submit"]:  # its flags are the spec's and the trainer's: read by submit_cli itself
+        return submit_cli.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,93 @@
+"""Submission of a job spec as one heterogeneous SLURM job through Submitit.
+
+    spec = prepare(Path("job.yaml"), ["--num-rollout", "20"])   # SpecError lists every problem
+    print(render_script(spec))                                  # the sbatch script; writes nothing
+    job = submit(spec)                                          # job dir + spec.yaml + sbatch
+    state = follow(job)                                         # prints state changes to the end
+
+`submit` runs `fn()` in the batch step on the first node of het group 0; by default
+fn = supervisor.daemon.Supervisor(spec) (a submitit.helpers.Checkpointable), called with no arguments.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+import time
+import typing as tp
+from pathlib import Path
+
+from jobs.hetjob import HetSlurmExecutor, HetSlurmJob
+from jobs.spec import JobSpec, SpecError, finalize, load_spec, write_atomic
+from jobs.validate import PartitionInfo, validate
+
+SPEC_FILE = "spec.yaml"
+JOB_ID_FILE = "slurm_job_id"
+SUBMITIT_DIR = "submitit"
+# sacct states after which the job will not run again (REQUEUED, PREEMPTED... are not ends)
+UNFINISHED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
+              "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT")
+
+
+def prepare(yaml_path: Path | None, argv: list[str],
+            partitions: dict[str, PartitionInfo] | None | bool = True) -> JobSpec:
+    """The spec of a YAML file and flags, validated and finalized (absolute job dir and paths);
+    raises SpecError with every problem. Writes nothing."""
+    spec, problems = load_spec(yaml_path, argv)
+    problems += validate(spec, partitions)
+    if problems:
+        raise SpecError(problems)
+    return finalize(spec)
+
+
+def make_executor(spec: JobSpec, require_slurm: bool = True) -> HetSlurmExecutor:
+    ft = spec.fault_tolerance
+    executor = HetSlurmExecutor(Path(spec.job_dir or ".", SUBMITIT_DIR), spec.groups(), python=spec.python,
+                                max_num_timeout=ft.max_requeues, preempt_grace_s=ft.preempt_grace,
+                                require_slurm=require_slurm)
+    executor.update_parameters(job_name=spec.name, setup=[f"export SLURMRL_JOB_DIR={shlex.quote(str(spec.job_dir))}"])
+    return executor
+
+
+def render_script(spec: JobSpec) -> str:
+    """The sbatch script `submit` would send (SLURM need not be there; nothing is written)."""
+    return make_executor(spec, require_slurm=False).render()
+
+
+def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurmJob:
+    """Create the job dir (spec.yaml, submitit/), submit fn (default: the supervisor) as one
+    heterogeneous job, and return Submitit's handle. A failed sbatch removes the job dir again."""
+    if fn is None:
+        from supervisor.daemon import Supervisor
+
+        fn = Supervisor(spec)
+    job_dir = Path(spec.job_dir or "")
+    if not job_dir.is_absolute():
+        raise ValueError("submit a finalized spec (jobs.submit.prepare or jobs.spec.finalize)")
+    created = not job_dir.exists()
+    job_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        spec.write(job_dir / SPEC_FILE)
+        job = make_executor(spec).submit(fn)
+    except BaseException:
+        if created:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        raise
+    write_atomic(job_dir / JOB_ID_FILE, f"{job.job_id}\n")
+    return tp.cast(HetSlurmJob, job)
+
+
+def follow(job: HetSlurmJob, interval_s: float = 2.0, out: tp.TextIO = sys.stdout) -> str:
+    """Poll the job's state (one sacct call per interval, no deadline: a job may run for days),
+    print each change, and return the final state (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...)."""
+    last = None
+    while True:
+        state = job.watcher.get_state(job.job_id, mode="force")
+        state = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
+        if state != last:
+            print(f"job {job.job_id}: {state}", file=out, flush=True)
+            last = state
+        if state not in UNFINISHED:
+            return state
+        time.sleep(interval_s)

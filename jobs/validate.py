@@ -1,0 +1,232 @@
+"""Validation of a job spec before anything is submitted or written (invariant 7): every problem
+is one line naming the field and the fix; all of them are collected, none raised one at a time."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, group_flags, spec_flags
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    name: str
+    nodes: int
+    cpus_per_node: int
+    gpus_per_node: int
+
+
+def query_partitions(timeout_s: float = 10) -> dict[str, PartitionInfo] | None:
+    """Partitions as sinfo sees them (one call), with the default one also under ""; None when
+    SLURM does not answer (no sinfo, no controller): the capacity checks are then skipped."""
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%G"], capture_output=True, text=True,
+                             timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    nodes: dict[str, dict[str, tuple[int, int]]] = {}
+    default = None
+    for line in out.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) != 4:
+            continue
+        node, part, cpus, gres = parts
+        if part.endswith("*"):
+            part = default = part[:-1]
+        gpus = max((int(m) for m in re.findall(r"gpu(?::[^:(,]+)?:(\d+)", gres)), default=0)
+        nodes.setdefault(part, {})[node] = (int(cpus.rstrip("+") or 0), gpus)
+    infos = {p: PartitionInfo(p, len(n), max(c for c, _ in n.values()), max(g for _, g in n.values()))
+             for p, n in nodes.items()}
+    if default:
+        infos[""] = infos[default]
+    return infos
+
+
+def _train_args_problems(spec: JobSpec) -> list[str]:
+    from trainer.args import ArgsError, build_parser, validate
+
+    problems: list[str] = []
+    args = spec.trainer.train_args
+    parser = build_parser()
+    known = [o for a in parser._actions for o in a.option_strings] + list(spec_flags())
+    for group in group_flags(args):
+        name = group[0].split("=", 1)[0]
+        if name in OWNED_TRAIN_FLAGS:
+            hint = "rollout.sglang_router_ip/port" if "router" in name else "the job spec"
+            problems.append(f"train_args: {name} is set by slurmrl itself; remove it (use {hint})")
+    try:
+        parsed, unknown = parser.parse_known_args(args)
+    except ArgsError as err:
+        return problems + [f"train_args: {err}"]
+    for token in unknown:
+        if token.startswith("-") and not re.fullmatch(r"-[\d.e+-]+", token):
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1)
+            problems.append(f"train_args: unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else
+                                                                   "; see python -m trainer --help"))
+    if unknown:
+        return problems
+    own: list[str] = []
+    hf = parsed.hf_checkpoint
+    if not Path(hf, "config.json").is_file():
+        own.append(f"--hf-checkpoint {hf}: no config.json there; point it at a Hugging Face model folder")
+    if parsed.prompt_data and not Path(parsed.prompt_data).is_file():
+        own.append(f"--prompt-data {parsed.prompt_data}: no such file; give the jsonl prompts file")
+    elif not parsed.prompt_data and not parsed.rollout_function_path and not parsed.debug_train_only:
+        own.append("--prompt-data: missing; give a jsonl prompts file (or --rollout-function-path)")
+    if parsed.ref_load and not Path(parsed.ref_load).exists():
+        own.append(f"--ref-load {parsed.ref_load}: no such folder; give an existing torch_dist checkpoint")
+    if parsed.load and parsed.load != parsed.save and not Path(parsed.load).exists():
+        own.append(f"--load {parsed.load}: no such folder; give an existing save folder, or drop --load "
+                   "(resuming from --save is the default)")
+    if not own:
+        # The trainer's own cross-flag checks; the router address is the supervisor's to give.
+        check = argparse.Namespace(**vars(parsed))
+        check.sglang_router_ip, check.sglang_router_port = "127.0.0.1", 1
+        try:
+            validate(check)
+        except ArgsError as err:
+            own.append(str(err))
+    return problems + [f"train_args: {p}" for p in own]
+
+
+def _rollout_problems(spec: JobSpec) -> list[str]:
+    from rollout.launch import EngineLaunch, LaunchError, RouterLaunch, passthrough, router_command
+
+    r, t = spec.rollout, spec.trainer
+    problems: list[str] = []
+    if r.engine not in ENGINES:
+        problems.append(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
+    elif r.engine == "sglang":
+        g, tp_, per_node = r.rollout_num_gpus, r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node
+        if g < 1 or tp_ < 1 or per_node < 1:
+            problems.append("rollout: rollout_num_gpus, rollout_num_gpus_per_engine and rollout_num_gpus_per_node "
+                            "must be 1 or more for the sglang engine (or use --rollout-engine cpu)")
+        elif g % tp_:
+            problems.append(f"rollout.rollout_num_gpus: {g} is not a multiple of rollout_num_gpus_per_engine {tp_}; "
+                            f"give --rollout-num-gpus {max(tp_, g - g % tp_)}")
+        elif g > per_node and g % per_node:
+            problems.append(f"rollout.rollout_num_gpus: {g} does not fill whole nodes of {per_node} GPUs "
+                            f"(rollout_num_gpus_per_node); give a multiple of {per_node}")
+        elif (tp_ <= per_node and per_node % tp_) or (tp_ > per_node and tp_ % per_node):
+            problems.append(f"rollout.rollout_num_gpus_per_engine: {tp_} does not tile nodes of {per_node} GPUs; "
+                            "an engine must fit a node evenly or span whole nodes")
+    else:
+        if not r.num_engines or r.num_engines < 1:
+            problems.append("rollout.num_engines: the cpu engine needs --rollout-num-engines 1 or more")
+        if r.cpus_per_engine < 1:
+            problems.append("rollout.cpus_per_engine: must be 1 or more")
+        if r.engines_per_node is not None and r.engines_per_node < 1:
+            problems.append("rollout.engines_per_node: must be 1 or more")
+    if bool(r.sglang_router_ip) != bool(r.sglang_router_port):
+        problems.append("rollout.sglang_router_ip/port: give both (an external router) or neither")
+    try:
+        EngineLaunch(model_path="m", host="h", port=1, sglang_args=passthrough(r.sglang_args, "sglang")).flags()
+        router_command(RouterLaunch(host="h", port=1, prometheus_port=2, router_args=passthrough(r.router_args,
+                                                                                                "router")))
+    except LaunchError as err:
+        problems.append(f"rollout: {err}")
+    if r.colocate and not problems:
+        trainer_gpus = t.actor_num_nodes * t.actor_num_gpus_per_node
+        if r.engine == "sglang" and r.rollout_num_gpus != trainer_gpus:
+            problems.append(f"rollout.colocate: rollout_num_gpus {r.rollout_num_gpus} != actor_num_nodes x "
+                            f"actor_num_gpus_per_node = {trainer_gpus}; colocated engines share the trainer's "
+                            f"GPUs: give --rollout-num-gpus {trainer_gpus}")
+    return problems
+
+
+def _numbers(spec: JobSpec) -> list[str]:
+    t, ft = spec.trainer, spec.fault_tolerance
+    problems = []
+    checks = [("trainer.actor_num_nodes", t.actor_num_nodes, 1), ("trainer.actor_num_gpus_per_node",
+              t.actor_num_gpus_per_node, 0), ("trainer.cpus_per_task", t.cpus_per_task, 1),
+              ("fault_tolerance.rollout_health_check_first_wait", ft.rollout_health_check_first_wait, 0),
+              ("fault_tolerance.rollout_health_check_interval", ft.rollout_health_check_interval, 0.1),
+              ("fault_tolerance.rollout_health_check_timeout", ft.rollout_health_check_timeout, 0.1),
+              ("fault_tolerance.health_check_failure_threshold", ft.health_check_failure_threshold, 1),
+              ("fault_tolerance.max_engine_restarts", ft.max_engine_restarts, 0),
+              ("fault_tolerance.restart_backoff", ft.restart_backoff, 0),
+              ("fault_tolerance.preempt_grace", ft.preempt_grace, 1),
+              ("fault_tolerance.max_requeues", ft.max_requeues, 0),
+              ("fault_tolerance.max_trainer_restarts", ft.max_trainer_restarts, 0),
+              ("fault_tolerance.min_engines", ft.min_engines, 0)]
+    for where, value, low in checks:
+        if value < low:
+            problems.append(f"{where}: must be {low} or more, got {value}")
+    if t.actor_num_gpus_per_node == 0 and t.actor_num_cpu_workers < 1:
+        problems.append("trainer.actor_num_cpu_workers: with actor_num_gpus_per_node 0 the trainer runs CPU "
+                        "workers; give --actor-num-cpu-workers 1 or more")
+    if not 0 < ft.max_kill_fraction <= 1:
+        problems.append(f"fault_tolerance.max_kill_fraction: must be in (0, 1], got {ft.max_kill_fraction}")
+    if spec.rollout.engine_count and ft.min_engines > spec.rollout.engine_count:
+        problems.append(f"fault_tolerance.min_engines: {ft.min_engines} is more than the {spec.rollout.engine_count} "
+                        "engines asked for; lower it")
+    return problems
+
+
+def _job_problems(spec: JobSpec) -> list[str]:
+    problems = []
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name or ""):
+        problems.append(f"name: {spec.name!r} must be letters, digits, '.', '_' or '-' (it names the SLURM job "
+                        "and the job dir)")
+    minutes = spec.time_minutes
+    if minutes is None:
+        problems.append(f"time: {spec.time!r} is not a SLURM time; use MM, HH:MM:SS or D-HH:MM:SS")
+    elif minutes < 1:
+        problems.append("time: must be at least one minute")
+    elif spec.fault_tolerance.preempt_grace >= minutes * 60:
+        problems.append(f"fault_tolerance.preempt_grace: {spec.fault_tolerance.preempt_grace} s is not shorter than "
+                        f"the time limit ({minutes} min); lower it or raise --time")
+    if spec.job_dir:
+        job_dir = Path(spec.job_dir).expanduser()
+        if job_dir.exists() and (not job_dir.is_dir() or any(job_dir.iterdir())):
+            problems.append(f"job_dir: {job_dir} already exists and is not empty; give a new folder "
+                            "(a job dir holds one job's state)")
+    if spec.python and shutil.which(spec.python) is None:
+        problems.append(f"python: {spec.python} is not an executable; give the interpreter of the steps")
+    return problems
+
+
+def _capacity(spec: JobSpec, partitions: dict[str, PartitionInfo] | None) -> list[str]:
+    if partitions is None:
+        return []
+    part = partitions.get(spec.partition or "")
+    if part is None:
+        names = ", ".join(sorted(p for p in partitions if p))
+        return [f"partition: {spec.partition!r} is not a partition of this cluster (sinfo lists: {names})"
+                if spec.partition else "partition: this cluster has no default partition; give --partition"]
+    problems = []
+    for k, group in enumerate(spec.groups()):
+        what = "trainer" if k == 0 else "rollout"
+        if group.nodes > part.nodes:
+            problems.append(f"{what} group: {group.nodes} nodes, but partition {part.name} has {part.nodes}; "
+                            "ask for fewer nodes")
+        if group.gpus_per_node > part.gpus_per_node:
+            problems.append(f"{what} group: {group.gpus_per_node} GPUs per node, but the nodes of partition "
+                            f"{part.name} have {part.gpus_per_node}; ask for fewer GPUs per node")
+        cpus = group.ntasks_per_node * group.cpus_per_task
+        if cpus > part.cpus_per_node:
+            problems.append(f"{what} group: {group.ntasks_per_node} tasks x {group.cpus_per_task} CPUs = {cpus} CPUs "
+                            f"per node, but the nodes of partition {part.name} have {part.cpus_per_node}; lower the "
+                            "CPUs per task or the tasks per node")
+    return problems
+
+
+def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool = True) -> list[str]:
+    """Every problem of spec, one line each (empty: fine to submit). partitions: True asks sinfo
+    once; None or False skips the capacity checks; a dict is used as is (tests)."""
+    shape = _numbers(spec) + _rollout_problems(spec)
+    problems = _job_problems(spec) + shape + _train_args_problems(spec)
+    if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then
+        problems += _capacity(spec, query_partitions() if partitions is True else partitions or None)
+    return problems

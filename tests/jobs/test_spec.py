@@ -1,0 +1,140 @@
+"""The job spec without SLURM: YAML + flags (flags win), the YAML round trip, finalize, and the
+rendered heterogeneous sbatch script."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from jobs.spec import JobSpec, SpecError, finalize, flag_value, load_spec, parse_slurm_time
+from jobs.submit import prepare, render_script
+from jobs.validate import PartitionInfo
+from tests.jobs.helpers import job_files, job_flags
+
+YAML = """
+name: toy
+partition: dev
+time: "00:30:00"
+trainer:
+  actor_num_gpus_per_node: 0
+  cpus_per_task: 2
+  train_args:
+    hf-checkpoint: ${SLURMRL_TEST_MODEL}
+    prompt-data: DATA
+    num-rollout: 20
+    lr: 1.0e-2
+    rollout-shuffle: true
+    rollout-top-k: -1
+rollout:
+  engine: cpu
+  num_engines: 2
+  sglang_args: [--sglang-max-running-requests, "8"]
+fault_tolerance:
+  use_fault_tolerance: true
+  rollout_health_check_interval: 2
+"""
+DEV = {"dev": PartitionInfo("dev", nodes=3, cpus_per_node=8, gpus_per_node=4)}
+
+
+def _write(tmp_path: Path, text: str = YAML) -> Path:
+    model, data = job_files(tmp_path)
+    path = tmp_path / "job.yaml"
+    path.write_text(text.replace("DATA", str(data)))
+    return path
+
+
+def test_yaml_then_flags_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURMRL_TEST_MODEL", str(tmp_path / "model"))
+    spec, problems = load_spec(_write(tmp_path), ["--lr", "3e-3", "--actor-num-nodes", "2", "--colocate",
+                                                  "--rollout-health-check-timeout", "7", "--sglang-dtype", "float32",
+                                                  "--router-policy", "round_robin", "--save-interval", "5"])
+    assert problems == []
+    assert (spec.name, spec.time, spec.trainer.actor_num_nodes, spec.trainer.cpus_per_task) == ("toy", "00:30:00", 2, 2)
+    assert spec.rollout.colocate is True and spec.rollout.num_engines == 2
+    assert spec.fault_tolerance.use_fault_tolerance and spec.fault_tolerance.rollout_health_check_interval == 2.0
+    assert spec.fault_tolerance.rollout_health_check_timeout == 7.0
+    args = spec.trainer.train_args
+    assert flag_value(args, "--lr") == "3e-3" and args.count("--lr") == 1, "the flag did not replace the file's"
+    assert flag_value(args, "--hf-checkpoint") == str(tmp_path / "model"), "${VAR} was not expanded"
+    assert flag_value(args, "--rollout-top-k") == "-1" and "--rollout-shuffle" in args
+    assert flag_value(args, "--save-interval") == "5"
+    assert spec.rollout.sglang_args == ["--sglang-max-running-requests", "8", "--sglang-dtype", "float32"]
+    assert spec.rollout.router_args == ["--router-policy", "round_robin"]
+    assert spec.trainer.num_rollout == 20 and spec.trainer.arg("lr") == 3e-3
+
+
+def test_yaml_round_trip_and_finalize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURMRL_TEST_MODEL", str(tmp_path / "model"))
+    monkeypatch.chdir(tmp_path)
+    spec = prepare(_write(tmp_path), ["--prompt-data", "toy.jsonl"], partitions=DEV)
+    assert Path(spec.job_dir).is_absolute() and Path(spec.job_dir).parent == tmp_path / "slurmrl-jobs"
+    assert re.fullmatch(r"toy-\d{8}-\d{6}", Path(spec.job_dir).name)
+    assert not Path(spec.job_dir).exists(), "prepare wrote something"
+    args = spec.trainer.train_args
+    assert flag_value(args, "--prompt-data") == str(tmp_path / "toy.jsonl"), "a relative path was kept"
+    assert flag_value(args, "--save") == flag_value(args, "--load") == spec.job_dir + "/checkpoints"
+    assert spec.python
+    again = JobSpec.from_yaml(spec.to_yaml())
+    assert again == spec
+    assert JobSpec.from_yaml(spec.write(tmp_path / "spec.yaml")) == spec
+    assert finalize(again).trainer.train_args == args, "finalize is not idempotent"
+
+
+def test_time_strings() -> None:
+    cases = {"30": 30, "5:30": 6, "01:00:00": 60, "1-0": 1440, "2-03:04": 2 * 1440 + 184, "0-0:0:59": 1, 45: 45}
+    assert {k: parse_slurm_time(k) for k in cases} == cases
+    for bad in ("1h", "", "1:2:3:4", "-5", "1-", "UNLIMITED"):
+        assert parse_slurm_time(bad) is None, bad
+
+
+def test_yaml_problems_are_all_listed(tmp_path: Path) -> None:
+    bad = "name: x\ntrainer: {actor_num_node: 2, cpus_per_task: lots}\nrollout: {engine: cpu, num_engine: 2}\nfoo: 1\n"
+    with pytest.raises(SpecError) as err:
+        JobSpec.from_yaml(bad)
+    text = "\n".join(err.value.problems)
+    assert "trainer.actor_num_node: unknown field (did you mean actor_num_nodes?)" in text
+    assert "trainer.cpus_per_task: 'lots' is not a valid int" in text
+    assert "rollout.num_engine: unknown field (did you mean num_engines?)" in text
+    assert "foo: unknown field" in text
+    assert len(err.value.problems) == 4
+
+
+def _groups(script: str) -> list[str]:
+    header = script.split("\n\n# setup")[0] + "\n"
+    return header.split("#SBATCH hetjob\n")
+
+
+def test_rendered_script_has_two_het_groups(tmp_path: Path) -> None:
+    flags = job_flags(tmp_path, "render") + ["--rollout-engine", "sglang", "--actor-num-gpus-per-node", "4",
+                                             "--actor-num-nodes", "2", "--rollout-num-gpus", "8",
+                                             "--rollout-num-gpus-per-engine", "2", "--rollout-num-gpus-per-node", "4",
+                                             "--rollout-cpus-per-engine", "3", "--account", "acct", "--qos", "high",
+                                             "--exclude", "node9"]
+    spec = prepare(None, flags, partitions=DEV)
+    script = render_script(spec)
+    assert script.count("#SBATCH hetjob") == 1
+    trainer, rollout = _groups(script)
+    for line in ("--nodes=2", "--gres=gpu:4", "--ntasks-per-node=4", "--cpus-per-task=1", "--partition=dev",
+                 "--time=10", "--account=acct", "--qos=high", "--exclude=node9", "--signal=B:USR1@60",
+                 "--job-name=render", "--requeue", f"--output={spec.job_dir}/submitit/%j_0_log.out"):
+        assert f"#SBATCH {line}\n" in trainer, line
+    for line in ("--nodes=2", "--gres=gpu:4", "--ntasks-per-node=2", "--cpus-per-task=3", "--partition=dev",
+                 "--time=10", "--account=acct"):
+        assert f"#SBATCH {line}\n" in rollout, line
+    assert "--signal" not in rollout and "--output" not in rollout
+    assert f"\nexec {spec.python} -u -m jobs.hetjob {spec.job_dir}/submitit\n" in script
+    assert "srun" not in script, "the callable must run in the batch step itself"
+    assert not Path(spec.job_dir).exists()
+
+
+def test_rendered_script_cpu_engines_and_colocate(tmp_path: Path) -> None:
+    spec = prepare(None, job_flags(tmp_path, "cpu") + ["--rollout-engines-per-node", "1"], partitions=DEV)
+    trainer, rollout = _groups(render_script(spec))
+    assert "gres" not in trainer + rollout, "CPU-only groups asked for GPUs"
+    assert "#SBATCH --nodes=2\n" in rollout and "#SBATCH --ntasks-per-node=1\n" in rollout
+    colocated = prepare(None, job_flags(tmp_path, "colo", tmp_path / "job2") + ["--colocate"], partitions=DEV)
+    script = render_script(colocated)
+    assert "#SBATCH hetjob" not in script
+    assert "#SBATCH --nodes=1\n" in script and "#SBATCH --ntasks-per-node=3\n" in script  # 1 worker + 2 engines
