@@ -9,6 +9,7 @@ from ckpt_tools import cli as ckpt_cli
 from jobs import submit_cli
 from rollout import cli as rollout_cli
 from slurm.devcluster import cli as cluster_cli
+from supervisor import cli as supervisor_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_cli.add_parser(subparsers)
     rollout_cli.add_parser(subparsers)
     submit_cli.add_parser(subparsers)
+    supervisor_cli.add_parsers(subparsers)
     return parser
 
 

@@ -1,0 +1,31 @@
+"""`python -m supervisor --job-dir DIR`: the supervisor of a plain-sbatch job (slurm/templates/),
+reading DIR/spec.yaml; `slurmrl submit` runs the same Daemon through Submitit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jobs.spec import SpecError, read_job_spec
+from supervisor.daemon import Daemon, JobFailed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m supervisor")
+    parser.add_argument("--job-dir", required=True)
+    args = parser.parse_args()
+    try:
+        spec = read_job_spec(args.job_dir)
+    except SpecError as err:
+        print(f"python -m supervisor: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        print(Daemon(spec).run())
+    except JobFailed as err:
+        print(f"python -m supervisor: the job failed: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

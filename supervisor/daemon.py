@@ -1,0 +1,462 @@
+"""The supervisor: the job's batch step on the head node. It launches the router, one step per
+engine and the trainer, watches them (step exits at once; engines' /health_generate in parallel),
+restarts what fails per the failure table, keeps the router to engines at the current weight
+version, and answers the control socket (`slurmrl status|restart|events|stop`).
+
+Submitted by `slurmrl submit` as `Supervisor(spec)` (Submitit pickles it), or started by a plain
+sbatch template as `python -m supervisor --job-dir DIR`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from ckpt_tools.torch_dist import read_tracker
+from jobs.spec import JobSpec
+from rollout.launch import (
+    EngineLaunch,
+    RouterLaunch,
+    cpu_engine_command,
+    passthrough,
+    router_command,
+    sglang_command,
+)
+from rollout.router_client import RouterClient
+from supervisor import layout as layouts
+from supervisor.control import ControlServer
+from supervisor.engines import (
+    FAILED,
+    HEALTHY,
+    RESTARTING,
+    STARTING,
+    WAITING,
+    Engine,
+    EngineClient,
+    EngineStartError,
+    Membership,
+    newest_weights,
+    wait_healthy,
+)
+from supervisor.events import EVENTS_FILE, EventLog
+from supervisor.keys import create_key, step_env
+from supervisor.probe import HealthTracker, KillBudget, Prober
+from supervisor.state import StateStore, StepRecord
+from supervisor.steps import Step, StepController, StepSpec
+
+log = logging.getLogger(__name__)
+
+ROUTER, TRAINER = "router", "trainer"
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on; the message is the reason `slurmrl status` shows."""
+
+
+class Supervisor(submitit.helpers.Checkpointable):
+    """The callable Submitit runs in the batch step."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+
+    def __call__(self) -> str:
+        return Daemon(self.spec).run()
+
+
+class Daemon:
+    def __init__(self, spec: JobSpec) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
+        self.spec = spec
+        self.ft = spec.fault_tolerance
+        self.job_dir = Path(spec.job_dir)
+        self.layout = layouts.from_environment(spec)
+        self.python = spec.python or sys.executable
+        self.events = EventLog(self.job_dir / EVENTS_FILE)
+        self.store = StateStore(self.job_dir)
+        self.key = create_key(self.job_dir)
+        self.env = {**step_env(self.key), "SLURMRL_JOB_DIR": str(self.job_dir)}
+        self.steps = StepController(self.layout.job_id, on_exit=lambda step: self.exits.put(step))
+        self.exits: queue.Queue[Step] = queue.Queue()
+        self.running: dict[str, Step] = {}
+        self.client = EngineClient(self.key, self.ft.rollout_health_check_timeout)
+        router_url = (f"http://{spec.rollout.sglang_router_ip}:{spec.rollout.sglang_router_port}"
+                      if spec.rollout.external_router else self.layout.router_url)
+        self.router_url = router_url
+        self.membership = Membership(RouterClient(router_url, self.key), self.client, self.key)
+        self.engines = {place.name: Engine(place) for place in self.layout.engines}
+        self.recovering: set[str] = set()
+        self.tracker = HealthTracker(self.ft.health_check_failure_threshold, self.ft.rollout_health_check_first_wait)
+        self.budget = KillBudget(self.ft.max_kill_fraction, self.ft.rollout_health_check_interval)
+        self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines)), thread_name_prefix="recover")
+        self.stop_requested = False
+        self.trainer_restarts = 0
+        self.failure: str | None = None
+        self.finished = threading.Event()
+        self.control = ControlServer(self.job_dir)
+        for name in ("status", "restart", "stop", "ready_engines", "published", "engine_failed", "trainer_poll"):
+            self.control.register(name, getattr(self, f"_on_{name}"))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tensorboard = SummaryWriter(str(self.job_dir / "tensorboard" / "supervisor"))
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> str:
+        with self.store.update() as state:
+            state.job_id = self.layout.job_id
+            state.requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+            state.stop_reason = None
+            for engine in self.engines.values():
+                state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group,
+                                                      list(engine.place.nodes), url=engine.url)
+        self.control.start()
+        self.events.emit("supervisor_started", job_id=self.layout.job_id, head=self.layout.head,
+                         engines=len(self.engines), requeues=self.store.snapshot().requeues)
+        try:
+            if not self.spec.rollout.external_router:
+                self._launch_router()
+            self._start_engines()
+            self._launch_trainer()
+            outcome = self._monitor()
+            self._set_stop_reason(outcome)
+            return outcome
+        except JobFailed as err:
+            self._set_stop_reason(f"failed: {err}")
+            self.events.emit("job_failed", reason=str(err))
+            raise
+        finally:
+            self._shutdown()
+
+    def _set_stop_reason(self, reason: str) -> None:
+        with self.store.update() as state:
+            state.stop_reason = reason
+            state.last_checkpoint = self._last_checkpoint()
+
+    # ------------------------------------------------------------------ launching
+    def _launch(self, name: str, kind: str, argv: list[str], nodes: tuple[str, ...], het_group: int, *,
+                ntasks: int = 1, gpus_per_node: int = 0, cpus_per_task: int | None = None,
+                overlap: bool = False, env: dict[str, str] | None = None) -> Step:
+        spec = StepSpec(name=name, argv=tuple(argv), nodes=nodes, log=self.job_dir / "logs" / f"{name}.log",
+                        het_group=het_group if self.spec.het_groups > 1 else None, ntasks=ntasks,
+                        gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, overlap=overlap,
+                        env={**self.env, **(env or {})})
+        step = self.steps.launch(spec)
+        self.running[name] = step
+        with self.store.update() as state:
+            record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
+            record.state, record.slurm_step = STARTING, None
+            state.steps[name] = record
+        self.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
+        return step
+
+    def _with_key(self, argv: list[str]) -> list[str]:
+        """[python, -m, MODULE, ARGS...] run so that the job's key joins ARGS only inside the process."""
+        python, dash_m, module, *args = argv
+        assert dash_m == "-m", argv
+        return [python, "-m", "supervisor.with_key", module, *args]
+
+    def _launch_router(self) -> None:
+        launch = RouterLaunch(self.layout.head_address, self.layout.router_port, self.layout.router_metrics_port,
+                              policy="round_robin", router_args=passthrough(self.spec.rollout.router_args, "router"))
+        # --overlap: the router shares the head node's CPUs with the trainer's tasks.
+        self._launch(ROUTER, "router", self._with_key(router_command(launch, self.python)), (self.layout.head,), 0,
+                     overlap=True)
+        deadline = time.monotonic() + 60
+        while not self.membership.router.alive():
+            if self.running[ROUTER].returncode is not None or time.monotonic() > deadline:
+                raise JobFailed(f"the router did not start (see {self.job_dir}/logs/router.log)")
+            time.sleep(0.2)
+        self.store.update_step(ROUTER, state=HEALTHY, url=self.router_url)
+
+    def _launch_engine(self, engine: Engine) -> None:
+        place, r = engine.place, self.spec.rollout
+        launch = EngineLaunch(self.spec.trainer.hf_checkpoint, place.address, place.port,
+                              tp=max(1, place.gpus_per_node))
+        command = cpu_engine_command(launch, self.python) if r.engine == "cpu" else sglang_command(launch, self.python)
+        self._launch(engine.name, "engine", self._with_key(command + passthrough(r.sglang_args, "sglang")),
+                     place.nodes, place.het_group, gpus_per_node=place.gpus_per_node,
+                     cpus_per_task=r.cpus_per_engine)
+        engine.state, engine.version, engine.in_router = STARTING, None, False
+        self.tracker.started(engine.name)
+
+    def _start_engines(self) -> None:
+        for engine in self.engines.values():
+            self._launch_engine(engine)
+        waits = {name: self.pool.submit(self._await_engine, engine) for name, engine in self.engines.items()}
+        problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
+        for name, problem in problems.items():
+            self.events.emit("engine_start_failed", name, reason=problem)
+            self.engines[name].state = FAILED
+            self.store.update_step(name, state=FAILED, last_failure=problem)
+        alive = len(self.engines) - len(problems)
+        if problems and (not self.ft.use_fault_tolerance or alive < self.ft.min_engines):
+            raise JobFailed(f"{len(problems)} of {len(self.engines)} engines did not start: "
+                            f"{'; '.join(problems.values())}")
+
+    def _await_engine(self, engine: Engine) -> None:
+        step = self.running[engine.name]
+        wait_healthy(self.client, engine, max(60.0, self.ft.rollout_health_check_first_wait),
+                     lambda: step.returncode is None)
+        engine.state = WAITING  # until it serves the current weight version
+        self.store.update_step(engine.name, state=WAITING)
+        self._sync(engine)
+
+    def _launch_trainer(self) -> None:
+        t, layout = self.spec.trainer, self.layout
+        argv = [self.python, "-m", "trainer", *t.train_args, "--job-dir", str(self.job_dir), "--supervised",
+                "--sglang-router-ip", self.router_url.split("//")[1].split(":")[0],
+                "--sglang-router-port", self.router_url.rsplit(":", 1)[1], "--master-port", str(layout.trainer_master_port)]
+        # The master by address: a node's name need not resolve (the devcluster's do not).
+        self._launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0, ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
+                     gpus_per_node=t.actor_num_gpus_per_node, cpus_per_task=t.cpus_per_task,
+                     env={"MASTER_ADDR": layout.head_address})
+
+    # ------------------------------------------------------------------ weights
+    def _sync(self, engine: Engine) -> None:
+        """Bring a waiting engine to the current version from disk, if it is there, and admit it."""
+        with self.membership.lock:
+            current = self.membership.current
+        folder = newest_weights(self.job_dir / "weights", current)
+        if folder is not None and engine.version != current:
+            self.client.load_from_disk(engine.url, folder, current, timeout_s=600)
+            engine.version = current
+        if self.membership.admit(engine):
+            self.store.update_step(engine.name, state=HEALTHY, weight_version=engine.version)
+
+    # ------------------------------------------------------------------ monitoring
+    def _monitor(self) -> str:
+        interval = self.ft.rollout_health_check_interval
+        next_probe = time.monotonic()
+        while True:
+            timeout = max(0.0, next_probe - time.monotonic())
+            try:
+                step = self.exits.get(timeout=timeout)
+            except queue.Empty:
+                step = None
+            if self.failure:
+                raise JobFailed(self.failure)
+            if step is not None:
+                outcome = self._on_exit(step)
+                if outcome is not None:
+                    return outcome
+                continue
+            self._probe_cycle()
+            self._record_steps()
+            next_probe = time.monotonic() + interval
+
+    def _on_exit(self, step: Step) -> str | None:
+        name, rc = step.spec_name, step.returncode
+        if self.running.get(name) is not step:
+            return None  # a step we replaced on purpose
+        if name == TRAINER:
+            if rc == 0:
+                self.events.emit("trainer_finished", TRAINER)
+                return "stopped by user" if self.stop_requested else "completed"
+            return self._trainer_failed(f"trainer exited with code {rc} (see {self.job_dir}/logs/trainer.log)")
+        if name == ROUTER:
+            self.events.emit("router_failed", ROUTER, reason=f"exited with code {rc}")
+            self._relaunch_router()
+            return None
+        engine = self.engines[name]
+        if name not in self.recovering:
+            self._recover(engine, f"process exited with code {rc}")
+        return None
+
+    def _probe_cycle(self) -> None:
+        targets = {e.name: e.url for e in self.engines.values()
+                   if e.state in (WAITING, HEALTHY) and e.name not in self.recovering}
+        if not targets:
+            return
+        with Prober(self.ft.rollout_health_check_timeout, self.key) as prober:
+            results = prober.probe_all(targets)
+        now = time.time()
+        with self.store.update() as state:
+            for name, result in results.items():
+                state.steps[name].last_probe_latency_s = round(result.latency_s, 4)
+                state.steps[name].last_probe_time = now
+        failed = self.tracker.record(results)
+        for name in self.budget.allow(failed, dead=set(), total_engines=len(self.engines)):
+            self._recover(self.engines[name], f"/health_generate failed {self.ft.health_check_failure_threshold} "
+                                              f"times in a row ({results[name].error})")
+
+    def _record_steps(self) -> None:
+        statuses = self.steps.refresh(list(self.running.values()))
+        up = sum(e.state == HEALTHY for e in self.engines.values())
+        with self.store.update() as state:
+            for name, step in self.running.items():
+                if step.slurm_step and name in state.steps:
+                    state.steps[name].slurm_step = step.slurm_step
+            for engine in self.engines.values():
+                record = state.steps[engine.name]
+                record.state, record.restarts, record.weight_version = engine.state, engine.restarts, engine.version
+            state.weight_version = self.membership.current
+        self.tensorboard.add_scalar("supervisor/engines_up", up, int(time.time()))
+        log.debug("steps: %s", statuses)
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, engine: Engine, reason: str) -> None:
+        """Take the engine out and bring it back, in a worker thread (the monitor goes on)."""
+        if engine.name in self.recovering or engine.state == FAILED:
+            return
+        detected = time.time()
+        self.recovering.add(engine.name)
+        engine.state = RESTARTING
+        self.membership.expel(engine)
+        self.events.emit("engine_failed", engine.name, reason=reason, url=engine.url)
+        self.store.update_step(engine.name, state=RESTARTING, last_failure=reason)
+        if not self.ft.use_fault_tolerance:
+            self.failure = f"{engine.name} failed ({reason}) and use_fault_tolerance is off"
+            self.exits.put(Step(engine.name, None))  # wake the monitor
+            return
+        self.pool.submit(self._restart_engine, engine, detected)
+
+    def _restart_engine(self, engine: Engine, detected: float) -> None:
+        try:
+            step = self.running.get(engine.name)
+            if step is not None and step.returncode is None:
+                self.steps.cancel(step)
+            while True:
+                if engine.restarts >= self.ft.max_engine_restarts:
+                    self._give_up(engine)
+                    return
+                delay = 0.0 if engine.restarts == 0 else self.ft.restart_backoff * 2 ** (engine.restarts - 1)
+                if self.finished.wait(delay):
+                    return
+                engine.restarts += 1
+                self._launch_engine(engine)
+                try:
+                    self._await_engine(engine)
+                    break
+                except EngineStartError as err:
+                    self.events.emit("engine_restart_failed", engine.name, reason=str(err), attempt=engine.restarts)
+                    step = self.running[engine.name]
+                    if step.returncode is None:
+                        self.steps.cancel(step)
+            self.events.emit("engine_recovered", engine.name, restarts=engine.restarts,
+                             recover_s=round(time.time() - detected, 3), weight_version=engine.version,
+                             in_router=engine.in_router)
+        except Exception as err:  # a recovery that breaks must not leave the engine half-handled
+            log.exception("recovering %s failed", engine.name)
+            self.events.emit("engine_restart_failed", engine.name, reason=repr(err))
+            self._give_up(engine)
+        finally:
+            self.recovering.discard(engine.name)
+            self.store.update_step(engine.name, state=engine.state, restarts=engine.restarts,
+                                   weight_version=engine.version)
+
+    def _give_up(self, engine: Engine) -> None:
+        engine.state = FAILED
+        self.events.emit("engine_given_up", engine.name, restarts=engine.restarts)
+        live = sum(e.state != FAILED for e in self.engines.values())
+        if live < self.ft.min_engines:
+            self.failure = f"only {live} engines left (min_engines {self.ft.min_engines}): {engine.name} kept failing"
+            self.exits.put(Step(engine.name, None))
+
+    def _relaunch_router(self) -> None:
+        began = time.time()
+        self._launch_router()
+        self.membership.rejoin_router([e for e in self.engines.values() if e.state == HEALTHY])
+        self.events.emit("router_relaunched", ROUTER, recover_s=round(time.time() - began, 3),
+                         engines=sum(e.in_router for e in self.engines.values()))
+
+    def _trainer_failed(self, reason: str) -> str | None:
+        self.events.emit("trainer_failed", TRAINER, reason=reason)
+        if not self.ft.use_fault_tolerance or self.trainer_restarts >= self.ft.max_trainer_restarts:
+            raise JobFailed(reason)
+        self.trainer_restarts += 1
+        self._launch_trainer()  # it resumes from the latest checkpoint and republishes its weights
+        self.events.emit("trainer_restarted", TRAINER, restarts=self.trainer_restarts)
+        return None
+
+    # ------------------------------------------------------------------ control socket
+    def _engine_by_url(self, url: str) -> Engine | None:
+        return next((e for e in self.engines.values() if e.url == url), None)
+
+    def _on_status(self) -> dict[str, Any]:
+        state = asdict(self.store.snapshot())
+        state["last_checkpoint"] = self._last_checkpoint()
+        state["time_left"] = self._time_left()
+        return {"state": state}
+
+    def _on_restart(self, target: str) -> dict[str, Any]:
+        if target in self.engines:
+            self._recover(self.engines[target], "restart asked with slurmrl restart")
+        elif target in (ROUTER, TRAINER):
+            self.events.emit("restart_requested", target)
+            self.steps.cancel(self.running[target])  # its exit handler relaunches it
+        else:
+            raise ValueError(f"unknown step {target!r}; one of: {', '.join([*self.engines, ROUTER, TRAINER])}")
+        return {"restarting": target}
+
+    def _on_stop(self) -> dict[str, Any]:
+        self.stop_requested = True
+        self.events.emit("stop_requested")
+        return {"stopping": True}
+
+    def _on_ready_engines(self) -> dict[str, Any]:
+        return {"engines": [e.url for e in self.engines.values()
+                            if e.state in (WAITING, HEALTHY) and e.name not in self.recovering]}
+
+    def _on_published(self, version: int, updated: list[str], fenced: dict[str, str]) -> dict[str, Any]:
+        behind = self.membership.published(str(version), list(self.engines.values()), set(updated))
+        for url, reason in fenced.items():
+            if (engine := self._engine_by_url(url)) is not None:
+                self._recover(engine, f"weight update failed: {reason}")
+        for engine in behind:
+            if engine.url not in fenced:
+                self.pool.submit(self._sync, engine)
+        self.events.emit("weights_published", version=str(version), updated=len(updated), fenced=len(fenced))
+        return {}
+
+    def _on_engine_failed(self, url: str, reason: str) -> dict[str, Any]:
+        if (engine := self._engine_by_url(url)) is not None:
+            self._recover(engine, f"reported by the trainer: {reason}")
+        return {}
+
+    def _on_trainer_poll(self, rollout_id: int) -> dict[str, Any]:
+        return {"stop": self.stop_requested}
+
+    # ------------------------------------------------------------------ helpers
+    def _last_checkpoint(self) -> str | None:
+        save = self.spec.trainer.save
+        try:
+            iteration = read_tracker(Path(save)) if save else None
+        except (FileNotFoundError, ValueError):
+            return None
+        return f"{save}/iter_{iteration:07d}" if iteration is not None else None
+
+    def _time_left(self) -> str | None:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.layout.job_id, "-o", "%L"], capture_output=True,
+                                 text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+    def _shutdown(self) -> None:
+        self.finished.set()
+        for name, step in list(self.running.items()):
+            if step.returncode is None:
+                try:
+                    self.steps.cancel(step, timeout_s=20)
+                except Exception:  # keep stopping the others
+                    log.exception("could not stop %s", name)
+            record_state = "stopped"
+            if name in self.engines and self.engines[name].state == FAILED:
+                record_state = FAILED
+            self.store.update_step(name, state=record_state)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.control.close()
+        self.tensorboard.close()
+        self.events.emit("supervisor_stopped")
+        self.events.close()

@@ -1,0 +1,97 @@
+"""Where each step runs: the allocation's nodes (from SLURM's environment), their addresses, and
+the placement and port of the router, every engine and the trainer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+from jobs.spec import JobSpec
+
+# Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + k.
+_PORT_BASE, _PORT_SPAN, _PORTS_PER_JOB = 30000, 25000, 100
+
+
+@dataclass(frozen=True)
+class EnginePlace:
+    name: str  # engine-0, engine-1, ...
+    index: int
+    nodes: tuple[str, ...]
+    address: str  # node-rank 0's address: where the router and the trainer reach it
+    port: int
+    het_group: int
+    gpus_per_node: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    job_id: str
+    head: str  # the node the supervisor (batch step), the router and trainer rank 0 run on
+    head_address: str
+    trainer_nodes: tuple[str, ...]
+    rollout_nodes: tuple[str, ...]
+    router_port: int
+    router_metrics_port: int
+    trainer_master_port: int
+    engines: tuple[EnginePlace, ...]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.head_address}:{self.router_port}"
+
+
+def hostnames(nodelist: str) -> list[str]:
+    if not any(c in nodelist for c in "[,"):
+        return [nodelist]
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def node_addresses(nodes: list[str]) -> dict[str, str]:
+    """NodeAddr of each node, in one scontrol call (a devcluster's nodes all live on 127.0.0.1)."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
+                         check=True)
+    addresses = {}
+    for line in out.stdout.splitlines():
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        if "NodeName" in fields:
+            addresses[fields["NodeName"]] = fields.get("NodeAddr", fields["NodeName"])
+    return {node: _resolve(addresses.get(node, node)) for node in nodes}
+
+
+def _resolve(address: str) -> str:
+    try:
+        return socket.gethostbyname(address)
+    except OSError:
+        return address
+
+
+def from_environment(spec: JobSpec, env: dict[str, str] | None = None) -> Layout:
+    env = dict(os.environ if env is None else env)
+    job_id = env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
+    groups = [hostnames(env[f"SLURM_JOB_NODELIST_HET_GROUP_{g}"]) if f"SLURM_JOB_NODELIST_HET_GROUP_{g}" in env
+              else hostnames(env["SLURM_JOB_NODELIST"]) for g in range(spec.het_groups)]
+    trainer_nodes = groups[0]
+    rollout_nodes = groups[spec.rollout_group]
+    addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)))
+    base = _PORT_BASE + (int(job_id) * _PORTS_PER_JOB) % _PORT_SPAN
+    engines = []
+    r = spec.rollout
+    if r.engine != "cpu" and r.rollout_num_gpus_per_engine > r.rollout_num_gpus_per_node:
+        raise ValueError("an engine spanning several nodes is not supported yet: keep "
+                         "--rollout-num-gpus-per-engine <= --rollout-num-gpus-per-node")
+    gpus = 0 if r.engine == "cpu" else r.rollout_num_gpus_per_engine
+    for k in range(r.engine_count):
+        node = rollout_nodes[(k // r.engines_on_each_node) % len(rollout_nodes)]
+        engines.append(EnginePlace(f"engine-{k}", k, (node,), addresses[node], base + 10 + k, spec.rollout_group,
+                                   gpus))
+    head = trainer_nodes[0]
+    return Layout(job_id=job_id, head=head, head_address=addresses[head], trainer_nodes=tuple(trainer_nodes),
+                  rollout_nodes=tuple(rollout_nodes), router_port=base, router_metrics_port=base + 1,
+                  trainer_master_port=base + 2, engines=tuple(engines))

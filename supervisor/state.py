@@ -1,0 +1,136 @@
+"""supervisor_state.json: what the supervisor knows about its job and steps, kept in the job dir.
+
+It is what a restarted (requeued) supervisor reads to adopt live steps, and what `slurmrl status`
+shows. Every save replaces the file atomically and durably, so a reader or a crash never sees
+half a document: either the old state or the new one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+STATE_FILE = "supervisor_state.json"
+STEP_KINDS = ("engine", "router", "trainer")
+STEP_STATES = ("starting", "waiting", "healthy", "unhealthy", "restarting", "failed", "stopped", "fenced")
+
+
+@dataclass
+class StepRecord:
+    """One supervised SLURM step, as last seen."""
+
+    name: str
+    kind: str
+    het_group: int
+    nodes: list[str]
+    slurm_step: str | None = None  # "JOBID.STEPID" as squeue prints it and scancel takes it
+    url: str | None = None  # engines and router only
+    state: str = "starting"
+    restarts: int = 0
+    weight_version: str | None = None
+    last_probe_latency_s: float | None = None
+    last_probe_time: float | None = None
+    last_failure: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"step {self.name!r}: kind must be one of {STEP_KINDS}, got {self.kind!r}")
+        if self.state not in STEP_STATES:
+            raise ValueError(f"step {self.name!r}: state must be one of {STEP_STATES}, got {self.state!r}")
+
+
+@dataclass
+class JobState:
+    """The whole document: job-level facts plus one record per step, by step name."""
+
+    job_id: str | None = None
+    weight_version: str | None = None
+    requeues: int = 0
+    last_checkpoint: str | None = None
+    stop_reason: str | None = None
+    updated_at: float | None = None
+    steps: dict[str, StepRecord] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobState:
+        raw = json.loads(text)
+        steps = {name: StepRecord(**rec) for name, rec in raw.pop("steps", {}).items()}
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown fields in {STATE_FILE}: {sorted(unknown)}")
+        return cls(**raw, steps=steps)
+
+
+def _replace_durable(path: Path, data: bytes) -> None:
+    # ckpt_tools.torch_dist.replace_durable does the same, but importing it pulls in torch
+    # (seconds and hundreds of MB) into a supervisor that never touches a tensor.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_state(job_dir: Path) -> JobState:
+    """The saved state, or a fresh one when there is none yet (first start of the job)."""
+    path = Path(job_dir) / STATE_FILE
+    try:
+        return JobState.from_json(path.read_text())
+    except FileNotFoundError:
+        return JobState()
+
+
+class StateStore:
+    """The supervisor's copy of the state; `update()` changes it and saves it as one unit."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.path = Path(job_dir) / STATE_FILE
+        self._lock = threading.Lock()
+        self._state = read_state(Path(job_dir))
+
+    def snapshot(self) -> JobState:
+        """A deep copy, safe to read while other threads update."""
+        with self._lock:
+            return copy.deepcopy(self._state)
+
+    @contextmanager
+    def update(self) -> Iterator[JobState]:
+        """Edit a copy; on leaving the block it is saved and becomes the state. If the block
+        raises or the save fails, neither memory nor disk changes."""
+        with self._lock:
+            draft = copy.deepcopy(self._state)
+            yield draft
+            draft.updated_at = time.time()
+            _replace_durable(self.path, draft.to_json().encode())
+            self._state = draft
+
+    def update_step(self, name: str, **changes: object) -> StepRecord:
+        """Change fields of one existing step record and save; returns the new record."""
+        with self.update() as state:
+            record = state.steps[name]
+            for key, value in changes.items():
+                if not hasattr(record, key):
+                    raise AttributeError(f"StepRecord has no field {key!r}")
+                setattr(record, key, value)
+            record.__post_init__()
+        return copy.deepcopy(record)

@@ -1,0 +1,279 @@
+"""SLURM step control: launch steps into the job with srun, learn their step ids, notice exits,
+cancel them, and adopt the ones a previous supervisor left running.
+
+Each step's srun is a child of the supervisor in its own process group, so its exit is seen the
+moment it happens (one pidfd watcher thread for all steps). SLURM is asked about all steps in one
+squeue call per cycle, never one per step; a failed or slow query answers "unknown", never "dead",
+so a slurmctld that stops answering for a while is ridden out.
+
+Seen on slurm 22.05: steps of het group K are listed and cancelled under that component's own
+job id (hetjob 110 -> group 1 is job 111: steps "111.3"; "110+1.3" is refused by scancel), and
+step numbers count up across all components of the hetjob.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SLURM_OWN_STEPS = ("batch", "extern")
+
+StepStatus = Literal["pending", "running", "exited", "unknown"]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What to run as one step, and where."""
+
+    name: str  # srun --job-name; unique among the job's live steps (engine-3, router, trainer)
+    argv: tuple[str, ...]
+    nodes: tuple[str, ...]
+    log: Path
+    het_group: int | None = None  # None for a job that is not heterogeneous
+    ntasks: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    overlap: bool = False  # share CPUs/GPUs already held by other steps (e.g. --colocate)
+    env: Mapping[str, str] | None = None  # the step's whole environment; default: ours
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name) or self.name in _SLURM_OWN_STEPS:
+            raise ValueError(f"step name {self.name!r}: use letters, digits, '_', '.', '-'; not batch/extern")
+        if not self.nodes or not self.argv:
+            raise ValueError(f"step {self.name!r} needs nodes and a command")
+
+
+def srun_argv(job_id: str, spec: StepSpec) -> list[str]:
+    argv = ["srun", f"--jobid={job_id}"]
+    if spec.het_group is not None:
+        argv.append(f"--het-group={spec.het_group}")
+    argv += [f"--nodelist={','.join(spec.nodes)}", f"--nodes={len(spec.nodes)}", f"--ntasks={spec.ntasks}",
+             # Without --exact a step takes every CPU its job holds on the node and the next
+             # step waits ("Requested nodes are busy"); without a GPU count it takes every GPU.
+             "--exact",
+             f"--gpus-per-node={spec.gpus_per_node}" if spec.gpus_per_node else "--gres=none"]
+    if spec.cpus_per_task is not None:
+        argv.append(f"--cpus-per-task={spec.cpus_per_task}")
+    if spec.overlap:
+        argv.append("--overlap")
+    # Append: a relaunched step keeps its predecessor's last words in the same log.
+    argv += [f"--job-name={spec.name}", f"--output={spec.log}", "--open-mode=append",
+             "--kill-on-bad-exit=1", *spec.argv]
+    return argv
+
+
+@dataclass
+class Step:
+    """A step this supervisor launched (proc is its srun) or adopted (proc is None)."""
+
+    spec_name: str
+    proc: subprocess.Popen[bytes] | None
+    slurm_step: str | None = None  # "JOBID.STEPID", once squeue lists it
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+class _ExitWatcher:
+    """One thread that waits on a pidfd per srun child and reports each exit at once."""
+
+    def __init__(self, on_exit: Callable[[Step], None]) -> None:
+        self._on_exit = on_exit
+        self._epoll = select.epoll()
+        self._wake = os.eventfd(0)
+        self._epoll.register(self._wake, select.EPOLLIN)
+        self._steps: dict[int, Step] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="step-exits", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: Step) -> None:
+        assert step.proc is not None
+        fd = os.pidfd_open(step.proc.pid)
+        with self._lock:
+            self._steps[fd] = step
+        self._epoll.register(fd, select.EPOLLIN)
+
+    def _run(self) -> None:
+        while not self._closed:
+            for fd, _ in self._epoll.poll():
+                if fd == self._wake:
+                    continue
+                self._epoll.unregister(fd)
+                os.close(fd)
+                with self._lock:
+                    step = self._steps.pop(fd)
+                step.proc.wait()  # reap it; returncode is then set
+                try:
+                    self._on_exit(step)
+                except Exception:  # one bad callback must not end exit detection for all steps
+                    log.exception("on_exit callback failed for step %s", step.spec_name)
+
+    def close(self) -> None:
+        self._closed = True
+        os.eventfd_write(self._wake, 1)
+        self._thread.join()
+        with self._lock:
+            for fd in self._steps:
+                os.close(fd)
+            self._steps.clear()
+        self._epoll.close()
+        os.close(self._wake)
+
+
+class StepController:
+    """Launches, finds, cancels and adopts the steps of one SLURM job."""
+
+    def __init__(self, job_id: str, on_exit: Callable[[Step], None] | None = None,
+                 query_timeout_s: float = 20.0) -> None:
+        self.job_id = job_id
+        self.query_timeout_s = query_timeout_s
+        self._component_ids: list[str] | None = None
+        self._claimed: set[str] = set()  # step ids already tied to a Step object
+        self._watcher = _ExitWatcher(on_exit) if on_exit is not None else None
+
+    def launch(self, spec: StepSpec) -> Step:
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log, "ab") as log:  # srun's own messages ("task 0: Killed") go there too
+            proc = subprocess.Popen(srun_argv(self.job_id, spec), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=dict(spec.env) if spec.env is not None else None,
+                                    process_group=0)
+        step = Step(spec.name, proc)
+        if self._watcher is not None:
+            self._watcher.watch(step)
+        return step
+
+    def query(self) -> dict[str, tuple[str, str]] | None:
+        """All live steps of the job in one squeue call: {step id: (name, state)}; None if SLURM
+        did not answer (unknown, not gone)."""
+        ids = self._components()
+        if ids is None:
+            return None
+        out = self._squeue("-s", "-j", ",".join(ids), "-O", "StepId:|,StepName:|,StepState:|")
+        if out is None:
+            return None
+        rows = {}
+        for line in out.splitlines():
+            step_id, name, state = line.split("|")[:3]
+            if name not in _SLURM_OWN_STEPS:
+                rows[step_id] = (name, state)
+        return rows
+
+    def refresh(self, steps: Iterable[Step]) -> dict[str, StepStatus]:
+        """One batched query for all `steps`: fills in step ids and says where each stands."""
+        steps = list(steps)
+        rows = self.query()
+        status: dict[str, StepStatus] = {}
+        for step in steps:
+            if step.returncode is not None:
+                status[step.spec_name] = "exited"
+            elif rows is None:
+                status[step.spec_name] = "unknown"
+            else:
+                if step.slurm_step is None:
+                    step.slurm_step = self._claim(step.spec_name, rows)
+                if step.slurm_step is not None and step.slurm_step in rows:
+                    status[step.spec_name] = "running"
+                elif step.proc is None or step.slurm_step is not None:
+                    # Adopted and no longer listed, or listed before and now gone: it ended.
+                    status[step.spec_name] = "exited"
+                else:
+                    status[step.spec_name] = "pending"  # srun still waits for resources
+        return status
+
+    def adopt(self, recorded: Mapping[str, str]) -> list[Step] | None:
+        """{name: "JOBID.STEPID"} from the state store -> the steps SLURM still runs under that
+        id and name, as Steps without an srun child; None if SLURM did not answer (then launch
+        nothing: a duplicate engine is worse than a late one)."""
+        rows = self.query()
+        if rows is None:
+            return None
+        alive = []
+        for name, step_id in recorded.items():
+            if rows.get(step_id, ("", ""))[0] == name:
+                self._claimed.add(step_id)
+                alive.append(Step(name, None, step_id))
+        return alive
+
+    def cancel(self, step: Step, timeout_s: float = 30.0, term_grace_s: float = 5.0) -> None:
+        """scancel the step (never --full: the batch step is the supervisor), then wait for its
+        srun with a deadline, then SIGTERM and SIGKILL srun's own process group."""
+        if step.slurm_step is not None:
+            subprocess.run(["scancel", step.slurm_step], capture_output=True, timeout=self.query_timeout_s,
+                           check=False)
+        if step.proc is None:
+            self._wait_gone(step, timeout_s)
+            return
+        try:
+            step.proc.wait(timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        # A step SLURM never started (still pending) or a slurmctld that does not answer:
+        # srun itself cancels its step on SIGTERM.
+        for sig, wait_s in ((signal.SIGTERM, term_grace_s), (signal.SIGKILL, term_grace_s)):
+            try:
+                os.killpg(step.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                step.proc.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        step.proc.wait(0)  # raises TimeoutExpired if even SIGKILL did not end it
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+
+    def _wait_gone(self, step: Step, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            rows = self.query()
+            if rows is not None and step.slurm_step not in rows:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"step {step.slurm_step} ({step.spec_name}) still runs {timeout_s:.0f} s after scancel")
+
+    def _claim(self, name: str, rows: Mapping[str, tuple[str, str]]) -> str | None:
+        # Step numbers only grow within a job, so the newest unclaimed step of that name is the
+        # one just launched; older ones (a predecessor still completing) are already claimed.
+        fresh = [sid for sid, (n, _) in rows.items() if n == name and sid not in self._claimed]
+        if not fresh:
+            return None
+        newest = max(fresh, key=lambda sid: int(sid.rsplit(".", 1)[1]))
+        self._claimed.add(newest)
+        return newest
+
+    def _components(self) -> list[str] | None:
+        # A hetjob's group K is its own job id (leader + offset) and squeue lists that group's
+        # steps only under it; learn the ids once.
+        if self._component_ids is None:
+            out = self._squeue("-j", self.job_id, "-o", "%A")
+            if out is None:
+                return None
+            self._component_ids = sorted(set(out.split()), key=int) or [self.job_id]
+        return self._component_ids
+
+    def _squeue(self, *args: str) -> str | None:
+        try:
+            result = subprocess.run(["squeue", "-h", *args], capture_output=True, text=True,
+                                    timeout=self.query_timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return None
+        return result.stdout if result.returncode == 0 else None

@@ -1,0 +1,25 @@
+"""`python -m supervisor.with_key MODULE ARGS...`: run `python -m MODULE ARGS... --api-key KEY` in
+this process, KEY read from the environment. The key is never on a command line: not in what
+srun records (squeue, sacct), and not in `ps` on the node, since it is added to sys.argv only
+inside the process."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from supervisor.keys import ENV_VAR
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not os.environ.get(ENV_VAR):
+        print(f"usage: {ENV_VAR}=KEY python -m supervisor.with_key MODULE [ARGS...]", file=sys.stderr)
+        raise SystemExit(2)
+    module = sys.argv[1]
+    sys.argv = [module, *sys.argv[2:], "--api-key", os.environ[ENV_VAR]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

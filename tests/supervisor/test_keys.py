@@ -1,0 +1,38 @@
+"""The per-job API key: 0600, stable across supervisor restarts, passed by environment, redacted."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from supervisor.keys import ENV_VAR, KEY_FILE, create_key, load_key, redact, step_env
+
+
+def test_key_file_is_0600_and_the_same_key_comes_back(tmp_path: Path) -> None:
+    old = os.umask(0)  # even a permissive umask must not loosen the file
+    try:
+        key = create_key(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / KEY_FILE).stat().st_mode) == 0o600
+    assert len(key) >= 40 and create_key(tmp_path) == key == load_key(tmp_path)
+    assert step_env(key, {"PATH": "/bin"}) == {"PATH": "/bin", ENV_VAR: key}
+
+
+def test_a_readable_key_file_is_refused(tmp_path: Path) -> None:
+    create_key(tmp_path)
+    os.chmod(tmp_path / KEY_FILE, 0o644)
+    with pytest.raises(PermissionError, match="mode 0600"):
+        load_key(tmp_path)
+
+
+def test_redact_hides_the_key_and_credential_shapes() -> None:
+    text = (f"launch --api-key s3cret-A now; curl -H 'Authorization: Bearer tok-B'; {ENV_VAR}=val-C; "
+            '{"api_key": "val-D"}; plain secret-E here')
+    out = redact(text, "secret-E")
+    for secret in ("s3cret-A", "tok-B", "val-C", "val-D", "secret-E"):
+        assert secret not in out
+    assert out.startswith("launch --api-key *** now") and "plain *** here" in out

@@ -1,0 +1,142 @@
+"""Step control against the real devcluster: srun --jobid into a running hetjob, one batched
+squeue per cycle, exits seen at once, scancel by step id, adoption after a supervisor restart."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slurm.devcluster import DevCluster
+from slurm.devcluster.daemons import wait_for
+from supervisor.steps import Step, StepController, StepSpec, srun_argv
+from tests.slurm_helpers import (
+    sbatch,
+    slurm,
+    wait_file_contains,
+    wait_job_gone,
+    write_script,
+)
+
+
+def test_srun_argv_names_every_placement_flag() -> None:
+    spec = StepSpec("engine-3", ("python", "-m", "x"), ("node2", "node3"), Path("/j/logs/engine-3.log"),
+                    het_group=1, ntasks=2, gpus_per_node=4, cpus_per_task=6, overlap=True)
+    assert srun_argv("110", spec) == [
+        "srun", "--jobid=110", "--het-group=1", "--nodelist=node2,node3", "--nodes=2", "--ntasks=2", "--exact",
+        "--gpus-per-node=4", "--cpus-per-task=6", "--overlap", "--job-name=engine-3",
+        "--output=/j/logs/engine-3.log", "--open-mode=append", "--kill-on-bad-exit=1", "python", "-m", "x"]
+    router = StepSpec("router", ("r",), ("node1",), Path("r.log"))
+    assert "--gres=none" in srun_argv("7", router) and not any(a.startswith("--het-group") for a in srun_argv("7", router))
+    with pytest.raises(ValueError, match="step name"):
+        StepSpec("batch", ("x",), ("node1",), Path("l"))
+
+
+def test_a_query_slurm_does_not_answer_is_unknown_not_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "squeue"
+    fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    controller = StepController("110")
+    proc = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL)
+    try:
+        assert controller.refresh([Step("engine-0", proc, "111.4")]) == {"engine-0": "unknown"}
+        assert controller.adopt({"engine-0": "111.4"}) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def hetjob(devcluster: DevCluster, tmp_path: Path) -> Iterator[tuple[str, dict[int, str]]]:
+    """A running two-group hetjob whose batch step only sleeps; yields its id and each group's node."""
+    script = write_script(tmp_path / "het.sh", f"""
+#SBATCH --output={tmp_path}/batch.out --time=5
+#SBATCH --nodes=1 --ntasks=2
+#SBATCH hetjob
+#SBATCH --nodes=1 --ntasks=2 --gres=gpu:1
+sleep 600
+""")
+    job_id = sbatch(script)
+    try:
+        def groups() -> dict[int, str]:
+            rows = [line.split("|") for line in slurm("squeue", "-h", "-j", job_id, "-o", "%i|%T|%N").split()]
+            return {int(i.split("+")[1]): n for i, t, n in rows if t == "RUNNING"}
+
+        wait_for(lambda: len(groups()) == 2, 60, f"hetjob {job_id} to run")
+        yield job_id, groups()
+    finally:
+        slurm("scancel", job_id)
+        wait_job_gone(job_id, timeout_s=60)
+
+
+def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str, dict[int, str]],
+                                                              tmp_path: Path) -> None:
+    job_id, nodes = hetjob
+    exits: queue.Queue[tuple[str, int | None, float]] = queue.Queue()
+    controller = StepController(job_id, on_exit=lambda s: exits.put((s.spec_name, s.returncode, time.monotonic())))
+    trigger = tmp_path / "exit-now"
+
+    def spec(name: str, group: int, command: str, gpus: int = 0) -> StepSpec:
+        return StepSpec(name, ("bash", "-c", command), (nodes[group],), tmp_path / f"{name}.log",
+                        het_group=group, gpus_per_node=gpus)
+
+    steps: list[Step] = []
+    try:
+        steps = [
+            controller.launch(spec("engine-0", 1, 'echo "$SLURMD_NODENAME $CUDA_VISIBLE_DEVICES"; exec sleep 300', 1)),
+            controller.launch(spec("router", 0, 'echo "$SLURMD_NODENAME"; exec sleep 300')),
+            controller.launch(spec("engine-1", 1, f"while [ ! -e {trigger} ]; do sleep 0.05; done; exit 7")),
+        ]
+        engine0, router, engine1 = steps
+        wait_for(lambda: set(controller.refresh(steps).values()) == {"running"}, 60, "all three steps running")
+
+        # One squeue per cycle, whatever the number of steps.
+        calls: list[tuple[str, ...]] = []
+        real_squeue = controller._squeue
+        controller._squeue = lambda *a: calls.append(a) or real_squeue(*a)  # type: ignore[method-assign]
+        assert controller.refresh(steps) == {"engine-0": "running", "router": "running", "engine-1": "running"}
+        assert len(calls) == 1
+        controller._squeue = real_squeue  # type: ignore[method-assign]
+
+        # Each group's steps live under that group's own job id; step numbers are shared.
+        ids = dict(line.split() for line in slurm("squeue", "-h", "-j", job_id, "-o", "%i %A").splitlines())
+        assert router.slurm_step.split(".")[0] == ids[f"{job_id}+0"]
+        assert engine0.slurm_step.split(".")[0] == engine1.slurm_step.split(".")[0] == ids[f"{job_id}+1"]
+        wait_file_contains(tmp_path / "engine-0.log", "\n", timeout_s=30)
+        wait_file_contains(tmp_path / "router.log", "\n", timeout_s=30)
+        assert (tmp_path / "engine-0.log").read_text().split()[:2] == [nodes[1], "0"]
+        assert (tmp_path / "router.log").read_text().split()[0] == nodes[0]
+
+        # An exit is reported by the watcher thread at once, not at the next query.
+        trigger.touch()
+        touched = time.monotonic()
+        name, code, seen = exits.get(timeout=30)
+        assert (name, code) == ("engine-1", 7)
+        assert seen - touched < 3.0, f"exit noticed after {seen - touched:.1f} s"
+
+        # Cancel one step by its id: its srun ends, the router step is untouched.
+        controller.cancel(engine0, timeout_s=30)
+        assert engine0.returncode is not None
+        assert controller.refresh([engine0, router]) == {"engine-0": "exited", "router": "running"}
+        assert engine0.slurm_step not in (controller.query() or {})
+
+        # A new supervisor adopts what still runs, by recorded id and name, and nothing else.
+        recorded = {"engine-0": engine0.slurm_step, "router": router.slurm_step, "engine-1": engine1.slurm_step}
+        successor = StepController(job_id)
+        adopted = successor.adopt(recorded)
+        assert [(s.spec_name, s.slurm_step) for s in adopted] == [("router", router.slurm_step)]
+        assert successor.adopt({"router": f"{job_id}.999"}) == []
+        successor.cancel(adopted[0], timeout_s=30)
+        assert successor.refresh(adopted) == {"router": "exited"}
+        router.proc.wait(30)
+    finally:
+        for step in steps:
+            if step.returncode is None:
+                step.proc.kill()
+                step.proc.wait()
+        controller.close()
