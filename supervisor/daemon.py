@@ -409,6 +409,10 @@ class Daemon:
 
     def _on_published(self, version: int, updated: list[str], fenced: dict[str, str]) -> dict[str, Any]:
         behind = self.membership.published(str(version), list(self.engines.values()), set(updated))
+        with self.store.update() as state:
+            state.weight_version = str(version)
+            for engine in self.engines.values():
+                state.steps[engine.name].weight_version = engine.version
         for url, reason in fenced.items():
             if (engine := self._engine_by_url(url)) is not None:
                 self._recover(engine, f"weight update failed: {reason}")

@@ -1,0 +1,174 @@
+"""The toy RL job through `slurmrl submit` on the devcluster: the supervisor, the real router, two CPU
+engines and the real trainer as steps of one heterogeneous job, no mocks.
+
+- It runs to completion: one hetjob in sacct, every step in `slurmrl status`, rewards rising.
+- While one runs: SIGKILL an engine, SIGSTOP one (a hang), make one answer 503, kill the router,
+  `slurmrl restart` an engine. Each time the engine (or router) comes back at the current weight
+  version, events.jsonl shows detection and recovery with their times, and no engine ever served
+  a rollout with stale weights (the engines' own logs: rollout R must be served at version R).
+  Another uid cannot steer the job; `slurmrl stop` saves and ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from rollout.tiny_model import write_tiny_model
+from rollout.toy_task import write_toy_data
+from slurm.devcluster.daemons import wait_for
+from supervisor.control import ControlClient, ControlError
+from supervisor.keys import load_key
+from tests.slurm_helpers import sacct_rows, wait_job_gone, wait_sacct_states
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED = re.compile(r"cpu_engine served rid=r(\d+)-\S+ weight_version=(\S+)")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("toy")
+    return write_tiny_model(root / "model"), write_toy_data(root / "toy.jsonl")
+
+
+def slurmrl(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "jobs.cli", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert not check or done.returncode == 0, f"slurmrl {' '.join(argv)}: {done.stdout}{done.stderr}"
+    return done
+
+
+def submit(toy: tuple[Path, Path], job_dir: Path, *flags: str) -> str:
+    model, data = toy
+    done = slurmrl("submit", "examples/toy_job.yaml", "--json", "--job-dir", str(job_dir), "--hf-checkpoint",
+                   str(model), "--prompt-data", str(data), *flags)
+    return json.loads(done.stdout.strip().splitlines()[-1])["job_id"]
+
+
+def status(job_dir: Path) -> dict:
+    return json.loads(slurmrl("status", str(job_dir), "--json").stdout)
+
+
+def events(job_dir: Path, kind: str, step: str | None = None) -> list[dict]:
+    path = job_dir / "events.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in rows if e["kind"] == kind and (step is None or e["step"] == step)]
+
+
+def rollouts_done(job_dir: Path) -> int:
+    path = job_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def assert_never_stale(job_dir: Path) -> None:
+    """Invariant 1 from the engines' side: rollout R is generated after version R is published,
+    so every request of rollout R must have been served at version R."""
+    served = Counter()
+    for log in (job_dir / "logs").glob("engine-*.log"):
+        for rollout, version in SERVED.findall(log.read_text()):
+            assert version == rollout, f"{log.name} served rollout {rollout} with weight version {version}"
+            served[log.name] += 1
+    assert len(served) == 2 and all(served.values()), f"both engines should have served: {served}"
+
+
+def another_uid_is_refused(job_dir: Path) -> bool:
+    """A child that became uid 65534 (nobody) asks the supervisor to stop; True if refused."""
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the call was refused
+        try:
+            os.setuid(65534)
+            ControlClient(job_dir, timeout_s=10).call("stop")
+        except (ControlError, OSError):
+            os._exit(0)
+        os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def listening_pid(url: str) -> int:
+    port = int(url.rsplit(":", 1)[1])
+    pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
+            and c.status == psutil.CONN_LISTEN and c.pid}
+    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
+    return pids.pop()
+
+
+def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    job_id = submit(toy, job_dir, "--num-rollout", "12")
+    wait_job_gone(job_id, timeout_s=600)
+    wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
+    assert len(sacct_rows(job_id, "JobID")) == 2, "one heterogeneous job of two components"
+    state = status(job_dir)
+    assert state["stop_reason"] == "completed"
+    assert set(state["steps"]) == {"router", "trainer", "engine-0", "engine-1"}
+    assert all(s["slurm_step"] for s in state["steps"].values()), state["steps"]
+    assert state["weight_version"] == "12" and state["last_checkpoint"].endswith("iter_0000011")
+    rewards = [json.loads(line)["reward_mean"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rewards) == 12 and rewards[0] < 0.2 and max(rewards[-4:]) > 0.5, rewards
+    assert_never_stale(job_dir)
+    table = slurmrl("status", job_id).stdout  # by SLURM job id too, as a table
+    assert "engine-0" in table and "trainer" in table and "stopped: completed" in table
+
+
+def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    # Engines answer 503 within 1 s when they cannot generate (the probe waits 2 s).
+    os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"] = "1"
+    try:
+        job_id = submit(toy, job_dir, "--num-rollout", "100000", "--rollout-max-response-len", "3")
+    finally:
+        del os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"]
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 2, 300, "the first rollouts")
+        urls = {name: s["url"] for name, s in status(job_dir)["steps"].items() if s["url"]}
+        key = load_key(job_dir)
+
+        def recovered(step: str, times: int) -> None:
+            wait_for(lambda: len(events(job_dir, "engine_recovered", step)) >= times, 180, f"{step} recovered")
+            done = rollouts_done(job_dir)
+            wait_for(lambda: rollouts_done(job_dir) >= done + 2, 180, "rollouts after the recovery")
+
+        os.kill(listening_pid(urls["engine-0"]), signal.SIGKILL)  # a crash
+        recovered("engine-0", 1)
+        stopped = listening_pid(urls["engine-1"])
+        os.kill(stopped, signal.SIGSTOP)  # a hang: only the health probe can tell
+        recovered("engine-1", 1)
+        requests.post(urls["engine-0"] + "/pause_generation", json={"mode": "abort"},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=10).raise_for_status()  # now 503s
+        recovered("engine-0", 2)
+        os.kill(listening_pid(urls["router"]), signal.SIGKILL)
+        wait_for(lambda: events(job_dir, "router_relaunched"), 120, "the router relaunched")
+        slurmrl("restart", str(job_dir), "engine-1")
+        recovered("engine-1", 2)
+
+        assert another_uid_is_refused(job_dir) and status(job_dir)["stop_reason"] is None
+        slurmrl("stop", job_id)
+        wait_job_gone(job_id, timeout_s=300)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+        if "stopped" in locals() and psutil.pid_exists(stopped):
+            os.kill(stopped, signal.SIGKILL)
+    wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
+    state = status(job_dir)
+    assert state["stop_reason"] == "stopped by user" and state["last_checkpoint"]
+    for failure in events(job_dir, "engine_failed"):
+        assert failure["reason"], failure
+    recoveries = events(job_dir, "engine_recovered")
+    assert len(recoveries) >= 4
+    for event in recoveries:
+        assert event["in_router"] and event["weight_version"] is not None and event["recover_s"] > 0, event
+    reasons = " ".join(e["reason"] for e in events(job_dir, "engine_failed"))
+    # A crash is seen by whichever comes first: the step's exit, or the trainer's failed request.
+    assert "exited" in reasons or "reported by the trainer" in reasons
+    assert "(timeout after" in reasons and "(HTTP 503)" in reasons and "slurmrl restart" in reasons
+    assert_never_stale(job_dir)
