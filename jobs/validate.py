@@ -101,7 +101,13 @@ def _train_args_problems(spec: JobSpec) -> list[str]:
 
 
 def _rollout_problems(spec: JobSpec) -> list[str]:
-    from rollout.launch import EngineLaunch, LaunchError, RouterLaunch, passthrough, router_command
+    from rollout.launch import (
+        EngineLaunch,
+        LaunchError,
+        RouterLaunch,
+        passthrough,
+        router_command,
+    )
 
     r, t = spec.rollout, spec.trainer
     problems: list[str] = []

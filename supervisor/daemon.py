@@ -223,15 +223,20 @@ class Daemon:
 
     # ------------------------------------------------------------------ weights
     def _sync(self, engine: Engine) -> None:
-        """Bring a waiting engine to the current version from disk, if it is there, and admit it."""
-        with self.membership.lock:
-            current = self.membership.current
-        folder = newest_weights(self.job_dir / "weights", current)
-        if folder is not None and engine.version != current:
-            self.client.load_from_disk(engine.url, folder, current, timeout_s=600)
-            engine.version = current
-        if self.membership.admit(engine):
-            self.store.update_step(engine.name, state=HEALTHY, weight_version=engine.version)
+        """Bring a waiting engine to the current version from disk, if it is there, and admit it.
+        The trainer may publish meanwhile: then load the newer version (a few tries)."""
+        for _ in range(3):
+            with self.membership.lock:
+                current = self.membership.current
+            folder = newest_weights(self.job_dir / "weights", current)
+            if folder is None:
+                return  # not on disk (an update group): the trainer's next publish includes it
+            if engine.version != current:
+                self.client.load_from_disk(engine.url, folder, current, timeout_s=600)
+                engine.version = current
+            if self.membership.admit(engine):
+                self.store.update_step(engine.name, state=HEALTHY, weight_version=engine.version)
+                return
 
     # ------------------------------------------------------------------ monitoring
     def _monitor(self) -> str:

@@ -17,7 +17,8 @@ def main() -> None:
         print(f"usage: {ENV_VAR}=KEY python -m supervisor.with_key MODULE [ARGS...]", file=sys.stderr)
         raise SystemExit(2)
     module = sys.argv[1]
-    sys.argv = [module, *sys.argv[2:], "--api-key", os.environ[ENV_VAR]]
+    # One token: a key that starts with "-" must not read as another flag.
+    sys.argv = [module, *sys.argv[2:], f"--api-key={os.environ[ENV_VAR]}"]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

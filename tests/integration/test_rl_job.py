@@ -66,6 +66,8 @@ def events(job_dir: Path, kind: str, step: str | None = None) -> list[dict]:
 
 
 def rollouts_done(job_dir: Path) -> int:
+    failed = events(job_dir, "job_failed")
+    assert not failed, f"the job failed: {failed[0]['reason']}"
     path = job_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
 
