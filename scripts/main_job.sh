@@ -1,11 +1,33 @@
 #!/usr/bin/env bash
-# The main job: install, bring up the loopback SLURM devcluster, run a heterogeneous job whose
-# steps report where they ran. Idempotent; the devcluster stays up (`slurmrl cluster down`).
+# The main job: install, bring up the loopback SLURM devcluster, make the tiny model and the toy
+# task's prompts, submit the toy RL job (supervisor, router, 2 CPU engines, trainer as steps of
+# one heterogeneous job), show its status while it runs, and the reward per rollout at the end.
+# Idempotent; the devcluster stays up (`slurmrl cluster down`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 slurmrl cluster up
 eval "$(slurmrl cluster status | grep '^  export SLURM_CONF=')"
-out=$(mktemp -d)/hello-hetjob.out
-sbatch --wait --output="$out" examples/hello_hetjob.sbatch
-cat "$out"
+work=${SLURMRL_DEMO_DIR:-/tmp/slurmrl-demo}
+mkdir -p "$work"
+[ -f "$work/model/config.json" ] || slurmrl tiny-model "$work/model"
+[ -f "$work/toy.jsonl" ] || slurmrl toy-data "$work/toy.jsonl"
+job_dir="$work/job-$(date +%Y%m%d-%H%M%S)"
+job_id=$(slurmrl submit examples/toy_job.yaml --json --job-dir "$job_dir" \
+    --hf-checkpoint "$work/model" --prompt-data "$work/toy.jsonl" | python3 -c 'import json,sys; print(json.load(sys.stdin)["job_id"])')
+echo "submitted job $job_id; job directory $job_dir"
+while squeue -h -j "$job_id" -o %i | grep -q .; do
+    sleep 5
+    [ -f "$job_dir/supervisor_state.json" ] && { echo; slurmrl status "$job_dir" || true; }
+done
+echo
+slurmrl status "$job_dir"
+python3 - "$job_dir/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("\nrollout  reward  weight version")
+for r in rows:
+    print(f"{r['rollout_id']:7d}  {r['reward_mean']:6.3f}  {r['weight_version']:>6}  " + "#" * round(40 * r["reward_mean"]))
+PY
+state=$(slurmrl status "$job_dir" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["stop_reason"])')
+[ "$state" = completed ] || { echo "the job did not complete: $state"; exit 1; }
