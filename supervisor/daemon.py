@@ -51,13 +51,16 @@ from supervisor.engines import (
 )
 from supervisor.events import EVENTS_FILE, EventLog
 from supervisor.keys import create_key, step_env
-from supervisor.probe import HealthTracker, KillBudget, Prober
+from supervisor.probe import HealthTracker, KillBudget, Prober, ProbeResult
 from supervisor.state import StateStore, StepRecord
 from supervisor.steps import Step, StepController, StepSpec
 
 log = logging.getLogger(__name__)
 
 ROUTER, TRAINER = "router", "trainer"
+# A restart within this many seconds of the previous one continues a crash loop (backoff doubles,
+# the breaker counts it); an engine that ran longer starts afresh.
+CRASH_WINDOW_S = 300.0
 
 
 class JobFailed(RuntimeError):
@@ -102,6 +105,7 @@ class Daemon:
         self.stop_requested = False
         self.trainer_restarts = 0
         self.failure: str | None = None
+        self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
         self.finished = threading.Event()
         self.control = ControlServer(self.job_dir)
         for name in ("status", "restart", "stop", "ready_engines", "published", "engine_failed", "trainer_poll"):
@@ -112,6 +116,9 @@ class Daemon:
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
+        previous = self.store.snapshot()
+        self.recorded = {name: r.slurm_step for name, r in previous.steps.items()
+                         if r.slurm_step and previous.job_id == self.layout.job_id}
         with self.store.update() as state:
             state.job_id = self.layout.job_id
             state.requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -123,10 +130,12 @@ class Daemon:
         self.events.emit("supervisor_started", job_id=self.layout.job_id, head=self.layout.head,
                          engines=len(self.engines), requeues=self.store.snapshot().requeues)
         try:
-            if not self.spec.rollout.external_router:
+            adopted = self._adopt()
+            if not self.spec.rollout.external_router and ROUTER not in adopted:
                 self._launch_router()
-            self._start_engines()
-            self._launch_trainer()
+            self._start_engines(adopted)
+            if TRAINER not in adopted:
+                self._launch_trainer()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
             return outcome
@@ -189,9 +198,25 @@ class Daemon:
         engine.state, engine.version, engine.in_router = STARTING, None, False
         self.tracker.started(engine.name)
 
-    def _start_engines(self) -> None:
+    def _adopt(self) -> set[str]:
+        """Steps a previous supervisor of this allocation left running are kept, not duplicated.
+        (After a requeue SLURM has ended them all: everything is launched afresh.)"""
+        if not self.recorded:
+            return set()
+        steps = self.steps.adopt(self.recorded)
+        if steps is None:
+            raise JobFailed("SLURM did not answer which steps are still running; not launching duplicates")
+        for step in steps:
+            self.running[step.spec_name] = step
+            self.events.emit("step_adopted", step.spec_name, slurm_step=step.slurm_step)
+        return {step.spec_name for step in steps}
+
+    def _start_engines(self, adopted: set[str]) -> None:
         for engine in self.engines.values():
-            self._launch_engine(engine)
+            if engine.name in adopted:
+                self.tracker.started(engine.name)
+            else:
+                self._launch_engine(engine)
         waits = {name: self.pool.submit(self._await_engine, engine) for name, engine in self.engines.items()}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
         for name, problem in problems.items():
@@ -207,6 +232,7 @@ class Daemon:
         step = self.running[engine.name]
         wait_healthy(self.client, engine, max(60.0, self.ft.rollout_health_check_first_wait),
                      lambda: step.returncode is None)
+        self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})  # answered: its first-wait is over
         engine.state = WAITING  # until it serves the current weight version
         self.store.update_step(engine.name, state=WAITING)
         self._sync(engine)
@@ -260,7 +286,8 @@ class Daemon:
             next_probe = time.monotonic() + interval
 
     def _on_exit(self, step: Step) -> str | None:
-        name, rc = step.spec_name, step.returncode
+        name = step.spec_name
+        rc = step.returncode if step.proc is not None else "unknown (adopted)"
         if self.running.get(name) is not step:
             return None  # a step we replaced on purpose
         if name == TRAINER:
@@ -296,6 +323,10 @@ class Daemon:
 
     def _record_steps(self) -> None:
         statuses = self.steps.refresh(list(self.running.values()))
+        for name, status in statuses.items():
+            step = self.running.get(name)
+            if status == "exited" and step is not None and step.proc is None and name not in self.recovering:
+                self.exits.put(step)  # an adopted step has no srun child to report its exit
         up = sum(e.state == HEALTHY for e in self.engines.values())
         with self.store.update() as state:
             for name, step in self.running.items():
@@ -305,7 +336,8 @@ class Daemon:
                 record = state.steps[engine.name]
                 record.state, record.restarts, record.weight_version = engine.state, engine.restarts, engine.version
             state.weight_version = self.membership.current
-        self.tensorboard.add_scalar("supervisor/engines_up", up, int(time.time()))
+        self.cycles += 1
+        self.tensorboard.add_scalar("supervisor/engines_up", up, self.cycles)
         log.debug("steps: %s", statuses)
 
     # ------------------------------------------------------------------ recovery
@@ -330,14 +362,17 @@ class Daemon:
             step = self.running.get(engine.name)
             if step is not None and step.returncode is None:
                 self.steps.cancel(step)
+            if time.time() - engine.last_restart > CRASH_WINDOW_S:
+                engine.recent_restarts = 0
             while True:
-                if engine.restarts >= self.ft.max_engine_restarts:
+                if engine.recent_restarts >= self.ft.max_engine_restarts:
                     self._give_up(engine)
                     return
-                delay = 0.0 if engine.restarts == 0 else self.ft.restart_backoff * 2 ** (engine.restarts - 1)
-                if self.finished.wait(delay):
+                if self.finished.wait(self._backoff(engine.recent_restarts)):
                     return
                 engine.restarts += 1
+                engine.recent_restarts += 1
+                engine.last_restart = time.time()
                 self._launch_engine(engine)
                 try:
                     self._await_engine(engine)
@@ -347,9 +382,12 @@ class Daemon:
                     step = self.running[engine.name]
                     if step.returncode is None:
                         self.steps.cancel(step)
-            self.events.emit("engine_recovered", engine.name, restarts=engine.restarts,
-                             recover_s=round(time.time() - detected, 3), weight_version=engine.version,
-                             in_router=engine.in_router)
+            recover_s = round(time.time() - detected, 3)
+            self.events.emit("engine_recovered", engine.name, restarts=engine.restarts, recover_s=recover_s,
+                             weight_version=engine.version, in_router=engine.in_router)
+            total = sum(e.restarts for e in self.engines.values())
+            self.tensorboard.add_scalar("supervisor/engine_restarts", total, total)
+            self.tensorboard.add_scalar("supervisor/recover_seconds", recover_s, total)
         except Exception as err:  # a recovery that breaks must not leave the engine half-handled
             log.exception("recovering %s failed", engine.name)
             self.events.emit("engine_restart_failed", engine.name, reason=repr(err))
@@ -359,9 +397,14 @@ class Daemon:
             self.store.update_step(engine.name, state=engine.state, restarts=engine.restarts,
                                    weight_version=engine.version)
 
+    def _backoff(self, recent_restarts: int) -> float:
+        """None before the first restart of a loop, then restart_backoff, doubling."""
+        return 0.0 if recent_restarts == 0 else self.ft.restart_backoff * 2 ** (recent_restarts - 1)
+
     def _give_up(self, engine: Engine) -> None:
         engine.state = FAILED
-        self.events.emit("engine_given_up", engine.name, restarts=engine.restarts)
+        self.events.emit("engine_given_up", engine.name, restarts=engine.restarts,
+                         reason=f"{engine.recent_restarts} restarts in a row, each within {CRASH_WINDOW_S:.0f} s")
         live = sum(e.state != FAILED for e in self.engines.values())
         if live < self.ft.min_engines:
             self.failure = f"only {live} engines left (min_engines {self.ft.min_engines}): {engine.name} kept failing"
@@ -376,8 +419,12 @@ class Daemon:
 
     def _trainer_failed(self, reason: str) -> str | None:
         self.events.emit("trainer_failed", TRAINER, reason=reason)
+        if self._job_ending():
+            raise JobFailed(f"{reason}; the job is ending (cancelled or out of time)")
         if not self.ft.use_fault_tolerance or self.trainer_restarts >= self.ft.max_trainer_restarts:
             raise JobFailed(reason)
+        if self.finished.wait(self._backoff(self.trainer_restarts)):
+            return None
         self.trainer_restarts += 1
         self._launch_trainer()  # it resumes from the latest checkpoint and republishes its weights
         self.events.emit("trainer_restarted", TRAINER, restarts=self.trainer_restarts)
@@ -443,6 +490,16 @@ class Daemon:
         except (FileNotFoundError, ValueError):
             return None
         return f"{save}/iter_{iteration:07d}" if iteration is not None else None
+
+    def _job_ending(self) -> bool:
+        """SLURM is ending the job (scancel, time limit): its steps die with it; restart nothing."""
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.layout.job_id, "-o", "%T"], capture_output=True,
+                                 text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return False
+        states = set(out.stdout.split())
+        return out.returncode == 0 and bool(states) and "RUNNING" not in states
 
     def _time_left(self) -> str | None:
         try:

@@ -36,7 +36,9 @@ class Engine:
     place: EnginePlace
     state: str = STARTING
     version: str | None = None  # the weight version it serves (None: the initial checkpoint)
-    restarts: int = 0
+    restarts: int = 0  # in the job's life
+    recent_restarts: int = 0  # in a row, each soon after the one before: the crash-loop count
+    last_restart: float = 0.0
     in_router: bool = False
 
     @property
