@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -58,6 +59,7 @@ from supervisor.steps import Step, StepController, StepSpec
 log = logging.getLogger(__name__)
 
 ROUTER, TRAINER = "router", "trainer"
+REQUEUE = "preempted: saved, then requeued"
 # A restart within this many seconds of the previous one continues a crash loop (backoff doubles,
 # the breaker counts it); an engine that ran longer starts afresh.
 CRASH_WINDOW_S = 300.0
@@ -93,8 +95,11 @@ class Daemon:
         self.exits: queue.Queue[Step] = queue.Queue()
         self.running: dict[str, Step] = {}
         self.client = EngineClient(self.key, self.ft.rollout_health_check_timeout)
+        # The router runs here, on the head node: its ports are checked free (and kept on relaunch).
+        self.router_ports = (layouts.port_free_here(self.layout.head_address, self.layout.router_port),
+                             layouts.port_free_here(self.layout.head_address, self.layout.router_metrics_port))
         router_url = (f"http://{spec.rollout.sglang_router_ip}:{spec.rollout.sglang_router_port}"
-                      if spec.rollout.external_router else self.layout.router_url)
+                      if spec.rollout.external_router else f"http://{self.layout.head_address}:{self.router_ports[0]}")
         self.router_url = router_url
         self.membership = Membership(RouterClient(router_url, self.key), self.client, self.key)
         self.engines = {place.name: Engine(place) for place in self.layout.engines}
@@ -106,6 +111,8 @@ class Daemon:
         self.trainer_restarts = 0
         self.failure: str | None = None
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
+        self.preempt_reason: str | None = None  # set by SLURM's warning signal or the time left
+        self.end_time = self._job_end_time()
         self.finished = threading.Event()
         self.control = ControlServer(self.job_dir)
         for name in ("status", "restart", "stop", "ready_engines", "published", "engine_failed", "trainer_poll"):
@@ -127,6 +134,8 @@ class Daemon:
                 state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group,
                                                       list(engine.place.nodes), url=engine.url)
         self.control.start()
+        # SLURM's warning (--signal=B:USR1@preempt_grace, before a preemption or the time limit).
+        signal.signal(signal.SIGUSR1, self._on_preempt_signal)
         self.events.emit("supervisor_started", job_id=self.layout.job_id, head=self.layout.head,
                          engines=len(self.engines), requeues=self.store.snapshot().requeues)
         try:
@@ -138,6 +147,9 @@ class Daemon:
                 self._launch_trainer()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
+            if outcome == REQUEUE:
+                self._stop_steps()
+                self._requeue()
             return outcome
         except JobFailed as err:
             self._set_stop_reason(f"failed: {err}")
@@ -175,7 +187,7 @@ class Daemon:
         return [python, "-m", "supervisor.with_key", module, *args]
 
     def _launch_router(self) -> None:
-        launch = RouterLaunch(self.layout.head_address, self.layout.router_port, self.layout.router_metrics_port,
+        launch = RouterLaunch(self.layout.head_address, *self.router_ports,
                               policy="round_robin", router_args=passthrough(self.spec.rollout.router_args, "router"))
         # --overlap: the router shares the head node's CPUs with the trainer's tasks.
         self._launch(ROUTER, "router", self._with_key(router_command(launch, self.python)), (self.layout.head,), 0,
@@ -241,7 +253,8 @@ class Daemon:
         t, layout = self.spec.trainer, self.layout
         argv = [self.python, "-m", "trainer", *t.train_args, "--job-dir", str(self.job_dir), "--supervised",
                 "--sglang-router-ip", self.router_url.split("//")[1].split(":")[0],
-                "--sglang-router-port", self.router_url.rsplit(":", 1)[1], "--master-port", str(layout.trainer_master_port)]
+                "--sglang-router-port", self.router_url.rsplit(":", 1)[1],
+                "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
         # The master by address: a node's name need not resolve (the devcluster's do not).
         self._launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0, ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
                      gpus_per_node=t.actor_num_gpus_per_node, cpus_per_task=t.cpus_per_task,
@@ -276,6 +289,7 @@ class Daemon:
                 step = None
             if self.failure:
                 raise JobFailed(self.failure)
+            self._check_preemption()
             if step is not None:
                 outcome = self._on_exit(step)
                 if outcome is not None:
@@ -293,6 +307,8 @@ class Daemon:
         if name == TRAINER:
             if rc == 0:
                 self.events.emit("trainer_finished", TRAINER)
+                if self.preempt_reason:
+                    return REQUEUE
                 return "stopped by user" if self.stop_requested else "completed"
             return self._trainer_failed(f"trainer exited with code {rc} (see {self.job_dir}/logs/trainer.log)")
         if name == ROUTER:
@@ -491,6 +507,42 @@ class Daemon:
             return None
         return f"{save}/iter_{iteration:07d}" if iteration is not None else None
 
+    # ------------------------------------------------------------------ preemption and time limit
+    def _on_preempt_signal(self, signum: int, frame: object) -> None:
+        self.preempt_reason = self.preempt_reason or "SLURM's warning signal (preemption or the time limit)"
+
+    def _check_preemption(self) -> None:
+        """On the warning signal, or when less than preempt_grace is left: the trainer saves at
+        its next rollout boundary and ends; then the job is requeued (see run)."""
+        if self.end_time and not self.preempt_reason and self.end_time - time.time() < self.ft.preempt_grace:
+            self.preempt_reason = f"less than {self.ft.preempt_grace} s left before the time limit"
+        if self.preempt_reason and not self.stop_requested:
+            self.stop_requested = True
+            self.events.emit("preemption", reason=self.preempt_reason)
+
+    def _requeue(self) -> None:
+        requeues = self.store.snapshot().requeues
+        if requeues >= self.ft.max_requeues:
+            self._set_stop_reason(f"preempted and saved; not requeued: max_requeues ({self.ft.max_requeues}) reached")
+            return
+        self.events.emit("requeue", requeues=requeues + 1)
+        submitit_handler = signal.getsignal(signal.SIGUSR2)
+        if callable(submitit_handler):
+            # Submitit's own checkpoint-and-requeue (it pickles Supervisor again, then scontrol requeue).
+            submitit_handler(signal.SIGUSR2, None)
+        else:
+            subprocess.run(["scontrol", "requeue", self.layout.job_id], check=True, capture_output=True, timeout=60)
+
+    def _job_end_time(self) -> float | None:
+        """The job's end (unix time) as SLURM has it, or None without a limit."""
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.layout.job_id, "-o", "%e"], capture_output=True,
+                                 text=True, timeout=10)
+            text = out.stdout.split()[0] if out.stdout.split() else ""
+            return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+        except (subprocess.TimeoutExpired, ValueError):
+            return None
+
     def _job_ending(self) -> bool:
         """SLURM is ending the job (scancel, time limit): its steps die with it; restart nothing."""
         try:
@@ -511,6 +563,15 @@ class Daemon:
 
     def _shutdown(self) -> None:
         self.finished.set()
+        self._stop_steps()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.control.close()
+        self.tensorboard.close()
+        self.events.emit("supervisor_stopped")
+        self.events.close()
+
+    def _stop_steps(self) -> None:
+        self.finished.set()
         for name, step in list(self.running.items()):
             if step.returncode is None:
                 try:
@@ -521,8 +582,3 @@ class Daemon:
             if name in self.engines and self.engines[name].state == FAILED:
                 record_state = FAILED
             self.store.update_step(name, state=record_state)
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.control.close()
-        self.tensorboard.close()
-        self.events.emit("supervisor_stopped")
-        self.events.close()

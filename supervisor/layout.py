@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from jobs.spec import JobSpec
 
-# Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + k.
-_PORT_BASE, _PORT_SPAN, _PORTS_PER_JOB = 30000, 25000, 100
+# Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + 10 + k.
+# All below Linux's ephemeral range (32768 and up), where any outgoing connection may sit.
+_PORT_BASE, _PORT_SPAN, _PORTS_PER_JOB = 20000, 12000, 100
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,18 @@ class Layout:
     trainer_master_port: int
     engines: tuple[EnginePlace, ...]
 
-    @property
-    def router_url(self) -> str:
-        return f"http://{self.head_address}:{self.router_port}"
+
+def port_free_here(address: str, preferred: int) -> int:
+    """`preferred` if it can be bound on this node now, else a port the kernel picks (for the
+    steps on the supervisor's own node: the router and the trainer's master)."""
+    for port in (preferred, 0):
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError(f"no free port on {address}")
 
 
 def hostnames(nodelist: str) -> list[str]:
