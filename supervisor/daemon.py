@@ -398,6 +398,12 @@ class Daemon:
                     step = self.running[engine.name]
                     if step.returncode is None:
                         self.steps.cancel(step)
+            # A publish during the sync leaves it one version behind: the next publish includes it
+            # (it is among the ready engines again once out of `recovering`).
+            self.recovering.discard(engine.name)
+            deadline = time.monotonic() + 120
+            while not engine.in_router and time.monotonic() < deadline and not self.finished.wait(0.2):
+                pass
             recover_s = round(time.time() - detected, 3)
             self.events.emit("engine_recovered", engine.name, restarts=engine.restarts, recover_s=recover_s,
                              weight_version=engine.version, in_router=engine.in_router)
