@@ -105,6 +105,8 @@ class Daemon:
         self.engines = {place.name: Engine(place) for place in self.layout.engines}
         self.recovering: set[str] = set()
         self.tracker = HealthTracker(self.ft.health_check_failure_threshold, self.ft.rollout_health_check_first_wait)
+        # One prober (event loop thread, HTTP session) for the job's life, not one per cycle.
+        self.prober = Prober(self.ft.rollout_health_check_timeout, self.key)
         self.budget = KillBudget(self.ft.max_kill_fraction, self.ft.rollout_health_check_interval)
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines)), thread_name_prefix="recover")
         self.stop_requested = False
@@ -325,8 +327,7 @@ class Daemon:
                    if e.state in (WAITING, HEALTHY) and e.name not in self.recovering}
         if not targets:
             return
-        with Prober(self.ft.rollout_health_check_timeout, self.key) as prober:
-            results = prober.probe_all(targets)
+        results = self.prober.probe_all(targets)
         now = time.time()
         with self.store.update() as state:
             for name, result in results.items():
@@ -572,6 +573,7 @@ class Daemon:
         self._stop_steps()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.control.close()
+        self.prober.close()
         self.tensorboard.close()
         self.events.emit("supervisor_stopped")
         self.events.close()
