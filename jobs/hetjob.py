@@ -17,7 +17,10 @@ Decisions:
 - The callable runs in the batch step itself (Submitit's use_srun=False), not in an srun step:
   it launches the job's steps with srun, and the batch step holds no step resources. `exec` makes
   the Python process the batch shell, so `--signal=B:...` (which reaches the batch shell only)
-  reaches the callable, and no bash sits between SLURM and it.
+  reaches it, and no bash sits between SLURM and it. That process is a watchdog
+  (supervisor.watchdog): Submitit's worker, hence the callable, runs in its child, which gets the
+  signals forwarded and is started again if it crashes (SLURM would end the job with the batch
+  step's main process).
 - sbatch honours one --signal. Submitit asks for `--signal=USR2@90` (without B:, i.e. to the job
   steps, where its srun'd worker lives); here that would signal the engines and the trainer, not
   the callable. We ask instead for `--signal=B:USR1@<preempt_grace>`: USR1, to the batch step
@@ -26,6 +29,13 @@ Decisions:
   itself USR2). Until the callable installs its own USR1 handler (issue 7: save now, then
   requeue), USR1 is forwarded to Submitit's USR2 handler, so a callable that does nothing about
   USR1 is checkpointed and requeued instead of being killed by USR1's default action.
+- `--no-kill` in every group: a node that fails does not end the job (the supervisor relaunches
+  its engines on a spare node, or goes on with fewer). Seen on slurm 22.05 with --no-kill: once
+  the node is DOWN, a hetjob is still requeued (NODE_FAIL; killed if not requeueable), because
+  the leader component counts as being on every node of every component and has a single node;
+  a job without het groups keeps running without the node. So the supervisor releases a failed
+  node from its component first (supervisor/nodes.py), while SLURM still calls it only
+  NOT_RESPONDING: then the DOWN touches no job.
 - Job state: sacct lists a hetjob as JOBID+0, JOBID+1 (briefly just JOBID while the components
   are recorded); Submitit's watcher knows neither, and would report UNKNOWN forever. HetInfoWatcher
   reports component 0's state (where the batch step, hence the callable, runs) as the job's.
@@ -43,6 +53,8 @@ from pathlib import Path
 
 from submitit.core import core, job_environment
 from submitit.slurm import slurm as submitit_slurm
+
+from supervisor.watchdog import watch_self
 
 PREEMPT_SIGNAL = "USR1"
 
@@ -70,7 +82,8 @@ class HetGroup:
         return {k: v for k, v in options.items() if v is not None}
 
     def sbatch_lines(self) -> list[str]:
-        return [submitit_slurm._as_sbatch_flag(k, v) for k, v in sorted(self.sbatch_options().items())]
+        options = {**self.sbatch_options(), "no_kill": True}
+        return [submitit_slurm._as_sbatch_flag(k, v) for k, v in sorted(options.items())]
 
 
 class HetInfoWatcher(submitit_slurm.SlurmInfoWatcher):
@@ -124,7 +137,11 @@ class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
         self.groups = list(groups)
         self.update_parameters(**groups[0].sbatch_options(), use_srun=False,
                                additional_parameters={"signal": f"B:{PREEMPT_SIGNAL}@{int(preempt_grace_s)}",
-                                                      "requeue": True})
+                                                      "requeue": True, "no_kill": True,
+                                                      # SLURM writes slurm_job_N_resize.sh into the job's
+                                                      # work dir when a lost node is released: not the user's
+                                                      # cwd (the steps still run there: SLURM_SUBMIT_DIR).
+                                                      "chdir": str(self.folder)})
 
     def _internal_update_parameters(self, **kwargs: tp.Any) -> None:
         if kwargs.get("use_srun"):
@@ -170,7 +187,11 @@ def _forward_to_submitit(signum: int, frame: tp.Any) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The batch step: `python -m jobs.hetjob FOLDER`, Submitit's worker with USR1 forwarded."""
+    """The batch step: `python -m jobs.hetjob FOLDER`, a watchdog whose child (restarted if it
+    crashes) is Submitit's worker with USR1 forwarded."""
+    code = watch_self()
+    if code is not None:
+        sys.exit(code)
     signal.signal(getattr(signal, "SIG" + PREEMPT_SIGNAL), _forward_to_submitit)
     sys.argv = [sys.argv[0], *argv]
     from submitit.core.submission import submitit_main

@@ -25,6 +25,7 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       num_engines: 2                # cpu engine only
       cpus_per_engine: 2            # cpu engine only
       engines_per_node: 2
+      spare_nodes: 0                # extra rollout nodes: an engine whose node fails is relaunched on one
       sglang_args: [--sglang-mem-fraction-static, "0.8"]
       router_args: []
       colocate: false
@@ -122,6 +123,7 @@ class RolloutSpec:
     num_engines: int | None = field(default=None, metadata=_flag("--rollout-num-engines"))  # cpu engine
     cpus_per_engine: int = field(default=2, metadata=_flag("--rollout-cpus-per-engine"))
     engines_per_node: int | None = field(default=None, metadata=_flag("--rollout-engines-per-node"))
+    spare_nodes: int = field(default=0, metadata=_flag("--rollout-spare-nodes"))  # beyond num_nodes, idle
     sglang_router_ip: str | None = None
     sglang_router_port: int | None = None
     colocate: bool = False
@@ -150,6 +152,7 @@ class RolloutSpec:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes the engines are placed on (spare_nodes come on top)."""
         if self.engine == "cpu":
             return -(-max(1, self.engine_count) // self.engines_on_each_node)
         return -(-max(1, self.rollout_num_gpus) // max(1, self.rollout_num_gpus_per_node))
@@ -157,6 +160,9 @@ class RolloutSpec:
     @property
     def external_router(self) -> bool:
         return bool(self.sglang_router_ip)
+
+
+TRAINER_PHASES = ("start", "rollout", "train", "publish", "save")  # as trainer/metrics.py beats them
 
 
 @dataclass
@@ -173,6 +179,17 @@ class FaultToleranceSpec:
     max_requeues: int = 3
     max_trainer_restarts: int = 3
     min_engines: int = 1                # fewer live engines than this: requeue instead of degrading
+    # Seconds the trainer may stay in one phase without a new heartbeat before it counts as hung
+    # and its step is restarted (start: from launch to its first heartbeat, e.g. loading weights).
+    trainer_start_timeout: float = 1800.0
+    trainer_rollout_timeout: float = 3600.0
+    trainer_train_timeout: float = 1800.0   # per optimizer step
+    trainer_publish_timeout: float = 900.0
+    trainer_save_timeout: float = 1800.0
+
+    def phase_timeout(self, phase: str) -> float:
+        """The heartbeat timeout of a trainer phase (start, rollout, train, publish, save)."""
+        return float(getattr(self, f"trainer_{phase}_timeout", self.trainer_start_timeout))
 
 
 @dataclass
@@ -237,8 +254,8 @@ class JobSpec:
                              gpus_per_node=t.actor_num_gpus_per_node, **common)]
         return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node, cpus_per_task=t.cpus_per_task,
                          gpus_per_node=t.actor_num_gpus_per_node, **common),
-                HetGroup(nodes=r.num_nodes, ntasks_per_node=r.engines_on_each_node, cpus_per_task=r.cpus_per_engine,
-                         gpus_per_node=r.gpus_per_node, **common)]
+                HetGroup(nodes=r.num_nodes + r.spare_nodes, ntasks_per_node=r.engines_on_each_node,
+                         cpus_per_task=r.cpus_per_engine, gpus_per_node=r.gpus_per_node, **common)]
 
 
 def write_atomic(path: Path, text: str) -> Path:

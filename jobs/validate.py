@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, group_flags, spec_flags
+from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, TRAINER_PHASES, JobSpec, group_flags, spec_flags
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,9 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
                                                                                                 "router")))
     except LaunchError as err:
         problems.append(f"rollout: {err}")
+    if r.colocate and r.spare_nodes:
+        problems.append("rollout.spare_nodes: colocated engines run on the trainer's nodes, which have no spares; "
+                        "drop --rollout-spare-nodes or --colocate")
     if r.colocate and not problems:
         trainer_gpus = t.actor_num_nodes * t.actor_num_gpus_per_node
         if r.engine == "sglang" and r.rollout_num_gpus != trainer_gpus:
@@ -156,6 +159,7 @@ def _numbers(spec: JobSpec) -> list[str]:
     problems = []
     checks = [("trainer.actor_num_nodes", t.actor_num_nodes, 1), ("trainer.actor_num_gpus_per_node",
               t.actor_num_gpus_per_node, 0), ("trainer.cpus_per_task", t.cpus_per_task, 1),
+              ("rollout.spare_nodes", spec.rollout.spare_nodes, 0),
               ("fault_tolerance.rollout_health_check_first_wait", ft.rollout_health_check_first_wait, 0),
               ("fault_tolerance.rollout_health_check_interval", ft.rollout_health_check_interval, 0.1),
               ("fault_tolerance.rollout_health_check_timeout", ft.rollout_health_check_timeout, 0.1),
@@ -165,7 +169,9 @@ def _numbers(spec: JobSpec) -> list[str]:
               ("fault_tolerance.preempt_grace", ft.preempt_grace, 1),
               ("fault_tolerance.max_requeues", ft.max_requeues, 0),
               ("fault_tolerance.max_trainer_restarts", ft.max_trainer_restarts, 0),
-              ("fault_tolerance.min_engines", ft.min_engines, 0)]
+              ("fault_tolerance.min_engines", ft.min_engines, 0),
+              *((f"fault_tolerance.trainer_{phase}_timeout", ft.phase_timeout(phase), 1)
+                for phase in TRAINER_PHASES)]
     for where, value, low in checks:
         if value < low:
             problems.append(f"{where}: must be {low} or more, got {value}")

@@ -7,13 +7,19 @@ import argparse
 import sys
 
 from jobs.spec import SpecError, read_job_spec
-from supervisor.daemon import Daemon, JobFailed
+from supervisor.watchdog import watch_self
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m supervisor")
     parser.add_argument("--job-dir", required=True)
     args = parser.parse_args()
+    code = watch_self()  # the batch shell (exec): the supervisor runs in its child, restarted after a crash
+    if code is not None:
+        return code
+    # Imported in the child only: the watchdog stays small.
+    from supervisor.daemon import Daemon, JobFailed
+
     try:
         spec = read_job_spec(args.job_dir)
     except SpecError as err:

@@ -28,6 +28,11 @@ class ControlError(RuntimeError):
     """The supervisor could not be reached, or it refused or failed the call."""
 
 
+class SupervisorUnreachable(ControlError):
+    """No supervisor answered (none runs, or it died mid-call): worth asking again while its
+    watchdog restarts it; a refused or failed call is not."""
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a connected unix socket."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -148,16 +153,18 @@ class ControlClient:
             try:
                 sock.connect(str(self.path))
             except (FileNotFoundError, ConnectionRefusedError):
-                raise ControlError(f"no supervisor is running for {self.job_dir} (no {SOCKET_FILE})") from None
+                raise SupervisorUnreachable(f"no supervisor is running for {self.job_dir} (no {SOCKET_FILE})") from None
             sock.sendall((json.dumps({"call": name, "args": args}) + "\n").encode())
             line = sock.makefile("rb").readline(_MAX_LINE)
         except TimeoutError:
-            raise ControlError(f"the supervisor of {self.job_dir} did not answer {name!r} "
-                               f"within {self.timeout_s:.0f} s") from None
+            raise SupervisorUnreachable(f"the supervisor of {self.job_dir} did not answer {name!r} "
+                                        f"within {self.timeout_s:.0f} s") from None
+        except (ConnectionResetError, BrokenPipeError):
+            line = b""  # it died mid-call
         finally:
             sock.close()
         if not line:
-            raise ControlError(f"the supervisor of {self.job_dir} closed the connection without answering")
+            raise SupervisorUnreachable(f"the supervisor of {self.job_dir} closed the connection without answering")
         answer = json.loads(line)
         if not answer.pop("ok"):
             raise ControlError(answer["error"])

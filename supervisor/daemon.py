@@ -17,11 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import requests
 import submitit
 
 from ckpt_tools.torch_dist import read_tracker
@@ -52,9 +55,12 @@ from supervisor.engines import (
 )
 from supervisor.events import EVENTS_FILE, EventLog
 from supervisor.keys import create_key, step_env
+from supervisor.nodes import NodeTracker
 from supervisor.probe import HealthTracker, KillBudget, Prober, ProbeResult
-from supervisor.state import StateStore, StepRecord
+from supervisor.state import JobState, StateStore, StepRecord
 from supervisor.steps import Step, StepController, StepSpec
+from supervisor.trainer_files import read_heartbeat, seconds_to_boundary
+from supervisor.watchdog import RESTARTS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,10 @@ REQUEUE = "preempted: saved, then requeued"
 # A restart within this many seconds of the previous one continues a crash loop (backoff doubles,
 # the breaker counts it); an engine that ran longer starts afresh.
 CRASH_WINDOW_S = 300.0
+SLURM_SIGNAL_EARLY_S = 65.0  # "the signal may be sent up to 60 seconds earlier than specified" (sbatch)
+# How often an engine's node is checked while its step is stopped or started again (a lost node
+# must be released before SLURM marks it DOWN: see supervisor/nodes.py).
+NODE_POLL_S = 1.0
 
 
 class JobFailed(RuntimeError):
@@ -89,21 +99,23 @@ class Daemon:
         self.python = spec.python or sys.executable
         self.events = EventLog(self.job_dir / EVENTS_FILE)
         self.store = StateStore(self.job_dir)
-        self.key = create_key(self.job_dir)
+        self.predecessor = self._predecessor()
+        self.key = create_key(self.job_dir)  # a predecessor's key: its steps were started with it
         self.env = {**step_env(self.key), "SLURMRL_JOB_DIR": str(self.job_dir)}
         self.steps = StepController(self.layout.job_id, on_exit=lambda step: self.exits.put(step))
         self.exits: queue.Queue[Step] = queue.Queue()
         self.running: dict[str, Step] = {}
         self.client = EngineClient(self.key, self.ft.rollout_health_check_timeout)
-        # The router runs here, on the head node: its ports are checked free (and kept on relaunch).
-        self.router_ports = (layouts.port_free_here(self.layout.head_address, self.layout.router_port),
-                             layouts.port_free_here(self.layout.head_address, self.layout.router_metrics_port))
+        self.router_ports = self._router_ports()
         router_url = (f"http://{spec.rollout.sglang_router_ip}:{spec.rollout.sglang_router_port}"
                       if spec.rollout.external_router else f"http://{self.layout.head_address}:{self.router_ports[0]}")
         self.router_url = router_url
         self.membership = Membership(RouterClient(router_url, self.key), self.client, self.key)
         self.engines = {place.name: Engine(place) for place in self.layout.engines}
         self.recovering: set[str] = set()
+        # Node failures: the rollout group's spare nodes, the nodes lost so far.
+        self.nodes = NodeTracker(self.layout.job_id, self.layout.spare_nodes, keep=self.layout.trainer_nodes)
+        self.requeue_excluding: set[str] = set()  # lost nodes the job requeues to get off (see _give_up)
         self.tracker = HealthTracker(self.ft.health_check_failure_threshold, self.ft.rollout_health_check_first_wait)
         # One prober (event loop thread, HTTP session) for the job's life, not one per cycle.
         self.prober = Prober(self.ft.rollout_health_check_timeout, self.key)
@@ -114,6 +126,11 @@ class Daemon:
         self.failure: str | None = None
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
         self.preempt_reason: str | None = None  # set by SLURM's warning signal or the time left
+        self.preempt_deadline: float | None = None  # when SLURM ends the job (unix time)
+        self.warned_at: float | None = None  # when SLURM's warning signal came, until _check_preemption reads it
+        self.save_now_sent = False
+        self.trainer_launched = 0.0  # unix time of the trainer step's (re)launch
+        self.trainer_ended_why: str | None = None  # why the supervisor ended the trainer step, if it did
         self.end_time = self._job_end_time()
         self.finished = threading.Event()
         self.control = ControlServer(self.job_dir)
@@ -125,9 +142,6 @@ class Daemon:
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
-        previous = self.store.snapshot()
-        self.recorded = {name: r.slurm_step for name, r in previous.steps.items()
-                         if r.slurm_step and previous.job_id == self.layout.job_id}
         with self.store.update() as state:
             state.job_id = self.layout.job_id
             state.requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -135,13 +149,15 @@ class Daemon:
             for engine in self.engines.values():
                 state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group,
                                                       list(engine.place.nodes), url=engine.url)
-        self.control.start()
         # SLURM's warning (--signal=B:USR1@preempt_grace, before a preemption or the time limit).
         signal.signal(signal.SIGUSR1, self._on_preempt_signal)
         self.events.emit("supervisor_started", job_id=self.layout.job_id, head=self.layout.head,
-                         engines=len(self.engines), requeues=self.store.snapshot().requeues)
+                         engines=len(self.engines), requeues=self.store.snapshot().requeues, pid=os.getpid(),
+                         watchdog_restarts=int(os.environ.get(RESTARTS_ENV, "0")))
         try:
             adopted = self._adopt()
+            # Only now: the trainer's calls wait until the adopted engines' versions are re-checked.
+            self.control.start()
             if not self.spec.rollout.external_router and ROUTER not in adopted:
                 self._launch_router()
             self._start_engines(adopted)
@@ -172,7 +188,9 @@ class Daemon:
         spec = StepSpec(name=name, argv=tuple(argv), nodes=nodes, log=self.job_dir / "logs" / f"{name}.log",
                         het_group=het_group if self.spec.het_groups > 1 else None, ntasks=ntasks,
                         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, overlap=overlap,
-                        env={**self.env, **(env or {})})
+                        env={**self.env, **(env or {})},
+                        # where the job was submitted from: relative paths and plug-ins resolve there
+                        workdir=os.environ.get("SLURM_SUBMIT_DIR"))
         step = self.steps.launch(spec)
         self.running[name] = step
         with self.store.update() as state:
@@ -212,26 +230,84 @@ class Daemon:
         engine.state, engine.version, engine.in_router = STARTING, None, False
         self.tracker.started(engine.name)
 
+    def _predecessor(self) -> JobState | None:
+        """The state left by a supervisor of this same allocation that crashed (its watchdog started
+        this one); None on the job's first start and after a requeue, whose steps SLURM ended."""
+        state = self.store.snapshot()
+        same_run = state.requeues == int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        return state if state.job_id == self.layout.job_id and same_run else None
+
+    def _router_ports(self) -> tuple[int, int]:
+        """The router runs here, on the head node: its ports are checked free (and kept on relaunch);
+        a predecessor's router keeps its port (adopted, or relaunched on it)."""
+        record = self.predecessor.steps.get(ROUTER) if self.predecessor else None
+        head = self.layout.head_address
+        port = (int(record.url.rsplit(":", 1)[1]) if record and record.url
+                else layouts.port_free_here(head, self.layout.router_port))
+        return port, layouts.port_free_here(head, self.layout.router_metrics_port)
+
     def _adopt(self) -> set[str]:
-        """Steps a previous supervisor of this allocation left running are kept, not duplicated.
-        (After a requeue SLURM has ended them all: everything is launched afresh.)"""
-        if not self.recorded:
+        """Steps a predecessor (see _predecessor) left running are kept, not duplicated, and its
+        engines re-checked; a trainer that ended meanwhile ends here as if seen. (After a requeue
+        SLURM has ended them all: everything is launched afresh.)"""
+        if self.predecessor is None:
             return set()
-        steps = self.steps.adopt(self.recorded)
+        recorded = {name: record.slurm_step for name, record in self.predecessor.steps.items()}
+        steps = self.steps.adopt({name: recorded.get(name) for name in (ROUTER, *self.engines, TRAINER)})
         if steps is None:
             raise JobFailed("SLURM did not answer which steps are still running; not launching duplicates")
         for step in steps:
             self.running[step.spec_name] = step
             self.events.emit("step_adopted", step.spec_name, slurm_step=step.slurm_step)
-        return {step.spec_name for step in steps}
+        adopted = {step.spec_name for step in steps}
+        if TRAINER in adopted:
+            self.trainer_launched = time.time()  # its heartbeat is judged from here on
+        elif recorded.get(TRAINER):
+            self._trainer_ended_unseen(recorded[TRAINER])
+            adopted.add(TRAINER)
+        self._restore_engines(self.predecessor, adopted)
+        return adopted
+
+    def _trainer_ended_unseen(self, step_id: str) -> None:
+        """The trainer ended while no supervisor watched: its end reaches the monitor like any
+        trainer exit, with the exit code SLURM's accounting has (0: the job is complete)."""
+        step = self.steps.ended(TRAINER, step_id)
+        self.running[TRAINER] = step
+        self.events.emit("step_ended_unseen", TRAINER, slurm_step=step_id, exit_code=step.proc.wait())
+
+    def _restore_engines(self, predecessor: JobState, adopted: set[str]) -> None:
+        """The predecessor's weight version, and its router's members re-checked: an adopted engine
+        stays in the router only if it answers with the current version; any other leaves it."""
+        self.membership.current = predecessor.weight_version
+        router_kept = ROUTER in adopted or self.spec.rollout.external_router
+        listed = set(self.membership.router.workers()) if router_kept else set()
+        for engine in self.engines.values():
+            record = predecessor.steps.get(engine.name)
+            engine.restarts = record.restarts if record else 0
+            engine.in_router = engine.url in listed
+            if engine.name in adopted:
+                engine.version = self._served_version(engine)
+            if engine.name in adopted and engine.in_router and engine.version == self.membership.current:
+                engine.state = HEALTHY
+            else:
+                self.membership.expel(engine)
+
+    def _served_version(self, engine: Engine) -> str | None:
+        try:
+            return self.client.version(engine.url)
+        except requests.RequestException:
+            return None  # not answering: not at the current version, as far as routing goes
 
     def _start_engines(self, adopted: set[str]) -> None:
         for engine in self.engines.values():
-            if engine.name in adopted:
-                self.tracker.started(engine.name)
-            else:
+            if engine.name not in adopted:
                 self._launch_engine(engine)
-        waits = {name: self.pool.submit(self._await_engine, engine) for name, engine in self.engines.items()}
+                continue
+            self.tracker.started(engine.name)
+            if engine.state == HEALTHY:  # adopted, and it answered: no first-wait
+                self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})
+        waits = {name: self.pool.submit(self._await_engine, engine) for name, engine in self.engines.items()
+                 if engine.state != HEALTHY}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
         for name, problem in problems.items():
             self.events.emit("engine_start_failed", name, reason=problem)
@@ -247,9 +323,15 @@ class Daemon:
         wait_healthy(self.client, engine, max(60.0, self.ft.rollout_health_check_first_wait),
                      lambda: step.returncode is None)
         self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})  # answered: its first-wait is over
-        engine.state = WAITING  # until it serves the current weight version
+        with self.membership.lock:  # a publish meanwhile finds it waiting, or has made its version current
+            engine.state = WAITING  # until it serves the current weight version
+            # An adopted engine off the current version took a publish during the gap (its report
+            # is on the way) or was being synced: the trainer's report or next publish brings it in;
+            # a sync from disk could take it a version back.
+            off_version = step.adopted and engine.version != self.membership.current
         self.store.update_step(engine.name, state=WAITING)
-        self._sync(engine)
+        if not off_version:
+            self._sync(engine)
 
     def _launch_trainer(self) -> None:
         t, layout = self.spec.trainer, self.layout
@@ -258,6 +340,7 @@ class Daemon:
                 "--sglang-router-port", self.router_url.rsplit(":", 1)[1],
                 "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
         # The master by address: a node's name need not resolve (the devcluster's do not).
+        self.trainer_launched, self.trainer_ended_why = time.time(), None
         self._launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0, ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
                      gpus_per_node=t.actor_num_gpus_per_node, cpus_per_task=t.cpus_per_task,
                      env={"MASTER_ADDR": layout.head_address})
@@ -299,20 +382,29 @@ class Daemon:
                 continue
             self._probe_cycle()
             self._record_steps()
+            self._check_trainer_heartbeat()
             next_probe = time.monotonic() + interval
 
     def _on_exit(self, step: Step) -> str | None:
         name = step.spec_name
-        rc = step.returncode if step.proc is not None else "unknown (adopted)"
+        rc = step.returncode
         if self.running.get(name) is not step:
             return None  # a step we replaced on purpose
         if name == TRAINER:
-            if rc == 0:
+            # A trainer the supervisor ended (hung, `slurmrl restart`) may still exit 0: it saves on SIGTERM.
+            if rc == 0 and not self.trainer_ended_why:
                 self.events.emit("trainer_finished", TRAINER)
                 if self.preempt_reason:
                     return REQUEUE
-                return "stopped by user" if self.stop_requested else "completed"
-            return self._trainer_failed(f"trainer exited with code {rc} (see {self.job_dir}/logs/trainer.log)")
+                if self.stop_requested:
+                    return "stopped by user"
+                # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
+                return "ended by SLURM after the trainer saved" if self._job_ending() else "completed"
+            reason = self.trainer_ended_why or f"trainer exited with code {rc} (see {self.job_dir}/logs/trainer.log)"
+            if self.preempt_reason:  # no restart now: the job requeues from its last checkpoint
+                self.events.emit("trainer_failed", TRAINER, reason=reason)
+                return REQUEUE
+            return self._trainer_failed(reason)
         if name == ROUTER:
             self.events.emit("router_failed", ROUTER, reason=f"exited with code {rc}")
             self._relaunch_router()
@@ -340,10 +432,6 @@ class Daemon:
 
     def _record_steps(self) -> None:
         statuses = self.steps.refresh(list(self.running.values()))
-        for name, status in statuses.items():
-            step = self.running.get(name)
-            if status == "exited" and step is not None and step.proc is None and name not in self.recovering:
-                self.exits.put(step)  # an adopted step has no srun child to report its exit
         up = sum(e.state == HEALTHY for e in self.engines.values())
         with self.store.update() as state:
             for name, step in self.running.items():
@@ -378,10 +466,12 @@ class Daemon:
         try:
             step = self.running.get(engine.name)
             if step is not None and step.returncode is None:
-                self.steps.cancel(step)
+                self._stop_engine_step(engine, step)
             if time.time() - engine.last_restart > CRASH_WINDOW_S:
                 engine.recent_restarts = 0
             while True:
+                if not self._on_live_node(engine):
+                    return  # its node is lost and no spare is left: given up
                 if engine.recent_restarts >= self.ft.max_engine_restarts:
                     self._give_up(engine)
                     return
@@ -392,13 +482,14 @@ class Daemon:
                 engine.last_restart = time.time()
                 self._launch_engine(engine)
                 try:
-                    self._await_engine(engine)
+                    with self._watching_node(engine, self.running[engine.name]):
+                        self._await_engine(engine)
                     break
                 except EngineStartError as err:
                     self.events.emit("engine_restart_failed", engine.name, reason=str(err), attempt=engine.restarts)
                     step = self.running[engine.name]
                     if step.returncode is None:
-                        self.steps.cancel(step)
+                        self._stop_engine_step(engine, step)
             # A publish during the sync leaves it one version behind: the next publish includes it
             # (it is among the ready engines again once out of `recovering`).
             self.recovering.discard(engine.name)
@@ -420,18 +511,91 @@ class Daemon:
             self.store.update_step(engine.name, state=engine.state, restarts=engine.restarts,
                                    weight_version=engine.version)
 
+    def _stop_engine_step(self, engine: Engine, step: Step) -> None:
+        """Cancel the engine's step (killed instead once its node is found lost: _watching_node)."""
+        with self._watching_node(engine, step) as lost:
+            try:
+                self.steps.cancel(step)
+            except (TimeoutError, subprocess.TimeoutExpired):  # SLURM lists a lost node's steps a while
+                if not lost.is_set():
+                    raise
+
+    @contextmanager
+    def _watching_node(self, engine: Engine, step: Step) -> Iterator[threading.Event]:
+        """While in the block, watch the engine's node; once SLURM calls it unusable, release it and
+        kill the step's srun (or an adopted step's stand-in), which ends the block's wait on the
+        step, and set the event yielded. Seen on a dead node: scancel ends the step's srun after some
+        seconds, but an srun launched there again waits for the dead step's CPUs."""
+        lost, done = threading.Event(), threading.Event()
+
+        def watch() -> None:
+            while not done.wait(NODE_POLL_S):
+                found = self.nodes.check(engine.place.nodes)
+                if found:
+                    for node, why in found.items():
+                        self._node_lost(node, why)
+                    lost.set()
+                    with suppress(ProcessLookupError):
+                        os.killpg(step.proc.pid, signal.SIGKILL)
+                    return
+
+        watcher = threading.Thread(target=watch, name=f"node-watch-{engine.name}", daemon=True)
+        watcher.start()
+        try:
+            yield lost
+        finally:
+            done.set()
+            watcher.join()
+
+    def _on_live_node(self, engine: Engine) -> bool:
+        """Before a (re)launch: if the engine's node is lost, move the engine to a spare node (a fresh
+        start there: not part of a crash loop) or, with none left, give it up. False when given up."""
+        lost = self.nodes.check(engine.place.nodes)
+        if not lost:
+            return True
+        for node, why in {**lost, **self.nodes.check(self.nodes.spares)}.items():
+            self._node_lost(node, why)
+        spare = self.nodes.take_spare()
+        if spare is None:
+            self._give_up(engine, lost_node=next(iter(lost)))
+            return False
+        old = engine.place.nodes
+        self.membership.expel(engine)  # under its old url, if it is still listed
+        engine.place = self.layout.moved(engine.place, spare)
+        engine.recent_restarts = 0
+        self.store.update_step(engine.name, nodes=[spare], url=engine.url)
+        self.events.emit("engine_moved", engine.name, from_nodes=list(old), to_node=spare, url=engine.url)
+        return True
+
+    def _node_lost(self, node: str, why: str) -> None:
+        """The first time a node is seen lost: release it from the job, report it."""
+        if self.nodes.lose(node, why):
+            self.events.emit("node_failed", node=node, reason=why, allocation=self.nodes.release(node))
+
     def _backoff(self, recent_restarts: int) -> float:
         """None before the first restart of a loop, then restart_backoff, doubling."""
         return 0.0 if recent_restarts == 0 else self.ft.restart_backoff * 2 ** (recent_restarts - 1)
 
-    def _give_up(self, engine: Engine) -> None:
+    def _give_up(self, engine: Engine, lost_node: str | None = None) -> None:
+        """No more restarts: after a crash loop, or when its node is lost and no spare is left (no
+        fault of the engine's). The job goes on with the engines left while min_engines are; below
+        that, a crash loop fails the job and a lost node requeues it without that node."""
         engine.state = FAILED
-        self.events.emit("engine_given_up", engine.name, restarts=engine.restarts,
-                         reason=f"{engine.recent_restarts} restarts in a row, each within {CRASH_WINDOW_S:.0f} s")
+        reason = (f"node {lost_node} is lost and no spare node is left" if lost_node else
+                  f"{engine.recent_restarts} restarts in a row, each within {CRASH_WINDOW_S:.0f} s")
+        self.events.emit("engine_given_up", engine.name, restarts=engine.restarts, reason=reason)
         live = sum(e.state != FAILED for e in self.engines.values())
-        if live < self.ft.min_engines:
+        if live >= self.ft.min_engines:
+            self.events.emit("engine_degraded", engine.name, engines=live, min_engines=self.ft.min_engines)
+            return
+        if lost_node:
+            # The preemption path (see _check_preemption): the trainer saves now, the job requeues.
+            self.requeue_excluding.add(lost_node)
+            self.preempt_reason = self.preempt_reason or (f"node {lost_node} is lost: {live} engines left, below "
+                                                          f"min_engines {self.ft.min_engines}; requeue without it")
+        else:
             self.failure = f"only {live} engines left (min_engines {self.ft.min_engines}): {engine.name} kept failing"
-            self.exits.put(Step(engine.name, None))
+        self.exits.put(Step(engine.name, None))  # wake the monitor
 
     def _relaunch_router(self) -> None:
         began = time.time()
@@ -468,6 +632,8 @@ class Daemon:
             self._recover(self.engines[target], "restart asked with slurmrl restart")
         elif target in (ROUTER, TRAINER):
             self.events.emit("restart_requested", target)
+            if target == TRAINER:
+                self.trainer_ended_why = "restart asked with slurmrl restart"
             self.steps.cancel(self.running[target])  # its exit handler relaunches it
         else:
             raise ValueError(f"unknown step {target!r}; one of: {', '.join([*self.engines, ROUTER, TRAINER])}")
@@ -502,6 +668,22 @@ class Daemon:
             self._recover(engine, f"reported by the trainer: {reason}")
         return {}
 
+    def _check_trainer_heartbeat(self) -> None:
+        """A trainer whose heartbeat stays in one phase past that phase's timeout is hung (a rank
+        stuck in a collective, a dead engine connection...): end its step; its exit restarts it."""
+        step = self.running.get(TRAINER)
+        if step is None or step.returncode is not None or self.trainer_ended_why:
+            return
+        beat = read_heartbeat(self.job_dir, self.trainer_launched)
+        age, timeout = time.time() - beat.since, self.ft.phase_timeout(beat.phase)
+        if age <= timeout:
+            return
+        self.trainer_ended_why = (f"trainer heartbeat stale: in phase {beat.phase} for {age:.0f} s "
+                             f"(trainer_{beat.phase}_timeout {timeout:.0f} s)")
+        self.events.emit("trainer_hung", TRAINER, reason=self.trainer_ended_why, phase=beat.phase,
+                         rollout_id=beat.rollout_id)
+        self.pool.submit(self.steps.cancel, step)
+
     def _on_trainer_poll(self, rollout_id: int) -> dict[str, Any]:
         return {"stop": self.stop_requested}
 
@@ -516,29 +698,68 @@ class Daemon:
 
     # ------------------------------------------------------------------ preemption and time limit
     def _on_preempt_signal(self, signum: int, frame: object) -> None:
-        self.preempt_reason = self.preempt_reason or "SLURM's warning signal (preemption or the time limit)"
+        self.warned_at = self.warned_at or time.time()  # read in the monitor loop, not in a signal handler
+
+    def _read_warning(self) -> None:
+        """SLURM sends the warning preempt_grace before the time limit (up to a minute early, by its
+        own account), and on a preemption it moves the job's end to now + GraceTime first. So an
+        end time that near is the deadline: the trainer stops when less than preempt_grace is left,
+        not a minute early. A signal far from the end (someone's `scancel --signal=USR1`) means now."""
+        warned_at, self.warned_at = self.warned_at, None
+        end = self._job_end_time()
+        if end is not None and end - warned_at <= self.ft.preempt_grace + SLURM_SIGNAL_EARLY_S:
+            self.end_time = end
+        else:
+            self.preempt_reason = "SLURM's warning signal (preemption or the time limit)"
+            self.preempt_deadline = warned_at + self.ft.preempt_grace
 
     def _check_preemption(self) -> None:
         """On the warning signal, or when less than preempt_grace is left: the trainer saves at
-        its next rollout boundary and ends; then the job is requeued (see run)."""
+        its next rollout boundary and ends; then the job is requeued (see run). If the time left
+        would not cover a rollout and a save (as the last ones took), it saves now instead."""
+        if self.warned_at and not self.preempt_reason:
+            self._read_warning()
         if self.end_time and not self.preempt_reason and self.end_time - time.time() < self.ft.preempt_grace:
-            self.preempt_reason = f"less than {self.ft.preempt_grace} s left before the time limit"
-        if self.preempt_reason and not self.stop_requested:
+            self.preempt_reason = f"less than {self.ft.preempt_grace} s left before the job's end (time limit or preemption)"
+            self.preempt_deadline = self.end_time
+        if not self.preempt_reason:
+            return
+        time_left = (self.preempt_deadline or time.time()) - time.time()
+        needed = 2 * seconds_to_boundary(self.job_dir)  # twice: rollouts vary
+        if not self.stop_requested:
             self.stop_requested = True
-            self.events.emit("preemption", reason=self.preempt_reason)
+            self.events.emit("preemption", reason=self.preempt_reason, time_left_s=round(time_left, 1),
+                             boundary_s=round(needed / 2, 1))
+        if not self.save_now_sent and time_left < needed:
+            self._tell_trainer_save_now(f"{time_left:.0f} s left, a rollout and a save take about {needed / 2:.0f} s")
+
+    def _tell_trainer_save_now(self, why: str) -> None:
+        """SIGUSR1 to every trainer task: abandon the running rollout, or skip the publish, and save."""
+        step = self.running.get(TRAINER)
+        if step is None or step.returncode is not None or step.slurm_step is None:
+            return  # not running (or SLURM has not listed it yet: the next cycle retries)
+        done = subprocess.run(["scancel", "--signal=USR1", step.slurm_step], capture_output=True, text=True,
+                              timeout=30)
+        if done.returncode == 0:
+            self.save_now_sent = True
+            self.events.emit("save_now", TRAINER, reason=why)
 
     def _requeue(self) -> None:
         requeues = self.store.snapshot().requeues
         if requeues >= self.ft.max_requeues:
             self._set_stop_reason(f"preempted and saved; not requeued: max_requeues ({self.ft.max_requeues}) reached")
             return
-        self.events.emit("requeue", requeues=requeues + 1)
-        submitit_handler = signal.getsignal(signal.SIGUSR2)
-        if callable(submitit_handler):
-            # Submitit's own checkpoint-and-requeue (it pickles Supervisor again, then scontrol requeue).
-            submitit_handler(signal.SIGUSR2, None)
-        else:
-            subprocess.run(["scontrol", "requeue", self.layout.job_id], check=True, capture_output=True, timeout=60)
+        self.events.emit("requeue", requeues=requeues + 1, excluding=sorted(self.requeue_excluding))
+        try:
+            submitit_handler = signal.getsignal(signal.SIGUSR2)
+            if callable(submitit_handler):
+                # Submitit's own checkpoint-and-requeue (it pickles Supervisor again, then scontrol requeue).
+                submitit_handler(signal.SIGUSR2, None)
+            else:
+                subprocess.run(["scontrol", "requeue", self.layout.job_id], check=True, capture_output=True, timeout=60)
+        finally:  # (Submitit's handler ends in sys.exit) SLURM takes ExcNodeList only once the job is pending
+            if self.requeue_excluding:
+                self.nodes.exclude(self.requeue_excluding)
 
     def _job_end_time(self) -> float | None:
         """The job's end (unix time) as SLURM has it, or None without a limit."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from jobs.spec import JobSpec
 
@@ -36,11 +36,17 @@ class Layout:
     head: str  # the node the supervisor (batch step), the router and trainer rank 0 run on
     head_address: str
     trainer_nodes: tuple[str, ...]
-    rollout_nodes: tuple[str, ...]
+    rollout_nodes: tuple[str, ...]  # the engines' nodes, then the spare ones
     router_port: int
     router_metrics_port: int
     trainer_master_port: int
     engines: tuple[EnginePlace, ...]
+    spare_nodes: tuple[str, ...] = ()  # rollout nodes no engine starts on: where engines of a lost node go
+    addresses: dict[str, str] = field(default_factory=dict)  # every node's address
+
+    def moved(self, place: EnginePlace, node: str) -> EnginePlace:
+        """`place` on another node of the allocation (same port: no other step of the job runs there)."""
+        return replace(place, nodes=(node,), address=self.addresses[node])
 
 
 def port_free_here(address: str, preferred: int) -> int:
@@ -97,11 +103,13 @@ def from_environment(spec: JobSpec, env: dict[str, str] | None = None) -> Layout
         raise ValueError("an engine spanning several nodes is not supported yet: keep "
                          "--rollout-num-gpus-per-engine <= --rollout-num-gpus-per-node")
     gpus = 0 if r.engine == "cpu" else r.rollout_num_gpus_per_engine
+    engine_nodes = rollout_nodes[:max(1, len(rollout_nodes) - r.spare_nodes)]
     for k in range(r.engine_count):
-        node = rollout_nodes[(k // r.engines_on_each_node) % len(rollout_nodes)]
+        node = engine_nodes[(k // r.engines_on_each_node) % len(engine_nodes)]
         engines.append(EnginePlace(f"engine-{k}", k, (node,), addresses[node], base + 10 + k, spec.rollout_group,
                                    gpus))
     head = trainer_nodes[0]
     return Layout(job_id=job_id, head=head, head_address=addresses[head], trainer_nodes=tuple(trainer_nodes),
                   rollout_nodes=tuple(rollout_nodes), router_port=base, router_metrics_port=base + 1,
-                  trainer_master_port=base + 2, engines=tuple(engines))
+                  trainer_master_port=base + 2, engines=tuple(engines),
+                  spare_nodes=tuple(rollout_nodes[len(engine_nodes):]), addresses=addresses)

@@ -1,8 +1,8 @@
 """supervisor_state.json: what the supervisor knows about its job and steps, kept in the job dir.
 
-It is what a restarted (requeued) supervisor reads to adopt live steps, and what `slurmrl status`
-shows. Every save replaces the file atomically and durably, so a reader or a crash never sees
-half a document: either the old state or the new one.
+It is what a supervisor restarted after a crash (supervisor.watchdog) reads to adopt the live steps
+and the weight version, and what `slurmrl status` shows. Every save replaces the file atomically
+and durably, so a reader or a crash never sees half a document: either the old state or the new one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """SLURM step control: launch steps into the job with srun, learn their step ids, notice exits,
 cancel them, and adopt the ones a previous supervisor left running.
 
+An adopted step has no srun child of ours. It gets a stand-in child instead, which exits with the
+step's exit code (from SLURM's accounting) once squeue no longer lists the step: so its end
+reaches on_exit, with its code, exactly like a launched step's.
+
 Each step's srun is a child of the supervisor in its own process group, so its exit is seen the
 moment it happens (one pidfd watcher thread for all steps). SLURM is asked about all steps in one
 squeue call per cycle, never one per step; a failed or slow query answers "unknown", never "dead",
@@ -21,7 +25,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,6 +35,13 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SLURM_OWN_STEPS = ("batch", "extern")
 
 StepStatus = Literal["pending", "running", "exited", "unknown"]
+
+# The stand-in: exits with the code written to its stdin (or 255 when its supervisor dies first).
+_STAND_IN = ("/bin/sh", "-c", 'read -r code; exit "${code:-255}"')
+UNKNOWN_EXIT = 255  # accounting never recorded the step's end (no slurmdbd, or past EXIT_CODE_WAIT_S)
+CANCELLED_EXIT = 128 + signal.SIGTERM
+EXIT_CODE_WAIT_S = 30.0  # slurmdbd records a step's end a moment after squeue drops it
+_UNFINISHED = {"PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "REQUEUED", "RESIZING"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class StepSpec:
     gpus_per_node: int = 0
     cpus_per_task: int | None = None
     overlap: bool = False  # share CPUs/GPUs already held by other steps (e.g. --colocate)
+    workdir: str | None = None  # srun --chdir; default: the supervisor's
     env: Mapping[str, str] | None = None  # the step's whole environment; default: ours
 
     def __post_init__(self) -> None:
@@ -68,6 +80,8 @@ def srun_argv(job_id: str, spec: StepSpec) -> list[str]:
         argv.append(f"--cpus-per-task={spec.cpus_per_task}")
     if spec.overlap:
         argv.append("--overlap")
+    if spec.workdir:
+        argv.append(f"--chdir={spec.workdir}")
     # Append: a relaunched step keeps its predecessor's last words in the same log.
     argv += [f"--job-name={spec.name}", f"--output={spec.log}", "--open-mode=append",
              "--kill-on-bad-exit=1", *spec.argv]
@@ -76,11 +90,13 @@ def srun_argv(job_id: str, spec: StepSpec) -> list[str]:
 
 @dataclass
 class Step:
-    """A step this supervisor launched (proc is its srun) or adopted (proc is None)."""
+    """A step this supervisor launched (proc is its srun) or adopted (proc is its stand-in)."""
 
     spec_name: str
     proc: subprocess.Popen[bytes] | None
     slurm_step: str | None = None  # "JOBID.STEPID", once squeue lists it
+    adopted: bool = False
+    gone_since: float | None = None  # adopted: when squeue stopped listing it
 
     @property
     def returncode(self) -> int | None:
@@ -174,10 +190,12 @@ class StepController:
         return rows
 
     def refresh(self, steps: Iterable[Step]) -> dict[str, StepStatus]:
-        """One batched query for all `steps`: fills in step ids and says where each stands."""
+        """One batched query for all `steps`: fills in step ids and says where each stands; adopted
+        steps that ended get their exit code (one sacct call for all of them)."""
         steps = list(steps)
         rows = self.query()
         status: dict[str, StepStatus] = {}
+        ended: list[Step] = []
         for step in steps:
             if step.returncode is not None:
                 status[step.spec_name] = "exited"
@@ -188,35 +206,69 @@ class StepController:
                     step.slurm_step = self._claim(step.spec_name, rows)
                 if step.slurm_step is not None and step.slurm_step in rows:
                     status[step.spec_name] = "running"
-                elif step.proc is None or step.slurm_step is not None:
-                    # Adopted and no longer listed, or listed before and now gone: it ended.
-                    status[step.spec_name] = "exited"
+                elif step.slurm_step is not None:
+                    status[step.spec_name] = "exited"  # listed before (or adopted) and now gone
+                    if step.adopted:
+                        ended.append(step)
                 else:
                     status[step.spec_name] = "pending"  # srun still waits for resources
+        self._settle(ended)
         return status
 
-    def adopt(self, recorded: Mapping[str, str]) -> list[Step] | None:
-        """{name: "JOBID.STEPID"} from the state store -> the steps SLURM still runs under that
-        id and name, as Steps without an srun child; None if SLURM did not answer (then launch
-        nothing: a duplicate engine is worse than a late one)."""
+    def adopt(self, recorded: Mapping[str, str | None]) -> list[Step] | None:
+        """{name: "JOBID.STEPID" or None} from the state store -> the steps of those names SLURM
+        still runs: the recorded one, else the newest of that name (a predecessor that died just
+        after a launch had not recorded its id yet); each with a stand-in child. None if SLURM did
+        not answer (then launch nothing: a duplicate engine is worse than a late one)."""
         rows = self.query()
         if rows is None:
             return None
         alive = []
         for name, step_id in recorded.items():
-            if rows.get(step_id, ("", ""))[0] == name:
+            if step_id is not None and rows.get(step_id, ("", ""))[0] == name and step_id not in self._claimed:
                 self._claimed.add(step_id)
-                alive.append(Step(name, None, step_id))
+            else:
+                step_id = self._claim(name, rows)
+            if step_id is not None:
+                alive.append(self._adopted(name, step_id))
         return alive
+
+    def ended(self, name: str, step_id: str, wait_s: float = EXIT_CODE_WAIT_S) -> Step:
+        """A step that ended while no supervisor watched it, as an adopted Step whose stand-in exits
+        at once with the step's exit code (UNKNOWN_EXIT if accounting has none within wait_s)."""
+        deadline = time.monotonic() + wait_s
+        while (code := self.exit_codes([step_id]).get(step_id)) is None and time.monotonic() < deadline:
+            time.sleep(1.0)
+        step = self._adopted(name, step_id)
+        _release(step, UNKNOWN_EXIT if code is None else code)
+        return step
+
+    def exit_codes(self, step_ids: Collection[str]) -> dict[str, int]:
+        """{step id: exit code} of the given steps that ended, from SLURM's accounting in one sacct
+        call (128 + N for a step killed by signal N). A step whose end is not recorded is left out."""
+        try:
+            out = subprocess.run(["sacct", "-n", "-P", "-j", ",".join(step_ids), "-o", "JobIDRaw,State,ExitCode"],
+                                 capture_output=True, text=True, timeout=self.query_timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {}
+        codes = {}
+        for line in out.stdout.splitlines() if out.returncode == 0 else []:
+            step_id, state, exit_code = line.split("|")[:3]
+            if step_id in step_ids and state.split()[0] not in _UNFINISHED:
+                codes[step_id] = _exit_code(state.split()[0], exit_code)
+        return codes
 
     def cancel(self, step: Step, timeout_s: float = 30.0, term_grace_s: float = 5.0) -> None:
         """scancel the step (never --full: the batch step is the supervisor), then wait for its
-        srun with a deadline, then SIGTERM and SIGKILL srun's own process group."""
+        srun with a deadline, then SIGTERM and SIGKILL srun's own process group. An adopted step:
+        wait until SLURM no longer lists it, then let its stand-in exit."""
         if step.slurm_step is not None:
             subprocess.run(["scancel", step.slurm_step], capture_output=True, timeout=self.query_timeout_s,
                            check=False)
-        if step.proc is None:
+        if step.adopted:
             self._wait_gone(step, timeout_s)
+            _release(step, CANCELLED_EXIT)
+            step.proc.wait(term_grace_s)
             return
         try:
             step.proc.wait(timeout_s)
@@ -250,6 +302,26 @@ class StepController:
             time.sleep(0.5)
         raise TimeoutError(f"step {step.slurm_step} ({step.spec_name}) still runs {timeout_s:.0f} s after scancel")
 
+    def _adopted(self, name: str, step_id: str) -> Step:
+        stand_in = subprocess.Popen(_STAND_IN, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, process_group=0)
+        step = Step(name, stand_in, step_id, adopted=True)
+        if self._watcher is not None:
+            self._watcher.watch(step)
+        return step
+
+    def _settle(self, ended: list[Step]) -> None:
+        """Release the stand-ins of adopted steps that ended, once their exit codes are known."""
+        if not ended:
+            return
+        codes = self.exit_codes([step.slurm_step for step in ended])
+        now = time.monotonic()
+        for step in ended:
+            step.gone_since = step.gone_since or now
+            code = codes.get(step.slurm_step)
+            if code is not None or now - step.gone_since > EXIT_CODE_WAIT_S:
+                _release(step, UNKNOWN_EXIT if code is None else code)
+
     def _claim(self, name: str, rows: Mapping[str, tuple[str, str]]) -> str | None:
         # Step numbers only grow within a job, so the newest unclaimed step of that name is the
         # one just launched; older ones (a predecessor still completing) are already claimed.
@@ -277,3 +349,27 @@ class StepController:
         except subprocess.TimeoutExpired:
             return None
         return result.stdout if result.returncode == 0 else None
+
+
+def _exit_code(state: str, exit_code: str) -> int:
+    """sacct's State and ExitCode ("CODE:SIGNAL") as a shell would report the step's end."""
+    code, _, signum = exit_code.partition(":")
+    value = 128 + int(signum) if int(signum or 0) else int(code)
+    # A step that did not complete (cancelled, node failure, time limit) can show 0:0: not a success.
+    return UNKNOWN_EXIT if value == 0 and state != "COMPLETED" else value
+
+
+_release_lock = threading.Lock()
+
+
+def _release(step: Step, code: int) -> None:
+    """Let an adopted step's stand-in exit with `code` (once: later calls do nothing)."""
+    with _release_lock:
+        stdin = step.proc.stdin
+        if stdin is None or stdin.closed:
+            return
+        try:
+            os.write(stdin.fileno(), f"{code}\n".encode())
+        except BrokenPipeError:  # it is gone already
+            pass
+        stdin.close()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 
+from trainer import save_now
 from trainer.args import ArgsError, main_error, parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
+    save_now.install()  # before anything slow: the supervisor's save-now signal must not kill a loading trainer
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         args = parse_args(argv)

@@ -23,7 +23,7 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.router_client import RouterClient
-from trainer import checkpoint, rl_step
+from trainer import checkpoint, rl_step, save_now
 from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
@@ -90,6 +90,18 @@ class Driver:
         groups = generate_rollout(self.rollout, rollout_id, self.buffer)
         return [TrainSample.from_sample(s) for group in groups for s in group]
 
+    def generate_abandonable(self, rollout_id: int, signal: save_now.SaveNowSignal) -> list[TrainSample] | None:
+        """generate(), or None if a save-now request abandoned it: the data buffer is then put
+        back as it was, so the resumed run generates this rollout again, identically."""
+        before = self.buffer.state_dict() if self.buffer else None
+        try:
+            with signal.abandonable():
+                return self.generate(rollout_id)
+        except save_now.SaveNow:
+            if self.buffer and before is not None:
+                self.buffer.load_state_dict(before)
+            return None
+
     def state(self) -> dict[str, Any]:
         return {"data_buffer": self.buffer.state_dict() if self.buffer else None}
 
@@ -116,6 +128,7 @@ class Loop:
         self.driver = Driver(args) if self.rank0 else None
         self.next_rollout, self.weight_version = 0, 0
         self.last_saved: int | None = None
+        self.save_now = save_now.install()
         self.loss_cfg = rl_step.loss_config(args)
 
     # ---------------------------------------------------------------- start
@@ -141,36 +154,50 @@ class Loop:
     def run(self) -> None:
         for rollout_id in range(self.next_rollout, self.args.num_rollout):
             if self.stop_requested(rollout_id):
-                if self.args.save and rollout_id > 0 and self.last_saved != rollout_id - 1:
-                    self.save(rollout_id - 1)  # the last finished rollout
                 log.info("stopping before rollout %d, as the supervisor asked", rollout_id)
+                self.save_before_stop(rollout_id - 1)  # the last finished rollout
                 break
             metrics = self.step(rollout_id)
-            self.publish_and_save(rollout_id, metrics)
+            if metrics is None:
+                log.warning("abandoned rollout %d to save at once, as the supervisor asked", rollout_id)
+                self.save_before_stop(rollout_id - 1)
+                break
+            save_now = bool(self.backend.broadcast_object(self.save_now.requested))
+            self.publish_and_save(rollout_id, metrics, publish=not save_now)
+            if save_now:
+                log.warning("saving after rollout %d without publishing it, as the supervisor asked", rollout_id)
+                self.save_before_stop(rollout_id)
+                break
         if self.driver:
             self.driver.reporter.close()
 
     def stop_requested(self, rollout_id: int) -> bool:
-        stop = bool(self.driver and self.driver.supervisor and self.driver.supervisor.stop_requested(rollout_id))
+        stop = self.save_now.requested or bool(
+            self.driver and self.driver.supervisor and self.driver.supervisor.stop_requested(rollout_id))
         return bool(self.backend.broadcast_object(stop))
 
-    def step(self, rollout_id: int) -> dict[str, Any]:
+    def save_before_stop(self, rollout_id: int) -> None:
+        if self.args.save and rollout_id >= 0 and self.last_saved != rollout_id:
+            self.save(rollout_id)
+
+    def step(self, rollout_id: int) -> dict[str, Any] | None:
+        """One rollout and its training; None if rank 0 abandoned the rollout (save-now)."""
         began = time.monotonic()
         samples: list[TrainSample] | None = None
         if self.driver:
             self.driver.reporter.heartbeat("rollout", rollout_id)
-            samples = self.driver.generate(rollout_id)
+            samples = self.driver.generate_abandonable(rollout_id, self.save_now)
         samples = self.backend.broadcast_object(samples)
+        if samples is None:
+            return None
         rolled = time.monotonic()
-        if self.driver:
-            self.driver.reporter.heartbeat("train", rollout_id)
-        metrics = self.train(samples)
+        metrics = self.train(samples, rollout_id)
         metrics.update(reward_mean=sum(s.reward for s in samples) / max(1, len(samples)),
                        samples=len(samples), rollout_seconds=rolled - began, train_seconds=time.monotonic() - rolled)
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics["train_seconds"], 1e-9)
         return metrics
 
-    def train(self, samples: list[TrainSample]) -> dict[str, Any]:
+    def train(self, samples: list[TrainSample], rollout_id: int) -> dict[str, Any]:
         args, ids = self.args, list(range(len(samples)))
         need_entropy = args.entropy_coef != 0
         old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
@@ -197,6 +224,8 @@ class Loop:
         totals: dict[str, float] = {}
         steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
         for batch in steps:
+            if self.driver:
+                self.driver.reporter.heartbeat("train", rollout_id)  # the train timeout is per optimizer step
             step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss_cfg, samples, batch),
                                                    need_entropy)
             if args.advantage_estimator == "ppo":
@@ -232,10 +261,11 @@ class Loop:
         return {"publish_seconds": result.seconds, "engines_updated": len(result.updated),
                 "engines_fenced": len(result.fenced)}
 
-    def publish_and_save(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+    def publish_and_save(self, rollout_id: int, metrics: dict[str, Any], publish: bool = True) -> None:
         self.weight_version += 1
         self.next_rollout = rollout_id + 1
-        metrics.update(self.publish(), weight_version=self.weight_version)
+        # Not published (save-now): the resumed trainer publishes this version first thing.
+        metrics.update(self.publish() if publish else {}, weight_version=self.weight_version)
         last = rollout_id == self.args.num_rollout - 1
         if self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0)):
             began = time.monotonic()

@@ -9,13 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from supervisor.trainer_files import HEARTBEAT_FILE, METRICS_FILE
+
 
 class Reporter:
     def __init__(self, job_dir: Path, tensorboard_dir: str | None) -> None:
         self.job_dir = job_dir
         job_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = job_dir / "metrics.jsonl"
-        self.heartbeat_path = job_dir / "trainer_heartbeat.json"
+        self.metrics_path = job_dir / METRICS_FILE
+        self.heartbeat_path = job_dir / HEARTBEAT_FILE
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(tensorboard_dir or str(job_dir / "tensorboard"))

@@ -154,13 +154,20 @@ def internal_sequence(engine: Engine, rid: str, prompt: list[int], max_new_token
                     generator=torch.Generator(), internal=True)
 
 
+# Idle keep-alive connections outlive sglang-router's pool idle timeout (50 s). With uvicorn's 5 s
+# a request the router sends on a connection the engine is just closing fails ("error sending
+# request"): any 5 s pause between rollouts (a supervisor restart, a slow save) fenced engines.
+KEEP_ALIVE_S = 75
+
+
 class EngineServer(uvicorn.Server):
     """uvicorn with SGLang's start-up: the port opens once weights are loaded, /health answers 503
     until a warmup generation went through, then the ready line is printed."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(uvicorn.Config(build_app(engine), host=engine.args.host, port=engine.args.port,
-                                        log_level="info", access_log=False, timeout_graceful_shutdown=5))
+                                        log_level="info", access_log=False, timeout_graceful_shutdown=5,
+                                        timeout_keep_alive=KEEP_ALIVE_S))
         self.engine = engine
         self.warmup_failed = False
 

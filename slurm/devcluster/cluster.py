@@ -213,6 +213,30 @@ class DevCluster:
             )
             raise DevclusterError(f"{err}; node states now {self.node_states()}. Daemon logs:\n{logs}") from None
 
+    # ---- node failures (for tests) -------------------------------------------------------
+    def kill_slurmd(self, node: str) -> None:
+        """SIGKILL one node's slurmd, as when the node dies. Its job steps' processes live on (on a
+        devcluster every node is this host): a test kills those apart."""
+        proc = self.slurmd(node).process()
+        if proc is None:
+            raise DevclusterError(f"the slurmd of {node} is not running")
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def revive_slurmd(self, node: str, timeout_s: float = 60.0) -> None:
+        """Start a node's slurmd again and wait until the node is back in service (RESUMEd if SLURM
+        left it DOWN or drained once it answers again)."""
+        self.slurmd(node).start()
+
+        def in_service() -> bool:
+            state = self.node_states().get(node, "")
+            if state in ("down", "drain", "drng"):  # answering (no '*'), but not returned to service
+                subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                               env={**os.environ, **self.env}, capture_output=True, timeout=30)
+            return state in ("idle", "mix", "alloc")
+
+        wait_for(in_service, timeout_s, f"{node} back in service", interval_s=0.5)
+
     # ---- status and down -----------------------------------------------------------------
     def node_states(self) -> dict[str, str]:
         """Node name -> SLURM state (idle, mix, alloc, down*, ...), or {} if slurmctld does not answer."""

@@ -27,7 +27,7 @@ CRED_EXPIRE_S = 10
 class ClusterShape:
     """What the user chose: node count and resources per node."""
 
-    nodes: int = 3
+    nodes: int = 4  # the toy job's 1 trainer and 2 rollout nodes, and a spare rollout node
     gpus_per_node: int = 4
     cpus_per_node: int = 8
     memory_mb_per_node: int = 16384

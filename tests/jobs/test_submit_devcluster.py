@@ -50,7 +50,8 @@ def test_standin_runs_as_one_heterogeneous_job(devcluster: DevCluster, tmp_path:
         "the batch step is not on the first node of group 0"
     assert len(_nodes(groups["SLURM_JOB_NODELIST_HET_GROUP_1"])) == 1  # two engines on one rollout node
     assert env["SLURM_NTASKS_HET_GROUP_1"] == "2" and env["SLURM_CPUS_PER_TASK_HET_GROUP_0"] == "1"
-    assert env["pid"] == env["SLURM_TASK_PID"], "the callable is not the batch shell itself (exec)"
+    # The batch shell itself (exec) is the watchdog; the callable runs in its child.
+    assert env["ppid"] == env["SLURM_TASK_PID"], "the callable is not the child of the batch shell (exec)"
     assert env["SLURMRL_JOB_DIR"] == spec.job_dir
     assert JobSpec.from_yaml(job_dir / SPEC_FILE) == spec
     assert (job_dir / JOB_ID_FILE).read_text().strip() == job.job_id

@@ -1,6 +1,6 @@
 """Invariant 7 through `slurmrl submit`: each bad spec gets its one-line error naming the field and
 the fix, exits non-zero, and creates nothing (no job dir, no SLURM job). The partition checks ask
-the devcluster's sinfo (partition dev: 3 nodes x 4 GPUs x 8 CPUs)."""
+the devcluster's sinfo (partition dev: 4 nodes x 4 GPUs x 8 CPUs)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ CASES = {
     "unknown-trainer-flag": (["--lrr", "1e-2"], "unknown flag --lrr (did you mean --lr?)"),
     "unknown-spec-flag": (["--rollout-num-gpu", "4"],
                           "unknown flag --rollout-num-gpu (did you mean --rollout-num-gpus?)"),
-    "too-many-nodes": (["--actor-num-nodes", "5"], "trainer group: 5 nodes, but partition dev has 3"),
+    "too-many-nodes": (["--actor-num-nodes", "5"], "trainer group: 5 nodes, but partition dev has 4"),
     "too-many-gpus": (["--actor-num-gpus-per-node", "8"], "trainer group: 8 GPUs per node, but the nodes of partition "
                                                            "dev have 4"),
     "too-many-cpus": (["--rollout-cpus-per-engine", "6"], "rollout group: 2 tasks x 6 CPUs = 12 CPUs per node"),

@@ -51,6 +51,17 @@ def test_a_query_slurm_does_not_answer_is_unknown_not_dead(tmp_path: Path, monke
         proc.wait()
 
 
+def test_exit_codes_from_accounting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "sacct"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' '110.3|COMPLETED|0:0' '111.4|FAILED|7:0' '111.5|CANCELLED by 0|0:9' "
+                    "'110.6|NODE_FAIL|0:0' '110.7|RUNNING|0:0' '110.8|COMPLETED|0:0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    codes = StepController("110").exit_codes(["110.3", "111.4", "111.5", "110.6", "110.7"])
+    # Killed by signal 9: 137; a node failure is no success even at 0:0; a running step is left out.
+    assert codes == {"110.3": 0, "111.4": 7, "111.5": 137, "110.6": 255}
+
+
 @pytest.fixture
 def hetjob(devcluster: DevCluster, tmp_path: Path) -> Iterator[tuple[str, dict[int, str]]]:
     """A running two-group hetjob whose batch step only sleeps; yields its id and each group's node."""
@@ -125,13 +136,31 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
         assert controller.refresh([engine0, router]) == {"engine-0": "exited", "router": "running"}
         assert engine0.slurm_step not in (controller.query() or {})
 
-        # A new supervisor adopts what still runs, by recorded id and name, and nothing else.
+        # A new supervisor adopts what still runs, by recorded id and name, and nothing else; an
+        # unrecorded (or stale) id falls back to the newest live step of that name, once.
         recorded = {"engine-0": engine0.slurm_step, "router": router.slurm_step, "engine-1": engine1.slurm_step}
-        successor = StepController(job_id)
+        adopted_exits: queue.Queue[tuple[str, int | None]] = queue.Queue()
+        successor = StepController(job_id, on_exit=lambda s: adopted_exits.put((s.spec_name, s.returncode)))
         adopted = successor.adopt(recorded)
         assert [(s.spec_name, s.slurm_step) for s in adopted] == [("router", router.slurm_step)]
         assert successor.adopt({"router": f"{job_id}.999"}) == []
+        by_name = StepController(job_id).adopt({"router": None})
+        assert [s.slurm_step for s in by_name] == [router.slurm_step]
+        # A step that ended unwatched: its exit code from sacct, reported as its exit.
+        successor.ended("engine-1", engine1.slurm_step)
+        assert adopted_exits.get(timeout=10) == ("engine-1", 7)
+
+        # An adopted step's end reaches on_exit with its exit code (a stand-in stands for srun).
+        trigger.unlink()
+        engine2 = controller.launch(spec("engine-2", 1, f"while [ ! -e {trigger} ]; do sleep 0.05; done; exit 5"))
+        steps.append(engine2)
+        wait_for(lambda: controller.refresh([engine2]) == {"engine-2": "running"}, 60, "engine-2 running")
+        [adopted2] = successor.adopt({"engine-2": engine2.slurm_step})
+        trigger.touch()
+        wait_for(lambda: successor.refresh([adopted2]) and adopted2.returncode is not None, 60, "engine-2's exit")
+        assert adopted_exits.get(timeout=10) == ("engine-2", 5)
         successor.cancel(adopted[0], timeout_s=30)
+        assert adopted_exits.get(timeout=10) == ("router", 128 + 15)
         assert successor.refresh(adopted) == {"router": "exited"}
         router.proc.wait(30)
     finally:
@@ -140,3 +169,5 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
                 step.proc.kill()
                 step.proc.wait()
         controller.close()
+        if "successor" in locals():
+            successor.close()

@@ -1,0 +1,174 @@
+"""Work lost and time to resume, per failure kind, on the devcluster, against a plain restart from
+the last periodic checkpoint (the baseline: what a job without slurmrl's handling does after any
+failure: it dies, is submitted again and resumes from its --save-interval checkpoint).
+
+The toy job runs with a slow reward model (each rollout about 1.4 s, so "rollouts lost" is read
+at a known pace) and --save-interval 5. Each failure is injected once 8 rollouts are done (three
+past the periodic checkpoint after rollout 4), each on its own job:
+
+- preempt:    SLURM's warning signal (scancel --batch --signal=USR1): save at the boundary, requeue
+- requeue:    scontrol requeue (SLURM ends the job at once; the trainer saves on SIGTERM)
+- trainer:    SIGKILL trainer rank 0: in-job restart from the latest checkpoint
+- engine:     SIGKILL engine-0: its requests go to the other engine; the engine comes back
+- supervisor: SIGKILL the supervisor: restarted in the allocation, adopts every step
+- baseline:   SIGKILL every step of the job (scancel --signal=KILL), then a new submission that
+              loads the same checkpoints
+
+Per kind: rollouts lost (completed before the failure, then done again), seconds from the failure
+to the next completed rollout, and for the requeue kinds the seconds from the failure until SLURM
+has the job pending again. Ratios are against the baseline run in the same process.
+
+    python -m bench.bench_resume [--workdir DIR]      # devcluster up; run as root
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from rollout.tiny_model import write_tiny_model
+from rollout.toy_task import write_toy_data
+from slurm.devcluster.daemons import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+AT = 8  # inject once this many rollouts are done
+FLAGS = ("--num-rollout", "14", "--rollout-batch-size", "8", "--save-interval", "5",
+         "--custom-rm-path", "tests.trainer.plugins.slow_toy_reward")
+
+
+def submit(job_dir: Path, model: Path, data: Path, *extra: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "examples/toy_job.yaml", "--json",
+                          "--job-dir", str(job_dir), "--hf-checkpoint", str(model), "--prompt-data", str(data),
+                          *FLAGS, *extra], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return json.loads(out.strip().splitlines()[-1])["job_id"]
+
+
+class Watch:
+    """Polls a job's metrics.jsonl and notes when each rollout line first appears."""
+
+    def __init__(self, *job_dirs: Path) -> None:
+        self.job_dirs, self.seen = job_dirs, {}  # rollout_id -> first time seen
+
+    def poll(self) -> int:
+        for job_dir in self.job_dirs:
+            path = job_dir / "metrics.jsonl"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                self.seen.setdefault((job_dir, json.loads(line)["rollout_id"]), time.time())
+        return len({rid for _, rid in self.seen})
+
+    def next_rollout_after(self, t: float, timeout_s: float = 600) -> float:
+        def later() -> bool:
+            self.poll()
+            return any(seen > t for seen in self.seen.values())
+        wait_for(later, timeout_s, "a rollout after the failure", interval_s=0.05)
+        return min(seen for seen in self.seen.values() if seen > t)
+
+
+def resumed_at(job_dir: Path) -> list[int]:
+    log = job_dir / "logs" / "trainer.log"
+    return [int(n) for n in re.findall(r"next rollout (\d+)", log.read_text())] if log.exists() else []
+
+
+def pending_again(job_id: str) -> None:
+    def pending() -> bool:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
+        return "PENDING" in out.split()
+    wait_for(pending, 300, f"job {job_id} pending again", interval_s=0.05)
+
+
+def listening_pid(url: str) -> int:
+    port = int(url.rsplit(":", 1)[1])
+    return next(c.pid for c in psutil.net_connections("tcp")
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid)
+
+
+def supervisor_pid(job_dir: Path) -> int:
+    started = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+    return [e for e in started if e["kind"] == "supervisor_started"][-1]["pid"]
+
+
+def engine_url(job_dir: Path) -> str:
+    state = json.loads((job_dir / "supervisor_state.json").read_text())
+    return state["steps"]["engine-0"]["url"]
+
+
+def trainer_rank0(job_dir: Path) -> int:
+    return json.loads((job_dir / "trainer_heartbeat.json").read_text())["pid"]
+
+
+INJECT: dict[str, Callable[[str, Path], None]] = {
+    "preempt": lambda job, d: subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True),
+    "requeue": lambda job, d: subprocess.run(["scontrol", "requeue", job], check=True),
+    "trainer": lambda job, d: os.kill(trainer_rank0(d), signal.SIGKILL),
+    "engine": lambda job, d: os.kill(listening_pid(engine_url(d)), signal.SIGKILL),
+    "supervisor": lambda job, d: os.kill(supervisor_pid(d), signal.SIGKILL),
+}
+
+
+def one(kind: str, root: Path, model: Path, data: Path) -> dict[str, float]:
+    job_dir = root / kind
+    job_id = submit(job_dir, model, data)
+    watch = Watch(job_dir)
+    restart_dir = root / f"{kind}-restart"
+    try:
+        wait_for(lambda: watch.poll() >= AT, 600, f"{AT} rollouts", interval_s=0.05)
+        done, began = watch.poll(), time.time()
+        row: dict[str, float] = {}
+        if kind == "baseline":
+            subprocess.run(["scancel", "--signal=KILL", job_id], check=True)
+            wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                                                text=True).stdout.strip(), 120, "the killed job gone")
+            submit(restart_dir, model, data, "--load", str(job_dir / "checkpoints"))
+            watch.job_dirs = (job_dir, restart_dir)
+            resumed = lambda: resumed_at(restart_dir)  # noqa: E731
+        else:
+            INJECT[kind](job_id, job_dir)
+            if kind in ("preempt", "requeue"):
+                pending_again(job_id)
+                row["to_pending_s"] = time.time() - began
+            resumed = lambda: resumed_at(job_dir)[1:]  # noqa: E731 (the first start loaded nothing)
+        row["to_next_rollout_s"] = watch.next_rollout_after(began + 0.5) - began
+        if kind in ("engine", "supervisor"):
+            row["lost"] = 0.0 if len(resumed_at(job_dir)) == 0 else float("nan")
+        else:
+            wait_for(lambda: resumed(), 300, "the resumed trainer's log line")
+            row["lost"] = float(max(0, done - resumed()[0]))
+        wait_for(lambda: watch.poll() >= 14, 600, "the job's last rollout")
+        return row
+    finally:
+        for d in (job_dir, restart_dir):
+            if (d / "slurm_job_id").exists():
+                subprocess.run(["scancel", (d / "slurm_job_id").read_text().strip()], capture_output=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", help="keep the jobs here (default: a temporary folder)")
+    parser.add_argument("--kinds", default="baseline,preempt,requeue,trainer,engine,supervisor")
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(opts.workdir or tmp)
+        model, data = write_tiny_model(root / "model"), write_toy_data(root / "toy.jsonl")
+        rows = {kind: one(kind, root, model, data) for kind in opts.kinds.split(",")}
+    base = rows.get("baseline")
+    print(f"toy job, slow reward (~1.4 s a rollout), --save-interval 5, failure after {AT} rollouts")
+    print(f"{'kind':11s} {'rollouts lost':>14s} {'to next rollout':>16s} {'to pending':>11s}")
+    for kind, row in rows.items():
+        ratio = f" ({row['to_next_rollout_s'] / base['to_next_rollout_s']:.2f}x)" if base else ""
+        pending = f"{row['to_pending_s']:.1f} s" if "to_pending_s" in row else "-"
+        print(f"{kind:11s} {row['lost']:14.0f} {row['to_next_rollout_s']:9.1f} s{ratio:>8s} {pending:>11s}")
+
+
+if __name__ == "__main__":
+    main()

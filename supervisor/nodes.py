@@ -1,0 +1,132 @@
+"""Node failures (issue 7, item 4): which of the allocation's nodes SLURM calls unusable, the spare
+nodes left, and taking a lost node out of the job.
+
+SLURM is asked in one batched call for any set of nodes; a failed or slow query answers "unknown"
+(nothing lost), never "down", so a slurmctld that does not answer moves no engine.
+
+Seen on slurm 22.05 (the devcluster: SlurmdTimeout=30) when a node's slurmd dies: the node shows
+NOT_RESPONDING (`State=MIXED+NOT_RESPONDING`) 10-30 s later and DOWN 10-25 s after that. The
+sruns of its steps do not exit (they wait on slurmctld) until scancel, some seconds after which they
+give up (the steps stay listed), and an srun launched onto the node again waits for the dead steps'
+CPUs instead of failing. Once DOWN, the node ends a hetjob (requeued,
+--no-kill or not: see jobs/hetjob.py), so a lost node is released first: `scontrol update
+JobId=COMPONENT NodeList=REST` is taken while the job runs (SLURM kills the job's steps on the node),
+after which the DOWN touches no job, an srun onto the node fails at once, and one onto a spare node
+of the allocation starts at once. ExcNodeList is refused while the job runs ("Job is no longer
+pending execution"); right after a requeue it is taken, and set on the leader it applies to every
+component.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+from collections.abc import Collection, Iterable
+
+from supervisor.layout import hostnames
+
+# Base states and flags (`scontrol show node`'s State=BASE+FLAG+...) of a node no step can run on.
+UNUSABLE_STATES = {"DOWN", "ERROR", "FUTURE"}
+UNUSABLE_FLAGS = {"NOT_RESPONDING", "DRAIN", "FAIL", "POWERED_DOWN", "POWERING_DOWN", "REBOOT_ISSUED"}
+_REASON = re.compile(r"\bReason=(.*?)(?=\s+\w+=|$)")
+
+
+def _scontrol(*args: str, timeout_s: float) -> str | None:
+    """scontrol's output, or None when it failed or did not answer in time."""
+    try:
+        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+def _hosts(nodelist: str | None) -> list[str]:
+    return [] if nodelist in (None, "", "(null)") else hostnames(nodelist)
+
+
+def unusable(nodes: Collection[str], timeout_s: float = 10.0) -> dict[str, str] | None:
+    """{node: its state and reason} for those of `nodes` SLURM says cannot run a step now; None when
+    SLURM did not answer."""
+    if not nodes:
+        return {}
+    out = _scontrol("show", "node", "-o", ",".join(nodes), timeout_s=timeout_s)
+    if out is None:
+        return None
+    bad = {}
+    for line in out.splitlines():
+        fields = _fields(line)
+        base, *flags = fields.get("State", "").replace("*", "+NOT_RESPONDING").split("+")
+        if base in UNUSABLE_STATES or UNUSABLE_FLAGS.intersection(flags):
+            reason = _REASON.search(line)
+            bad[fields["NodeName"]] = fields["State"] + (f" ({reason.group(1)})" if reason else "")
+    return bad
+
+
+class NodeTracker:
+    """The job's lost nodes and spare nodes (shared by the supervisor's recovery threads)."""
+
+    def __init__(self, job_id: str, spares: Iterable[str], keep: Collection[str], timeout_s: float = 10.0) -> None:
+        self.job_id = job_id
+        self.keep = set(keep)  # never released: the trainer's nodes, the supervisor's among them
+        self.timeout_s = timeout_s
+        self.lost: dict[str, str] = {}  # node -> why
+        self._spares = list(spares)
+        self._lock = threading.Lock()
+
+    @property
+    def spares(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._spares)
+
+    def check(self, nodes: Collection[str]) -> dict[str, str]:
+        """{node: why} for those of `nodes` already lost or that SLURM now calls unusable."""
+        known = {node: self.lost[node] for node in nodes if node in self.lost}
+        return {**known, **(unusable([n for n in nodes if n not in known], self.timeout_s) or {})}
+
+    def lose(self, node: str, why: str) -> bool:
+        """Record `node` as lost (no longer a spare); True only the first time."""
+        with self._lock:
+            if node in self.lost:
+                return False
+            self.lost[node] = why
+            if node in self._spares:
+                self._spares.remove(node)
+            return True
+
+    def take_spare(self) -> str | None:
+        """A spare node, no longer spare from now on; None when none is left."""
+        with self._lock:
+            return self._spares.pop(0) if self._spares else None
+
+    def release(self, node: str) -> str:
+        """Take `node` out of the job's allocation before SLURM marks it DOWN; says what happened."""
+        if node in self.keep:
+            return "kept: it runs the trainer"
+        out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
+        for fields in map(_fields, (out or "").splitlines()):
+            nodes = _hosts(fields.get("NodeList"))
+            if node not in nodes:
+                continue
+            rest = [n for n in nodes if n != node]
+            if not rest:
+                return f"kept: the last node of job {fields['JobId']}"
+            done = _scontrol("update", f"JobId={fields['JobId']}", f"NodeList={','.join(rest)}",
+                             timeout_s=self.timeout_s)
+            return f"released from job {fields['JobId']}" if done is not None else "kept: scontrol update failed"
+        return "kept: SLURM did not answer" if out is None else "not in the job"
+
+    def exclude(self, nodes: Collection[str]) -> bool:
+        """Keep the requeued job off `nodes` (and what it excluded already) when it starts again.
+        Call it right after the requeue: SLURM takes no ExcNodeList while the job runs."""
+        out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
+        if out is None or not nodes:
+            return False
+        excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"))}
+        update = _scontrol("update", f"JobId={self.job_id}", f"ExcNodeList={','.join(sorted(excluded | set(nodes)))}",
+                           timeout_s=self.timeout_s)
+        return update is not None

@@ -1,0 +1,199 @@
+"""Preemption and exact resume on the devcluster (the toy job, real router, CPU engines, the real
+trainer, no mocks). Every interrupted run is compared with one uninterrupted run of the same
+flags: the same rollout ids once each, and the same rewards, losses, grad norms and versions.
+
+- SLURM's warning signal with a long grace: the trainer saves at its rollout boundary, the job
+  requeues itself and resumes.
+- With a short grace the trainer saves at once: a signal during a checkpoint save leaves that
+  save whole and valid; a signal while a rollout is being generated abandons the rollout (it is
+  generated again after the resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ckpt_tools.torch_dist import iteration_dirname, read_tracker
+from slurm.devcluster.daemons import wait_for
+from tests.integration.test_rl_job import assert_never_stale, events, listening_pid, rollouts_done, status, submit
+from tests.slurm_helpers import wait_job_gone
+from trainer import checkpoint
+
+FLAGS = ("--num-rollout", "14", "--save-interval", "100", "--rollout-batch-size", "8")
+COMPARED = ("reward_mean", "loss", "grad_norm", "weight_version")
+
+
+def metrics(job_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(devcluster, toy, tmp_path_factory) -> list[dict]:
+    job_dir = tmp_path_factory.mktemp("whole") / "job"
+    wait_job_gone(submit(toy, job_dir, *FLAGS), timeout_s=600)
+    return metrics(job_dir)
+
+
+def assert_same_run(expected: list[dict], job_dir: Path) -> None:
+    got = metrics(job_dir)
+    assert [m["rollout_id"] for m in got] == list(range(len(expected))), "a rollout id was skipped or repeated"
+    for x, y in zip(expected, got):
+        for key in COMPARED:
+            assert x[key] == y[key], f"rollout {x['rollout_id']}: {key} {x[key]} != {y[key]}"
+    assert_never_stale(job_dir)
+
+
+def heartbeat(job_dir: Path) -> dict:
+    try:
+        return json.loads((job_dir / "trainer_heartbeat.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def preempt(job_id: str) -> None:
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+
+
+def resumed_at(job_dir: Path) -> list[int]:
+    """The rollout each trainer start resumed at, from the trainer's log."""
+    log = (job_dir / "logs" / "trainer.log").read_text()
+    return [int(n) for n in re.findall(r"resumed from \S+: next rollout (\d+)", log)]
+
+
+def test_preempted_job_saves_requeues_and_resumes_exactly(uninterrupted, toy, tmp_path: Path) -> None:
+    """SLURM's warning signal (scancel --signal=USR1 --batch, as before a preemption or the time
+    limit): the trainer saves at its rollout boundary, the job requeues itself, the new supervisor
+    resumes from that checkpoint. Then `scontrol requeue` (SLURM ends the job at once: SIGTERM,
+    KillWait, SIGKILL): the trainer saves on SIGTERM and the requeued job loses no rollout."""
+    job_dir = tmp_path / "job"
+    job_id = submit(toy, job_dir, *FLAGS)
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 4, 300, "a few rollouts")
+        preempt(job_id)
+        wait_for(lambda: events(job_dir, "requeue"), 300, "the requeue")
+        wait_for(lambda: len(resumed_at(job_dir)) == 1 and rollouts_done(job_dir) >= 8, 300, "the resumed run")
+        done = rollouts_done(job_dir)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        wait_for(lambda: len(resumed_at(job_dir)) == 2, 300, "the run resumed after scontrol requeue")
+        assert resumed_at(job_dir)[1] >= done, "the trainer should have saved on SIGTERM"
+        wait_job_gone(job_id, timeout_s=600)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    state = status(job_dir)
+    assert state["stop_reason"] == "completed" and state["requeues"] == 2, state
+    preempted = events(job_dir, "preemption")
+    assert len(preempted) == 1 and "warning signal" in preempted[0]["reason"]
+    assert not events(job_dir, "save_now"), "a 120 s grace covers the rollout boundary"
+    assert_same_run(uninterrupted, job_dir)
+
+
+def stop_mid_save(job_dir: Path, save_dir: Path) -> int:
+    """SIGSTOP the trainer while a checkpoint is half-written (its temporary folder exists);
+    returns the trainer's pid. A save caught just after it finished is let go and the next tried."""
+    def caught() -> bool:
+        beat = heartbeat(job_dir)
+        if beat.get("phase") != "save":
+            return False
+        os.kill(beat["pid"], signal.SIGSTOP)
+        if heartbeat(job_dir) == beat and list(save_dir.glob(".iter_*.tmp-*")):
+            return True
+        os.kill(beat["pid"], signal.SIGCONT)
+        return False
+
+    wait_for(caught, 120, "the trainer inside a checkpoint save", interval_s=0.002)
+    return heartbeat(job_dir)["pid"]
+
+
+def freeze_during_rollout(job_dir: Path, engines: list[int]) -> None:
+    """SIGSTOP the engines while rank 0 generates a rollout (its heartbeat still says so a second
+    later); a rollout that finished first is let go and the next one tried."""
+    def caught() -> bool:
+        beat = heartbeat(job_dir)
+        if beat.get("phase") != "rollout":
+            return False
+        for pid in engines:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1)
+        if heartbeat(job_dir) == beat:
+            return True
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
+        return False
+
+    wait_for(caught, 120, "the trainer generating a rollout", interval_s=0.002)
+
+
+def test_short_grace_saves_at_once(uninterrupted, toy, tmp_path: Path) -> None:
+    """preempt_grace 1 s is shorter than any rollout plus save: the supervisor has the trainer
+    save at once (save_now). Once during a checkpoint save, once during a rollout."""
+    job_dir = tmp_path / "job"
+    job_id = submit(toy, job_dir, *FLAGS, "--preempt-grace", "1", "--save-interval", "1")
+    save_dir = job_dir / "checkpoints"
+    stopped: list[int] = []
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 2, 300, "a few rollouts")
+        # 1. The signal arrives while the trainer is frozen half-way through a save.
+        trainer = stop_mid_save(job_dir, save_dir)
+        stopped.append(trainer)
+        preempt(job_id)
+        wait_for(lambda: events(job_dir, "save_now"), 60, "the supervisor to ask for a save now")
+        os.kill(trainer, signal.SIGCONT)
+        wait_for(lambda: events(job_dir, "requeue"), 300, "the first requeue")
+        latest = save_dir / iteration_dirname(read_tracker(save_dir))
+        assert checkpoint.validate(latest) is None and checkpoint.find_loadable(save_dir) == latest
+
+        # 2. The signal arrives while rank 0 waits for a rollout: both engines are frozen.
+        wait_for(lambda: len(events(job_dir, "supervisor_started")) >= 2 and rollouts_done(job_dir) >= 8, 300,
+                 "the requeued job to resume and go on")
+        engines = [listening_pid(s["url"]) for name, s in status(job_dir)["steps"].items() if name.startswith("engine")]
+        stopped += engines
+        freeze_during_rollout(job_dir, engines)
+        preempt(job_id)
+        wait_for(lambda: len(events(job_dir, "requeue")) >= 2, 300, "the second requeue")
+        for pid in engines:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
+        wait_job_gone(job_id, timeout_s=600)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+        for pid in stopped:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
+    state = status(job_dir)
+    assert state["stop_reason"] == "completed" and state["requeues"] == 2, state
+    assert len(events(job_dir, "save_now")) == 2
+    log = (job_dir / "logs" / "trainer.log").read_text()
+    assert "abandoned rollout" in log, "the second signal should abandon the rollout being generated"
+    assert_same_run(uninterrupted, job_dir)
+
+
+def test_time_limit_shorter_than_the_work_finishes_over_several_requeues(toy, devcluster, tmp_path: Path) -> None:
+    """A one-minute job with more than a minute of work: before each time limit it saves and
+    requeues itself (SLURM's warning signal, or the end time it read), until the work is done."""
+    job_dir = tmp_path / "job"
+    # A slow reward model makes each rollout take 1.3 s or more: 24 of them outlast the at most
+    # ~25 s a one-minute start can work (15 s of start-up, then 20 s of grace).
+    job_id = submit(toy, job_dir, "--num-rollout", "24", "--rollout-batch-size", "8", "--save-interval", "100",
+                    "--custom-rm-path", "tests.trainer.plugins.slow_toy_reward", "--time", "1",
+                    "--preempt-grace", "20", "--max-requeues", "8")
+    try:
+        wait_job_gone(job_id, timeout_s=900)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    state = status(job_dir)
+    assert state["stop_reason"] == "completed" and state["requeues"] >= 1, state
+    assert len(events(job_dir, "requeue")) == state["requeues"] == len(events(job_dir, "preemption"))
+    assert not events(job_dir, "job_failed")
+    rows = metrics(job_dir)
+    assert [m["rollout_id"] for m in rows] == list(range(24)), "a rollout id was skipped or repeated"
+    assert min(m["rollout_seconds"] for m in rows) >= 1.28, "the slow reward should set the pace"
+    assert_never_stale(job_dir)

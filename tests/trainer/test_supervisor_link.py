@@ -1,0 +1,77 @@
+"""The trainer's link to the supervisor rides out a supervisor gap (a crashed supervisor that its
+watchdog restarts): against a real ControlServer that appears late, the calls the trainer needs
+wait for it; past the gap, or for a call the supervisor refuses, they fail at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.control import ControlError, ControlServer, SupervisorUnreachable
+from trainer.supervisor_link import SupervisorLink
+
+
+class LateSupervisor:
+    """A ControlServer that starts `delay_s` after the test begins, recording the calls it gets."""
+
+    def __init__(self, job_dir: Path, delay_s: float) -> None:
+        self.server = ControlServer(job_dir)
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        for name, answer in (("ready_engines", {"engines": ["http://e0"]}), ("trainer_poll", {"stop": True}),
+                             ("published", {}), ("engine_failed", {})):
+            self.server.register(name, self._handler(name, answer))
+        self.timer = threading.Timer(delay_s, self.server.start)
+
+    def _handler(self, name: str, answer: dict[str, Any]) -> Any:
+        def handle(**args: Any) -> dict[str, Any]:
+            self.calls.append((name, args))
+            return answer
+        return handle
+
+
+@pytest.fixture
+def late(tmp_path: Path) -> Iterator[LateSupervisor]:
+    supervisor = LateSupervisor(tmp_path, delay_s=1.5)
+    supervisor.timer.start()
+    yield supervisor
+    supervisor.timer.cancel()
+    supervisor.server.close()
+
+
+def test_calls_wait_for_a_supervisor_that_appears_late(late: LateSupervisor, tmp_path: Path) -> None:
+    link = SupervisorLink(tmp_path, gap_s=30, retry_s=0.1)
+    began = time.monotonic()
+    assert link.ready_engines() == ["http://e0"]
+    assert time.monotonic() - began >= 1.4
+    assert link.stop_requested(7) is True
+    assert late.calls == [("ready_engines", {}), ("trainer_poll", {"rollout_id": 7})]
+
+
+def test_a_published_version_reaches_a_late_supervisor(late: LateSupervisor, tmp_path: Path) -> None:
+    SupervisorLink(tmp_path, gap_s=30, retry_s=0.1).published(3, ["http://e0"], {})
+    assert late.calls == [("published", {"version": 3, "updated": ["http://e0"], "fenced": {}})]
+
+
+def test_past_the_gap_the_call_fails_and_a_failure_report_does_not_wait(tmp_path: Path) -> None:
+    link = SupervisorLink(tmp_path, gap_s=0.5, retry_s=0.1)
+    began = time.monotonic()
+    with pytest.raises(SupervisorUnreachable, match="no supervisor is running"):
+        link.ready_engines()
+    assert 0.3 < time.monotonic() - began < 5
+    began = time.monotonic()
+    link.engine_failed("http://e0", "timeout")  # logged, not waited for: the rollout goes on
+    assert time.monotonic() - began < 0.5
+
+
+def test_a_refused_call_is_not_asked_again(tmp_path: Path) -> None:
+    calls = []
+    with ControlServer(tmp_path) as server:
+        server.register("ready_engines", lambda: calls.append(1) or 1 / 0)
+        with pytest.raises(ControlError, match="ZeroDivisionError") as err:
+            SupervisorLink(tmp_path, gap_s=30, retry_s=0.1).ready_engines()
+    assert not isinstance(err.value, SupervisorUnreachable) and calls == [1]
