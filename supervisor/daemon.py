@@ -73,6 +73,7 @@ SLURM_SIGNAL_EARLY_S = 65.0  # "the signal may be sent up to 60 seconds earlier 
 # How often an engine's node is checked while its step is stopped or started again (a lost node
 # must be released before SLURM marks it DOWN: see supervisor/nodes.py).
 NODE_POLL_S = 1.0
+NODE_CHECK_S = 15.0  # every engine and spare node, one scontrol call, this often
 
 
 class JobFailed(RuntimeError):
@@ -115,6 +116,7 @@ class Daemon:
         self.recovering: set[str] = set()
         # Node failures: the rollout group's spare nodes, the nodes lost so far.
         self.nodes = NodeTracker(self.layout.job_id, self.layout.spare_nodes, keep=self.layout.trainer_nodes)
+        self.next_node_check = 0.0  # monotonic time of the next _check_nodes
         self.requeue_excluding: set[str] = set()  # lost nodes the job requeues to get off (see _give_up)
         self.tracker = HealthTracker(self.ft.health_check_failure_threshold, self.ft.rollout_health_check_first_wait)
         # One prober (event loop thread, HTTP session) for the job's life, not one per cycle.
@@ -383,6 +385,7 @@ class Daemon:
             self._probe_cycle()
             self._record_steps()
             self._check_trainer_heartbeat()
+            self._check_nodes()
             next_probe = time.monotonic() + interval
 
     def _on_exit(self, step: Step) -> str | None:
@@ -566,6 +569,20 @@ class Daemon:
         self.store.update_step(engine.name, nodes=[spare], url=engine.url)
         self.events.emit("engine_moved", engine.name, from_nodes=list(old), to_node=spare, url=engine.url)
         return True
+
+    def _check_nodes(self) -> None:
+        """Every NODE_CHECK_S, all engine and spare nodes in one query: a lost node is released
+        before SLURM marks it DOWN (which would requeue the whole hetjob), even one whose engine
+        still answers or that holds no engine yet."""
+        if time.monotonic() < self.next_node_check:
+            return
+        self.next_node_check = time.monotonic() + NODE_CHECK_S
+        watched = {node for e in self.engines.values() if e.state != FAILED for node in e.place.nodes}
+        for node, why in self.nodes.check(sorted(watched | set(self.nodes.spares))).items():
+            self._node_lost(node, why)
+            for engine in self.engines.values():
+                if node in engine.place.nodes:
+                    self._recover(engine, f"its node {node} is lost: {why}")
 
     def _node_lost(self, node: str, why: str) -> None:
         """The first time a node is seen lost: release it from the job, report it."""
