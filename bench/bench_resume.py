@@ -11,12 +11,14 @@ past the periodic checkpoint after rollout 4), each on its own job:
 - trainer:    SIGKILL trainer rank 0: in-job restart from the latest checkpoint
 - engine:     SIGKILL engine-0: its requests go to the other engine; the engine comes back
 - supervisor: SIGKILL the supervisor: restarted in the allocation, adopts every step
-- baseline:   SIGKILL every step of the job (scancel --signal=KILL), then a new submission that
+- baseline:   SIGKILL the whole job (scancel --full --signal=KILL), then a new submission that
               loads the same checkpoints
 
-Per kind: rollouts lost (completed before the failure, then done again), seconds from the failure
-to the next completed rollout, and for the requeue kinds the seconds from the failure until SLURM
-has the job pending again. Ratios are against the baseline run in the same process.
+Per kind: rollouts lost (completed before the failure, then done again); seconds from the failure
+to the first rollout completed after it (for a restarted trainer: its first rollout), with the
+ratio to the baseline's, measured in the same process; seconds from the (re)start (the new
+supervisor, or the in-job trainer restart) to that rollout; and for the requeue kinds the seconds
+from the failure until SLURM has the job pending again.
 
     python -m bench.bench_resume [--workdir DIR]      # devcluster up; run as root
 """
@@ -54,25 +56,15 @@ def submit(job_dir: Path, model: Path, data: Path, *extra: str) -> str:
     return json.loads(out.strip().splitlines()[-1])["job_id"]
 
 
-class Watch:
-    """Polls a job's metrics.jsonl and notes when each rollout line first appears."""
+def rollout_ids(job_dir: Path) -> list[int]:
+    path = job_dir / "metrics.jsonl"
+    return [json.loads(line)["rollout_id"] for line in path.read_text().splitlines()] if path.exists() else []
 
-    def __init__(self, *job_dirs: Path) -> None:
-        self.job_dirs, self.seen = job_dirs, {}  # rollout_id -> first time seen
 
-    def poll(self) -> int:
-        for job_dir in self.job_dirs:
-            path = job_dir / "metrics.jsonl"
-            for line in path.read_text().splitlines() if path.exists() else []:
-                self.seen.setdefault((job_dir, json.loads(line)["rollout_id"]), time.time())
-        return len({rid for _, rid in self.seen})
-
-    def next_rollout_after(self, t: float, timeout_s: float = 600) -> float:
-        def later() -> bool:
-            self.poll()
-            return any(seen > t for seen in self.seen.values())
-        wait_for(later, timeout_s, "a rollout after the failure", interval_s=0.05)
-        return min(seen for seen in self.seen.values() if seen > t)
+def seen(what: Callable[[], bool], name: str) -> float:
+    """The time `what` first holds, polled every 50 ms."""
+    wait_for(what, 600, name, interval_s=0.05)
+    return time.time()
 
 
 def resumed_at(job_dir: Path) -> list[int]:
@@ -117,34 +109,41 @@ INJECT: dict[str, Callable[[str, Path], None]] = {
 
 
 def one(kind: str, root: Path, model: Path, data: Path) -> dict[str, float]:
+    """Inject `kind` after AT rollouts; measure until the job's first rollout after it."""
     job_dir = root / kind
     job_id = submit(job_dir, model, data)
-    watch = Watch(job_dir)
     restart_dir = root / f"{kind}-restart"
     try:
-        wait_for(lambda: watch.poll() >= AT, 600, f"{AT} rollouts", interval_s=0.05)
-        done, began = watch.poll(), time.time()
+        wait_for(lambda: len(rollout_ids(job_dir)) >= AT, 600, f"{AT} rollouts", interval_s=0.05)
+        done, began = len(rollout_ids(job_dir)), time.time()
         row: dict[str, float] = {}
-        if kind == "baseline":
-            subprocess.run(["scancel", "--signal=KILL", job_id], check=True)
+        resumed_dir = job_dir
+        if kind == "baseline":  # no save on the way down: SIGKILL the trainer, then the whole job
+            os.kill(trainer_rank0(job_dir), signal.SIGKILL)
+            subprocess.run(["scancel", "--full", "--signal=KILL", job_id], check=True)
             wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
                                                 text=True).stdout.strip(), 120, "the killed job gone")
             submit(restart_dir, model, data, "--load", str(job_dir / "checkpoints"))
-            watch.job_dirs = (job_dir, restart_dir)
-            resumed = lambda: resumed_at(restart_dir)  # noqa: E731
+            resumed_dir = restart_dir
         else:
             INJECT[kind](job_id, job_dir)
             if kind in ("preempt", "requeue"):
                 pending_again(job_id)
                 row["to_pending_s"] = time.time() - began
-            resumed = lambda: resumed_at(job_dir)[1:]  # noqa: E731 (the first start loaded nothing)
-        row["to_next_rollout_s"] = watch.next_rollout_after(began + 0.5) - began
-        if kind in ("engine", "supervisor"):
-            row["lost"] = 0.0 if len(resumed_at(job_dir)) == 0 else float("nan")
+        if kind in ("engine", "supervisor"):  # the trainer goes on: its next rollout
+            row["to_rollout_s"] = seen(lambda: len(rollout_ids(job_dir)) > done, "the next rollout") - began
+            row["lost"] = float(len(resumed_at(job_dir)))  # trainer restarts, each redoing work: none expected
         else:
-            wait_for(lambda: resumed(), 300, "the resumed trainer's log line")
-            row["lost"] = float(max(0, done - resumed()[0]))
-        wait_for(lambda: watch.poll() >= 14, 600, "the job's last rollout")
+            # The resumed trainer drops metrics lines from its resume point on before logging it, so a
+            # line of that rollout seen after the log line is the resumed run's first rollout.
+            seen(lambda: bool(resumed_at(resumed_dir)), "the resumed trainer")
+            first = resumed_at(resumed_dir)[0]
+            row["to_rollout_s"] = seen(lambda: first in rollout_ids(resumed_dir), "its first rollout") - began
+            row["lost"] = float(max(0, done - first))
+            restarted = [e["time"] for e in map(json.loads, (resumed_dir / "events.jsonl").read_text().splitlines())
+                         if e["kind"] in ("supervisor_started", "trainer_restarted") and e["time"] > began]
+            row["start_to_rollout_s"] = began + row["to_rollout_s"] - restarted[0]
+        wait_for(lambda: 13 in rollout_ids(resumed_dir), 600, "the job's last rollout")
         return row
     finally:
         for d in (job_dir, restart_dir):
@@ -163,11 +162,12 @@ def main() -> None:
         rows = {kind: one(kind, root, model, data) for kind in opts.kinds.split(",")}
     base = rows.get("baseline")
     print(f"toy job, slow reward (~1.4 s a rollout), --save-interval 5, failure after {AT} rollouts")
-    print(f"{'kind':11s} {'rollouts lost':>14s} {'to next rollout':>16s} {'to pending':>11s}")
+    print(f"{'kind':11s} {'lost':>5s} {'to first rollout after':>24s} {'(re)start to rollout':>21s} {'to pending':>11s}")
     for kind, row in rows.items():
-        ratio = f" ({row['to_next_rollout_s'] / base['to_next_rollout_s']:.2f}x)" if base else ""
+        ratio = f" ({row['to_rollout_s'] / base['to_rollout_s']:.2f}x)" if base else ""
+        start = f"{row['start_to_rollout_s']:.1f} s" if "start_to_rollout_s" in row else "-"
         pending = f"{row['to_pending_s']:.1f} s" if "to_pending_s" in row else "-"
-        print(f"{kind:11s} {row['lost']:14.0f} {row['to_next_rollout_s']:9.1f} s{ratio:>8s} {pending:>11s}")
+        print(f"{kind:11s} {row['lost']:5.0f} {row['to_rollout_s']:14.1f} s{ratio:>8s} {start:>21s} {pending:>11s}")
 
 
 if __name__ == "__main__":
