@@ -24,7 +24,8 @@ import pytest
 
 from ckpt_tools.torch_dist import iteration_dirname, read_tracker
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import assert_never_stale, events, listening_pid, rollouts_done, status, submit
+from tests.integration.test_rl_job import (assert_never_stale, events, heartbeat, listening_pid, rollouts_done,
+                                             status, submit)
 from tests.slurm_helpers import wait_job_gone
 from trainer import checkpoint
 
@@ -50,13 +51,6 @@ def assert_same_run(expected: list[dict], job_dir: Path) -> None:
         for key in COMPARED:
             assert x[key] == y[key], f"rollout {x['rollout_id']}: {key} {x[key]} != {y[key]}"
     assert_never_stale(job_dir)
-
-
-def heartbeat(job_dir: Path) -> dict:
-    try:
-        return json.loads((job_dir / "trainer_heartbeat.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def preempt(job_id: str) -> None:

@@ -56,6 +56,14 @@ def events(job_dir: Path, kind: str, step: str | None = None) -> list[dict]:
     return [e for e in rows if e["kind"] == kind and (step is None or e["step"] == step)]
 
 
+def heartbeat(job_dir: Path) -> dict:
+    """The trainer's last heartbeat (phase, rollout_id, time, pid); {} before the first."""
+    try:
+        return json.loads((job_dir / "trainer_heartbeat.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def rollouts_done(job_dir: Path) -> int:
     """Rollouts in metrics.jsonl; fails at once if the job failed or is gone."""
     failed = events(job_dir, "job_failed")

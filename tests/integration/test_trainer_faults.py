@@ -19,18 +19,11 @@ from pathlib import Path
 import psutil
 
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import assert_never_stale, events, rollouts_done, status, submit
+from tests.integration.test_rl_job import assert_never_stale, events, heartbeat, rollouts_done, status, submit
 from tests.slurm_helpers import wait_job_gone
 
 TIMEOUTS = ("--trainer-rollout-timeout", "20", "--trainer-train-timeout", "5", "--trainer-publish-timeout", "20",
             "--trainer-save-timeout", "20")
-
-
-def heartbeat(job_dir: Path) -> dict:
-    try:
-        return json.loads((job_dir / "trainer_heartbeat.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def trainer_rank(job_dir: Path, rank: int) -> int:
