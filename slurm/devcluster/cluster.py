@@ -22,7 +22,7 @@ from slurm.devcluster.config import (
     render_slurmdbd_conf,
     save_shape,
 )
-from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, wait_for
+from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, wait_for, wait_gone
 
 APT_PACKAGES = ["slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-client"]
 REQUIRED_PROGRAMS = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
@@ -221,7 +221,7 @@ class DevCluster:
         if proc is None:
             raise DevclusterError(f"the slurmd of {node} is not running")
         proc.kill()
-        proc.wait(timeout=10)
+        wait_gone(proc, 10)
 
     def revive_slurmd(self, node: str, timeout_s: float = 60.0) -> None:
         """Start a node's slurmd again and wait until the node is back in service (RESUMEd if SLURM

@@ -30,6 +30,17 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, interva
         time.sleep(interval_s)
 
 
+def wait_gone(proc: psutil.Process, timeout_s: float) -> None:
+    """Wait until `proc` has exited. A zombie counts as exited: a daemon restarted by a test
+    (revive_slurmd) is that test process's child, which no one reaps while `down` runs."""
+    def gone() -> bool:
+        try:
+            return proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    wait_for(gone, timeout_s, f"process {proc.pid} to exit", interval_s=0.1)
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
     if not path.exists():
         return f"({path} does not exist)"
@@ -95,9 +106,9 @@ class Daemon:
             return False
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=timeout_s)
-        except psutil.TimeoutExpired:
+            wait_gone(proc, timeout_s)
+        except TimeoutError:
             proc.kill()
-            proc.wait(timeout=10)
+            wait_gone(proc, 10)
         self.pid_file.unlink(missing_ok=True)
         return True
