@@ -123,8 +123,13 @@ class Daemon:
         self.prober = Prober(self.ft.rollout_health_check_timeout, self.key)
         self.budget = KillBudget(self.ft.max_kill_fraction, self.ft.rollout_health_check_interval)
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(self.engines)), thread_name_prefix="recover")
-        self.stop_requested = False
-        self.trainer_restarts = 0
+        # a `slurmrl stop` holds for every later start of the same job (a crash, a requeue)
+        saved = self.store.snapshot()
+        self.user_stop = saved.stop_asked and saved.job_id == self.layout.job_id
+        self.stop_requested = self.user_stop
+        # kept across a supervisor crash, so a crash-looping trainer still meets max_trainer_restarts
+        trainer_record = self.predecessor.steps.get(TRAINER) if self.predecessor else None
+        self.trainer_restarts = trainer_record.restarts if trainer_record else 0
         self.failure: str | None = None
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
         self.preempt_reason: str | None = None  # set by SLURM's warning signal or the time left
@@ -148,6 +153,7 @@ class Daemon:
             state.job_id = self.layout.job_id
             state.requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
             state.stop_reason = None
+            state.stop_asked = self.user_stop  # a new job in the same directory starts without it
             for engine in self.engines.values():
                 state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group,
                                                       list(engine.place.nodes), url=engine.url)
@@ -397,10 +403,10 @@ class Daemon:
             # A trainer the supervisor ended (hung, `slurmrl restart`) may still exit 0: it saves on SIGTERM.
             if rc == 0 and not self.trainer_ended_why:
                 self.events.emit("trainer_finished", TRAINER)
+                if self.user_stop:
+                    return "stopped by user"
                 if self.preempt_reason:
                     return REQUEUE
-                if self.stop_requested:
-                    return "stopped by user"
                 # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
                 return "ended by SLURM after the trainer saved" if self._job_ending() else "completed"
             reason = self.trainer_ended_why or f"trainer exited with code {rc} (see {self.job_dir}/logs/trainer.log)"
@@ -631,6 +637,7 @@ class Daemon:
             return None
         self.trainer_restarts += 1
         self._launch_trainer()  # it resumes from the latest checkpoint and republishes its weights
+        self.store.update_step(TRAINER, restarts=self.trainer_restarts)
         self.events.emit("trainer_restarted", TRAINER, restarts=self.trainer_restarts)
         return None
 
@@ -657,7 +664,9 @@ class Daemon:
         return {"restarting": target}
 
     def _on_stop(self) -> dict[str, Any]:
-        self.stop_requested = True
+        with self.store.update() as state:
+            state.stop_asked = True
+        self.user_stop = self.stop_requested = True
         self.events.emit("stop_requested")
         return {"stopping": True}
 

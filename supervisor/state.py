@@ -55,6 +55,7 @@ class JobState:
     requeues: int = 0
     last_checkpoint: str | None = None
     stop_reason: str | None = None
+    stop_asked: bool = False  # `slurmrl stop` was asked: kept over a supervisor crash and a requeue
     updated_at: float | None = None
     steps: dict[str, StepRecord] = field(default_factory=dict)
 

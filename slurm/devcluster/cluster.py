@@ -99,6 +99,7 @@ class DevCluster:
         self._start_munge()
         self._start_mariadb(timeout_s)
         self._start_slurmdbd(timeout_s)
+        self._continue_job_ids(timeout_s)
         self._start_slurmctld(timeout_s)
         for node in self.shape.node_names:
             self.slurmd(node).start()
@@ -190,6 +191,15 @@ class DevCluster:
         clusters = self._slurm(["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"], timeout_s)
         if CLUSTER_NAME not in clusters.split():
             self._slurm(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], timeout_s)
+
+    def _continue_job_ids(self, timeout_s: float) -> None:
+        """Start job ids past the accounting's highest. slurmctld's own state can be gone (a
+        reshape drops it) while MariaDB keeps the old jobs: ids would start at 1 again, and
+        `sacct -j N` would show an old job N beside the new one."""
+        ids = self._slurm(["sacct", "-a", "-X", "-n", "-P", "--format=JobIDRaw", "-S", "2000-01-01", "-E", "now"],
+                          timeout_s).split()
+        highest = max((int(i) for i in ids if i.isdigit()), default=0)
+        self.paths.slurm_conf.write_text(render_slurm_conf(self.paths, self.shape, first_job_id=highest + 1))
 
     def _start_slurmctld(self, timeout_s: float) -> None:
         daemon = self.slurmctld()

@@ -154,7 +154,7 @@ def save_shape(paths: ClusterPaths, shape: ClusterShape) -> None:
     paths.shape_file.write_text(json.dumps(asdict(shape), indent=2) + "\n")
 
 
-def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape) -> str:
+def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: int = 1) -> str:
     auth_info = f"socket={paths.munge_socket},cred_expire={CRED_EXPIRE_S}"
     gres = f" Gres=gpu:{shape.gpus_per_node}" if shape.gpus_per_node else ""
     nodes = "\n".join(
@@ -193,6 +193,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
 JobRequeue=1
+# Past every job id the accounting holds, so new jobs never share an id with an old one there.
+FirstJobId={first_job_id}
 ReturnToService=2
 SlurmdTimeout=30
 MessageTimeout=10

@@ -1,8 +1,10 @@
-"""`up` is idempotent, refuses to reshape a running cluster, and `down` stops exactly the
-processes `up` started, by their PID files. Uses a second, one-node cluster on other ports."""
+"""`up` is idempotent, refuses to reshape a running cluster, `down` stops exactly the processes
+`up` started, by their PID files, and job ids go on past the accounting's after a reshape. Uses a
+second, one-node cluster on other ports."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import psutil
 import pytest
 
 from slurm.devcluster import ClusterShape, DevCluster
+from slurm.devcluster.daemons import wait_for
 
 pytestmark = pytest.mark.integration
 PORT_BASE = 18800
@@ -24,6 +27,20 @@ def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
 
 def _pids(cluster: DevCluster) -> dict[str, int]:
     return {d.name: proc.pid for d in cluster.daemons() if (proc := d.process())}
+
+
+def _submit_and_account(root: Path) -> int:
+    """Submit a trivial job; its id once slurmdbd has recorded it."""
+    env = {**os.environ, "SLURM_CONF": str(root / "etc" / "slurm.conf")}
+    job_id = subprocess.run(["sbatch", "--parsable", "--wrap", "true"], env=env, capture_output=True, text=True,
+                            timeout=60, check=True).stdout.strip()
+
+    def accounted() -> bool:
+        return bool(subprocess.run(["sacct", "-n", "-X", "-j", job_id, "-o", "JobIDRaw"], env=env,
+                                   capture_output=True, text=True, timeout=60).stdout.strip())
+
+    wait_for(accounted, 60, f"job {job_id} in the accounting")
+    return int(job_id)
 
 
 def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path) -> None:
@@ -48,6 +65,8 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path)
         assert reshape.returncode == 1 and "run `slurmrl cluster down" in reshape.stderr
         assert _pids(cluster) == started
 
+        first_job = _submit_and_account(root)
+
         (root / "pids" / "stale.pid").write_text(f"{bystander.pid} 12345.0\n")
         down = _cluster("down", "--dir", str(root))
         assert down.returncode == 0, down.stderr
@@ -56,6 +75,11 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path)
         assert bystander.poll() is None
         assert not any((root / "pids").glob("slurm*.pid"))
         assert "no devcluster daemons were running" in _cluster("down", "--dir", str(root)).stdout
+
+        # A reshape drops slurmctld's state but keeps the accounting: ids go on past the old job's.
+        reshaped = _cluster("up", "--dir", str(root), "--nodes", "2", "--gpus-per-node", "0")
+        assert reshaped.returncode == 0, reshaped.stderr
+        assert _submit_and_account(root) > first_job
     finally:
         _cluster("down", "--dir", str(root))
         bystander.kill()

@@ -61,7 +61,7 @@ def test_scancel_signal_batch_reaches_the_batch_step_handler(devcluster: DevClus
     out = tmp_path / "signal.out"
     script = write_script(tmp_path / "signal.sh", f"""
 #SBATCH --output={out}
-trap 'echo "got USR1"; exit 0' USR1
+trap 'echo "got USR1"; kill $!; exit 0' USR1
 echo ready
 sleep 300 &
 wait

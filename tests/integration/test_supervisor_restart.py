@@ -16,6 +16,7 @@ from tests.integration.test_rl_job import (
     assert_never_stale,
     events,
     rollouts_done,
+    slurmrl,
     status,
     submit,
 )
@@ -53,3 +54,23 @@ def test_a_killed_supervisor_is_restarted_and_adopts_its_steps(devcluster, toy, 
     assert_never_stale(job_dir)
     # The trainer waited for the restarted supervisor instead of failing.
     assert "again for up to" in (job_dir / "logs" / "trainer.log").read_text()
+
+
+def test_a_stop_asked_just_before_a_crash_still_ends_the_job(devcluster, toy, tmp_path: Path) -> None:  # noqa: F811
+    # The stop is kept in supervisor_state.json: the restarted supervisor ends the job as asked,
+    # whether the trainer heard of it before the crash or asks the new supervisor.
+    job_dir = tmp_path / "job"
+    job_id = submit(toy, job_dir, "--num-rollout", "200")
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 2, 300, "a few rollouts")
+        slurmrl("stop", job_id)
+        [first] = events(job_dir, "supervisor_started")
+        os.kill(first["pid"], signal.SIGKILL)
+        wait_job_gone(job_id, timeout_s=300)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, check=False)
+    assert len(events(job_dir, "supervisor_started")) == 2
+    state = status(job_dir)
+    assert state["stop_reason"] == "stopped by user" and state["last_checkpoint"], state
+    ids = [json.loads(line)["rollout_id"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert ids == list(range(len(ids))) and len(ids) < 20, ids

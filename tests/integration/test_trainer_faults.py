@@ -71,6 +71,7 @@ def test_dead_or_hung_trainer_rank_is_restarted_in_the_job(toy, devcluster, tmp_
             os.kill(frozen, signal.SIGKILL)
     state = status(job_dir)
     assert state["stop_reason"] == "completed" and state["requeues"] == 0, state
+    assert state["steps"]["trainer"]["restarts"] == 2, "the count a restarted supervisor resumes from"
     failed = [e["reason"] for e in events(job_dir, "trainer_failed")]
     assert len(failed) == 2 and "exited with code" in failed[0], failed
     assert "heartbeat stale: in phase" in failed[1], failed
