@@ -99,7 +99,7 @@ class DevCluster:
         self._start_munge()
         self._start_mariadb(timeout_s)
         self._start_slurmdbd(timeout_s)
-        self._continue_job_ids(timeout_s)
+        self._continue_job_ids()
         self._start_slurmctld(timeout_s)
         for node in self.shape.node_names:
             self.slurmd(node).start()
@@ -192,14 +192,16 @@ class DevCluster:
         if CLUSTER_NAME not in clusters.split():
             self._slurm(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], timeout_s)
 
-    def _continue_job_ids(self, timeout_s: float) -> None:
+    def _continue_job_ids(self) -> None:
         """Start job ids past the accounting's highest. slurmctld's own state can be gone (a
         reshape drops it) while MariaDB keeps the old jobs: ids would start at 1 again, and
-        `sacct -j N` would show an old job N beside the new one."""
-        ids = self._slurm(["sacct", "-a", "-X", "-n", "-P", "--format=JobIDRaw", "-S", "2000-01-01", "-E", "now"],
-                          timeout_s).split()
-        highest = max((int(i) for i in ids if i.isdigit()), default=0)
-        self.paths.slurm_conf.write_text(render_slurm_conf(self.paths, self.shape, first_job_id=highest + 1))
+        `sacct -j N` would show an old job N beside the new one. Read from the table itself:
+        sacct's time window leaves out a job cancelled before it started."""
+        highest = _run(["mariadb", "--no-defaults", f"--socket={self.paths.mariadb_socket}", "-u", "root", "-N", "-B"],
+                       "reading the highest job id in the accounting",
+                       stdin=f"SELECT COALESCE(MAX(id_job), 0) FROM {ACCOUNTING_DB}.`{CLUSTER_NAME}_job_table`;")
+        first_job_id = int(highest.strip()) + 1
+        self.paths.slurm_conf.write_text(render_slurm_conf(self.paths, self.shape, first_job_id=first_job_id))
 
     def _start_slurmctld(self, timeout_s: float) -> None:
         daemon = self.slurmctld()
@@ -296,10 +298,11 @@ def _write_private(path: Path, data: bytes) -> None:
     path.chmod(0o600)
 
 
-def _run(argv: list[str], doing: str, stdin: str = "") -> None:
+def _run(argv: list[str], doing: str, stdin: str = "") -> str:
     result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise DevclusterError(f"{doing} failed: `{argv[0]}` exited {result.returncode}:\n{result.stderr[-2000:]}")
+    return result.stdout
 
 
 def _port_open(port: int) -> bool:
