@@ -690,9 +690,20 @@ class Daemon:
         return {}
 
     def _on_engine_failed(self, url: str, reason: str) -> dict[str, Any]:
-        if (engine := self._engine_by_url(url)) is not None:
-            self._recover(engine, f"reported by the trainer: {reason}")
+        if (engine := self._engine_by_url(url)) is not None and engine.name not in self.recovering:
+            self.pool.submit(self._check_reported, engine, reason)
         return {}
+
+    def _check_reported(self, engine: Engine, reason: str) -> None:
+        """One failed request is not yet a failed engine: the router can send a request on a
+        keep-alive connection the engine is just closing (SGLang closes idle ones after 5 s, the
+        router keeps them 50 s). One probe decides; a healthy engine stays in."""
+        result = self.prober.probe_all({engine.name: engine.url})[engine.name]
+        if result.ok:
+            self.events.emit("engine_report_dismissed", engine.name, reason=reason,
+                             probe_s=round(result.latency_s, 3))
+            return
+        self._recover(engine, f"reported by the trainer: {reason}; then /health_generate: {result.error}")
 
     def _check_trainer_heartbeat(self) -> None:
         """A trainer whose heartbeat stays in one phase past that phase's timeout is hung (a rank

@@ -2,7 +2,7 @@
 engines and the real trainer as steps of one heterogeneous job, no mocks.
 
 - It runs to completion: one hetjob in sacct, every step in `slurmrl status`, rewards rising.
-- While one runs: SIGKILL an engine, SIGSTOP one (a hang), make one answer 503, kill the router,
+- While one runs: report a healthy engine as failed (one probe keeps it in), SIGKILL an engine, SIGSTOP one (a hang), make one answer 503, kill the router,
   `slurmrl restart` an engine. Each time the engine (or router) comes back at the current weight
   version, events.jsonl shows detection and recovery with their times, and no engine ever served
   a rollout with stale weights (the engines' own logs: rollout R must be served at version R).
@@ -142,6 +142,12 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
             wait_for(lambda: len(events(job_dir, "engine_recovered", step)) >= times, 180, f"{step} recovered")
             done = rollouts_done(job_dir)
             wait_for(lambda: rollouts_done(job_dir) >= done + 2, 180, "rollouts after the recovery")
+
+        # A failed request that the engine did not cause (a keep-alive race in the router): the
+        # trainer's report is checked with one probe, and a healthy engine stays in.
+        ControlClient(job_dir).call("engine_failed", url=urls["engine-0"], reason="connection reset")
+        wait_for(lambda: events(job_dir, "engine_report_dismissed", "engine-0"), 60, "the report dismissed")
+        assert not events(job_dir, "engine_failed"), events(job_dir, "engine_failed")
 
         os.kill(listening_pid(urls["engine-0"]), signal.SIGKILL)  # a crash
         recovered("engine-0", 1)
