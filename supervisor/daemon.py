@@ -55,7 +55,7 @@ from supervisor.engines import (
 )
 from supervisor.events import EVENTS_FILE, EventLog
 from supervisor.keys import create_key, step_env
-from supervisor.nodes import NodeTracker
+from supervisor.nodes import LostNodeWatch, NodeTracker
 from supervisor.probe import HealthTracker, KillBudget, Prober, ProbeResult
 from supervisor.state import JobState, StateStore, StepRecord
 from supervisor.steps import Step, StepController, StepSpec
@@ -116,6 +116,7 @@ class Daemon:
         self.recovering: set[str] = set()
         # Node failures: the rollout group's spare nodes, the nodes lost so far.
         self.nodes = NodeTracker(self.layout.job_id, self.layout.spare_nodes, keep=self.layout.trainer_nodes)
+        self.node_watch = LostNodeWatch(self.nodes.check, self._node_lost, NODE_POLL_S)
         self.next_node_check = 0.0  # monotonic time of the next _check_nodes
         self.requeue_excluding: set[str] = set()  # lost nodes the job requeues to get off (see _give_up)
         self.tracker = HealthTracker(self.ft.health_check_failure_threshold, self.ft.rollout_health_check_first_wait)
@@ -535,26 +536,12 @@ class Daemon:
         kill the step's srun (or an adopted step's stand-in), which ends the block's wait on the
         step, and set the event yielded. Seen on a dead node: scancel ends the step's srun after some
         seconds, but an srun launched there again waits for the dead step's CPUs."""
-        lost, done = threading.Event(), threading.Event()
+        def kill_srun() -> None:
+            with suppress(ProcessLookupError):
+                os.killpg(step.proc.pid, signal.SIGKILL)
 
-        def watch() -> None:
-            while not done.wait(NODE_POLL_S):
-                found = self.nodes.check(engine.place.nodes)
-                if found:
-                    for node, why in found.items():
-                        self._node_lost(node, why)
-                    lost.set()
-                    with suppress(ProcessLookupError):
-                        os.killpg(step.proc.pid, signal.SIGKILL)
-                    return
-
-        watcher = threading.Thread(target=watch, name=f"node-watch-{engine.name}", daemon=True)
-        watcher.start()
-        try:
+        with self.node_watch.watching(engine.place.nodes, kill_srun) as lost:
             yield lost
-        finally:
-            done.set()
-            watcher.join()
 
     def _on_live_node(self, engine: Engine) -> bool:
         """Before a (re)launch: if the engine's node is lost, move the engine to a spare node (a fresh

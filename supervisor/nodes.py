@@ -22,7 +22,10 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
-from collections.abc import Collection, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from supervisor.layout import hostnames
 
@@ -130,3 +133,62 @@ class NodeTracker:
         update = _scontrol("update", f"JobId={self.job_id}", f"ExcNodeList={','.join(sorted(excluded | set(nodes)))}",
                            timeout_s=self.timeout_s)
         return update is not None
+
+
+@dataclass
+class _Watch:
+    nodes: tuple[str, ...]
+    on_lost: Callable[[], None]
+    lost: threading.Event = field(default_factory=threading.Event)
+
+
+class LostNodeWatch:
+    """Nodes watched closely while their engines are stopped or started (a restart waits on them):
+    one thread and one batched query every `interval_s` over all of them, however many engines
+    restart at once. A lost node goes to `on_node_lost`; every block watching it gets its
+    `on_lost` called once (while still in the block) and its event set."""
+
+    def __init__(self, check: Callable[[list[str]], dict[str, str]], on_node_lost: Callable[[str, str], None],
+                 interval_s: float = 1.0) -> None:
+        self._check = check
+        self._on_node_lost = on_node_lost
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._watches: dict[int, _Watch] = {}
+        self._thread: threading.Thread | None = None  # runs while there is something to watch
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    @contextmanager
+    def watching(self, nodes: Iterable[str], on_lost: Callable[[], None]) -> Iterator[threading.Event]:
+        watch = _Watch(tuple(nodes), on_lost)
+        with self._lock:
+            self._watches[id(watch)] = watch
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
+                self._thread.start()
+        try:
+            yield watch.lost
+        finally:
+            with self._lock:
+                del self._watches[id(watch)]
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self._lock:
+                nodes = sorted({node for watch in self._watches.values() for node in watch.nodes})
+                if not nodes:
+                    self._thread = None
+                    return
+            lost = self._check(nodes)
+            for node, why in lost.items():
+                self._on_node_lost(node, why)
+            with self._lock:  # only blocks still open: one that has ended is not called back
+                for watch in self._watches.values():
+                    if not watch.lost.is_set() and any(node in lost for node in watch.nodes):
+                        watch.lost.set()
+                        watch.on_lost()
