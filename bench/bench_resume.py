@@ -42,6 +42,7 @@ import psutil
 from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
+from tests.slurm_helpers import wait_job_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 AT = 8  # inject once this many rollouts are done
@@ -121,8 +122,7 @@ def one(kind: str, root: Path, model: Path, data: Path) -> dict[str, float]:
         if kind == "baseline":  # no save on the way down: SIGKILL the trainer, then the whole job
             os.kill(trainer_rank0(job_dir), signal.SIGKILL)
             subprocess.run(["scancel", "--full", "--signal=KILL", job_id], check=True)
-            wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
-                                                text=True).stdout.strip(), 120, "the killed job gone")
+            wait_job_gone(job_id)
             submit(restart_dir, model, data, "--load", str(job_dir / "checkpoints"))
             resumed_dir = restart_dir
         else:
@@ -148,7 +148,9 @@ def one(kind: str, root: Path, model: Path, data: Path) -> dict[str, float]:
     finally:
         for d in (job_dir, restart_dir):
             if (d / "slurm_job_id").exists():
-                subprocess.run(["scancel", (d / "slurm_job_id").read_text().strip()], capture_output=True)
+                job = (d / "slurm_job_id").read_text().strip()
+                subprocess.run(["scancel", job], capture_output=True)
+                wait_job_gone(job)  # before its folder is removed: a job still ending writes there
 
 
 def main() -> None:

@@ -5,6 +5,8 @@ their slurmd otherwise).
 
 - With a spare rollout node, engine-1 is relaunched there, rejoins the router, and the job completes.
 - Without one, the job goes on with engine-0 alone (min_engines 1) and completes.
+- Without one and with min_engines 2, the trainer saves, the job requeues itself excluding the
+  lost node, and the new start runs both engines on other nodes and completes.
 
 Either way no rollout id is skipped or repeated, and no engine served a rollout with stale weights.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -42,10 +45,10 @@ def kill_node(cluster: DevCluster, node: str, engine_url: str) -> None:
         proc.kill()
 
 
-def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_dir: Path,
-                               *flags: str) -> tuple[str, dict]:
-    """Submit the toy job, kill engine-1's node after a few rollouts, wait for the job to end.
-    Returns that node and the job's final status."""
+def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_dir: Path, *flags: str,
+                               while_down: Callable[[str, str], None] = lambda job_id, node: None) -> tuple[str, dict]:
+    """Submit the toy job, kill engine-1's node after a few rollouts, wait for the job to end (with
+    `while_down(job_id, node)` called meanwhile). Returns that node and the job's final status."""
     job_id = submit(toy, job_dir, "--num-rollout", str(ROLLOUTS), *flags)
     node = None
     try:
@@ -53,6 +56,7 @@ def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_
         engine = status(job_dir)["steps"]["engine-1"]
         node = engine["nodes"][0]
         kill_node(cluster, node, engine["url"])
+        while_down(job_id, node)
         wait_job_gone(job_id, timeout_s=300)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
@@ -92,3 +96,30 @@ def test_without_a_spare_node_the_job_goes_on_with_fewer_engines(devcluster: Dev
     degraded = events(job_dir, "engine_degraded", "engine-1")
     assert len(degraded) == 1 and degraded[0]["engines"] == 1, degraded
     assert not events(job_dir, "engine_moved") and state["steps"]["engine-1"]["state"] == "failed"
+
+
+def test_below_min_engines_the_job_requeues_without_the_lost_node(devcluster: DevCluster, toy,
+                                                                 tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    seen: dict[str, str] = {}
+
+    def requeued_without_it(job_id: str, node: str) -> None:
+        """The job starts again on other nodes while the lost one is still down, SLURM keeps it
+        excluded, and both engines come up (its rollout group has its full size again)."""
+        wait_for(lambda: len(events(job_dir, "supervisor_started")) == 2 and rollouts_done(job_dir) >= 6, 300,
+                 "the requeued job to run again")
+        job = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        seen["ExcNodeList"] = " ".join(f for f in job.split() if f.startswith("ExcNodeList="))
+
+    node, state = run_and_kill_engine_1_node(devcluster, toy, job_dir, "--min-engines", "2",
+                                             while_down=requeued_without_it)
+    assert events(job_dir, "engine_given_up", "engine-1") and not events(job_dir, "engine_degraded")
+    preempted = events(job_dir, "preemption")
+    assert len(preempted) == 1 and f"node {node} is lost" in preempted[0]["reason"], preempted
+    requeued = events(job_dir, "requeue")
+    assert len(requeued) == 1 and requeued[0]["excluding"] == [node], requeued
+    assert node in seen["ExcNodeList"], seen
+    assert state["requeues"] == 1
+    engine_nodes = [state["steps"][f"engine-{k}"]["nodes"][0] for k in (0, 1)]
+    assert node not in engine_nodes and len(set(engine_nodes)) == 2, engine_nodes
+    assert all(state["steps"][f"engine-{k}"]["state"] != "failed" for k in (0, 1)), state["steps"]
