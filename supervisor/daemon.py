@@ -56,6 +56,7 @@ from supervisor.engines import (
 from supervisor.events import EVENTS_FILE, EventLog
 from supervisor.keys import create_key, step_env
 from supervisor.nodes import LostNodeWatch, NodeTracker
+from supervisor.preemption import Preemption, SlurmJob
 from supervisor.probe import HealthTracker, KillBudget, Prober, ProbeResult
 from supervisor.state import JobState, StateStore, StepRecord
 from supervisor.steps import Step, StepController, StepSpec
@@ -69,7 +70,6 @@ REQUEUE = "preempted: saved, then requeued"
 # A restart within this many seconds of the previous one continues a crash loop (backoff doubles,
 # the breaker counts it); an engine that ran longer starts afresh.
 CRASH_WINDOW_S = 300.0
-SLURM_SIGNAL_EARLY_S = 65.0  # "the signal may be sent up to 60 seconds earlier than specified" (sbatch)
 # How often an engine's node is checked while its step is stopped or started again (a lost node
 # must be released before SLURM marks it DOWN: see supervisor/nodes.py).
 NODE_POLL_S = 1.0
@@ -133,13 +133,11 @@ class Daemon:
         self.trainer_restarts = trainer_record.restarts if trainer_record else 0
         self.failure: str | None = None
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
-        self.preempt_reason: str | None = None  # set by SLURM's warning signal or the time left
-        self.preempt_deadline: float | None = None  # when SLURM ends the job (unix time)
-        self.warned_at: float | None = None  # when SLURM's warning signal came, until _check_preemption reads it
+        self.slurm_job = SlurmJob(self.layout.job_id)
+        self.preemption = Preemption(self.ft.preempt_grace, self.slurm_job)
         self.save_now_sent = False
         self.trainer_launched = 0.0  # unix time of the trainer step's (re)launch
         self.trainer_ended_why: str | None = None  # why the supervisor ended the trainer step, if it did
-        self.end_time = self._job_end_time()
         self.finished = threading.Event()
         self.control = ControlServer(self.job_dir)
         for name in ("status", "restart", "stop", "ready_engines", "published", "engine_failed", "trainer_poll"):
@@ -159,7 +157,7 @@ class Daemon:
                 state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group,
                                                       list(engine.place.nodes), url=engine.url)
         # SLURM's warning (--signal=B:USR1@preempt_grace, before a preemption or the time limit).
-        signal.signal(signal.SIGUSR1, self._on_preempt_signal)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self.preemption.warned())
         self.events.emit("supervisor_started", job_id=self.layout.job_id, head=self.layout.head,
                          engines=len(self.engines), requeues=self.store.snapshot().requeues, pid=os.getpid(),
                          watchdog_restarts=int(os.environ.get(RESTARTS_ENV, "0")))
@@ -406,12 +404,12 @@ class Daemon:
                 self.events.emit("trainer_finished", TRAINER)
                 if self.user_stop:
                     return "stopped by user"
-                if self.preempt_reason:
+                if self.preemption.reason:
                     return REQUEUE
                 # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
-                return "ended by SLURM after the trainer saved" if self._job_ending() else "completed"
+                return "ended by SLURM after the trainer saved" if self.slurm_job.ending() else "completed"
             reason = self.trainer_ended_why or f"trainer exited with code {rc} (see {self.job_dir}/logs/trainer.log)"
-            if self.preempt_reason:  # no restart now: the job requeues from its last checkpoint
+            if self.preemption.reason:  # no restart now: the job requeues from its last checkpoint
                 self.events.emit("trainer_failed", TRAINER, reason=reason)
                 return REQUEUE
             return self._trainer_failed(reason)
@@ -601,8 +599,8 @@ class Daemon:
         if lost_node:
             # The preemption path (see _check_preemption): the trainer saves now, the job requeues.
             self.requeue_excluding.add(lost_node)
-            self.preempt_reason = self.preempt_reason or (f"node {lost_node} is lost: {live} engines left, below "
-                                                          f"min_engines {self.ft.min_engines}; requeue without it")
+            self.preemption.decide(f"node {lost_node} is lost: {live} engines left, below min_engines "
+                                   f"{self.ft.min_engines}; requeue without it")
         else:
             self.failure = f"only {live} engines left (min_engines {self.ft.min_engines}): {engine.name} kept failing"
         self.exits.put(Step(engine.name, None))  # wake the monitor
@@ -616,7 +614,7 @@ class Daemon:
 
     def _trainer_failed(self, reason: str) -> str | None:
         self.events.emit("trainer_failed", TRAINER, reason=reason)
-        if self._job_ending():
+        if self.slurm_job.ending():
             raise JobFailed(f"{reason}; the job is ending (cancelled or out of time)")
         if not self.ft.use_fault_tolerance or self.trainer_restarts >= self.ft.max_trainer_restarts:
             raise JobFailed(reason)
@@ -635,7 +633,7 @@ class Daemon:
     def _on_status(self) -> dict[str, Any]:
         state = asdict(self.store.snapshot())
         state["last_checkpoint"] = self._last_checkpoint()
-        state["time_left"] = self._time_left()
+        state["time_left"] = self.slurm_job.time_left()
         return {"state": state}
 
     def _on_restart(self, target: str) -> dict[str, Any]:
@@ -721,38 +719,18 @@ class Daemon:
         return f"{save}/iter_{iteration:07d}" if iteration is not None else None
 
     # ------------------------------------------------------------------ preemption and time limit
-    def _on_preempt_signal(self, signum: int, frame: object) -> None:
-        self.warned_at = self.warned_at or time.time()  # read in the monitor loop, not in a signal handler
-
-    def _read_warning(self) -> None:
-        """SLURM sends the warning preempt_grace before the time limit (up to a minute early, by its
-        own account), and on a preemption it moves the job's end to now + GraceTime first. So an
-        end time that near is the deadline: the trainer stops when less than preempt_grace is left,
-        not a minute early. A signal far from the end (someone's `scancel --signal=USR1`) means now."""
-        warned_at, self.warned_at = self.warned_at, None
-        end = self._job_end_time()
-        if end is not None and end - warned_at <= self.ft.preempt_grace + SLURM_SIGNAL_EARLY_S:
-            self.end_time = end
-        else:
-            self.preempt_reason = "SLURM's warning signal (preemption or the time limit)"
-            self.preempt_deadline = warned_at + self.ft.preempt_grace
-
     def _check_preemption(self) -> None:
-        """On the warning signal, or when less than preempt_grace is left: the trainer saves at
-        its next rollout boundary and ends; then the job is requeued (see run). If the time left
-        would not cover a rollout and a save (as the last ones took), it saves now instead."""
-        if self.warned_at and not self.preempt_reason:
-            self._read_warning()
-        if self.end_time and not self.preempt_reason and self.end_time - time.time() < self.ft.preempt_grace:
-            self.preempt_reason = f"less than {self.ft.preempt_grace} s left before the job's end (time limit or preemption)"
-            self.preempt_deadline = self.end_time
-        if not self.preempt_reason:
+        """Once the job must stop (see supervisor/preemption.py): the trainer saves at its next
+        rollout boundary and ends; then the job is requeued (see run). If the time left would not
+        cover a rollout and a save (as the last ones took), it saves now instead."""
+        reason = self.preemption.check()
+        if reason is None:
             return
-        time_left = (self.preempt_deadline or time.time()) - time.time()
+        time_left = self.preemption.seconds_left()
         needed = 2 * seconds_to_boundary(self.job_dir)  # twice: rollouts vary
         if not self.stop_requested:
             self.stop_requested = True
-            self.events.emit("preemption", reason=self.preempt_reason, time_left_s=round(time_left, 1),
+            self.events.emit("preemption", reason=reason, time_left_s=round(time_left, 1),
                              boundary_s=round(needed / 2, 1))
         if not self.save_now_sent and time_left < needed:
             self._tell_trainer_save_now(f"{time_left:.0f} s left, a rollout and a save take about {needed / 2:.0f} s")
@@ -784,34 +762,6 @@ class Daemon:
         finally:  # (Submitit's handler ends in sys.exit) SLURM takes ExcNodeList only once the job is pending
             if self.requeue_excluding:
                 self.nodes.exclude(self.requeue_excluding)
-
-    def _job_end_time(self) -> float | None:
-        """The job's end (unix time) as SLURM has it, or None without a limit."""
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", self.layout.job_id, "-o", "%e"], capture_output=True,
-                                 text=True, timeout=10)
-            text = out.stdout.split()[0] if out.stdout.split() else ""
-            return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
-        except (subprocess.TimeoutExpired, ValueError):
-            return None
-
-    def _job_ending(self) -> bool:
-        """SLURM is ending the job (scancel, time limit): its steps die with it; restart nothing."""
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", self.layout.job_id, "-o", "%T"], capture_output=True,
-                                 text=True, timeout=10)
-        except subprocess.TimeoutExpired:
-            return False
-        states = set(out.stdout.split())
-        return out.returncode == 0 and bool(states) and "RUNNING" not in states
-
-    def _time_left(self) -> str | None:
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", self.layout.job_id, "-o", "%L"], capture_output=True,
-                                 text=True, timeout=10)
-        except subprocess.TimeoutExpired:
-            return None
-        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
     def _shutdown(self) -> None:
         self.finished.set()

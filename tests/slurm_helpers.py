@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import psutil
+
+from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
 
 
@@ -57,3 +60,14 @@ def wait_sacct_states(job_id: str, expected: dict[str, str] | list[str], duplica
         wait_for(lambda: states() == expected, timeout_s, f"sacct to show {expected} for job {job_id}")
     except TimeoutError as err:
         raise AssertionError(f"{err}; it shows {states()}") from None
+
+
+def kill_node(cluster: DevCluster, node: str, step_pid: int) -> None:
+    """The node dies: its slurmd, and the slurmstepd of the step `step_pid` runs in with everything
+    below it (on a devcluster every node is this host, so they would outlive their slurmd)."""
+    stepd = next(p for p in psutil.Process(step_pid).parents()
+                 if p.cmdline()[:1] and p.cmdline()[0].startswith("slurmstepd"))
+    doomed = [stepd, *stepd.children(recursive=True)]
+    cluster.kill_slurmd(node)
+    for proc in doomed:
+        proc.kill()

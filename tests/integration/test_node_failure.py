@@ -18,8 +18,6 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import (
@@ -30,19 +28,9 @@ from tests.integration.test_rl_job import (
     status,
     submit,
 )
-from tests.slurm_helpers import wait_job_gone, wait_sacct_states
+from tests.slurm_helpers import kill_node, wait_job_gone, wait_sacct_states
 
 ROLLOUTS = 100  # about 1 s each: the job outlives the node's loss and the recovery
-
-
-def kill_node(cluster: DevCluster, node: str, engine_url: str) -> None:
-    """The node dies: its slurmd, and the engine step's slurmstepd with everything below it."""
-    engine = psutil.Process(listening_pid(engine_url))
-    stepd = next(p for p in engine.parents() if p.cmdline()[:1] and p.cmdline()[0].startswith("slurmstepd"))
-    doomed = [stepd, *stepd.children(recursive=True)]
-    cluster.kill_slurmd(node)
-    for proc in doomed:
-        proc.kill()
 
 
 def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_dir: Path, *flags: str,
@@ -55,7 +43,7 @@ def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_
         wait_for(lambda: rollouts_done(job_dir) >= 3, 240, "the first rollouts")
         engine = status(job_dir)["steps"]["engine-1"]
         node = engine["nodes"][0]
-        kill_node(cluster, node, engine["url"])
+        kill_node(cluster, node, listening_pid(engine["url"]))
         while_down(job_id, node)
         wait_job_gone(job_id, timeout_s=300)
     finally:

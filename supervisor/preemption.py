@@ -1,0 +1,89 @@
+"""When the job must save and requeue, and by when: SLURM's warning signal (--signal=B:USR1@
+preempt_grace, before a preemption or the time limit), less than preempt_grace left before the
+job's end, or the supervisor's own decision (a lost node leaves too few engines). Also what SLURM
+says of the job as a whole: its end time, whether it is ending, the time left."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+# "the signal may be sent up to 60 seconds earlier than specified" (sbatch --signal)
+SLURM_SIGNAL_EARLY_S = 65.0
+
+
+class SlurmJob:
+    """squeue's answers about one job; None (or False) when squeue does not answer in time."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+
+    def _squeue(self, field: str) -> list[str] | None:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", field], capture_output=True, text=True,
+                                 timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        return out.stdout.split() if out.returncode == 0 else None
+
+    def end_time(self) -> float | None:
+        """The job's end (unix time), or None without a limit."""
+        words = self._squeue("%e")
+        try:
+            return time.mktime(time.strptime(words[0], "%Y-%m-%dT%H:%M:%S")) if words else None
+        except ValueError:  # UNLIMITED, N/A
+            return None
+
+    def ending(self) -> bool:
+        """SLURM is ending the job (scancel, time limit): its steps die with it."""
+        states = set(self._squeue("%T") or ())
+        return bool(states) and "RUNNING" not in states
+
+    def time_left(self) -> str | None:
+        words = self._squeue("%L")
+        return words[0] if words else None
+
+
+class Preemption:
+    """Whether the job must stop and requeue, why, and by when. `warned` may run in a signal
+    handler; the rest runs in the supervisor's monitor loop."""
+
+    def __init__(self, grace_s: float, job: SlurmJob) -> None:
+        self.grace_s = grace_s
+        self.job = job
+        self.reason: str | None = None
+        self.deadline: float | None = None  # when SLURM ends the job (unix time); None: now
+        self.end_time = job.end_time()
+        self._warned_at: float | None = None
+
+    def warned(self) -> None:
+        self._warned_at = self._warned_at or time.time()
+
+    def decide(self, reason: str) -> None:
+        """The supervisor's own reason to save now and requeue (kept if one came first)."""
+        self.reason = self.reason or reason
+
+    def check(self) -> str | None:
+        """The reason the job must stop, once it must."""
+        if self._warned_at and not self.reason:
+            self._read_warning()
+        if self.end_time and not self.reason and self.end_time - time.time() < self.grace_s:
+            self.reason = f"less than {self.grace_s} s left before the job's end (time limit or preemption)"
+            self.deadline = self.end_time
+        return self.reason
+
+    def seconds_left(self) -> float:
+        return (self.deadline or time.time()) - time.time()
+
+    def _read_warning(self) -> None:
+        """SLURM sends the warning preempt_grace before the time limit (up to a minute early, by its
+        own account), and on a preemption it moves the job's end to now + GraceTime first. So an
+        end time that near is the deadline: the trainer stops when less than preempt_grace is left,
+        not a minute early. A signal far from the end (someone's `scancel --signal=USR1`) means now."""
+        warned_at, self._warned_at = self._warned_at, None
+        end = self.job.end_time()
+        if end is not None and end - warned_at <= self.grace_s + SLURM_SIGNAL_EARLY_S:
+            self.end_time = end
+        else:
+            self.reason = "SLURM's warning signal (preemption or the time limit)"
+            self.deadline = warned_at + self.grace_s
