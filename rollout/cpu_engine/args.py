@@ -15,7 +15,7 @@ _IGNORED_FLAGS: tuple[tuple[str, type | None, Any], ...] = (
     ("--log-level", str, "info"), ("--disable-radix-cache", None, False), ("--chunked-prefill-size", int, None),
     ("--cuda-graph-max-bs", int, None), ("--disable-cuda-graph", None, False), ("--attention-backend", str, None),
     ("--sampling-backend", str, None), ("--max-total-tokens", int, None), ("--schedule-policy", str, "fcfs"),
-    ("--enable-deterministic-inference", None, False), ("--watchdog-timeout", float, 300.0),
+    ("--watchdog-timeout", float, 300.0),
     ("--load-format", str, "auto"),
 )
 
@@ -35,6 +35,7 @@ class ServerArgs:
     dtype: str
     random_seed: int | None
     num_threads: int
+    enable_deterministic_inference: bool = False
     ignored: dict[str, Any] = field(default_factory=dict)
 
     def public(self) -> dict[str, Any]:
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--random-seed", type=int, help="seed of requests without sampling_seed (default: random)")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch CPU threads (default %(default)s, to stay light beside other processes)")
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="batch-invariant results: every sequence runs its own forward pass, so its "
+                             "logits never depend on what else is running (slower under load)")
     ignored = parser.add_argument_group("accepted for sglang compatibility, no effect on CPU")
     for flag, kind, default in _IGNORED_FLAGS:
         if kind is None:
@@ -89,5 +93,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         api_key=ns.api_key, weight_version=ns.weight_version, skip_server_warmup=ns.skip_server_warmup,
         max_running_requests=ns.max_running_requests, context_length=ns.context_length, dtype=ns.dtype,
         random_seed=ns.random_seed, num_threads=ns.num_threads,
+        enable_deterministic_inference=ns.enable_deterministic_inference,
         ignored={name: getattr(ns, name) for name in sorted(ignored_names)},
     )

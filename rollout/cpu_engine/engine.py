@@ -61,7 +61,8 @@ def load_engine(args: ServerArgs) -> Engine:
     codec = Codec(tokenizer, model.config, args.model_path)
     return Engine(
         args=args, model=model, codec=codec,
-        scheduler=Scheduler(model, codec, args.weight_version, args.max_running_requests),
+        scheduler=Scheduler(model, codec, args.weight_version, args.max_running_requests,
+                            batch_invariant=args.enable_deterministic_inference),
         context_len=args.context_length or model.config.max_position_embeddings,
         model_path=args.model_path,
         # SGLang's variable and default, so probes behave the same against either engine.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rollout.cpu_engine.codec import Codec
-from rollout.cpu_engine.kv_batch import forward_step
+from rollout.cpu_engine.kv_batch import LayerKV, forward_step
 from rollout.cpu_engine.sampling import sample_next
 from rollout.cpu_engine.sequence import Sequence
 
@@ -36,8 +36,10 @@ class _Command:
 
 
 class Scheduler:
-    def __init__(self, model: torch.nn.Module, codec: Codec, weight_version: str, max_running: int) -> None:
+    def __init__(self, model: torch.nn.Module, codec: Codec, weight_version: str, max_running: int,
+                 batch_invariant: bool = False) -> None:
         self.model = model
+        self._batch_invariant = batch_invariant
         self.codec = codec
         self.weight_version = weight_version
         self._max_running = max_running
@@ -189,8 +191,7 @@ class Scheduler:
     def _step(self) -> None:
         batch = self._running
         try:
-            logits, caches = forward_step(self.model, [seq.pending_tokens() for seq in batch],
-                                          [seq.kv for seq in batch])
+            logits, caches = self._forward(batch)
             still_running = []
             for seq, row, cache in zip(batch, logits, caches):
                 seq.kv = cache
@@ -216,6 +217,17 @@ class Scheduler:
             for _, future in self._output_waiters:
                 resolve(future, True)
             self._output_waiters.clear()
+
+    def _forward(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[list[LayerKV]]]:
+        """Next-token logits and grown caches of `batch`. A batched pass pads every sequence to the
+        batch's shape, which moves its logits in the last bits with the company it keeps (about
+        1e-6 on the tiny model); batch-invariant, each sequence runs alone (SGLang's
+        --enable-deterministic-inference)."""
+        tokens, caches = [seq.pending_tokens() for seq in batch], [seq.kv for seq in batch]
+        if not self._batch_invariant:
+            return forward_step(self.model, tokens, caches)
+        alone = [forward_step(self.model, [t], [kv]) for t, kv in zip(tokens, caches)]
+        return torch.cat([logits for logits, _ in alone]), [grown[0] for _, grown in alone]
 
     def _abort(self, rid: str | None, message: str) -> None:
         def hit(seq: Sequence) -> bool:

@@ -64,18 +64,21 @@ def start(argv: list[str], url: str, log: Path, ready: str) -> Server:
     return server
 
 
-def engine(model: Path, log: Path) -> Server:
+def engine(model: Path, log: Path, deterministic: bool = False) -> Server:
     port = free_port()
     argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1"))
+    argv += ["--enable-deterministic-inference"] if deterministic else []
     return start(argv, f"http://127.0.0.1:{port}", log, "/health")
 
 
 @contextlib.contextmanager
-def engines_behind_router(model: Path, log_dir: Path, count: int = 2) -> Iterator[tuple[RouterClient, list[Server]]]:
-    """`count` CPU engines behind a real router, all on loopback, all stopped by PID at the end."""
+def engines_behind_router(model: Path, log_dir: Path, count: int = 2,
+                          deterministic: bool = False) -> Iterator[tuple[RouterClient, list[Server]]]:
+    """`count` CPU engines behind a real router, all on loopback, all stopped by PID at the end
+    (batch-invariant with `deterministic`: --enable-deterministic-inference)."""
     servers: list[Server] = []
     try:
-        engines = [engine(model, log_dir / f"engine{i}.log") for i in range(count)]
+        engines = [engine(model, log_dir / f"engine{i}.log", deterministic) for i in range(count)]
         servers += engines
         port = free_port()
         argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))

@@ -39,8 +39,9 @@ def files(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def cluster(files, tmp_path_factory) -> Iterator[tuple[RouterClient, list[Server]]]:
-    # Shared by the tests: every trainer run first publishes its own starting weights.
-    with engines_behind_router(files[0], tmp_path_factory.mktemp("servers")) as pair:
+    # Shared by the tests: every trainer run first publishes its own starting weights. Batch-invariant,
+    # so that runs compared bit for bit get the same samples whatever else the engines ran.
+    with engines_behind_router(files[0], tmp_path_factory.mktemp("servers"), deterministic=True) as pair:
         yield pair
 
 
