@@ -752,6 +752,9 @@ class Daemon:
             self._set_stop_reason(f"preempted and saved; not requeued: max_requeues ({self.ft.max_requeues}) reached")
             return
         self.events.emit("requeue", requeues=requeues + 1, excluding=sorted(self.requeue_excluding))
+        # SLURM answers the requeue with SIGTERM to the batch step: it must not cut the exclusion below
+        # short (the steps are stopped already; KillWait's SIGKILL still ends this process).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             submitit_handler = signal.getsignal(signal.SIGUSR2)
             if callable(submitit_handler):
@@ -759,9 +762,10 @@ class Daemon:
                 submitit_handler(signal.SIGUSR2, None)
             else:
                 subprocess.run(["scontrol", "requeue", self.layout.job_id], check=True, capture_output=True, timeout=60)
-        finally:  # (Submitit's handler ends in sys.exit) SLURM takes ExcNodeList only once the job is pending
-            if self.requeue_excluding:
-                self.nodes.exclude(self.requeue_excluding)
+        finally:  # (Submitit's handler ends in sys.exit) SLURM takes ExcNodeList only once requeued
+            if self.requeue_excluding and not self.nodes.exclude(self.requeue_excluding):
+                self.events.emit("exclude_failed", nodes=sorted(self.requeue_excluding),
+                                 reason="scontrol update ExcNodeList was refused until the deadline")
 
     def _shutdown(self) -> None:
         self.finished.set()

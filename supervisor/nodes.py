@@ -123,16 +123,23 @@ class NodeTracker:
             return f"released from job {fields['JobId']}" if done is not None else "kept: scontrol update failed"
         return "kept: SLURM did not answer" if out is None else "not in the job"
 
-    def exclude(self, nodes: Collection[str]) -> bool:
+    def exclude(self, nodes: Collection[str], deadline_s: float = 20.0) -> bool:
         """Keep the requeued job off `nodes` (and what it excluded already) when it starts again.
-        Call it right after the requeue: SLURM takes no ExcNodeList while the job runs."""
-        out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
-        if out is None or not nodes:
-            return False
-        excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"))}
-        update = _scontrol("update", f"JobId={self.job_id}", f"ExcNodeList={','.join(sorted(excluded | set(nodes)))}",
-                           timeout_s=self.timeout_s)
-        return update is not None
+        Call it right after the requeue: SLURM takes no ExcNodeList while the job runs, so it is
+        asked again until it does or `deadline_s` has passed."""
+        deadline = time.monotonic() + deadline_s
+        while nodes:
+            out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
+            if out is not None:
+                excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"))}
+                if set(nodes) <= excluded or _scontrol("update", f"JobId={self.job_id}",
+                                                       f"ExcNodeList={','.join(sorted(excluded | set(nodes)))}",
+                                                       timeout_s=self.timeout_s) is not None:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return False
 
 
 @dataclass

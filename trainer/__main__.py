@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         main_error(err)
     loop.start(initial, load_reference)
     loop.run()
+    dist_env.shutdown()
 
 
 if __name__ == "__main__":

@@ -62,6 +62,16 @@ def init_process_group() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def shutdown() -> None:
+    """End the process groups together: left to the interpreter's exit, a gloo group's threads can
+    abort the process ("terminate called without an active exception"), a failed exit code."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -63,6 +63,9 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Pa
     weights = dict(backend.hf_weights())
     if rank == 0:
         torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights}, out / f"result_tp{tp}_world{world}_{attention}.pt")
+    from trainer import dist_env
+
+    dist_env.shutdown()
 
 
 @pytest.fixture(scope="module")
