@@ -42,13 +42,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 
 from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
 from slurm.devcluster import DevCluster
 from slurm.devcluster.config import DEFAULT_ROOT
 from slurm.devcluster.daemons import wait_for
+from tests.integration.test_rl_job import listening_pid
 from tests.slurm_helpers import kill_node, wait_job_gone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,12 +87,6 @@ def pending_again(job_id: str) -> None:
     wait_for(pending, 300, f"job {job_id} pending again", interval_s=0.05)
 
 
-def listening_pid(url: str) -> int:
-    port = int(url.rsplit(":", 1)[1])
-    return next(c.pid for c in psutil.net_connections("tcp")
-                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid)
-
-
 def event_times(job_dir: Path, kinds: tuple[str, ...], after: float) -> list[float]:
     rows = map(json.loads, (job_dir / "events.jsonl").read_text().splitlines())
     return [e["time"] for e in rows if e["kind"] in kinds and e["time"] > after]
@@ -105,10 +99,6 @@ def supervisor_pid(job_dir: Path) -> int:
 
 def engine_0(job_dir: Path) -> dict:
     return json.loads((job_dir / "supervisor_state.json").read_text())["steps"]["engine-0"]
-
-
-def engine_url(job_dir: Path) -> str:
-    return engine_0(job_dir)["url"]
 
 
 def kill_engine_0_node(job_dir: Path) -> None:
@@ -124,7 +114,7 @@ INJECT: dict[str, Callable[[str, Path], None]] = {
     "preempt": lambda job, d: subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True),
     "requeue": lambda job, d: subprocess.run(["scontrol", "requeue", job], check=True),
     "trainer": lambda job, d: os.kill(trainer_rank0(d), signal.SIGKILL),
-    "engine": lambda job, d: os.kill(listening_pid(engine_url(d)), signal.SIGKILL),
+    "engine": lambda job, d: os.kill(listening_pid(engine_0(d)["url"]), signal.SIGKILL),
     "supervisor": lambda job, d: os.kill(supervisor_pid(d), signal.SIGKILL),
     "node": lambda job, d: kill_engine_0_node(d),
     "node-requeue": lambda job, d: kill_engine_0_node(d),

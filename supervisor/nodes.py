@@ -128,18 +128,22 @@ class NodeTracker:
         Call it right after the requeue: SLURM takes no ExcNodeList while the job runs, so it is
         asked again until it does or `deadline_s` has passed."""
         deadline = time.monotonic() + deadline_s
-        while nodes:
-            out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
-            if out is not None:
-                excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"))}
-                if set(nodes) <= excluded or _scontrol("update", f"JobId={self.job_id}",
-                                                       f"ExcNodeList={','.join(sorted(excluded | set(nodes)))}",
-                                                       timeout_s=self.timeout_s) is not None:
-                    return True
+        while not self._try_exclude(set(nodes)):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)
-        return False
+        return True
+
+    def _try_exclude(self, nodes: set[str]) -> bool:
+        out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
+        if out is None:
+            return False
+        excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"))}
+        if nodes <= excluded:
+            return True
+        update = _scontrol("update", f"JobId={self.job_id}", f"ExcNodeList={','.join(sorted(excluded | nodes))}",
+                           timeout_s=self.timeout_s)
+        return update is not None
 
 
 @dataclass

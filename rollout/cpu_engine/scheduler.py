@@ -210,7 +210,7 @@ class Scheduler:
             still_running = []
         self._running = still_running
         with self._cond:
-            self._stats["forward_passes"] += 1
+            self._stats["forward_passes"] += len(batch) if self._batch_invariant else 1
             self._stats["generated_tokens"] += len(batch)
             self._stats["max_batch_size"] = max(self._stats["max_batch_size"], len(batch))
             self._last_output = time.monotonic()
