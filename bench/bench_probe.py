@@ -1,7 +1,7 @@
 """Supervisor probe cycle with 1,000 simulated engines: the parallel prober against a sequential
 one (slime's way: one engine after another), in the same run.
 
-The engines are one separate process (tests/supervisor/fake_engines.py): 1,000 ports on
+The engines are one separate process (tests/rollout/fake_engines.py): 1,000 ports on
 127.0.0.1, each answering GET /health_generate after a small delay, a few with 503 and a few
 never. Reported: cycle wall time, and this (the supervisor's) process's CPU time per cycle and
 peak RSS. Run from the repository root: python -m bench.bench_probe
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import requests
 
-from supervisor.probe import HEALTH_PATH, Prober, ProbeResult
-from tests.supervisor.fake_engines import fake_engines
+from rollout.engine_client import HEALTH_PATH, EngineClient, ProbeResult
+from tests.rollout.fake_engines import fake_engines
 
 
 def sequential_cycle(session: requests.Session, targets: dict[str, str], timeout_s: float) -> dict[str, ProbeResult]:
@@ -61,9 +61,9 @@ def main() -> None:
         targets = {f"{b}-{i}": f"http://127.0.0.1:{p}" for b, ps in ports.items() for i, p in enumerate(ps)}
         print(f"{len(targets)} engines ({args.fail} x 503, {args.hang} hanging), {args.delay_ms:g} ms per answer, "
               f"timeout {args.timeout:g} s")
-        with Prober(args.timeout) as prober:
-            prober.probe_all(targets)  # first connections, imports
-            par_wall, par_cpu = measure("parallel", lambda: prober.probe_all(targets), args.cycles)
+        with EngineClient(None, args.timeout) as client:
+            client.probe_all(targets)  # first connections, imports
+            par_wall, par_cpu = measure("parallel", lambda: client.probe_all(targets), args.cycles)
         rss_parallel = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         with requests.Session() as session:
             seq_wall, seq_cpu = measure("sequential", lambda: sequential_cycle(session, targets, args.timeout), 1)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from trainer.args import build_parser, validate
+from trainer.args import build_parser, read_hf_config, validate
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig, total_loss
 from trainer.rl_step import make_pack_loss, padded
@@ -105,7 +105,7 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
-    from trainer.megatron_backend import MegatronBackend, read_hf_config
+    from trainer.megatron_backend import MegatronBackend
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model", opts.shape)

@@ -1,7 +1,5 @@
-"""`python -m ckpt_tools ...`, the same as `slurmrl ckpt ...`."""
+"""`python -m ckpt_tools hf-to-torch-dist | torch-dist-to-hf | inspect | verify ...`: ckpt_tools/cli.py."""
 
-import sys
+from ckpt_tools.cli import main
 
-from jobs.cli import main
-
-raise SystemExit(main(["ckpt", *sys.argv[1:]]))
+raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""`slurmrl ckpt hf-to-torch-dist | torch-dist-to-hf | inspect | verify`: CPU-only checkpoint tools."""
+"""`python -m ckpt_tools hf-to-torch-dist | torch-dist-to-hf | inspect | verify` (also `slurmrl ckpt
+...`): CPU-only checkpoint tools."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ import sys
 from pathlib import Path
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+HELP = "Hugging Face <-> Megatron torch_dist conversion (CPU only)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckpt_tools", description=HELP)
+    _add_actions(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("ckpt", help="Hugging Face <-> Megatron torch_dist conversion (CPU only)")
+    _add_actions(subparsers.add_parser("ckpt", help=HELP))
+
+
+def _add_actions(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
 
     to_td = actions.add_parser("hf-to-torch-dist", help="convert an HF safetensors folder into a Megatron save folder")
@@ -40,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N")
     verify.add_argument("--atol", type=float, default=1e-4, help="largest |Megatron - HF| logit (default %(default)s)")
     verify.add_argument("--no-logits", action="store_true", help="only the round trip (no megatron-core needed)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, prog=parser.prog)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +61,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here so that other `slurmrl` commands do not pay for torch.
+    # Imported here so that other commands (and --help) do not pay for torch.
     import torch
 
     from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
@@ -60,15 +72,15 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, DTYPES[args.dtype]) if getattr(args, "dtype", None) else None
     try:
         if args.action == "hf-to-torch-dist":
-            _positive("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
-            _positive("--threads", args.threads)
+            _positive(args.prog, "--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
+            _positive(args.prog, "--threads", args.threads)
             folder = hf_to_torch_dist(args.hf, args.out, iteration=None if args.release else 0,
                                       dtype=dtype, threads=args.threads,
                                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                       progress=not args.no_progress)
             print(f"wrote {folder}")
         elif args.action == "torch-dist-to-hf":
-            _positive("--threads", args.threads)
+            _positive(args.prog, "--threads", args.threads)
             folder = torch_dist_to_hf(args.ckpt, args.out, args.hf_config, step=args.ckpt_step, threads=args.threads,
                                       dtype=dtype, shard_bytes=int(args.shard_size_gb * 1024**3),
                                       progress=not args.no_progress)
@@ -90,12 +102,12 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"Megatron logits equal HF's: max difference {verdict.logits_max_diff:.3g} <= {args.atol}")
     except (CheckpointError, FileNotFoundError) as err:
-        print(f"slurmrl ckpt: error: {err}", file=sys.stderr)
+        print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 1
     return 0
 
 
-def _positive(flag: str, value: int) -> None:
+def _positive(prog: str, flag: str, value: int) -> None:
     if value < 1:
-        print(f"slurmrl ckpt: error: {flag} must be 1 or more, got {value}", file=sys.stderr)
+        print(f"{prog}: error: {flag} must be 1 or more, got {value}", file=sys.stderr)
         sys.exit(1)

@@ -29,16 +29,14 @@ from ckpt_tools.mapping import (
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
 from ckpt_tools.torch_dist import (
     Chunk,
-    fsync_dir,
-    iteration_dirname,
     read_metadata,
     read_regions,
-    resolve_checkpoint,
     tensor_entries,
     write_chunks,
     write_megatron_files,
-    write_tracker,
 )
+from ckpt_tools.tracker import iteration_dirname, resolve_checkpoint, write_tracker
+from jobs.contract import fsync_dir
 
 EXTRA_STATE = "_extra_state"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -7,12 +7,8 @@ from pathlib import Path
 import torch
 
 from ckpt_tools.hf_checkpoint import HFCheckpoint
-from ckpt_tools.torch_dist import (
-    TRACKER,
-    read_metadata,
-    resolve_checkpoint,
-    tensor_entries,
-)
+from ckpt_tools.torch_dist import read_metadata, tensor_entries
+from ckpt_tools.tracker import TRACKER, resolve_checkpoint
 
 
 def _size(nbytes: int) -> str:

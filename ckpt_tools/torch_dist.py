@@ -1,13 +1,12 @@
 """Megatron's torch_dist checkpoint format through plain torch.distributed.checkpoint (no process
 group, no megatron import): chunked writes whose data is produced on demand, region reads, and
-the Megatron folder layout around them (iter_XXXXXXX/ or release/, common.pt, metadata.json,
-latest_checkpointed_iteration.txt)."""
+the Megatron files around them (common.pt, metadata.json, writing the tracker; the folder names
+and reading the tracker are ckpt_tools.tracker's)."""
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +36,8 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from jobs.contract import write_atomic
+
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
@@ -170,71 +170,11 @@ def read_regions(folder: Path, regions: dict[str, tuple[tuple[int, ...], tuple[i
     return planner.out
 
 
-# ---- Megatron's folder layout ------------------------------------------------------------------
-
-def iteration_dirname(iteration: int | None) -> str:
-    """None means the `release` layout."""
-    return "release" if iteration is None else f"iter_{iteration:07d}"
-
+# ---- Megatron's files around the DCP ones ----------------------------------------------------
 
 def write_megatron_files(ckpt_folder: Path, common: dict) -> None:
     """common.pt and metadata.json beside the DCP files, fsync'd."""
     buffer = io.BytesIO()
     torch.save(common, buffer)
-    write_durable(ckpt_folder / "common.pt", buffer.getvalue())
-    write_durable(ckpt_folder / "metadata.json", json.dumps(METADATA_JSON).encode())
-
-
-def write_tracker(save_dir: Path, iteration: int | None) -> None:
-    """Point the tracker at an iteration (None: release), atomically: a crash leaves the old one."""
-    replace_durable(save_dir / TRACKER, ("release" if iteration is None else str(iteration)).encode())
-
-
-def read_tracker(save_dir: Path) -> int | None:
-    """The iteration the tracker names (None: release). FileNotFoundError without one, ValueError
-    when it holds something else."""
-    text = (Path(save_dir) / TRACKER).read_text().strip()
-    if text == "release":
-        return None
-    if not text.isdigit():
-        raise ValueError(f"{Path(save_dir) / TRACKER} holds {text!r}, not an iteration or 'release'")
-    return int(text)
-
-
-def resolve_checkpoint(save_dir: Path, step: int | None = None) -> Path:
-    """The checkpoint folder for --ckpt-step, else the one the tracker names; or the folder itself."""
-    save_dir = Path(save_dir)
-    if (save_dir / ".metadata").is_file():
-        return save_dir
-    if step is not None:
-        folder = save_dir / iteration_dirname(step)
-    else:
-        if not (save_dir / TRACKER).is_file():
-            raise FileNotFoundError(f"{save_dir} has no {TRACKER} and no .metadata: not a torch_dist checkpoint")
-        folder = save_dir / iteration_dirname(read_tracker(save_dir))
-    if not (folder / ".metadata").is_file():
-        raise FileNotFoundError(f"{folder} is not a complete torch_dist checkpoint (no .metadata)")
-    return folder
-
-
-def write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def replace_durable(path: Path, data: bytes) -> None:
-    """Replace `path` atomically and durably: write a sibling, fsync it, rename, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(ckpt_folder / "common.pt", buffer.getvalue())
+    write_atomic(ckpt_folder / "metadata.json", json.dumps(METADATA_JSON))

@@ -18,7 +18,7 @@ Decisions:
   it launches the job's steps with srun, and the batch step holds no step resources. `exec` makes
   the Python process the batch shell, so `--signal=B:...` (which reaches the batch shell only)
   reaches it, and no bash sits between SLURM and it. That process is a watchdog
-  (supervisor.watchdog): Submitit's worker, hence the callable, runs in its child, which gets the
+  (slurm.watchdog): Submitit's worker, hence the callable, runs in its child, which gets the
   signals forwarded and is started again if it crashes (SLURM would end the job with the batch
   step's main process).
 - sbatch honours one --signal. Submitit asks for `--signal=USR2@90` (without B:, i.e. to the job
@@ -54,7 +54,8 @@ from pathlib import Path
 from submitit.core import core, job_environment
 from submitit.slurm import slurm as submitit_slurm
 
-from supervisor.watchdog import watch_self
+from jobs.spec import JobSpec
+from slurm.watchdog import watch_self
 
 PREEMPT_SIGNAL = "USR1"
 
@@ -84,6 +85,24 @@ class HetGroup:
     def sbatch_lines(self) -> list[str]:
         options = {**self.sbatch_options(), "no_kill": True}
         return [submitit_slurm._as_sbatch_flag(k, v) for k, v in sorted(options.items())]
+
+
+def het_groups(spec: JobSpec) -> list[HetGroup]:
+    """The het groups to ask SLURM for: 0 = trainer nodes (the batch step, i.e. the supervisor,
+    runs on its first node), 1 = rollout nodes (absent with --colocate: the engines share
+    group 0's nodes and GPUs, their tasks added to group 0's)."""
+    t, r = spec.trainer, spec.rollout
+    common = {"partition": spec.partition, "account": spec.account, "qos": spec.qos,
+              "time_min": spec.time_minutes, "exclude": spec.exclude}
+    if r.colocate:
+        per_node = -(-r.engine_count // max(1, t.actor_num_nodes))
+        cpus = max(t.cpus_per_task, r.cpus_per_engine)
+        return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node + per_node, cpus_per_task=cpus,
+                         gpus_per_node=t.actor_num_gpus_per_node, **common)]
+    return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node, cpus_per_task=t.cpus_per_task,
+                     gpus_per_node=t.actor_num_gpus_per_node, **common),
+            HetGroup(nodes=r.num_nodes + r.spare_nodes, ntasks_per_node=r.engines_on_each_node,
+                     cpus_per_task=r.cpus_per_engine, gpus_per_node=r.gpus_per_node, **common)]
 
 
 class HetInfoWatcher(submitit_slurm.SlurmInfoWatcher):

@@ -1,4 +1,5 @@
-"""The job spec: dataclasses read from a YAML file and/or slime-style flags (flags override the file).
+"""The job spec: dataclasses grouped by concern, read from a YAML file and/or slime-style flags
+(flags override the file; the reading is jobs/spec_loading.py). Torch-free.
 
 YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollout):
 
@@ -31,7 +32,7 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       colocate: false
     fault_tolerance:
       use_fault_tolerance: true
-      ...                           # see FaultToleranceSpec
+      ...                           # see FaultToleranceSpec: every wait of the job is one of its fields
 
 Flags: every field has one (`--actor-num-nodes 2`, `--rollout-engine cpu`, `--colocate`, `--job-name`,
 `--time`); `--sglang-*` and `--router-*` pass through to the engines and the router; every other flag
@@ -41,20 +42,14 @@ is the trainer's (`python -m trainer --help`) and lands in train_args. Strings m
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
 import re
-import sys
-import tempfile
-import time as _time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-if TYPE_CHECKING:
-    from jobs.hetjob import HetGroup
+from jobs.contract import Phase, write_atomic
 
 ENGINES = ("sglang", "cpu")
 # Trainer flags naming files or folders: made absolute at submission (the steps run elsewhere).
@@ -90,17 +85,6 @@ class TrainerSpec:
     def tasks_per_node(self) -> int:
         """Trainer processes per node: one per GPU, or the CPU workers."""
         return self.actor_num_gpus_per_node or self.actor_num_cpu_workers
-
-    def arg(self, name: str) -> Any:
-        """The value of one trainer flag (`arg("hf_checkpoint")`) as the trainer will parse it (its
-        default when absent); None when train_args do not parse."""
-        from trainer.args import ArgsError, build_parser
-
-        try:
-            parsed, _ = build_parser().parse_known_args(self.train_args)
-        except ArgsError:
-            return None
-        return getattr(parsed, name, None)
 
     hf_checkpoint = property(lambda self: flag_value(self.train_args, "--hf-checkpoint"))
     prompt_data = property(lambda self: flag_value(self.train_args, "--prompt-data"))
@@ -162,20 +146,21 @@ class RolloutSpec:
         return bool(self.sglang_router_ip)
 
 
-TRAINER_PHASES = ("start", "rollout", "train", "publish", "save")  # as trainer/metrics.py beats them
-
-
 @dataclass
 class FaultToleranceSpec:
+    """What the supervisor does about failures, and every wait of the job: each is in seconds
+    (unless said otherwise) and bounds what its comment says."""
+
     use_fault_tolerance: bool = False
-    rollout_health_check_first_wait: float = 300.0
-    rollout_health_check_interval: float = 10.0
-    rollout_health_check_timeout: float = 5.0
-    health_check_failure_threshold: int = 3
-    max_engine_restarts: int = 5        # per engine, before the crash-loop breaker gives up on it
-    restart_backoff: float = 5.0        # seconds before the first restart; doubles each time
+    rollout_health_check_first_wait: float = 300.0  # after an engine's launch: failed probes do not count yet
+    rollout_health_check_interval: float = 10.0     # between two probe cycles of every engine
+    rollout_health_check_timeout: float = 5.0       # one /health_generate probe (and /model_info)
+    health_check_failure_threshold: int = 3         # failed probes in a row that make an engine failed
+    max_engine_restarts: int = 5        # per engine, in a row, before the crash-loop breaker gives up on it
+    restart_backoff: float = 5.0        # before the second restart of a crash loop; doubles each time
+    crash_window: float = 300.0         # a restart this soon after the previous one continues a crash loop
     max_kill_fraction: float = 0.5      # of the engines, at most killed for failed probes per interval
-    preempt_grace: int = 600            # seconds: SLURM sends USR1 this long before the end (issue 7)
+    preempt_grace: int = 600            # SLURM sends USR1 this long before the end (issue 7)
     max_requeues: int = 3
     max_trainer_restarts: int = 3
     min_engines: int = 1                # fewer live engines than this: requeue instead of degrading
@@ -186,10 +171,28 @@ class FaultToleranceSpec:
     trainer_train_timeout: float = 1800.0   # per optimizer step
     trainer_publish_timeout: float = 900.0
     trainer_save_timeout: float = 1800.0
+    # Starting and stopping steps
+    router_start_timeout: float = 60.0      # the router's launch until it answers
+    engine_start_timeout: float = 300.0     # an engine's (re)launch until it answers /health_generate
+    engine_admit_timeout: float = 120.0     # a recovered engine until the router lists it (else reported out)
+    weight_load_timeout: float = 600.0      # one /update_weights_from_disk of a recovering engine
+    step_stop_timeout: float = 30.0         # scancel of a step until SLURM no longer lists it
+    step_term_grace: float = 5.0            # SIGTERM to SIGKILL when a step is stopped
+    step_exit_code_wait: float = 30.0       # for slurmdbd to record the exit code of a step that ended unseen
+    # Talking to SLURM, the router and the control socket
+    slurm_command_timeout: float = 30.0     # one scontrol/squeue/scancel/sacct call
+    node_check_interval: float = 15.0       # between two checks of every engine and spare node
+    node_poll_interval: float = 1.0         # node checks while an engine's step is stopped or (re)started
+    exclude_timeout: float = 20.0           # asking SLURM, after a requeue, to exclude the lost nodes
+    router_request_timeout: float = 10.0    # one call to the router's worker API
+    control_call_timeout: float = 30.0      # one call on the control socket (CLI, trainer)
+    supervisor_gap: float = 120.0           # the trainer's calls wait this long for a restarted supervisor
 
-    def phase_timeout(self, phase: str) -> float:
-        """The heartbeat timeout of a trainer phase (start, rollout, train, publish, save)."""
-        return float(getattr(self, f"trainer_{phase}_timeout", self.trainer_start_timeout))
+    def phase_timeout(self, phase: Phase | str) -> float:
+        """The heartbeat timeout of a trainer phase; ValueError for a phase that does not exist."""
+        return {Phase.START: self.trainer_start_timeout, Phase.ROLLOUT: self.trainer_rollout_timeout,
+                Phase.TRAIN: self.trainer_train_timeout, Phase.PUBLISH: self.trainer_publish_timeout,
+                Phase.SAVE: self.trainer_save_timeout}[Phase(phase)]
 
 
 @dataclass
@@ -206,21 +209,12 @@ class JobSpec:
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
 
-    # -- YAML round trip (the job dir keeps spec.yaml; the supervisor reads it) --
+    # -- YAML (the job dir keeps spec.yaml; jobs/spec_loading.py reads it back) --
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
-
-    @classmethod
-    def from_yaml(cls, text_or_path: str | Path) -> JobSpec:
-        """Read a spec (a YAML string or a file path); raises SpecError listing every problem."""
-        text = Path(text_or_path).read_text() if isinstance(text_or_path, Path) else text_or_path
-        spec, problems = spec_from_dict(yaml.safe_load(text) or {})
-        if problems:
-            raise SpecError(problems)
-        return spec
 
     def write(self, path: Path) -> Path:
         return write_atomic(path, self.to_yaml())
@@ -238,55 +232,11 @@ class JobSpec:
         """The het group the engines run in: 1, or 0 with --colocate."""
         return 0 if self.rollout.colocate else 1
 
-    def groups(self) -> list[HetGroup]:
-        """The het groups to ask SLURM for: 0 = trainer nodes (the batch step, i.e. the supervisor,
-        runs on its first node), 1 = rollout nodes (absent with --colocate: the engines share
-        group 0's nodes and GPUs, their tasks added to group 0's)."""
-        from jobs.hetjob import HetGroup
-
-        t, r = self.trainer, self.rollout
-        common = {"partition": self.partition, "account": self.account, "qos": self.qos,
-                  "time_min": self.time_minutes, "exclude": self.exclude}
-        if r.colocate:
-            per_node = -(-r.engine_count // max(1, t.actor_num_nodes))
-            cpus = max(t.cpus_per_task, r.cpus_per_engine)
-            return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node + per_node, cpus_per_task=cpus,
-                             gpus_per_node=t.actor_num_gpus_per_node, **common)]
-        return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node, cpus_per_task=t.cpus_per_task,
-                         gpus_per_node=t.actor_num_gpus_per_node, **common),
-                HetGroup(nodes=r.num_nodes + r.spare_nodes, ntasks_per_node=r.engines_on_each_node,
-                         cpus_per_task=r.cpus_per_engine, gpus_per_node=r.gpus_per_node, **common)]
-
-
-def write_atomic(path: Path, text: str) -> Path:
-    """A reader sees the old file or the whole new one, never half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
 
 SECTIONS = {"trainer": TrainerSpec, "rollout": RolloutSpec, "fault_tolerance": FaultToleranceSpec}
 
 
-# -- flags ------------------------------------------------------------------------------------
-def _fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.name not in SECTIONS and f.metadata.get("flag", "") is not None]
-
-
-def spec_flags() -> dict[str, tuple[str | None, dataclasses.Field]]:
-    """`--flag` -> (section or None for the top level, field) for every spec field that has a flag."""
-    out: dict[str, tuple[str | None, dataclasses.Field]] = {}
-    for section, cls in [(None, JobSpec), *SECTIONS.items()]:
-        for f in _fields(cls):
-            out[f.metadata.get("flag") or "--" + f.name.replace("_", "-")] = (section, f)
-    return out
-
-
+# -- flag tokens --------------------------------------------------------------------------------
 def group_flags(argv: list[str]) -> list[list[str]]:
     """[--a, 1, --b, --c=2, x] -> [[--a, 1], [--b], [--c=2, x]]: each flag with the values after it.
     A token before any flag becomes its own group."""
@@ -299,7 +249,7 @@ def group_flags(argv: list[str]) -> list[list[str]]:
     return groups
 
 
-def _flag_name(token: str) -> str:
+def flag_name(token: str) -> str:
     return token.split("=", 1)[0]
 
 
@@ -307,175 +257,23 @@ def flag_value(argv: list[str], flag: str) -> str | None:
     """The (last) value of `flag` in argv, None when absent or valueless."""
     value = None
     for group in group_flags(argv):
-        if _flag_name(group[0]) == flag:
+        if flag_name(group[0]) == flag:
             value = group[0].split("=", 1)[1] if "=" in group[0] else (group[1] if len(group) > 1 else None)
     return value
 
 
 def merge_flags(base: list[str], override: list[str]) -> list[str]:
     """base's flags, each replaced by override's flag of the same name; override's new flags appended."""
-    names = {_flag_name(g[0]) for g in group_flags(override)}
-    kept = [t for g in group_flags(base) if _flag_name(g[0]) not in names for t in g]
+    names = {flag_name(g[0]) for g in group_flags(override)}
+    kept = [t for g in group_flags(base) if flag_name(g[0]) not in names for t in g]
     return kept + list(override)
 
 
 def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     """argv with `flag value` in place of flag's (every) occurrence, or appended."""
-    groups = [[flag, value] if _flag_name(g[0]) == flag else g for g in group_flags(argv)]
+    groups = [[flag, value] if flag_name(g[0]) == flag else g for g in group_flags(argv)]
     out = [t for g in groups for t in g]
     return out if flag in out else out + [flag, value]
-
-
-def _convert(f: dataclasses.Field, raw: Any, where: str) -> tuple[Any, str | None]:
-    """(value, problem) for a raw YAML or flag value of field f."""
-    kind = str(f.type)
-    if raw is None:
-        return None, None if "None" in kind else f"{where}: needs a value"
-    try:
-        if kind.startswith("bool"):
-            if isinstance(raw, bool):
-                return raw, None
-            if str(raw).lower() in ("true", "1", "yes", "on"):
-                return True, None
-            if str(raw).lower() in ("false", "0", "no", "off"):
-                return False, None
-            raise ValueError
-        if kind.startswith("int"):
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw), None
-        if kind.startswith("float"):
-            return float(raw), None
-        if kind.startswith("list"):
-            return _as_argv(raw, where)
-        return os.path.expandvars(str(raw)), None
-    except (TypeError, ValueError):
-        return None, f"{where}: {raw!r} is not a valid {kind.split(' ')[0]}"
-
-
-def _as_argv(raw: Any, where: str) -> tuple[list[str], str | None]:
-    """A list of tokens, or a mapping {flag: value} (true: a bare flag, a list: several values)."""
-    if isinstance(raw, str):
-        return raw.split(), None
-    if isinstance(raw, list):
-        return [str(t) for t in raw], None
-    if isinstance(raw, dict):
-        out: list[str] = []
-        for key, value in raw.items():
-            flag = key if str(key).startswith("--") else "--" + str(key).replace("_", "-")
-            if value is True:
-                out.append(flag)
-            elif value is False or value is None:
-                continue
-            elif isinstance(value, list):
-                out += [flag, *map(str, value)]
-            else:
-                out += [flag, str(value)]
-        return out, None
-    return [], f"{where}: must be a list of flags or a mapping of flag: value"
-
-
-def spec_from_dict(data: dict[str, Any]) -> tuple[JobSpec, list[str]]:
-    """A spec from a YAML mapping, with one problem per unknown key or bad value."""
-    problems: list[str] = []
-    spec = JobSpec()
-    if not isinstance(data, dict):
-        return spec, ["spec: the YAML file must hold a mapping (name: ..., trainer: ..., rollout: ...)"]
-    for section, cls in [(None, JobSpec), *SECTIONS.items()]:
-        values = data if section is None else data.get(section) or {}
-        if not isinstance(values, dict):
-            problems.append(f"{section}: must be a mapping of its fields")
-            continue
-        target = spec if section is None else getattr(spec, section)
-        known = {f.name: f for f in dataclasses.fields(cls) if f.name not in SECTIONS}
-        for key, raw in values.items():
-            if section is None and key in SECTIONS:
-                continue
-            where = key if section is None else f"{section}.{key}"
-            if key not in known:
-                close = difflib.get_close_matches(str(key), list(known), n=1)
-                problems.append(f"{where}: unknown field" + (f" (did you mean {close[0]}?)" if close else
-                                                              f"; known: {', '.join(known)}"))
-                continue
-            value, problem = _convert(known[key], raw, where)
-            if problem:
-                problems.append(problem)
-            else:
-                setattr(target, key, value)
-    return spec, problems
-
-
-def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
-    """Apply slime-style flags to spec (in place); problems for bad values. `--sglang-*` and
-    `--router-*` go to the passthrough lists, every other unknown flag to the trainer's."""
-    problems: list[str] = []
-    table = spec_flags()
-    train, sglang, router = [], [], []
-    for group in group_flags(argv):
-        name = _flag_name(group[0])
-        values = ([group[0].split("=", 1)[1]] if "=" in group[0] else []) + group[1:]
-        if not name.startswith("--"):
-            problems.append(f"{name}: unexpected argument; flags start with -- (is the spec file first?)")
-        elif name in table:
-            section, f = table[name]
-            if str(f.type).startswith("bool") and not values:
-                values = ["true"]
-            if len(values) != 1:
-                problems.append(f"{name}: takes one value, got {len(values)}")
-                continue
-            value, problem = _convert(f, values[0], name)
-            if problem:
-                problems.append(problem)
-            else:
-                setattr(spec if section is None else getattr(spec, section), f.name, value)
-        elif name.startswith("--sglang-"):
-            sglang += group
-        elif name.startswith("--router-"):
-            router += group
-        else:
-            train += group
-    spec.trainer.train_args = merge_flags(spec.trainer.train_args, train)
-    spec.rollout.sglang_args = merge_flags(spec.rollout.sglang_args, sglang)
-    spec.rollout.router_args = merge_flags(spec.rollout.router_args, router)
-    return problems
-
-
-def load_spec(yaml_path: Path | None, argv: list[str]) -> tuple[JobSpec, list[str]]:
-    """The spec of a YAML file (if any) overridden by flags, and every problem seen reading them."""
-    problems: list[str] = []
-    data: Any = {}
-    if yaml_path is not None:
-        try:
-            data = yaml.safe_load(yaml_path.read_text()) or {}
-        except FileNotFoundError:
-            problems.append(f"spec file {yaml_path}: does not exist")
-        except (OSError, yaml.YAMLError) as err:
-            problems.append(f"spec file {yaml_path}: cannot be read as YAML ({str(err).splitlines()[0]})")
-    spec, more = spec_from_dict(data)
-    problems += more + apply_flags(spec, argv)
-    # ${VAR} in train_args and passthrough lists; an unset variable is left as is and reported
-    for section, name in (("trainer", "train_args"), ("rollout", "sglang_args"), ("rollout", "router_args")):
-        tokens = [os.path.expandvars(t) for t in getattr(getattr(spec, section), name)]
-        setattr(getattr(spec, section), name, tokens)
-    for where, text in _strings(spec):
-        for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text):
-            problems.append(f"{where}: ${{{var}}} is not set; export it or give the value as a flag")
-    return spec, problems
-
-
-def _strings(spec: JobSpec) -> list[tuple[str, str]]:
-    out = []
-    for section, cls in [(None, JobSpec), *SECTIONS.items()]:
-        target = spec if section is None else getattr(spec, section)
-        for f in dataclasses.fields(cls):
-            if f.name in SECTIONS:
-                continue
-            value = getattr(target, f.name)
-            where = f.name if section is None else f"{section}.{f.name}"
-            for text in (value if isinstance(value, list) else [value]):
-                if isinstance(text, str):
-                    out.append((where, text))
-    return out
 
 
 # -- SLURM time strings -----------------------------------------------------------------------
@@ -498,41 +296,3 @@ def parse_slurm_time(value: str | int) -> int | None:
     else:
         seconds = g["a"] * 60
     return -(-seconds // 60)
-
-
-# -- filling in what the user left out (at submission) -----------------------------------------
-def default_job_dir(name: str) -> Path:
-    return Path("slurmrl-jobs", f"{name}-{_time.strftime('%Y%m%d-%H%M%S')}").resolve()
-
-
-def finalize(spec: JobSpec) -> JobSpec:
-    """A copy ready to submit: absolute job_dir and paths, the interpreter, and --save/--load
-    defaulting to JOB_DIR/checkpoints (so a requeued job resumes from its own saves)."""
-    out = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer),
-                              rollout=dataclasses.replace(spec.rollout),
-                              fault_tolerance=dataclasses.replace(spec.fault_tolerance))
-    out.job_dir = str(Path(spec.job_dir).expanduser().resolve()) if spec.job_dir else str(default_job_dir(spec.name))
-    out.python = spec.python or sys.executable
-    args = list(spec.trainer.train_args)
-    for flag in PATH_FLAGS:
-        value = flag_value(args, flag)
-        if value:
-            args = set_flag(args, flag, str(Path(value).expanduser().resolve()))
-    save = flag_value(args, "--save") or str(Path(out.job_dir, "checkpoints"))
-    args = set_flag(args, "--save", save)
-    if not flag_value(args, "--load"):
-        args = set_flag(args, "--load", save)
-    out.trainer.train_args = args
-    return out
-
-
-def read_job_spec(job_dir: str | Path) -> JobSpec:
-    """The spec of a job dir (JOB_DIR/spec.yaml), as the supervisor reads it: written by `slurmrl
-    submit` (already final), or copied there by a plain-sbatch template (then ${VAR}s are expanded
-    from the job's environment and the paths made absolute). Raises SpecError on problems."""
-    job_dir = Path(job_dir).resolve()
-    spec, problems = load_spec(job_dir / "spec.yaml", [])
-    if problems:
-        raise SpecError(problems)
-    spec.job_dir = str(job_dir)
-    return finalize(spec)

@@ -18,13 +18,12 @@ import time
 import typing as tp
 from pathlib import Path
 
-from jobs.hetjob import HetSlurmExecutor, HetSlurmJob
-from jobs.spec import JobSpec, SpecError, finalize, load_spec, write_atomic
+from jobs.contract import JOB_DIR_ENV, JobDir, write_atomic
+from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
+from jobs.spec import JobSpec, SpecError
+from jobs.spec_loading import finalize, load_spec
 from jobs.validate import PartitionInfo, validate
 
-SPEC_FILE = "spec.yaml"
-JOB_ID_FILE = "slurm_job_id"
-SUBMITIT_DIR = "submitit"
 # sacct states after which the job will not run again (REQUEUED, PREEMPTED... are not ends)
 UNFINISHED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
               "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT")
@@ -43,10 +42,10 @@ def prepare(yaml_path: Path | None, argv: list[str],
 
 def make_executor(spec: JobSpec, require_slurm: bool = True) -> HetSlurmExecutor:
     ft = spec.fault_tolerance
-    executor = HetSlurmExecutor(Path(spec.job_dir or ".", SUBMITIT_DIR), spec.groups(), python=spec.python,
+    executor = HetSlurmExecutor(JobDir(Path(spec.job_dir or ".")).submitit, het_groups(spec), python=spec.python,
                                 max_num_timeout=ft.max_requeues, preempt_grace_s=ft.preempt_grace,
                                 require_slurm=require_slurm)
-    executor.update_parameters(job_name=spec.name, setup=[f"export SLURMRL_JOB_DIR={shlex.quote(str(spec.job_dir))}"])
+    executor.update_parameters(job_name=spec.name, setup=[f"export {JOB_DIR_ENV}={shlex.quote(str(spec.job_dir))}"])
     return executor
 
 
@@ -64,17 +63,17 @@ def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurm
         fn = Supervisor(spec)
     job_dir = Path(spec.job_dir or "")
     if not job_dir.is_absolute():
-        raise ValueError("submit a finalized spec (jobs.submit.prepare or jobs.spec.finalize)")
+        raise ValueError("submit a finalized spec (jobs.submit.prepare or jobs.spec_loading.finalize)")
     created = not job_dir.exists()
     job_dir.mkdir(parents=True, exist_ok=True)
     try:
-        spec.write(job_dir / SPEC_FILE)
+        spec.write(JobDir(job_dir).spec)
         job = make_executor(spec).submit(fn)
     except BaseException:
         if created:
             shutil.rmtree(job_dir, ignore_errors=True)
         raise
-    write_atomic(job_dir / JOB_ID_FILE, f"{job.job_id}\n")
+    write_atomic(JobDir(job_dir).slurm_job_id, f"{job.job_id}\n")
     return tp.cast(HetSlurmJob, job)
 
 

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _usage() -> str:
-    from jobs.spec import spec_flags
+    from jobs.spec_loading import spec_flags
 
     return USAGE.format(spec=" ".join(spec_flags()))
 

@@ -11,7 +11,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, TRAINER_PHASES, JobSpec, group_flags, spec_flags
+from jobs.contract import Phase
+from jobs.hetjob import het_groups
+from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, group_flags
+from jobs.spec_loading import spec_flags
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class PartitionInfo:
     gpus_per_node: int
 
 
-def query_partitions(timeout_s: float = 10) -> dict[str, PartitionInfo] | None:
+def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
     """Partitions as sinfo sees them (one call), with the default one also under ""; None when
     SLURM does not answer (no sinfo, no controller): the capacity checks are then skipped."""
     if shutil.which("sinfo") is None:
@@ -154,6 +157,12 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
+_WAITS = ("router_start_timeout", "engine_start_timeout", "engine_admit_timeout", "weight_load_timeout",
+          "step_stop_timeout", "step_term_grace", "step_exit_code_wait", "slurm_command_timeout",
+          "node_check_interval", "node_poll_interval", "exclude_timeout", "router_request_timeout",
+          "control_call_timeout", "supervisor_gap")
+
+
 def _numbers(spec: JobSpec) -> list[str]:
     t, ft = spec.trainer, spec.fault_tolerance
     problems = []
@@ -170,8 +179,10 @@ def _numbers(spec: JobSpec) -> list[str]:
               ("fault_tolerance.max_requeues", ft.max_requeues, 0),
               ("fault_tolerance.max_trainer_restarts", ft.max_trainer_restarts, 0),
               ("fault_tolerance.min_engines", ft.min_engines, 0),
-              *((f"fault_tolerance.trainer_{phase}_timeout", ft.phase_timeout(phase), 1)
-                for phase in TRAINER_PHASES)]
+              ("fault_tolerance.crash_window", ft.crash_window, 0),
+              *((f"fault_tolerance.trainer_{phase.value}_timeout", ft.phase_timeout(phase), 1) for phase in Phase),
+              # the other waits: any positive number of seconds
+              *((f"fault_tolerance.{name}", getattr(ft, name), 0.1) for name in _WAITS)]
     for where, value, low in checks:
         if value < low:
             problems.append(f"{where}: must be {low} or more, got {value}")
@@ -218,7 +229,7 @@ def _capacity(spec: JobSpec, partitions: dict[str, PartitionInfo] | None) -> lis
         return [f"partition: {spec.partition!r} is not a partition of this cluster (sinfo lists: {names})"
                 if spec.partition else "partition: this cluster has no default partition; give --partition"]
     problems = []
-    for k, group in enumerate(spec.groups()):
+    for k, group in enumerate(het_groups(spec)):
         what = "trainer" if k == 0 else "rollout"
         if group.nodes > part.nodes:
             problems.append(f"{what} group: {group.nodes} nodes, but partition {part.name} has {part.nodes}; "
@@ -240,5 +251,7 @@ def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool =
     shape = _numbers(spec) + _rollout_problems(spec)
     problems = _job_problems(spec) + shape + _train_args_problems(spec)
     if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then
-        problems += _capacity(spec, query_partitions() if partitions is True else partitions or None)
+        known = (query_partitions(spec.fault_tolerance.slurm_command_timeout) if partitions is True
+                 else partitions or None)
+        problems += _capacity(spec, known)
     return problems

@@ -1,7 +1,5 @@
-"""`python -m rollout tiny-model ...`, the same as `slurmrl tiny-model ...`."""
+"""`python -m rollout tiny-model | toy-data ...`: rollout/cli.py."""
 
-import sys
+from rollout.cli import main
 
-from jobs.cli import main
-
-raise SystemExit(main(sys.argv[1:]))
+raise SystemExit(main())

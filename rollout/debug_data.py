@@ -4,9 +4,9 @@ training problem can be replayed without engines (--debug-train-only) and a roll
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from jobs.contract import write_atomic
 from rollout.sample import Sample
 
 
@@ -17,12 +17,9 @@ def _path(template: str, rollout_id: int) -> Path:
 
 
 def save(template: str, rollout_id: int, groups: list[list[Sample]]) -> Path:
-    path = _path(template, rollout_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"rollout_id": rollout_id, "groups": [[s.to_dict() for s in g] for g in groups]}))
-    os.replace(tmp, path)  # a reader never sees half a file
-    return path
+    # A reader never sees half a file; not fsync'd: a debug dump lost to a node crash is no loss.
+    data = json.dumps({"rollout_id": rollout_id, "groups": [[s.to_dict() for s in g] for g in groups]})
+    return write_atomic(_path(template, rollout_id), data, durable=False)
 
 
 def load(template: str, rollout_id: int) -> list[list[Sample]]:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs.spec import SpecError, read_job_spec
-from supervisor.watchdog import watch_self
+from jobs.spec import SpecError
+from jobs.spec_loading import read_job_spec
+from slurm.watchdog import watch_self
 
 
 def main() -> int:

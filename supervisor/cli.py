@@ -13,37 +13,48 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from supervisor.control import ControlClient, ControlError
-from supervisor.events import EVENTS_FILE, follow
-from supervisor.state import STATE_FILE, read_state
+from jobs.contract import JobDir
+from jobs.control_protocol import Call, ControlClient, ControlError
+from jobs.spec import FaultToleranceSpec
+from supervisor.events import follow
+from supervisor.state import read_state
+
+# Before the job's spec is read (finding its directory) and for the CLI's own calls: the defaults.
+_WAITS = FaultToleranceSpec()
 
 
 class JobNotFound(ValueError):
     pass
 
 
-def job_dir_of(job: str) -> Path:
+def job_dir_of(job: str) -> JobDir:
     """A job dir as given, or the one a SLURM job id's Submitit log lives in (JOB_DIR/submitit/...)."""
-    path = Path(job)
-    if (path / "spec.yaml").is_file():
-        return path.resolve()
+    given = JobDir(Path(job).resolve())
+    if given.spec.is_file():
+        return given
     if not job.isdigit():
         raise JobNotFound(f"{job}: neither a job directory (no spec.yaml) nor a SLURM job id")
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
-    for field in out.stdout.split():
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                             timeout=_WAITS.slurm_command_timeout).stdout
+    except subprocess.TimeoutExpired:
+        raise JobNotFound(f"job {job}: SLURM did not answer within {_WAITS.slurm_command_timeout:.0f} s; "
+                          "give its job directory") from None
+    for field in out.split():
         if field.startswith("StdOut="):
-            candidate = Path(field.split("=", 1)[1]).parent.parent
-            if (candidate / "spec.yaml").is_file():
+            candidate = JobDir(Path(field.split("=", 1)[1]).parent.parent)
+            if candidate.spec.is_file():
                 return candidate
     raise JobNotFound(f"job {job}: SLURM no longer knows it, or it is not a slurmrl job; give its job directory")
 
 
-def _status(job_dir: Path, as_json: bool) -> int:
-    if not (job_dir / STATE_FILE).is_file():
-        print(f"slurmrl status: {job_dir} has no {STATE_FILE} yet (the supervisor has not started)", file=sys.stderr)
+def _status(job_dir: JobDir, as_json: bool) -> int:
+    if not job_dir.state.is_file():
+        print(f"slurmrl status: {job_dir.root} has no {job_dir.state.name} yet (the supervisor has not started)",
+              file=sys.stderr)
         return 1
     try:
-        state = ControlClient(job_dir, timeout_s=10).call("status")["state"]
+        state = ControlClient(job_dir, _WAITS.control_call_timeout).call(Call.STATUS)["state"]
         live = True
     except ControlError:
         from dataclasses import asdict
@@ -76,14 +87,14 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "status":
             return _status(job_dir, args.json)
         if args.command == "events":
-            for event in follow(job_dir / EVENTS_FILE, from_start=True, stop=None if args.follow else _at_end()):
+            for event in follow(job_dir.events, from_start=True, stop=None if args.follow else _at_end()):
                 print(json.dumps(event), flush=True)
             return 0
         if args.command == "restart":
-            ControlClient(job_dir).call("restart", target=args.step)
+            ControlClient(job_dir, _WAITS.control_call_timeout).call(Call.RESTART, target=args.step)
             print(f"restarting {args.step}")
             return 0
-        ControlClient(job_dir).call("stop")
+        ControlClient(job_dir, _WAITS.control_call_timeout).call(Call.STOP)
         print("stopping: the trainer saves at its next rollout boundary, then the job ends")
         return 0
     except (JobNotFound, ControlError, FileNotFoundError) as err:

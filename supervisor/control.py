@@ -1,9 +1,9 @@
-"""The control API: a unix socket in the job dir that only the job's owner can use (invariant 6).
+"""The control API's server: a unix socket in the job dir that only the job's owner can use
+(invariant 6). The calls, their arguments and the client are jobs/control_protocol.py.
 
 Two locks on the door: the socket file is 0600 from the moment it exists, and every connection's
 peer uid is checked with SO_PEERCRED (a file mode can be loosened; the kernel's peer credentials
-cannot be forged). Protocol: one JSON object per line each way. Request {"call": NAME,
-"args": {...}}; answer {"ok": true, ...the handler's dict} or {"ok": false, "error": "..."}.
+cannot be forged).
 """
 
 from __future__ import annotations
@@ -14,23 +14,13 @@ import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
-SOCKET_FILE = "control.sock"
-_MAX_LINE = 1 << 20
+from jobs.contract import JobDir
+from jobs.control_protocol import MAX_LINE, Call, ControlError, Request
 
 Handler = Callable[..., dict[str, Any]]
-
-
-class ControlError(RuntimeError):
-    """The supervisor could not be reached, or it refused or failed the call."""
-
-
-class SupervisorUnreachable(ControlError):
-    """No supervisor answered (none runs, or it died mid-call): worth asking again while its
-    watchdog restarts it; a refused or failed call is not."""
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -51,7 +41,7 @@ class _Connection(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         uid = peer_uid(self.request)
         # Read the request before refusing, so the client's send never races our close.
-        while line := self.rfile.readline(_MAX_LINE):
+        while line := self.rfile.readline(MAX_LINE):
             if uid != self.server.owner_uid:
                 _send(self.wfile, {"ok": False, "error": f"permission denied: uid {uid} does not own this job"})
                 return
@@ -61,7 +51,7 @@ class _Connection(socketserver.StreamRequestHandler):
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True  # a client that never hangs up must not keep the supervisor alive
 
-    def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
+    def __init__(self, path: str, handlers: Mapping[Call, Handler]) -> None:
         self.owner_uid = os.getuid()
         self.handlers = handlers
         super().__init__(path, _Connection, bind_and_activate=False)
@@ -76,30 +66,28 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     def dispatch(self, line: bytes) -> dict[str, Any]:
         try:
-            request = json.loads(line)
-            name, args = request["call"], request.get("args", {})
-            handler = self.handlers[name]
-        except (ValueError, KeyError, TypeError) as err:
-            known = ", ".join(sorted(self.handlers))
-            return {"ok": False, "error": f"bad request ({err!r}); calls: {known}"}
+            request = Request.decode(line)
+        except ValueError as err:
+            return {"ok": False, "error": str(err)}
         try:
-            return {"ok": True, **handler(**args)}
+            return {"ok": True, **self.handlers[request.call](**request.args)}
         except Exception as err:  # noqa: BLE001 - the client gets the error; the supervisor lives on
-            return {"ok": False, "error": f"{name} failed: {type(err).__name__}: {err}"}
+            return {"ok": False, "error": f"{request.call.value} failed: {type(err).__name__}: {err}"}
 
 
 class ControlServer:
-    """Serves registered handlers on JOB_DIR/control.sock from a background thread."""
+    """Serves a handler per call on JOB_DIR/control.sock from a background thread. `handler(**args)`
+    returns a JSON-serialisable dict; it runs in the connection's thread. Every call of the protocol
+    has a handler: a table, not a lookup by name."""
 
-    def __init__(self, job_dir: Path) -> None:
-        self.path = Path(job_dir) / SOCKET_FILE
-        self._handlers: dict[str, Handler] = {}
+    def __init__(self, job_dir: JobDir, handlers: Mapping[Call, Handler]) -> None:
+        missing = set(Call) - set(handlers)
+        if missing:
+            raise ValueError(f"no handler for {sorted(c.value for c in missing)}")
+        self.path = job_dir.control_socket
+        self._handlers = dict(handlers)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
-
-    def register(self, name: str, handler: Handler) -> None:
-        """`handler(**args)` returns a JSON-serialisable dict; it runs in the connection's thread."""
-        self._handlers[name] = handler
 
     def start(self) -> None:
         self._remove_stale_socket()
@@ -136,36 +124,3 @@ class ControlServer:
         finally:
             probe.close()
         raise ControlError(f"another supervisor already answers on {self.path}")
-
-
-class ControlClient:
-    """`ControlClient(job_dir).call("status")` -> the handler's answer (without "ok")."""
-
-    def __init__(self, job_dir: Path, timeout_s: float = 30.0) -> None:
-        self.job_dir = Path(job_dir)
-        self.path = self.job_dir / SOCKET_FILE
-        self.timeout_s = timeout_s
-
-    def call(self, name: str, **args: Any) -> dict[str, Any]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
-        try:
-            try:
-                sock.connect(str(self.path))
-            except (FileNotFoundError, ConnectionRefusedError):
-                raise SupervisorUnreachable(f"no supervisor is running for {self.job_dir} (no {SOCKET_FILE})") from None
-            sock.sendall((json.dumps({"call": name, "args": args}) + "\n").encode())
-            line = sock.makefile("rb").readline(_MAX_LINE)
-        except TimeoutError:
-            raise SupervisorUnreachable(f"the supervisor of {self.job_dir} did not answer {name!r} "
-                                        f"within {self.timeout_s:.0f} s") from None
-        except (ConnectionResetError, BrokenPipeError):
-            line = b""  # it died mid-call
-        finally:
-            sock.close()
-        if not line:
-            raise SupervisorUnreachable(f"the supervisor of {self.job_dir} closed the connection without answering")
-        answer = json.loads(line)
-        if not answer.pop("ok"):
-            raise ControlError(answer["error"])
-        return answer

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
+from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient, RouterError
 from supervisor.layout import EnginePlace
 
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Engine states (the state store's vocabulary)
 STARTING, WAITING, HEALTHY, RESTARTING, FAILED = "starting", "waiting", "healthy", "restarting", "failed"
+# Seconds between /health_generate tries while waiting for a starting engine.
+HEALTH_POLL_S = 0.5
 
 
 class EngineStartError(RuntimeError):
@@ -50,38 +52,15 @@ class Engine:
         return self.place.url
 
 
-class EngineClient:
-    """The few engine routes the supervisor uses (SGLang's contract, reference/sglang-http.md)."""
-
-    def __init__(self, api_key: str, timeout_s: float) -> None:
-        self.headers = {"Authorization": f"Bearer {api_key}"}
-        self.timeout_s = timeout_s
-
-    def healthy(self, url: str) -> bool:
-        try:
-            return requests.get(url + "/health_generate", headers=self.headers, timeout=self.timeout_s).ok
-        except requests.RequestException:
-            return False
-
-    def version(self, url: str) -> str | None:
-        answer = requests.get(url + "/model_info", headers=self.headers, timeout=self.timeout_s)
-        answer.raise_for_status()
-        return answer.json().get("weight_version")
-
-    def load_from_disk(self, url: str, folder: Path, version: str, timeout_s: float) -> None:
-        answer = requests.post(url + "/update_weights_from_disk", headers=self.headers, timeout=timeout_s,
-                               json={"model_path": str(folder), "weight_version": version})
-        if not answer.ok or not answer.json().get("success"):
-            raise EngineStartError(f"/update_weights_from_disk {folder}: {answer.status_code} {answer.text[:300]}")
-
-
 class Membership:
     """Which engines the router routes to, kept consistent with the current weight version."""
 
-    def __init__(self, router: RouterClient, client: EngineClient, api_key: str) -> None:
+    def __init__(self, router: RouterClient, client: EngineClient, api_key: str, listed_timeout_s: float) -> None:
+        """listed_timeout_s: an engine added to the router until the router lists it."""
         self.router = router
         self.client = client
         self.api_key = api_key
+        self.listed_timeout_s = listed_timeout_s
         self.lock = threading.RLock()  # versions and router membership change together
         self.current: str | None = None
 
@@ -90,13 +69,13 @@ class Membership:
         with self.lock:
             if self.current is None or engine.version != self.current:
                 return False
-            reported = self.client.version(engine.url)
+            reported = self.client.weight_version(engine.url)
             if reported != self.current:
                 engine.version = reported
                 return False
             if not engine.in_router:
                 self.router.add_worker(engine.url, api_key=self.api_key)
-                self.router.wait_listed(engine.url)
+                self.router.wait_listed(engine.url, timeout_s=self.listed_timeout_s)
                 engine.in_router = True
             engine.state = HEALTHY
             return True
@@ -136,7 +115,7 @@ class Membership:
                     self.admit(engine)
 
 
-def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive: callable) -> None:
+def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive: Callable[[], bool]) -> None:
     """Until the engine answers /health_generate, its step dies, or the deadline passes."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -144,7 +123,7 @@ def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive:
             raise EngineStartError(f"{engine.name} exited while starting (see its log)")
         if client.healthy(engine.url):
             return
-        time.sleep(0.5)
+        time.sleep(HEALTH_POLL_S)
     raise EngineStartError(f"{engine.name} did not answer /health_generate within {deadline_s:.0f} s")
 
 

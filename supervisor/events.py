@@ -17,8 +17,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Self
 
-EVENTS_FILE = "events.jsonl"
-
 
 class EventLog:
     """Thread-safe appender of one fsync'd JSON line per event."""

@@ -11,24 +11,21 @@ import os
 import re
 import secrets
 import stat
-from pathlib import Path
-
-KEY_FILE = "api_key"
-ENV_VAR = "SLURMRL_API_KEY"  # trainer/args.py reads the same variable
+from jobs.contract import API_KEY_ENV, JobDir
 _KEY_BYTES = 32
 # Values that look like credentials even when the exact key is not known to the caller.
 _PATTERNS = (
     re.compile(r"(Bearer\s+)\S+", re.IGNORECASE),
     re.compile(r"(--api-key[=\s]+)\S+"),
-    re.compile(rf"({ENV_VAR}=)\S+"),
+    re.compile(rf"({API_KEY_ENV}=)\S+"),
     re.compile(r"""(["']api_key["']\s*:\s*["'])[^"']+"""),
 )
 REDACTED = "***"
 
 
-def create_key(job_dir: Path) -> str:
+def create_key(job_dir: JobDir) -> str:
     """The job's key, made on first call; later calls (a requeued supervisor) return the same."""
-    path = Path(job_dir) / KEY_FILE
+    path = job_dir.api_key
     try:
         # O_EXCL with mode 0600: the file never exists with a looser mode, and two
         # supervisors racing cannot both write one.
@@ -43,9 +40,9 @@ def create_key(job_dir: Path) -> str:
     return key
 
 
-def load_key(job_dir: Path) -> str:
+def load_key(job_dir: JobDir) -> str:
     """Read the key back, refusing a file that others could read or that another user owns."""
-    path = Path(job_dir) / KEY_FILE
+    path = job_dir.api_key
     st = path.stat()
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0600 "
@@ -58,12 +55,12 @@ def load_key(job_dir: Path) -> str:
 
 def step_env(key: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a step: `base` (default: ours) with the key set."""
-    return {**(os.environ if base is None else base), ENV_VAR: key}
+    return {**(os.environ if base is None else base), API_KEY_ENV: key}
 
 
 def key_from_env() -> str | None:
     """The key as a step sees it."""
-    return os.environ.get(ENV_VAR) or None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def redact(text: str, *keys: str | None) -> str:

@@ -62,17 +62,19 @@ def port_free_here(address: str, preferred: int) -> int:
     raise OSError(f"no free port on {address}")
 
 
-def hostnames(nodelist: str) -> list[str]:
+def hostnames(nodelist: str, timeout_s: float) -> list[str]:
+    """The node names of a SLURM node list (node[1-3],x); timeout_s bounds the scontrol call."""
     if not any(c in nodelist for c in "[,"):
         return [nodelist]
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True,
+                         timeout=timeout_s)
     return out.stdout.split()
 
 
-def node_addresses(nodes: list[str]) -> dict[str, str]:
+def node_addresses(nodes: list[str], timeout_s: float) -> dict[str, str]:
     """NodeAddr of each node, in one scontrol call (a devcluster's nodes all live on 127.0.0.1)."""
     out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
-                         check=True)
+                         check=True, timeout=timeout_s)
     addresses = {}
     for line in out.stdout.splitlines():
         fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
@@ -88,14 +90,15 @@ def _resolve(address: str) -> str:
         return address
 
 
-def from_environment(spec: JobSpec, env: dict[str, str] | None = None) -> Layout:
+def from_environment(spec: JobSpec, timeout_s: float, env: dict[str, str] | None = None) -> Layout:
+    """The layout of the job this process runs in; timeout_s bounds each scontrol call."""
     env = dict(os.environ if env is None else env)
     job_id = env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
-    groups = [hostnames(env[f"SLURM_JOB_NODELIST_HET_GROUP_{g}"]) if f"SLURM_JOB_NODELIST_HET_GROUP_{g}" in env
-              else hostnames(env["SLURM_JOB_NODELIST"]) for g in range(spec.het_groups)]
+    groups = [hostnames(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}") or env["SLURM_JOB_NODELIST"], timeout_s)
+              for g in range(spec.het_groups)]
     trainer_nodes = groups[0]
     rollout_nodes = groups[spec.rollout_group]
-    addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)))
+    addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)), timeout_s)
     base = _PORT_BASE + (int(job_id) * _PORTS_PER_JOB) % _PORT_SPAN
     engines = []
     r = spec.rollout

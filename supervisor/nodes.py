@@ -33,6 +33,7 @@ from supervisor.layout import hostnames
 UNUSABLE_STATES = {"DOWN", "ERROR", "FUTURE"}
 UNUSABLE_FLAGS = {"NOT_RESPONDING", "DRAIN", "FAIL", "POWERED_DOWN", "POWERING_DOWN", "REBOOT_ISSUED"}
 _REASON = re.compile(r"\bReason=(.*?)(?=\s+\w+=|$)")
+_EXCLUDE_RETRY_S = 0.5  # between two asks for ExcNodeList (SLURM takes it once the requeue is through)
 
 
 def _scontrol(*args: str, timeout_s: float) -> str | None:
@@ -48,11 +49,11 @@ def _fields(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
 
-def _hosts(nodelist: str | None) -> list[str]:
-    return [] if nodelist in (None, "", "(null)") else hostnames(nodelist)
+def _hosts(nodelist: str | None, timeout_s: float) -> list[str]:
+    return [] if nodelist in (None, "", "(null)") else hostnames(nodelist, timeout_s)
 
 
-def unusable(nodes: Collection[str], timeout_s: float = 10.0) -> dict[str, str] | None:
+def unusable(nodes: Collection[str], timeout_s: float) -> dict[str, str] | None:
     """{node: its state and reason} for those of `nodes` SLURM says cannot run a step now; None when
     SLURM did not answer."""
     if not nodes:
@@ -73,11 +74,12 @@ def unusable(nodes: Collection[str], timeout_s: float = 10.0) -> dict[str, str] 
 class NodeTracker:
     """The job's lost nodes and spare nodes (shared by the supervisor's recovery threads)."""
 
-    def __init__(self, job_id: str, spares: Iterable[str], keep: Collection[str], timeout_s: float = 10.0) -> None:
+    def __init__(self, job_id: str, spares: Iterable[str], keep: Collection[str], timeout_s: float) -> None:
+        """timeout_s: one scontrol call."""
         self.job_id = job_id
         self.keep = set(keep)  # never released: the trainer's nodes, the supervisor's among them
         self.timeout_s = timeout_s
-        self.lost: dict[str, str] = {}  # node -> why
+        self._lost: dict[str, str] = {}  # node -> why
         self._spares = list(spares)
         self._lock = threading.Lock()
 
@@ -88,15 +90,16 @@ class NodeTracker:
 
     def check(self, nodes: Collection[str]) -> dict[str, str]:
         """{node: why} for those of `nodes` already lost or that SLURM now calls unusable."""
-        known = {node: self.lost[node] for node in nodes if node in self.lost}
+        with self._lock:
+            known = {node: self._lost[node] for node in nodes if node in self._lost}
         return {**known, **(unusable([n for n in nodes if n not in known], self.timeout_s) or {})}
 
     def lose(self, node: str, why: str) -> bool:
         """Record `node` as lost (no longer a spare); True only the first time."""
         with self._lock:
-            if node in self.lost:
+            if node in self._lost:
                 return False
-            self.lost[node] = why
+            self._lost[node] = why
             if node in self._spares:
                 self._spares.remove(node)
             return True
@@ -112,7 +115,7 @@ class NodeTracker:
             return "kept: it runs the trainer"
         out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
         for fields in map(_fields, (out or "").splitlines()):
-            nodes = _hosts(fields.get("NodeList"))
+            nodes = _hosts(fields.get("NodeList"), self.timeout_s)
             if node not in nodes:
                 continue
             rest = [n for n in nodes if n != node]
@@ -123,7 +126,7 @@ class NodeTracker:
             return f"released from job {fields['JobId']}" if done is not None else "kept: scontrol update failed"
         return "kept: SLURM did not answer" if out is None else "not in the job"
 
-    def exclude(self, nodes: Collection[str], deadline_s: float = 20.0) -> bool:
+    def exclude(self, nodes: Collection[str], deadline_s: float) -> bool:
         """Keep the requeued job off `nodes` (and what it excluded already) when it starts again.
         Call it right after the requeue: SLURM takes no ExcNodeList while the job runs, so it is
         asked again until it does or `deadline_s` has passed."""
@@ -131,14 +134,14 @@ class NodeTracker:
         while not self._try_exclude(set(nodes)):
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.5)
+            time.sleep(_EXCLUDE_RETRY_S)
         return True
 
     def _try_exclude(self, nodes: set[str]) -> bool:
         out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
         if out is None:
             return False
-        excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"))}
+        excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"), self.timeout_s)}
         if nodes <= excluded:
             return True
         update = _scontrol("update", f"JobId={self.job_id}", f"ExcNodeList={','.join(sorted(excluded | nodes))}",
@@ -160,7 +163,7 @@ class LostNodeWatch:
     `on_lost` called once (while still in the block) and its event set."""
 
     def __init__(self, check: Callable[[list[str]], dict[str, str]], on_node_lost: Callable[[str, str], None],
-                 interval_s: float = 1.0) -> None:
+                 interval_s: float) -> None:
         self._check = check
         self._on_node_lost = on_node_lost
         self.interval_s = interval_s

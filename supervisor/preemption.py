@@ -13,15 +13,16 @@ SLURM_SIGNAL_EARLY_S = 65.0
 
 
 class SlurmJob:
-    """squeue's answers about one job; None (or False) when squeue does not answer in time."""
+    """squeue's answers about one job; None (or False) when squeue does not answer within timeout_s."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, timeout_s: float) -> None:
         self.job_id = job_id
+        self.timeout_s = timeout_s
 
     def _squeue(self, field: str) -> list[str] | None:
         try:
             out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", field], capture_output=True, text=True,
-                                 timeout=10)
+                                 timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             return None
         return out.stdout.split() if out.returncode == 0 else None

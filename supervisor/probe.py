@@ -1,99 +1,17 @@
-"""Engine health probing (invariant 5): all engines at once, a failure threshold, a first-wait
-grace after each (re)start, and a cap on how many engines failed probes may kill per interval.
-
-One asyncio loop in a background thread probes every engine concurrently on GET /health_generate,
-so a cycle lasts about one probe timeout however many engines there are (slime probes one at a
-time: a cycle there costs the sum of every engine's latency, and one failure kills).
+"""Engine health policy (invariant 5): a failure threshold, a first-wait grace after each
+(re)start, and a cap on how many engines failed probes may kill per interval. The probes
+themselves (every engine at once) are rollout.engine_client.EngineClient.probe_all's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import resource
-import threading
 import time
 from collections import deque
-from collections.abc import Collection, Coroutine, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
 
-import aiohttp
-
-HEALTH_PATH = "/health_generate"
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    ok: bool
-    latency_s: float
-    error: str | None = None  # "HTTP 503", "timeout after 5.0 s", "ClientConnectorError: ..."
-
-
-def _raise_fd_limit(wanted: int) -> None:
-    # One socket per engine in flight: 1,000 engines outgrow the common soft limit of 1,024.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-
-
-class Prober:
-    """Probes many URLs in parallel from its own event loop thread; `probe_all` blocks the caller."""
-
-    def __init__(self, timeout_s: float, api_key: str | None = None, max_engines: int = 4096) -> None:
-        self.timeout_s = timeout_s
-        # SGLang exempts /health* from --api-key, but a CPU engine or a proxy in front may not.
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        _raise_fd_limit(max_engines + 256)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="prober", daemon=True)
-        self._thread.start()
-        self._session = self._run(self._open_session())
-
-    async def _open_session(self) -> aiohttp.ClientSession:
-        # force_close: a fresh connection per probe, so a restarted engine never fails its first
-        # probe on a keep-alive socket of its dead predecessor.
-        connector = aiohttp.TCPConnector(limit=0, force_close=True)
-        return aiohttp.ClientSession(connector=connector, headers=self._headers)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    async def _probe(self, url: str) -> ProbeResult:
-        start = time.monotonic()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self._session.get(url.rstrip("/") + HEALTH_PATH) as resp:
-                    await resp.read()
-                    ok = resp.status == 200
-                    return ProbeResult(ok, time.monotonic() - start, None if ok else f"HTTP {resp.status}")
-        except TimeoutError:
-            return ProbeResult(False, time.monotonic() - start, f"timeout after {self.timeout_s:g} s")
-        except aiohttp.ClientError as err:
-            return ProbeResult(False, time.monotonic() - start, f"{type(err).__name__}: {err}")
-
-    async def _probe_many(self, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
-        names = list(targets)
-        results = await asyncio.gather(*(self._probe(targets[n]) for n in names))
-        return dict(zip(names, results))
-
-    def probe_all(self, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
-        """{engine name: base url} -> {engine name: result}, all probed concurrently."""
-        return self._run(self._probe_many(targets))
-
-    def close(self) -> None:
-        self._run(self._session.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+from rollout.engine_client import ProbeResult
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """supervisor_state.json: what the supervisor knows about its job and steps, kept in the job dir.
 
-It is what a supervisor restarted after a crash (supervisor.watchdog) reads to adopt the live steps
+It is what a supervisor restarted after a crash (slurm.watchdog) reads to adopt the live steps
 and the weight version, and what `slurmrl status` shows. Every save replaces the file atomically
 and durably, so a reader or a crash never sees half a document: either the old state or the new one.
 """
@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 
-STATE_FILE = "supervisor_state.json"
+from jobs.contract import JobDir, write_atomic
 STEP_KINDS = ("engine", "router", "trainer")
 STEP_STATES = ("starting", "waiting", "healthy", "unhealthy", "restarting", "failed", "stopped", "fenced")
 
@@ -69,34 +67,14 @@ class JobState:
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
-            raise ValueError(f"unknown fields in {STATE_FILE}: {sorted(unknown)}")
+            raise ValueError(f"unknown fields in the state file: {sorted(unknown)}")
         return cls(**raw, steps=steps)
 
 
-def _replace_durable(path: Path, data: bytes) -> None:
-    # ckpt_tools.torch_dist.replace_durable does the same, but importing it pulls in torch
-    # (seconds and hundreds of MB) into a supervisor that never touches a tensor.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def read_state(job_dir: Path) -> JobState:
+def read_state(job_dir: JobDir) -> JobState:
     """The saved state, or a fresh one when there is none yet (first start of the job)."""
-    path = Path(job_dir) / STATE_FILE
     try:
-        return JobState.from_json(path.read_text())
+        return JobState.from_json(job_dir.state.read_text())
     except FileNotFoundError:
         return JobState()
 
@@ -104,10 +82,10 @@ def read_state(job_dir: Path) -> JobState:
 class StateStore:
     """The supervisor's copy of the state; `update()` changes it and saves it as one unit."""
 
-    def __init__(self, job_dir: Path) -> None:
-        self.path = Path(job_dir) / STATE_FILE
+    def __init__(self, job_dir: JobDir) -> None:
+        self.path = job_dir.state
         self._lock = threading.Lock()
-        self._state = read_state(Path(job_dir))
+        self._state = read_state(job_dir)
 
     def snapshot(self) -> JobState:
         """A deep copy, safe to read while other threads update."""
@@ -122,7 +100,7 @@ class StateStore:
             draft = copy.deepcopy(self._state)
             yield draft
             draft.updated_at = time.time()
-            _replace_durable(self.path, draft.to_json().encode())
+            write_atomic(self.path, draft.to_json())
             self._state = draft
 
     def update_step(self, name: str, **changes: object) -> StepRecord:

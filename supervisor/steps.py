@@ -38,9 +38,10 @@ StepStatus = Literal["pending", "running", "exited", "unknown"]
 
 # The stand-in: exits with the code written to its stdin (or 255 when its supervisor dies first).
 _STAND_IN = ("/bin/sh", "-c", 'read -r code; exit "${code:-255}"')
-UNKNOWN_EXIT = 255  # accounting never recorded the step's end (no slurmdbd, or past EXIT_CODE_WAIT_S)
+UNKNOWN_EXIT = 255  # accounting never recorded the step's end (no slurmdbd, or past exit_code_wait_s)
 CANCELLED_EXIT = 128 + signal.SIGTERM
-EXIT_CODE_WAIT_S = 30.0  # slurmdbd records a step's end a moment after squeue drops it
+_ACCOUNTING_POLL_S = 1.0  # between two asks to sacct for an ended step's exit code
+_GONE_POLL_S = 0.5  # between two looks whether SLURM still lists a cancelled step
 _UNFINISHED = {"PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "REQUEUED", "RESIZING"}
 
 
@@ -154,10 +155,13 @@ class _ExitWatcher:
 class StepController:
     """Launches, finds, cancels and adopts the steps of one SLURM job."""
 
-    def __init__(self, job_id: str, on_exit: Callable[[Step], None] | None = None,
-                 query_timeout_s: float = 20.0) -> None:
+    def __init__(self, job_id: str, query_timeout_s: float, exit_code_wait_s: float,
+                 on_exit: Callable[[Step], None] | None = None) -> None:
+        """query_timeout_s: one squeue/sacct/scancel call; exit_code_wait_s: for slurmdbd to record
+        the end of a step that squeue no longer lists."""
         self.job_id = job_id
         self.query_timeout_s = query_timeout_s
+        self.exit_code_wait_s = exit_code_wait_s
         self._component_ids: list[str] | None = None
         self._claimed: set[str] = set()  # step ids already tied to a Step object
         self._watcher = _ExitWatcher(on_exit) if on_exit is not None else None
@@ -233,12 +237,12 @@ class StepController:
                 alive.append(self._adopted(name, step_id))
         return alive
 
-    def ended(self, name: str, step_id: str, wait_s: float = EXIT_CODE_WAIT_S) -> Step:
+    def ended(self, name: str, step_id: str) -> Step:
         """A step that ended while no supervisor watched it, as an adopted Step whose stand-in exits
-        at once with the step's exit code (UNKNOWN_EXIT if accounting has none within wait_s)."""
-        deadline = time.monotonic() + wait_s
+        at once with the step's exit code (UNKNOWN_EXIT if accounting has none within exit_code_wait_s)."""
+        deadline = time.monotonic() + self.exit_code_wait_s
         while (code := self.exit_codes([step_id]).get(step_id)) is None and time.monotonic() < deadline:
-            time.sleep(1.0)
+            time.sleep(_ACCOUNTING_POLL_S)
         step = self._adopted(name, step_id)
         _release(step, UNKNOWN_EXIT if code is None else code)
         return step
@@ -258,7 +262,7 @@ class StepController:
                 codes[step_id] = _exit_code(state.split()[0], exit_code)
         return codes
 
-    def cancel(self, step: Step, timeout_s: float = 30.0, term_grace_s: float = 5.0) -> None:
+    def cancel(self, step: Step, timeout_s: float, term_grace_s: float) -> None:
         """scancel the step (never --full: the batch step is the supervisor), then wait for its
         srun with a deadline, then SIGTERM and SIGKILL srun's own process group. An adopted step:
         wait until SLURM no longer lists it, then let its stand-in exit."""
@@ -299,7 +303,7 @@ class StepController:
             rows = self.query()
             if rows is not None and step.slurm_step not in rows:
                 return
-            time.sleep(0.5)
+            time.sleep(_GONE_POLL_S)
         raise TimeoutError(f"step {step.slurm_step} ({step.spec_name}) still runs {timeout_s:.0f} s after scancel")
 
     def _adopted(self, name: str, step_id: str) -> Step:
@@ -319,7 +323,7 @@ class StepController:
         for step in ended:
             step.gone_since = step.gone_since or now
             code = codes.get(step.slurm_step)
-            if code is not None or now - step.gone_since > EXIT_CODE_WAIT_S:
+            if code is not None or now - step.gone_since > self.exit_code_wait_s:
                 _release(step, UNKNOWN_EXIT if code is None else code)
 
     def _claim(self, name: str, rows: Mapping[str, tuple[str, str]]) -> str | None:

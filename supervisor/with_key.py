@@ -9,16 +9,16 @@ import os
 import runpy
 import sys
 
-from supervisor.keys import ENV_VAR
+from jobs.contract import API_KEY_ENV
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or not os.environ.get(ENV_VAR):
-        print(f"usage: {ENV_VAR}=KEY python -m supervisor.with_key MODULE [ARGS...]", file=sys.stderr)
+    if len(sys.argv) < 2 or not os.environ.get(API_KEY_ENV):
+        print(f"usage: {API_KEY_ENV}=KEY python -m supervisor.with_key MODULE [ARGS...]", file=sys.stderr)
         raise SystemExit(2)
     module = sys.argv[1]
     # One token: a key that starts with "-" must not read as another flag.
-    sys.argv = [module, *sys.argv[2:], f"--api-key={os.environ[ENV_VAR]}"]
+    sys.argv = [module, *sys.argv[2:], f"--api-key={os.environ[API_KEY_ENV]}"]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

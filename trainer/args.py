@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from jobs.contract import API_KEY_ENV
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
@@ -236,7 +239,12 @@ def validate(args: argparse.Namespace) -> None:
     args.job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
     args.global_batch_size = gbs
     args.ref_model_needed = bool(args.use_kl_loss or args.kl_coef)
-    args.api_key = os.environ.get("SLURMRL_API_KEY")  # never on the command line: ps would show it
+    args.api_key = os.environ.get(API_KEY_ENV)  # never on the command line: ps would show it
+
+
+def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
+    """--hf-checkpoint's config.json (validate checked that there is one)."""
+    return json.loads((Path(hf_checkpoint) / "config.json").read_text())
 
 
 def check_model_flags(args: argparse.Namespace, hf_config: dict[str, Any]) -> None:

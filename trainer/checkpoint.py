@@ -26,15 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckpt_tools.torch_dist import (
-    TRACKER,
-    fsync_dir,
-    iteration_dirname,
-    read_metadata,
-    read_tracker,
-    write_durable,
-    write_tracker,
-)
+from ckpt_tools.torch_dist import read_metadata
+from ckpt_tools.tracker import TRACKER, iteration_dirname, read_tracker, write_tracker
+from jobs.contract import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +79,7 @@ def _fresh_tmp(save_dir: Path, iteration: int) -> Path:
 
 def _write_manifest(folder: Path, iteration: int) -> None:
     files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-    write_durable(folder / MANIFEST, json.dumps({"iteration": iteration, "files": files}, indent=1).encode())
+    write_atomic(folder / MANIFEST, json.dumps({"iteration": iteration, "files": files}, indent=1))
 
 
 def _fsync_tree(folder: Path) -> None:

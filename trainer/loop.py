@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +17,9 @@ from typing import Any
 
 import torch
 
+from jobs.contract import JobDir, Metric, Phase
+from jobs.spec import FaultToleranceSpec
+from jobs.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
@@ -49,10 +50,13 @@ class Driver:
         from transformers import AutoTokenizer
 
         self.args = args
+        job_dir = JobDir(Path(args.job_dir))
+        # Supervised, the job's waits are its spec's (JOB_DIR/spec.yaml); else their defaults.
+        ft = spec_from_yaml(job_dir.spec).fault_tolerance if args.supervised else FaultToleranceSpec()
         self.router_url = (f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
                            if args.sglang_router_ip else None)
-        self.router = RouterClient(self.router_url, args.api_key) if self.router_url else None
-        self.supervisor = SupervisorLink(Path(args.job_dir)) if args.supervised else None
+        self.router = RouterClient(self.router_url, args.api_key, ft.router_request_timeout) if self.router_url else None
+        self.supervisor = SupervisorLink.of(job_dir, ft) if args.supervised else None
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint) if args.apply_chat_template else None
         self.buffer = DataBuffer(JsonlDataSource(
             args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
@@ -60,7 +64,7 @@ class Driver:
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
         self.rollout = rollout_args(args, self.router_url or "",
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
-        self.reporter = Reporter(Path(args.job_dir), args.tensorboard_dir)
+        self.reporter = Reporter(job_dir, args.tensorboard_dir)
         self.publisher = None
         if not args.debug_train_only:
             from trainer.publish import WeightPublisher
@@ -108,17 +112,7 @@ class Driver:
     def restore(self, common: dict[str, Any], next_rollout: int) -> None:
         if self.buffer and common.get("data_buffer"):
             self.buffer.load_state_dict(common["data_buffer"])
-        _drop_metrics_from(self.reporter.metrics_path, next_rollout)
-
-
-def _drop_metrics_from(path: Path, rollout_id: int) -> None:
-    """A resumed run redoes rollouts after its checkpoint: forget their earlier lines."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["rollout_id"] < rollout_id]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+        self.reporter.drop_from(next_rollout)
 
 
 class Loop:
@@ -185,16 +179,16 @@ class Loop:
         began = time.monotonic()
         samples: list[TrainSample] | None = None
         if self.driver:
-            self.driver.reporter.heartbeat("rollout", rollout_id)
+            self.driver.reporter.heartbeat(Phase.ROLLOUT, rollout_id)
             samples = self.driver.generate_abandonable(rollout_id, self.save_now)
         samples = self.backend.broadcast_object(samples)
         if samples is None:
             return None
         rolled = time.monotonic()
         metrics = self.train(samples, rollout_id)
-        metrics.update(reward_mean=sum(s.reward for s in samples) / max(1, len(samples)),
-                       samples=len(samples), rollout_seconds=rolled - began, train_seconds=time.monotonic() - rolled)
-        metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics["train_seconds"], 1e-9)
+        metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
+                        Metric.ROLLOUT_SECONDS: rolled - began, Metric.TRAIN_SECONDS: time.monotonic() - rolled})
+        metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
         return metrics
 
     def train(self, samples: list[TrainSample], rollout_id: int) -> dict[str, Any]:
@@ -225,7 +219,7 @@ class Loop:
         steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
         for batch in steps:
             if self.driver:
-                self.driver.reporter.heartbeat("train", rollout_id)  # the train timeout is per optimizer step
+                self.driver.reporter.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
             step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss_cfg, samples, batch),
                                                    need_entropy)
             if args.advantage_estimator == "ppo":
@@ -254,11 +248,11 @@ class Loop:
             for _ in weights:  # collective: the other ranks take part in the gathers
                 pass
             return {}
-        self.driver.reporter.heartbeat("publish", self.next_rollout)
+        self.driver.reporter.heartbeat(Phase.PUBLISH, self.next_rollout)
         result = self.driver.publisher.publish(str(self.weight_version), self.driver.engines(), weights)
         if self.driver.supervisor:
             self.driver.supervisor.published(self.weight_version, result.updated, result.fenced)
-        return {"publish_seconds": result.seconds, "engines_updated": len(result.updated),
+        return {Metric.PUBLISH_SECONDS: result.seconds, "engines_updated": len(result.updated),
                 "engines_fenced": len(result.fenced)}
 
     def publish_and_save(self, rollout_id: int, metrics: dict[str, Any], publish: bool = True) -> None:
@@ -270,13 +264,13 @@ class Loop:
         if self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0)):
             began = time.monotonic()
             self.save(rollout_id)
-            metrics["save_seconds"] = time.monotonic() - began
+            metrics[Metric.SAVE_SECONDS] = time.monotonic() - began
         if self.driver:
             self.driver.reporter.rollout(rollout_id, metrics)
 
     def save(self, rollout_id: int) -> None:
         if self.driver:
-            self.driver.reporter.heartbeat("save", rollout_id)
+            self.driver.reporter.heartbeat(Phase.SAVE, rollout_id)
         common = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                   **(self.driver.state() if self.driver else {})}
         common = self.backend.broadcast_object(common)

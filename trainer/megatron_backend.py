@@ -8,7 +8,6 @@ fp32 master weights without megatron's DDP or distributed optimizer.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 from collections.abc import Iterator
@@ -359,10 +358,3 @@ def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:
     dist.all_reduce(flat, group=group)
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
-
-
-def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
-    path = Path(hf_checkpoint) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"--hf-checkpoint {hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
-    return json.loads(path.read_text())

@@ -1,42 +1,42 @@
 """The trainer's reports: one stdout line and one metrics.jsonl line per rollout, TensorBoard
-scalars, and the heartbeat file the supervisor watches (phase and time, written atomically)."""
+scalars, and the heartbeat the supervisor watches (the files are jobs/contract.py's)."""
 
 from __future__ import annotations
 
 import json
-import os
-import time
-from pathlib import Path
 from typing import Any
 
-from supervisor.trainer_files import HEARTBEAT_FILE, METRICS_FILE
+from jobs.contract import JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
 
 
 class Reporter:
-    def __init__(self, job_dir: Path, tensorboard_dir: str | None) -> None:
+    def __init__(self, job_dir: JobDir, tensorboard_dir: str | None) -> None:
         self.job_dir = job_dir
-        job_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = job_dir / METRICS_FILE
-        self.heartbeat_path = job_dir / HEARTBEAT_FILE
+        job_dir.root.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(tensorboard_dir or str(job_dir / "tensorboard"))
+        self.writer = SummaryWriter(tensorboard_dir or str(job_dir.tensorboard))
 
-    def heartbeat(self, phase: str, rollout_id: int) -> None:
-        tmp = self.heartbeat_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"phase": phase, "rollout_id": rollout_id, "time": time.time(), "pid": os.getpid()}))
-        os.replace(tmp, self.heartbeat_path)
+    def heartbeat(self, phase: Phase, rollout_id: int) -> None:
+        write_heartbeat(self.job_dir, phase, rollout_id)
 
     def rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         for name, value in metrics.items():
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(name, value, rollout_id)
         self.writer.flush()
-        line = {"rollout_id": rollout_id, **metrics}
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        line = append_metrics(self.job_dir, rollout_id, metrics)
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items())
         print(f"[trainer] {shown}", flush=True)
+
+    def drop_from(self, rollout_id: int) -> None:
+        """A resumed run redoes the rollouts after its checkpoint: forget their earlier lines."""
+        path = self.job_dir.metrics
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line and json.loads(line)[Metric.ROLLOUT_ID] < rollout_id]
+        write_atomic(path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
         self.writer.close()

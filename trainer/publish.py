@@ -16,46 +16,31 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import requests
 import torch
-import torch.distributed as dist
 
-from ckpt_tools.convert import HF_SIDE_FILES
-from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
-from ckpt_tools.torch_dist import fsync_dir
-from rollout.cpu_engine.weight_sync import UpdateGroup, WeightSyncError, create_group
+from rollout.engine_client import EngineClient, EngineError
+from rollout.weight_group import Backend, UpdateGroup, WeightSyncError, create_group, free_port, route_address
+from trainer.weight_folders import WeightFolders
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # --update-weight-buffer-size
 Transport = Literal["disk", "nccl"]
 Weights = Iterable[tuple[str, torch.Tensor]]
 OnFence = Callable[[str, str], None]
-# Read once, by ProcessGroupNCCL's constructor. By default (3, SkipCleanUp) a broadcast to a hung
-# engine that times out takes the whole trainer down; 2 (CleanUpOnly) aborts only this group.
-# (Seen on 2 H200s, torch 2.11: the trainer lives; the abort still waits about 60 s for the
-# flight recorder's dump.)
-_NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-_PARTIAL = ".partial-"  # marks a hidden folder still being written (or being removed)
+# Seconds: bounds every single wait of a publish (one engine call, the group's rendezvous, one
+# broadcast) unless the caller names its own (--update-weight-timeout).
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class PublishError(Exception):
     """The trainer's side of a publish failed; no engine got the version."""
-
-
-class EngineError(Exception):
-    """One engine failed a call; the message is the reason it is fenced."""
 
 
 @dataclass
@@ -79,33 +64,9 @@ class _Group:
         return [url for url, _ in self.layout]
 
 
-class _Engines:
-    """HTTP calls to engines, one thread each so they run at once, each bounded by the timeout."""
-
-    def __init__(self, api_key: str | None, timeout_s: float) -> None:
-        # requests quotes a header value it refuses in its error text: refuse such a key here, unquoted.
-        if api_key is not None and (not api_key.isprintable() or any(c.isspace() for c in api_key)):
-            raise ValueError("the API key holds whitespace or control characters")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout_s = timeout_s
-
-    def call(self, url: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """GET (no body) or POST; the JSON answer, or EngineError on anything but a success."""
-        try:
-            if body is None:
-                response = requests.get(url + route, headers=self._headers, timeout=self.timeout_s)
-            else:
-                response = requests.post(url + route, json=body, headers=self._headers, timeout=self.timeout_s)
-        except requests.RequestException as err:  # its text names the url, never the headers
-            raise EngineError(f"{route} failed: {type(err).__name__}: {err}") from None
-        try:
-            answer = response.json()
-        except ValueError:
-            answer = None
-        if response.status_code != 200 or not isinstance(answer, dict) or answer.get("success") is False:
-            detail = answer.get("message", answer) if isinstance(answer, dict) else response.text[:300]
-            raise EngineError(f"{route} answered {response.status_code}: {detail}")
-        return answer
+class _Engines(EngineClient):
+    """The engine client fanned out: one thread per engine so the calls run at once, each bounded
+    by the timeout. A failed call (EngineError) is the reason its engine is fenced."""
 
     def start(self, urls: list[str], fn: Callable[[str], Any]) -> dict[str, Future]:
         pool = ThreadPoolExecutor(max_workers=max(len(urls), 1))
@@ -124,6 +85,9 @@ class _Engines:
                 failed[url] = str(err)
         return done, failed
 
+    def each(self, urls: list[str], fn: Callable[[str], Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        return self.settle(self.start(urls, fn))
+
     def start_call(self, urls: list[str], route: str, body: dict[str, Any] | None = None) -> dict[str, Future]:
         return self.start(urls, lambda url: self.call(url, route, body))
 
@@ -140,17 +104,15 @@ class WeightPublisher:
     it is fenced. Call close() when done, to destroy the update group."""
 
     def __init__(self, transport: Transport, job_dir: Path, hf_checkpoint: Path, api_key: str | None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = 600.0,
-                 on_fence: OnFence | None = None, backend: Literal["nccl", "gloo"] | None = None) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 on_fence: OnFence | None = None, backend: Backend | None = None) -> None:
         if transport not in ("disk", "nccl"):
             raise ValueError(f"transport must be disk or nccl, got {transport!r}")
         if bucket_bytes <= 0 or keep_versions < 1 or timeout_s <= 0:
             raise ValueError("bucket_bytes and timeout_s must be positive and keep_versions at least 1")
         self.transport = transport
-        self.weights_dir = Path(job_dir) / "weights"
-        self.hf_checkpoint = Path(hf_checkpoint)
         self.bucket_bytes = bucket_bytes
-        self.keep_versions = keep_versions
+        self._folders = WeightFolders(Path(job_dir) / "weights", Path(hf_checkpoint), bucket_bytes, keep_versions)
         self.timeout_s = timeout_s
         self.on_fence = on_fence or (lambda url, reason: None)
         # NCCL needs the trainer's GPU; SGLang engines join with nccl, CPU engines with gloo.
@@ -197,10 +159,10 @@ class WeightPublisher:
 
     def _verify(self, version: str, engines: list[str], fenced: dict[str, str]) -> list[str]:
         """Fence every engine whose /model_info does not name the new version."""
-        infos, failed = self._engines.on_all(engines, "/model_info")
-        for url, info in infos.items():
-            if info.get("weight_version") != version:
-                failed[url] = f"/model_info says weight_version {info.get('weight_version')!r}, expected {version!r}"
+        versions, failed = self._engines.each(engines, self._engines.weight_version)
+        for url, served in versions.items():
+            if served != version:
+                failed[url] = f"/model_info says weight_version {served!r}, expected {version!r}"
         self._fence(failed, fenced)
         return [url for url in engines if url not in fenced]
 
@@ -208,65 +170,16 @@ class WeightPublisher:
 
     def _publish_disk(self, version: str, engines: list[str], weights: Weights,
                       fenced: dict[str, str]) -> tuple[list[str], int]:
-        folder, nbytes = self._write_folder(version, weights)
-        done, failed = self._engines.on_all(engines, "/update_weights_from_disk",
-                                            {"model_path": str(folder), "weight_version": version})
-        self._fence(failed, fenced)
-        self._prune(folder)
-        return [url for url in engines if url in done], nbytes
-
-    def _write_folder(self, version: str, weights: Weights) -> tuple[Path, int]:
-        """JOB/weights/<version>: safetensors shards of bucket_bytes with their index, and the
-        config and tokenizer of the HF checkpoint. It appears only once complete."""
         # Held whole (on the CPU): the writer plans every shard's header before its first byte.
         tensors = [(name, tensor.detach().cpu()) for name, tensor in weights]
         if not tensors:
             raise PublishError("no weights to publish")
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{version}{_PARTIAL}", dir=self.weights_dir))
-        try:
-            writer = StreamingSafetensorsWriter(tmp, [(n, tuple(t.shape), t.dtype) for n, t in tensors],
-                                                self.bucket_bytes)
-            for name, tensor in tensors:
-                writer.write(name, tensor)
-            writer.close()
-            for side in HF_SIDE_FILES:
-                if (self.hf_checkpoint / side).is_file():
-                    shutil.copy2(self.hf_checkpoint / side, tmp / side)
-            fsync_dir(tmp)
-            final = self._move_into_place(tmp, version)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final, writer.total_bytes
-
-    def _move_into_place(self, tmp: Path, version: str) -> Path:
-        """Rename the finished folder in; a folder of the same version (a resumed run publishing
-        it again) is removed first, as rename cannot replace a full folder."""
-        final = self.weights_dir / version
-        if final.exists():
-            self._remove(final)
-        os.rename(tmp, final)
-        fsync_dir(self.weights_dir)
-        return final
-
-    def _prune(self, current: Path) -> None:
-        """Keep the newest keep_versions folders (current among them); drop what a publisher
-        that died mid-write left behind."""
-        entries = list(self.weights_dir.iterdir())
-        for entry in entries:
-            if entry.name.startswith(".") and _PARTIAL in entry.name:
-                shutil.rmtree(entry, ignore_errors=True)
-        versions = sorted((e for e in entries if e.is_dir() and not e.name.startswith(".") and e != current),
-                          key=lambda e: e.stat().st_mtime_ns, reverse=True)
-        for old in versions[self.keep_versions - 1:]:
-            self._remove(old)
-
-    def _remove(self, folder: Path) -> None:
-        """Hide the folder first, so nobody sees it half deleted."""
-        hidden = tempfile.mkdtemp(prefix=f".{folder.name}{_PARTIAL}", dir=self.weights_dir)
-        os.rename(folder, hidden)  # onto an empty folder, which rename may replace
-        shutil.rmtree(hidden, ignore_errors=True)
+        folder, nbytes = self._folders.write(version, tensors)
+        done, failed = self._engines.each(
+            engines, lambda url: self._engines.load_from_disk(url, folder, version, self.timeout_s))
+        self._fence(failed, fenced)
+        self._folders.prune(folder)
+        return [url for url in engines if url in done], nbytes
 
     # ---- nccl (gloo on CPU) ----
 
@@ -291,7 +204,7 @@ class WeightPublisher:
         """The group of the live engines with the update begun on each. An engine failing on the
         way is fenced and the group rebuilt without it; each round drops one, so this ends."""
         while engines:
-            tp_sizes, failed = self._engines.settle(self._engines.start(engines, self._tp_size))
+            tp_sizes, failed = self._engines.each(engines, self._tp_size)
             self._fence(failed, fenced)
             layout = tuple((url, tp_sizes[url]) for url in engines if url in tp_sizes)
             if not layout:
@@ -314,15 +227,16 @@ class WeightPublisher:
     def _tp_size(self, url: str) -> int:
         size = self._engines.call(url, "/server_info").get("tp_size", 1)
         if not isinstance(size, int) or size < 1:
-            raise EngineError(f"/server_info gives tp_size {size!r}")
+            raise EngineError(f"{url}/server_info gives tp_size {size!r}")
         return size
 
     def _build_group(self, layout: tuple[tuple[str, int], ...], fenced: dict[str, str]) -> _Group | None:
         """Rank 0 here, engine i's ranks from 1 + the tp sizes before it. Engines that fail to
         join are fenced and None is returned; a failure of the trainer's own side raises."""
         name = f"slurmrl_weights_{os.getpid()}_{next(self._group_ids)}"  # unique: a stale group never clashes
-        address = _address_towards(layout[0][0])
-        port = _free_port(address)
+        engine = urlsplit(layout[0][0])
+        address = route_address(engine.hostname, engine.port or 80)
+        port = free_port(address)
         world_size = 1 + sum(tp for _, tp in layout)
         offsets = itertools.accumulate((tp for _, tp in layout[:-1]), initial=1)
         bodies = {url: {"master_address": address, "master_port": port, "rank_offset": offset,
@@ -332,24 +246,19 @@ class WeightPublisher:
             url, "/init_weights_update_group", bodies[url]))
         group, error = None, None
         try:
-            group = self._join(address, port, world_size, name)
-        except (WeightSyncError, RuntimeError) as err:
+            group = create_group(address, port, 0, world_size, name, self.timeout_s, self.backend)
+        except WeightSyncError as err:
             error = err
         joined, failed = self._engines.settle(futures)
         if not failed and group is not None:
             return _Group(layout, group)
         if group is not None:
-            _release(group)
+            group.close()
         self._engines.on_all(list(joined), "/destroy_weights_update_group", {"group_name": name})
         if not failed:
             raise PublishError(f"the trainer could not form the weight update group: {error}")
         self._fence(failed, fenced)
         return None
-
-    def _join(self, address: str, port: int, world_size: int, name: str) -> UpdateGroup:
-        if self.backend == "gloo":
-            return create_group(address, port, 0, world_size, name, self.timeout_s)
-        return _create_nccl_group(address, port, world_size, name, self.timeout_s)
 
     def _send_buckets(self, version: str, group: _Group, weights: Weights,
                       fenced: dict[str, str]) -> tuple[list[str], int]:
@@ -364,7 +273,7 @@ class WeightPublisher:
                     "shapes": [list(t.shape) for t in tensors], "group_name": group.group.name,
                     "flush_cache": last, "weight_version": version if last else None}
             futures = self._engines.start_call(members, "/update_weights_from_distributed", body)
-            broken = self._broadcast(group.group, tensors)
+            broken = _broadcast(group.group, tensors)
             done, failed = self._engines.settle(futures)
             nbytes += sum(t.numel() * t.element_size() for t in tensors)
             failed.update({url: broken for url in members if broken and url not in done and url not in failed})
@@ -379,24 +288,13 @@ class WeightPublisher:
             return [], nbytes
         return members, nbytes
 
-    def _broadcast(self, group: UpdateGroup, tensors: list[torch.Tensor]) -> str | None:
-        """Send each tensor from rank 0, each wait bounded; the reason it broke off, or None."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        try:
-            for tensor in tensors:
-                group.pg.broadcast([tensor], options).wait(timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            return f"the weight broadcast broke off: {err}"
-        return None
-
     def _drop_group(self, fenced: dict[str, str] | None = None) -> None:
         """Close the trainer's side first (so engines blocked on it fail fast), then destroy it
         on the engines not fenced (those may hang, and are replaced anyway), best effort."""
         if self._group is None:
             return
         group, self._group = self._group, None
-        _release(group.group)
+        group.group.close()
         alive = [url for url in group.engines if url not in (fenced or {})]
         self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": group.group.name})
 
@@ -417,54 +315,12 @@ def _buckets(weights: Weights, bucket_bytes: int) -> Iterator[tuple[list[tuple[s
         yield bucket, True
 
 
-def _release(group: UpdateGroup) -> None:
-    """Shut the group down and let go of its process group now: only its destruction closes
-    gloo's connections, which is what wakes engines still blocked on a broadcast (else they wait
-    for their own, longer, timeout while holding their group lock)."""
-    if isinstance(group.pg, dist.ProcessGroupGloo):
-        group.close()
-    else:  # NCCL's shutdown waits for the collective a hung engine never finishes: abort it
-        group.pg.abort()
-    group.pg = None  # type: ignore[assignment]
-
-
-def _create_nccl_group(address: str, port: int, world_size: int, name: str, timeout_s: float) -> UpdateGroup:
-    """Rank 0 of an NCCL group that SGLang's init_custom_process_group joins: the same TCPStore
-    and the same key prefixes (group name, then 'name/', then the device 'cuda/')."""
-    timeout = timedelta(seconds=timeout_s)
-    tcp = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
-    store = dist.PrefixStore("cuda/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, tcp)))
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    options.is_high_priority_stream = False
-    with _environ(_NCCL_GROUP_ENV):
-        pg = dist.ProcessGroupNCCL(store, 0, world_size, options)
-    return UpdateGroup(name=name, rank=0, world_size=world_size, store=tcp, pg=pg)
-
-
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
+def _broadcast(group: UpdateGroup, tensors: list[torch.Tensor]) -> str | None:
+    """Send each tensor from rank 0, each wait bounded by the group's timeout; the reason it
+    broke off, or None."""
     try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _address_towards(url: str) -> str:
-    """This host's address on the route to an engine, which the engine can dial back."""
-    parts = urlsplit(url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((parts.hostname, parts.port or 80))  # UDP: picks the route, sends nothing
-        return probe.getsockname()[0]
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+        for tensor in tensors:
+            group.broadcast(tensor)
+    except RuntimeError as err:
+        return f"the weight broadcast broke off: {err}"
+    return None

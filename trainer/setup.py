@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ckpt_tools.torch_dist import resolve_checkpoint
+from ckpt_tools.tracker import resolve_checkpoint
 from trainer import dist_env
-from trainer.args import ArgsError, check_model_flags
+from trainer.args import ArgsError, check_model_flags, read_hf_config
 from trainer.loop import Loop, seed_everything
-from trainer.megatron_backend import MegatronBackend, read_hf_config
 
 
 def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], None] | None]:
@@ -26,6 +25,9 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
 
         backend = FSDPBackend.from_args(args)
         return Loop(args, backend), None, None
+    # Imported only when chosen: the fsdp backend runs without megatron-core installed.
+    from trainer.megatron_backend import MegatronBackend
+
     backend = MegatronBackend(args, hf_config)
     initial = initial_weights(args, backend.rank == 0, backend.cpu_group)
     if args.opd_teacher_load:

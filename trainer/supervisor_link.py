@@ -4,9 +4,9 @@ The supervisor owns the engines: it says which are ready (at the current weight 
 waiting for it), hears which failed, learns each published version, and can ask the trainer
 to save and stop between rollouts (`slurmrl stop`, preemption).
 
-A supervisor that crashes is restarted by its watchdog (supervisor.watchdog) and adopts the
-trainer; the calls the trainer cannot go on without wait out that gap (up to gap_s) instead of
-ending the training.
+A supervisor that crashes is restarted by its watchdog (slurm.watchdog) and adopts the
+trainer; the calls the trainer cannot go on without wait out that gap (up to gap_s: the spec's
+fault_tolerance.supervisor_gap) instead of ending the training.
 """
 
 from __future__ import annotations
@@ -14,39 +14,46 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from supervisor.control import ControlClient, ControlError, SupervisorUnreachable
+from jobs.contract import JobDir
+from jobs.control_protocol import Call, ControlClient, ControlError, SupervisorUnreachable
+from jobs.spec import FaultToleranceSpec
 
 log = logging.getLogger(__name__)
 
-GAP_S = 120.0  # a restart takes seconds; a supervisor gone this long is not coming back
+_RETRY_S = 1.0  # between two asks while no supervisor answers
 
 
 class SupervisorLink:
-    def __init__(self, job_dir: Path, gap_s: float = GAP_S, retry_s: float = 1.0) -> None:
-        self.client = ControlClient(job_dir)
+    def __init__(self, job_dir: JobDir, call_timeout_s: float, gap_s: float, retry_s: float = _RETRY_S) -> None:
+        """call_timeout_s bounds one call; gap_s, how long calls are asked again while no supervisor
+        answers (a restart takes seconds; a supervisor gone this long is not coming back)."""
+        self.client = ControlClient(job_dir, call_timeout_s)
         self.gap_s = gap_s
         self.retry_s = retry_s
 
+    @classmethod
+    def of(cls, job_dir: JobDir, ft: FaultToleranceSpec) -> SupervisorLink:
+        return cls(job_dir, ft.control_call_timeout, ft.supervisor_gap)
+
     def ready_engines(self) -> list[str]:
         """Engines that should get the next weight version."""
-        return list(self._call("ready_engines")["engines"])
+        return list(self._call(Call.READY_ENGINES)["engines"])
 
     def engine_failed(self, url: str, reason: str) -> None:
         # Not waited for (the rollout goes on meanwhile): a restarted supervisor probes the engine itself.
-        self._tell(self.client.call, "engine_failed", url=url, reason=reason)
+        self._tell(self.client.call, Call.ENGINE_FAILED, url=url, reason=reason)
 
     def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> None:
         # Waited for: a restarted supervisor must learn the version the engines now serve.
-        self._tell(self._call, "published", version=version, updated=updated, fenced=fenced)
+        self._tell(self._call, Call.PUBLISHED, version=version, updated=updated, fenced=fenced)
 
     def stop_requested(self, rollout_id: int) -> bool:
         """Between rollouts: should the trainer save now and end? (Also the trainer's liveness.)"""
-        return bool(self._call("trainer_poll", rollout_id=rollout_id).get("stop"))
+        return bool(self._call(Call.TRAINER_POLL, rollout_id=rollout_id).get("stop"))
 
-    def _call(self, name: str, **args: object) -> dict[str, Any]:
+    def _call(self, name: Call, **args: object) -> dict[str, Any]:
         """The call, asked again while no supervisor answers, for up to gap_s."""
         deadline = time.monotonic() + self.gap_s
         warned = False
@@ -61,7 +68,7 @@ class SupervisorLink:
                     warned = True
                 time.sleep(self.retry_s)
 
-    def _tell(self, call: Callable[..., dict[str, Any]], name: str, **args: object) -> None:
+    def _tell(self, call: Callable[..., dict[str, Any]], name: Call, **args: object) -> None:
         # A report that does not arrive must not stop training: the supervisor re-checks engines itself.
         try:
             call(name, **args)

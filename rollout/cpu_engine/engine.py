@@ -12,7 +12,7 @@ import torch
 from rollout.cpu_engine.args import ServerArgs
 from rollout.cpu_engine.codec import Codec
 from rollout.cpu_engine.scheduler import Scheduler
-from rollout.cpu_engine.weight_sync import UpdateGroup
+from rollout.weight_group import UpdateGroup
 
 STARTING, UP, UNHEALTHY, SHUTTING_DOWN = "Starting", "Up", "UnHealthy", "ShuttingDown"
 

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 
 from rollout.cpu_engine.engine import Engine
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
-from rollout.cpu_engine.weight_sync import WeightSyncError, create_group, parse_dtype, receive
 from rollout.cpu_engine.weights import WeightError, load_into, read_safetensors_folder
+from rollout.weight_group import WeightSyncError, create_group, parse_dtype
 
 # How long a group rendezvous or one broadcast may wait for the trainer before failing.
 GROUP_TIMEOUT_S = 300.0
@@ -140,7 +140,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
                 return _result(False, f"no group {name!r}; call /init_weights_update_group first")
             try:
                 # Receive everything even if a name is wrong, so the trainer's broadcasts complete.
-                tensors = await asyncio.to_thread(receive, group, names, torch_dtypes, shapes)
+                tensors = await asyncio.to_thread(group.receive, names, torch_dtypes, shapes)
             except RuntimeError as err:
                 return _result(False, f"broadcast failed: {err}")
         failed = await apply(tensors, complete=False, version=version)

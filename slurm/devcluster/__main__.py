@@ -1,7 +1,5 @@
-"""`python -m slurm.devcluster up|down|status`, the same as `slurmrl cluster ...`."""
+"""`python -m slurm.devcluster up|down|status ...`: slurm/devcluster/cli.py."""
 
-import sys
+from slurm.devcluster.cli import main
 
-from jobs.cli import main
-
-raise SystemExit(main(["cluster", *sys.argv[1:]]))
+raise SystemExit(main())

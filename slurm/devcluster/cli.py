@@ -1,4 +1,5 @@
-"""`slurmrl cluster up|down|status`: the loopback development cluster from the command line."""
+"""`python -m slurm.devcluster up|down|status` (also `slurmrl cluster ...`): the loopback development
+cluster from the command line."""
 
 from __future__ import annotations
 
@@ -18,9 +19,21 @@ from slurm.devcluster.config import (
 )
 from slurm.devcluster.daemons import DevclusterError
 
+HELP = "a real SLURM cluster on loopback for development and tests"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slurm.devcluster", description=HELP)
+    _add_actions(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("cluster", help="a real SLURM cluster on loopback for development and tests")
+    _add_actions(subparsers.add_parser("cluster", help=HELP))
+
+
+def _add_actions(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{up,down,status}")
     up = actions.add_parser("up", help="install what is missing, start every daemon, wait until nodes are idle")
     # Flags left out keep the shape of the cluster last brought up at --dir (else the defaults).
@@ -34,13 +47,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for action in actions.choices.values():
         action.add_argument("--dir", type=Path, default=DEFAULT_ROOT,
                             help="where configs, state and logs live (default %(default)s, or $SLURMRL_DEVCLUSTER_DIR)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, prog=parser.prog)
 
 
 def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
-        _fail(f"`slurmrl cluster {args.action}` must run as root (its daemons run as root and it installs "
-              "Debian packages); run it with sudo or as root")
+        _fail(args.prog, f"`{args.prog} {args.action}` must run as root (its daemons run as root and it "
+                         "installs Debian packages); run it with sudo or as root")
     try:
         if args.action == "up":
             shape = _requested_shape(args)
@@ -54,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(DevCluster(args.dir).status())
     except (DevclusterError, TimeoutError) as err:
-        _fail(str(err))
+        _fail(args.prog, str(err))
     return 0
 
 
@@ -66,10 +79,10 @@ def _requested_shape(args: argparse.Namespace) -> ClusterShape:
     try:
         shape.validate()
     except ValueError as err:
-        _fail(str(err))
+        _fail(args.prog, str(err))
     return shape
 
 
-def _fail(message: str) -> None:
-    print(f"slurmrl cluster: error: {message}", file=sys.stderr)
+def _fail(prog: str, message: str) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(1)

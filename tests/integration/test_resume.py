@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ckpt_tools.torch_dist import iteration_dirname, read_tracker
+from ckpt_tools.tracker import iteration_dirname, read_tracker
 from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import (assert_never_stale, events, heartbeat, listening_pid, rollouts_done,
                                              status, submit)

@@ -24,7 +24,8 @@ import psutil
 import requests
 
 from slurm.devcluster.daemons import wait_for
-from supervisor.control import ControlClient, ControlError
+from jobs.contract import JobDir
+from jobs.control_protocol import Call, ControlClient, ControlError
 from supervisor.keys import load_key
 from tests.slurm_helpers import sacct_rows, wait_job_gone, wait_sacct_states
 
@@ -92,7 +93,7 @@ def another_uid_is_refused(job_dir: Path) -> bool:
     if pid == 0:  # the child: exit 0 only if the call was refused
         try:
             os.setuid(65534)
-            ControlClient(job_dir, timeout_s=10).call("stop")
+            ControlClient(JobDir(job_dir), timeout_s=10).call(Call.STOP)
         except (ControlError, OSError):
             os._exit(0)
         os._exit(1)
@@ -136,7 +137,7 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 2, 300, "the first rollouts")
         urls = {name: s["url"] for name, s in status(job_dir)["steps"].items() if s["url"]}
-        key = load_key(job_dir)
+        key = load_key(JobDir(job_dir))
 
         def recovered(step: str, times: int) -> None:
             wait_for(lambda: len(events(job_dir, "engine_recovered", step)) >= times, 180, f"{step} recovered")
@@ -145,7 +146,8 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
 
         # A failed request that the engine did not cause (a keep-alive race in the router): the
         # trainer's report is checked with one probe, and a healthy engine stays in.
-        ControlClient(job_dir).call("engine_failed", url=urls["engine-0"], reason="connection reset")
+        ControlClient(JobDir(job_dir), timeout_s=10).call(Call.ENGINE_FAILED, url=urls["engine-0"],
+                                                       reason="connection reset")
         wait_for(lambda: events(job_dir, "engine_report_dismissed", "engine-0"), 60, "the report dismissed")
         assert not events(job_dir, "engine_failed"), events(job_dir, "engine_failed")
 

@@ -17,8 +17,9 @@ import cloudpickle
 import pytest
 
 from jobs import cli
-from jobs.submit import JOB_ID_FILE, SPEC_FILE, make_executor, prepare, submit
-from jobs.spec import JobSpec
+from jobs.contract import JobDir
+from jobs.spec_loading import spec_from_yaml
+from jobs.submit import make_executor, prepare, submit
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
 from tests.integration import submitit_tasks
@@ -53,8 +54,8 @@ def test_standin_runs_as_one_heterogeneous_job(devcluster: DevCluster, tmp_path:
     # The batch shell itself (exec) is the watchdog; the callable runs in its child.
     assert env["ppid"] == env["SLURM_TASK_PID"], "the callable is not the child of the batch shell (exec)"
     assert env["SLURMRL_JOB_DIR"] == spec.job_dir
-    assert JobSpec.from_yaml(job_dir / SPEC_FILE) == spec
-    assert (job_dir / JOB_ID_FILE).read_text().strip() == job.job_id
+    assert spec_from_yaml(JobDir(job_dir).spec) == spec
+    assert JobDir(job_dir).slurm_job_id.read_text().strip() == job.job_id
     assert job.paths.stdout.parent == job_dir / "submitit" and job.paths.stdout.exists()
     wait_sacct_states(job.job_id, {f"{job.job_id}+0": "COMPLETED", f"{job.job_id}+1": "COMPLETED"})
     assert job.components() == {f"{job.job_id}+0": "COMPLETED", f"{job.job_id}+1": "COMPLETED"}

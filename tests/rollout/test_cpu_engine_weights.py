@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from rollout.cpu_engine.weight_sync import create_group
+from rollout.weight_group import create_group
 from tests.rollout.cpu_engine_helpers import (
     EngineProcess,
     free_port,

@@ -8,25 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.keys import ENV_VAR, KEY_FILE, create_key, load_key, redact, step_env
+from jobs.contract import API_KEY_ENV as ENV_VAR
+from jobs.contract import JobDir
+from supervisor.keys import create_key, load_key, redact, step_env
 
 
 def test_key_file_is_0600_and_the_same_key_comes_back(tmp_path: Path) -> None:
+    job_dir = JobDir(tmp_path)
     old = os.umask(0)  # even a permissive umask must not loosen the file
     try:
-        key = create_key(tmp_path)
+        key = create_key(job_dir)
     finally:
         os.umask(old)
-    assert stat.S_IMODE((tmp_path / KEY_FILE).stat().st_mode) == 0o600
-    assert len(key) >= 40 and create_key(tmp_path) == key == load_key(tmp_path)
+    assert stat.S_IMODE(job_dir.api_key.stat().st_mode) == 0o600
+    assert len(key) >= 40 and create_key(job_dir) == key == load_key(job_dir)
     assert step_env(key, {"PATH": "/bin"}) == {"PATH": "/bin", ENV_VAR: key}
 
 
 def test_a_readable_key_file_is_refused(tmp_path: Path) -> None:
-    create_key(tmp_path)
-    os.chmod(tmp_path / KEY_FILE, 0o644)
+    job_dir = JobDir(tmp_path)
+    create_key(job_dir)
+    os.chmod(job_dir.api_key, 0o644)
     with pytest.raises(PermissionError, match="mode 0600"):
-        load_key(tmp_path)
+        load_key(job_dir)
 
 
 def test_redact_hides_the_key_and_credential_shapes() -> None:

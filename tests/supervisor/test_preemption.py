@@ -27,7 +27,7 @@ def job(devcluster: DevCluster, tmp_path: Path) -> Iterator[SlurmJob]:
 #SBATCH --time=10 --output={tmp_path}/out.log --nodes=1
 sleep 600
 """))
-    job = SlurmJob(job_id)
+    job = SlurmJob(job_id, timeout_s=10)
     try:
         wait_for(lambda: job.end_time() is not None, 60, "the job to start")
         yield job
@@ -42,7 +42,7 @@ def test_slurm_job_reads_the_end_and_the_time_left(job: SlurmJob) -> None:
     left = job.time_left()
     assert left is not None and left.startswith(("9:", "10:")), left
     assert not job.ending()
-    assert SlurmJob("999999").end_time() is None and not SlurmJob("999999").ending()
+    assert SlurmJob("999999", timeout_s=10).end_time() is None and not SlurmJob("999999", timeout_s=10).ending()
 
 
 def test_a_warning_far_from_the_end_means_now(job: SlurmJob) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import supervisor.state as state_mod
-from supervisor.state import STATE_FILE, JobState, StateStore, StepRecord, read_state
+from jobs import contract
+from jobs.contract import JobDir
+from supervisor.state import JobState, StateStore, StepRecord, read_state
 
 
 def engine(name: str) -> StepRecord:
@@ -17,12 +18,12 @@ def engine(name: str) -> StepRecord:
 
 
 def test_missing_file_is_a_fresh_start(tmp_path: Path) -> None:
-    assert read_state(tmp_path) == JobState()
-    assert StateStore(tmp_path).snapshot().steps == {}
+    assert read_state(JobDir(tmp_path)) == JobState()
+    assert StateStore(JobDir(tmp_path)).snapshot().steps == {}
 
 
 def test_saved_state_reads_back_equal(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = StateStore(JobDir(tmp_path))
     with store.update() as state:
         state.job_id = "110"
         state.weight_version = "v3"
@@ -31,39 +32,39 @@ def test_saved_state_reads_back_equal(tmp_path: Path) -> None:
         state.steps["engine-0"] = engine("engine-0")
     store.update_step("engine-0", state="healthy", slurm_step="111.4", restarts=2,
                       last_probe_latency_s=0.8, last_probe_time=1.5e9, last_failure="HTTP 503")
-    again = StateStore(tmp_path).snapshot()
+    again = StateStore(JobDir(tmp_path)).snapshot()
     assert again == store.snapshot()
     assert again.steps["engine-0"].slurm_step == "111.4" and again.updated_at is not None
 
 
 def test_a_failed_write_leaves_the_old_state_on_disk_and_in_memory(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    store = StateStore(tmp_path)
+    store = StateStore(JobDir(tmp_path))
     with store.update() as state:
         state.weight_version = "v1"
-    before = (tmp_path / STATE_FILE).read_text()
+    before = JobDir(tmp_path).state.read_text()
 
     def crash(*args: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(state_mod.os, "replace", crash)
+    monkeypatch.setattr(contract.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"), store.update() as state:
         state.weight_version = "v2"
-    assert (tmp_path / STATE_FILE).read_text() == before
+    assert JobDir(tmp_path).state.read_text() == before
     assert store.snapshot().weight_version == "v1"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]  # no temp file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [JobDir(tmp_path).state.name]  # no temp file left behind
 
 
 def test_an_exception_inside_update_saves_nothing(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = StateStore(JobDir(tmp_path))
     with pytest.raises(KeyError), store.update() as state:
         state.requeues = 5
         raise KeyError("boom")
-    assert store.snapshot().requeues == 0 and not (tmp_path / STATE_FILE).exists()
+    assert store.snapshot().requeues == 0 and not JobDir(tmp_path).state.exists()
 
 
 def test_concurrent_updates_lose_nothing(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = StateStore(JobDir(tmp_path))
 
     def bump() -> None:
         for _ in range(20):
@@ -75,11 +76,11 @@ def test_concurrent_updates_lose_nothing(tmp_path: Path) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert read_state(tmp_path).requeues == 80
+    assert read_state(JobDir(tmp_path)).requeues == 80
 
 
 def test_bad_values_are_refused(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = StateStore(JobDir(tmp_path))
     with store.update() as state:
         state.steps["e"] = engine("e")
     with pytest.raises(ValueError, match="state must be one of"):
@@ -87,6 +88,6 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
     assert store.snapshot().steps["e"].state == "starting"
     with pytest.raises(ValueError, match="kind must be one of"):
         StepRecord(name="x", kind="db", het_group=0, nodes=["node1"])
-    (tmp_path / STATE_FILE).write_text(json.dumps({"job_id": "1", "surprise": 1}))
+    JobDir(tmp_path).state.write_text(json.dumps({"job_id": "1", "surprise": 1}))
     with pytest.raises(ValueError, match="surprise"):
-        read_state(tmp_path)
+        read_state(JobDir(tmp_path))

@@ -22,6 +22,8 @@ from tests.slurm_helpers import (
     write_script,
 )
 
+QUERY_S, EXIT_CODE_S = 20.0, 30.0  # squeue/sacct bounds, as fault_tolerance gives them
+
 
 def test_srun_argv_names_every_placement_flag() -> None:
     spec = StepSpec("engine-3", ("python", "-m", "x"), ("node2", "node3"), Path("/j/logs/engine-3.log"),
@@ -41,7 +43,7 @@ def test_a_query_slurm_does_not_answer_is_unknown_not_dead(tmp_path: Path, monke
     fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    controller = StepController("110")
+    controller = StepController("110", QUERY_S, EXIT_CODE_S)
     proc = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL)
     try:
         assert controller.refresh([Step("engine-0", proc, "111.4")]) == {"engine-0": "unknown"}
@@ -57,7 +59,7 @@ def test_exit_codes_from_accounting(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                     "'110.6|NODE_FAIL|0:0' '110.7|RUNNING|0:0' '110.8|COMPLETED|0:0'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    codes = StepController("110").exit_codes(["110.3", "111.4", "111.5", "110.6", "110.7"])
+    codes = StepController("110", QUERY_S, EXIT_CODE_S).exit_codes(["110.3", "111.4", "111.5", "110.6", "110.7"])
     # Killed by signal 9: 137; a node failure is no success even at 0:0; a running step is left out.
     assert codes == {"110.3": 0, "111.4": 7, "111.5": 137, "110.6": 255}
 
@@ -89,7 +91,7 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
                                                               tmp_path: Path) -> None:
     job_id, nodes = hetjob
     exits: queue.Queue[tuple[str, int | None, float]] = queue.Queue()
-    controller = StepController(job_id, on_exit=lambda s: exits.put((s.spec_name, s.returncode, time.monotonic())))
+    controller = StepController(job_id, QUERY_S, EXIT_CODE_S, on_exit=lambda s: exits.put((s.spec_name, s.returncode, time.monotonic())))
     trigger = tmp_path / "exit-now"
 
     def spec(name: str, group: int, command: str, gpus: int = 0) -> StepSpec:
@@ -131,7 +133,7 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
         assert seen - touched < 3.0, f"exit noticed after {seen - touched:.1f} s"
 
         # Cancel one step by its id: its srun ends, the router step is untouched.
-        controller.cancel(engine0, timeout_s=30)
+        controller.cancel(engine0, timeout_s=30, term_grace_s=5)
         assert engine0.returncode is not None
         assert controller.refresh([engine0, router]) == {"engine-0": "exited", "router": "running"}
         assert engine0.slurm_step not in (controller.query() or {})
@@ -140,11 +142,11 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
         # unrecorded (or stale) id falls back to the newest live step of that name, once.
         recorded = {"engine-0": engine0.slurm_step, "router": router.slurm_step, "engine-1": engine1.slurm_step}
         adopted_exits: queue.Queue[tuple[str, int | None]] = queue.Queue()
-        successor = StepController(job_id, on_exit=lambda s: adopted_exits.put((s.spec_name, s.returncode)))
+        successor = StepController(job_id, QUERY_S, EXIT_CODE_S, on_exit=lambda s: adopted_exits.put((s.spec_name, s.returncode)))
         adopted = successor.adopt(recorded)
         assert [(s.spec_name, s.slurm_step) for s in adopted] == [("router", router.slurm_step)]
         assert successor.adopt({"router": f"{job_id}.999"}) == []
-        by_name = StepController(job_id).adopt({"router": None})
+        by_name = StepController(job_id, QUERY_S, EXIT_CODE_S).adopt({"router": None})
         assert [s.slurm_step for s in by_name] == [router.slurm_step]
         # A step that ended unwatched: its exit code from sacct, reported as its exit.
         successor.ended("engine-1", engine1.slurm_step)
@@ -159,7 +161,7 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
         trigger.touch()
         wait_for(lambda: successor.refresh([adopted2]) and adopted2.returncode is not None, 60, "engine-2's exit")
         assert adopted_exits.get(timeout=10) == ("engine-2", 5)
-        successor.cancel(adopted[0], timeout_s=30)
+        successor.cancel(adopted[0], timeout_s=30, term_grace_s=5)
         assert adopted_exits.get(timeout=10) == ("router", 128 + 15)
         assert successor.refresh(adopted) == {"router": "exited"}
         router.proc.wait(30)

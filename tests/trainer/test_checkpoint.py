@@ -25,8 +25,9 @@ from ckpt_tools.megatron_model import (
     init_parallel,
     load_torch_dist,
 )
-from ckpt_tools.torch_dist import TRACKER, Chunk, write_chunks, write_megatron_files
-from tests.ckpt.tiny_hf import _COMMON, make_tiny_hf
+from ckpt_tools.torch_dist import Chunk, write_chunks, write_megatron_files
+from ckpt_tools.tracker import TRACKER
+from tests.ckpt_tools.tiny_hf import _COMMON, make_tiny_hf
 from trainer import checkpoint
 from trainer.checkpoint import MANIFEST, CheckpointError, find_loadable
 from trainer.megatron_state import _rng_states, load_megatron, save_megatron

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rollout.tiny_model import write_tiny_model
-from tests.ckpt.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from trainer.args import ArgsError, parse_args
 from trainer.backend import PackLoss
 from trainer.batch import Pack, TrainSample, make_packs

@@ -23,7 +23,7 @@ from ckpt_tools.megatron_model import (
     init_parallel,
     load_torch_dist,
 )
-from tests.ckpt.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from trainer.megatron_attention import gpt_layer_spec
 
 ATOL = 1e-5  # float32 throughout; only the order of sums differs

@@ -12,19 +12,24 @@ from typing import Any
 
 import pytest
 
-from supervisor.control import ControlError, ControlServer, SupervisorUnreachable
+from jobs.contract import JobDir
+from jobs.control_protocol import Call, ControlError, SupervisorUnreachable
+from supervisor.control import ControlServer
+from tests.control_helpers import handler_table
 from trainer.supervisor_link import SupervisorLink
+
+CALL_S = 10.0  # one control call's bound in these tests
 
 
 class LateSupervisor:
     """A ControlServer that starts `delay_s` after the test begins, recording the calls it gets."""
 
-    def __init__(self, job_dir: Path, delay_s: float) -> None:
-        self.server = ControlServer(job_dir)
+    def __init__(self, job_dir: JobDir, delay_s: float) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
-        for name, answer in (("ready_engines", {"engines": ["http://e0"]}), ("trainer_poll", {"stop": True}),
-                             ("published", {}), ("engine_failed", {})):
-            self.server.register(name, self._handler(name, answer))
+        answers = {Call.READY_ENGINES: {"engines": ["http://e0"]}, Call.TRAINER_POLL: {"stop": True},
+                   Call.PUBLISHED: {}, Call.ENGINE_FAILED: {}}
+        self.server = ControlServer(job_dir, handler_table(
+            {call: self._handler(call.value, answer) for call, answer in answers.items()}))
         self.timer = threading.Timer(delay_s, self.server.start)
 
     def _handler(self, name: str, answer: dict[str, Any]) -> Any:
@@ -36,7 +41,7 @@ class LateSupervisor:
 
 @pytest.fixture
 def late(tmp_path: Path) -> Iterator[LateSupervisor]:
-    supervisor = LateSupervisor(tmp_path, delay_s=1.5)
+    supervisor = LateSupervisor(JobDir(tmp_path), delay_s=1.5)
     supervisor.timer.start()
     yield supervisor
     supervisor.timer.cancel()
@@ -44,7 +49,7 @@ def late(tmp_path: Path) -> Iterator[LateSupervisor]:
 
 
 def test_calls_wait_for_a_supervisor_that_appears_late(late: LateSupervisor, tmp_path: Path) -> None:
-    link = SupervisorLink(tmp_path, gap_s=30, retry_s=0.1)
+    link = SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1)
     began = time.monotonic()
     assert link.ready_engines() == ["http://e0"]
     assert time.monotonic() - began >= 1.4
@@ -53,12 +58,12 @@ def test_calls_wait_for_a_supervisor_that_appears_late(late: LateSupervisor, tmp
 
 
 def test_a_published_version_reaches_a_late_supervisor(late: LateSupervisor, tmp_path: Path) -> None:
-    SupervisorLink(tmp_path, gap_s=30, retry_s=0.1).published(3, ["http://e0"], {})
+    SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1).published(3, ["http://e0"], {})
     assert late.calls == [("published", {"version": 3, "updated": ["http://e0"], "fenced": {}})]
 
 
 def test_past_the_gap_the_call_fails_and_a_failure_report_does_not_wait(tmp_path: Path) -> None:
-    link = SupervisorLink(tmp_path, gap_s=0.5, retry_s=0.1)
+    link = SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=0.5, retry_s=0.1)
     began = time.monotonic()
     with pytest.raises(SupervisorUnreachable, match="no supervisor is running"):
         link.ready_engines()
@@ -70,8 +75,8 @@ def test_past_the_gap_the_call_fails_and_a_failure_report_does_not_wait(tmp_path
 
 def test_a_refused_call_is_not_asked_again(tmp_path: Path) -> None:
     calls = []
-    with ControlServer(tmp_path) as server:
-        server.register("ready_engines", lambda: calls.append(1) or 1 / 0)
+    table = handler_table({Call.READY_ENGINES: lambda: calls.append(1) or 1 / 0})
+    with ControlServer(JobDir(tmp_path), table):
         with pytest.raises(ControlError, match="ZeroDivisionError") as err:
-            SupervisorLink(tmp_path, gap_s=30, retry_s=0.1).ready_engines()
+            SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1).ready_engines()
     assert not isinstance(err.value, SupervisorUnreachable) and calls == [1]

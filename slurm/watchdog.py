@@ -1,5 +1,5 @@
-"""The batch step's watchdog: the supervisor runs in a child process that is started again when it
-crashes, so that a crash costs a restart of a few seconds, not the job.
+"""The batch step's watchdog: the callable (the supervisor) runs in a child process that is started
+again when it crashes, so that a crash costs a restart of a few seconds, not the job.
 
 SLURM ends the whole job (every step with it) when the batch step's main process dies. That process
 is this watchdog, which does nothing that can crash: it forwards SLURM's signals to the child

@@ -1,8 +1,8 @@
 """Many fake engines in one process: one aiohttp app listening on many 127.0.0.1 ports, each port
 answering GET /health_generate as "ok" (200 after a delay), "fail" (503) or "hang" (never); with
-SLURMRL_API_KEY set, a probe without that Bearer key gets 401.
+FAKE_ENGINES_API_KEY set, a probe without that Bearer key gets 401.
 
-Run as `python -m tests.supervisor.fake_engines --ok N --fail N --hang N --delay-ms D`: it prints
+Run as `python -m tests.rollout.fake_engines --ok N --fail N --hang N --delay-ms D`: it prints
 one JSON line {"ok": [ports], "fail": [...], "hang": [...]} once every port listens, then serves
 until it is signalled. `fake_engines(...)` starts it as a child and stops it by PID.
 """
@@ -22,9 +22,10 @@ from collections.abc import Iterator
 
 from aiohttp import web
 
-from supervisor.keys import ENV_VAR as KEY_ENV
-
 BEHAVIOURS = ("ok", "fail", "hang")
+KEY_ENV = "FAKE_ENGINES_API_KEY"  # the key reaches the child in its environment, never on its command line
+LISTEN_WAIT_S = 60.0  # seconds the child may take to listen on every port
+STOP_WAIT_S = 10.0  # seconds the child gets to exit on SIGTERM before it is killed
 
 
 async def _serve(counts: dict[str, int], delay_s: float, api_key: str | None) -> None:
@@ -57,11 +58,11 @@ async def _serve(counts: dict[str, int], delay_s: float, api_key: str | None) ->
 
 @contextlib.contextmanager
 def fake_engines(ok: int, fail: int = 0, hang: int = 0, delay_ms: float = 0, api_key: str | None = None,
-                 timeout_s: float = 60) -> Iterator[dict[str, list[int]]]:
+                 timeout_s: float = LISTEN_WAIT_S) -> Iterator[dict[str, list[int]]]:
     """Start the fake engines in a child process; yields the ports per behaviour. With `api_key`,
     a probe without that Bearer key gets 401 (the key reaches the child through its environment)."""
     env = {**os.environ, **({KEY_ENV: api_key} if api_key else {})}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.supervisor.fake_engines", "--ok", str(ok),
+    proc = subprocess.Popen([sys.executable, "-m", "tests.rollout.fake_engines", "--ok", str(ok),
                              "--fail", str(fail), "--hang", str(hang), "--delay-ms", str(delay_ms)], env=env,
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
@@ -78,7 +79,7 @@ def fake_engines(ok: int, fail: int = 0, hang: int = 0, delay_ms: float = 0, api
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

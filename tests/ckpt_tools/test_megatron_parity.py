@@ -26,7 +26,7 @@ from ckpt_tools.megatron_model import (
     megatron_logits,
     transformer_config_from_hf,
 )
-from tests.ckpt.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
 
 ATOL = 1e-5  # float32 end to end; TP only reorders sums
 CASES = {  # id: (arch, tied embeddings)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import os, signal, sys, time
 from pathlib import Path
-from supervisor.watchdog import watch_self
+from slurm.watchdog import watch_self
 
 code = watch_self()
 if code is not None:

@@ -15,8 +15,9 @@ import torch
 from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
 from ckpt_tools.hf_checkpoint import CheckpointError
 from ckpt_tools.inspect import roundtrip_differences
-from ckpt_tools.torch_dist import TRACKER, read_metadata
-from tests.ckpt.tiny_hf import make_tiny_hf
+from ckpt_tools.torch_dist import read_metadata
+from ckpt_tools.tracker import TRACKER
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
 
 
 def _roundtrip(hf: Path, tmp: Path, **kwargs) -> Path:
@@ -116,7 +117,7 @@ def test_cli_errors_are_one_line_and_exit_nonzero(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "ckpt_tools", "hf-to-torch-dist", "--hf", str(hf),
                              "--out", str(tmp_path / "td")], capture_output=True, text=True)
     assert result.returncode == 1
-    assert result.stderr == f"slurmrl ckpt: error: --out {tmp_path / 'td'} already exists; remove it or choose another folder\n"
+    assert result.stderr == f"python -m ckpt_tools: error: --out {tmp_path / 'td'} already exists; remove it or choose another folder\n"
 
 
 def test_cli_converts_inspects_and_verifies(tmp_path: Path) -> None:

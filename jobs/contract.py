@@ -1,0 +1,161 @@
+"""The job-dir contract: what the trainer, the supervisor, the engines and the CLI share through a
+job's directory and environment, in one place. Torch-free; imports nothing of slurmrl.
+
+    JOB_DIR/spec.yaml                 the job spec (jobs/spec.py), final as submitted
+    JOB_DIR/slurm_job_id              SLURM's id of the job
+    JOB_DIR/submitit/                 Submitit's pickles and the batch step's logs
+    JOB_DIR/api_key                   the per-job key (0600), reaching steps as $SLURMRL_API_KEY
+    JOB_DIR/control.sock              the supervisor's control socket (jobs/control_protocol.py)
+    JOB_DIR/supervisor_state.json     the supervisor's state store (what `slurmrl status` reads)
+    JOB_DIR/events.jsonl              the supervisor's events, one JSON line each
+    JOB_DIR/trainer_heartbeat.json    the trainer's phase and when it last moved (Heartbeat)
+    JOB_DIR/metrics.jsonl             the trainer's metrics, one line per rollout (Metric keys)
+    JOB_DIR/weights/VERSION/          weights published to disk, one HF folder per version
+    JOB_DIR/checkpoints/              the trainer's --save default
+    JOB_DIR/logs/STEP.log             each step's output
+    JOB_DIR/tensorboard/              the trainer's scalars; supervisor/ below it, the supervisor's
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+API_KEY_ENV = "SLURMRL_API_KEY"  # the job's key, as every step sees it (never on a command line)
+JOB_DIR_ENV = "SLURMRL_JOB_DIR"  # the job dir, as every step sees it
+
+
+@dataclass(frozen=True)
+class JobDir:
+    """Every path in a job's directory."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    spec = property(lambda self: self.root / "spec.yaml")
+    slurm_job_id = property(lambda self: self.root / "slurm_job_id")
+    submitit = property(lambda self: self.root / "submitit")
+    api_key = property(lambda self: self.root / "api_key")
+    control_socket = property(lambda self: self.root / "control.sock")
+    state = property(lambda self: self.root / "supervisor_state.json")
+    events = property(lambda self: self.root / "events.jsonl")
+    heartbeat = property(lambda self: self.root / "trainer_heartbeat.json")
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    weights = property(lambda self: self.root / "weights")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    logs = property(lambda self: self.root / "logs")
+    tensorboard = property(lambda self: self.root / "tensorboard")
+    supervisor_tensorboard = property(lambda self: self.root / "tensorboard" / "supervisor")
+
+    def log(self, step: str) -> Path:
+        return self.logs / f"{step}.log"
+
+    def weights_of(self, version: str) -> Path:
+        return self.weights / version
+
+
+# ------------------------------------------------------------------ the trainer's heartbeat
+class Phase(str, Enum):
+    """What the trainer is doing; each has its own heartbeat timeout (FaultToleranceSpec)."""
+
+    START = "start"  # from launch to the first beat (loading, resuming)
+    ROLLOUT = "rollout"
+    TRAIN = "train"  # beats once per optimizer step
+    PUBLISH = "publish"
+    SAVE = "save"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    phase: Phase
+    time: float  # unix time of the beat
+    rollout_id: int | None
+    pid: int | None = None
+
+
+def write_heartbeat(job_dir: JobDir, phase: Phase, rollout_id: int) -> None:
+    beat = {"phase": Phase(phase).value, "rollout_id": rollout_id, "time": time.time(), "pid": os.getpid()}
+    # Not fsync'd: it is rewritten every few seconds, and a beat lost to a crash of the node
+    # matters to no one.
+    write_atomic(job_dir.heartbeat, json.dumps(beat), durable=False)
+
+
+def read_heartbeat(job_dir: JobDir, launched: float) -> Heartbeat:
+    """The trainer's latest beat if it came from the launch at `launched` (unix time); before that
+    beat, or with an unreadable file, the trainer is starting, since its launch."""
+    try:
+        beat = json.loads(job_dir.heartbeat.read_text())
+        if float(beat["time"]) >= launched:
+            return Heartbeat(Phase(beat["phase"]), float(beat["time"]), beat.get("rollout_id"), beat.get("pid"))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not written yet, or a predecessor's
+    return Heartbeat(Phase.START, launched, None)
+
+
+# ------------------------------------------------------------------ the trainer's metrics
+class Metric:
+    """Keys of metrics.jsonl that other programs read (the trainer writes more)."""
+
+    ROLLOUT_ID = "rollout_id"
+    ROLLOUT_SECONDS = "rollout_seconds"  # generating the rollout
+    TRAIN_SECONDS = "train_seconds"
+    PUBLISH_SECONDS = "publish_seconds"
+    SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
+
+
+def append_metrics(job_dir: JobDir, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    line = {Metric.ROLLOUT_ID: rollout_id, **metrics}
+    with open(job_dir.metrics, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return line
+
+
+def read_metrics(job_dir: JobDir, last: int) -> list[dict[str, Any]]:
+    """The last `last` lines of metrics.jsonl ([] when there are none or they do not parse)."""
+    try:
+        lines = job_dir.metrics.read_text().splitlines()[-last:]
+        return [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+# ------------------------------------------------------------------ durable writes
+def write_atomic(path: Path, data: str | bytes, *, durable: bool = True, mode: int | None = None) -> Path:
+    """Replace `path` so that a reader sees the old file or the whole new one, never half of it.
+    durable: fsync the file and its folder, so the new file also survives a crash of the node.
+    mode: the file's permissions (it never exists with looser ones)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename, a new file) survive a crash of the node."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

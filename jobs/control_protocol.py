@@ -1,0 +1,113 @@
+"""The control protocol: the calls the supervisor answers on JOB_DIR/control.sock, their argument
+types, the wire format and the client (the trainer's and the CLI's side). The server is
+supervisor/control.py. Torch-free.
+
+Wire format: one JSON object per line each way. Request {"call": NAME, "args": {...}}; answer
+{"ok": true, ...the handler's dict} or {"ok": false, "error": "..."}.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from jobs.contract import JobDir
+
+MAX_LINE = 1 << 20  # bytes: the longest request or answer
+
+
+class Call(str, Enum):
+    STATUS = "status"                # CLI: the job's state -> {"state": {...}}
+    RESTART = "restart"              # CLI: restart one step -> {"restarting": target}
+    STOP = "stop"                    # CLI: save at the next rollout boundary, then end
+    READY_ENGINES = "ready_engines"  # trainer: engines that get the next version -> {"engines": [url]}
+    PUBLISHED = "published"          # trainer: a version went out (to `updated`; `fenced` failed)
+    ENGINE_FAILED = "engine_failed"  # trainer: a request to an engine failed
+    TRAINER_POLL = "trainer_poll"    # trainer, between rollouts: -> {"stop": bool}
+
+
+# Each call's arguments and their JSON types (what a handler receives as keyword arguments).
+ARGUMENTS: dict[Call, dict[str, type]] = {
+    Call.STATUS: {},
+    Call.RESTART: {"target": str},
+    Call.STOP: {},
+    Call.READY_ENGINES: {},
+    Call.PUBLISHED: {"version": int, "updated": list, "fenced": dict},
+    Call.ENGINE_FAILED: {"url": str, "reason": str},
+    Call.TRAINER_POLL: {"rollout_id": int},
+}
+
+
+class ControlError(RuntimeError):
+    """The supervisor could not be reached, or it refused or failed the call."""
+
+
+class SupervisorUnreachable(ControlError):
+    """No supervisor answered (none runs, or it died mid-call): worth asking again while its
+    watchdog restarts it; a refused or failed call is not."""
+
+
+@dataclass(frozen=True)
+class Request:
+    call: Call
+    args: dict[str, Any]
+
+    def encode(self) -> bytes:
+        return (json.dumps({"call": self.call.value, "args": self.args}) + "\n").encode()
+
+    @classmethod
+    def decode(cls, line: bytes) -> Request:
+        """The request of one line; ValueError naming what is wrong with it."""
+        try:
+            raw = json.loads(line)
+            call, args = Call(raw["call"]), raw.get("args", {})
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"bad request ({err!r}); calls: {', '.join(c.value for c in Call)}") from None
+        expected = ARGUMENTS[call]
+        if not isinstance(args, dict) or set(args) != set(expected):
+            raise ValueError(f"{call.value} takes arguments {sorted(expected)}, got "
+                             f"{sorted(args) if isinstance(args, dict) else args!r}")
+        for name, kind in expected.items():
+            if not isinstance(args[name], kind) or (kind is int and isinstance(args[name], bool)):
+                raise ValueError(f"{call.value}: {name} must be a {kind.__name__}, got {args[name]!r}")
+        return cls(call, args)
+
+
+class ControlClient:
+    """`ControlClient(job_dir, timeout_s).call(Call.STATUS)` -> the handler's answer (without "ok").
+    timeout_s bounds one call: connecting, sending and waiting for the answer."""
+
+    def __init__(self, job_dir: JobDir, timeout_s: float) -> None:
+        self.job_dir = job_dir
+        self.timeout_s = timeout_s
+
+    def call(self, call: Call, **args: Any) -> dict[str, Any]:
+        request = Request(Call(call), args)
+        path = self.job_dir.control_socket
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            try:
+                sock.connect(str(path))
+            except (FileNotFoundError, ConnectionRefusedError):
+                raise SupervisorUnreachable(f"no supervisor is running for {self.job_dir.root} "
+                                            f"(no {path.name})") from None
+            sock.sendall(request.encode())
+            line = sock.makefile("rb").readline(MAX_LINE)
+        except TimeoutError:
+            raise SupervisorUnreachable(f"the supervisor of {self.job_dir.root} did not answer "
+                                        f"{request.call.value!r} within {self.timeout_s:.0f} s") from None
+        except (ConnectionResetError, BrokenPipeError):
+            line = b""  # it died mid-call
+        finally:
+            sock.close()
+        if not line:
+            raise SupervisorUnreachable(f"the supervisor of {self.job_dir.root} closed the connection "
+                                        "without answering")
+        answer = json.loads(line)
+        if not answer.pop("ok"):
+            raise ControlError(answer["error"])
+        return answer

@@ -1,0 +1,240 @@
+"""Reading a job spec (jobs/spec.py) from YAML and slime-style flags, and filling in what the
+user left out at submission. Every problem is one line naming the field and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobs.contract import JobDir
+from jobs.spec import (
+    PATH_FLAGS,
+    SECTIONS,
+    JobSpec,
+    SpecError,
+    flag_name,
+    flag_value,
+    group_flags,
+    merge_flags,
+    set_flag,
+)
+
+
+def _fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.name not in SECTIONS and f.metadata.get("flag", "") is not None]
+
+
+def spec_flags() -> dict[str, tuple[str | None, dataclasses.Field]]:
+    """`--flag` -> (section or None for the top level, field) for every spec field that has a flag."""
+    out: dict[str, tuple[str | None, dataclasses.Field]] = {}
+    for section, cls in [(None, JobSpec), *SECTIONS.items()]:
+        for f in _fields(cls):
+            out[f.metadata.get("flag") or "--" + f.name.replace("_", "-")] = (section, f)
+    return out
+
+
+def _convert(f: dataclasses.Field, raw: Any, where: str) -> tuple[Any, str | None]:
+    """(value, problem) for a raw YAML or flag value of field f."""
+    kind = str(f.type)
+    if raw is None:
+        return None, None if "None" in kind else f"{where}: needs a value"
+    try:
+        if kind.startswith("bool"):
+            if isinstance(raw, bool):
+                return raw, None
+            if str(raw).lower() in ("true", "1", "yes", "on"):
+                return True, None
+            if str(raw).lower() in ("false", "0", "no", "off"):
+                return False, None
+            raise ValueError
+        if kind.startswith("int"):
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw), None
+        if kind.startswith("float"):
+            return float(raw), None
+        if kind.startswith("list"):
+            return _as_argv(raw, where)
+        return os.path.expandvars(str(raw)), None
+    except (TypeError, ValueError):
+        return None, f"{where}: {raw!r} is not a valid {kind.split(' ')[0]}"
+
+
+def _as_argv(raw: Any, where: str) -> tuple[list[str], str | None]:
+    """A list of tokens, or a mapping {flag: value} (true: a bare flag, a list: several values)."""
+    if isinstance(raw, str):
+        return raw.split(), None
+    if isinstance(raw, list):
+        return [str(t) for t in raw], None
+    if isinstance(raw, dict):
+        out: list[str] = []
+        for key, value in raw.items():
+            flag = key if str(key).startswith("--") else "--" + str(key).replace("_", "-")
+            if value is True:
+                out.append(flag)
+            elif value is False or value is None:
+                continue
+            elif isinstance(value, list):
+                out += [flag, *map(str, value)]
+            else:
+                out += [flag, str(value)]
+        return out, None
+    return [], f"{where}: must be a list of flags or a mapping of flag: value"
+
+
+def spec_from_dict(data: dict[str, Any]) -> tuple[JobSpec, list[str]]:
+    """A spec from a YAML mapping, with one problem per unknown key or bad value."""
+    problems: list[str] = []
+    spec = JobSpec()
+    if not isinstance(data, dict):
+        return spec, ["spec: the YAML file must hold a mapping (name: ..., trainer: ..., rollout: ...)"]
+    for section, cls in [(None, JobSpec), *SECTIONS.items()]:
+        values = data if section is None else data.get(section) or {}
+        if not isinstance(values, dict):
+            problems.append(f"{section}: must be a mapping of its fields")
+            continue
+        target = spec if section is None else getattr(spec, section)
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name not in SECTIONS}
+        for key, raw in values.items():
+            if section is None and key in SECTIONS:
+                continue
+            where = key if section is None else f"{section}.{key}"
+            if key not in known:
+                close = difflib.get_close_matches(str(key), list(known), n=1)
+                problems.append(f"{where}: unknown field" + (f" (did you mean {close[0]}?)" if close else
+                                                              f"; known: {', '.join(known)}"))
+                continue
+            value, problem = _convert(known[key], raw, where)
+            if problem:
+                problems.append(problem)
+            else:
+                setattr(target, key, value)
+    return spec, problems
+
+
+def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
+    """Apply slime-style flags to spec (in place); problems for bad values. `--sglang-*` and
+    `--router-*` go to the passthrough lists, every other unknown flag to the trainer's."""
+    problems: list[str] = []
+    table = spec_flags()
+    train, sglang, router = [], [], []
+    for group in group_flags(argv):
+        name = flag_name(group[0])
+        values = ([group[0].split("=", 1)[1]] if "=" in group[0] else []) + group[1:]
+        if not name.startswith("--"):
+            problems.append(f"{name}: unexpected argument; flags start with -- (is the spec file first?)")
+        elif name in table:
+            section, f = table[name]
+            if str(f.type).startswith("bool") and not values:
+                values = ["true"]
+            if len(values) != 1:
+                problems.append(f"{name}: takes one value, got {len(values)}")
+                continue
+            value, problem = _convert(f, values[0], name)
+            if problem:
+                problems.append(problem)
+            else:
+                setattr(spec if section is None else getattr(spec, section), f.name, value)
+        elif name.startswith("--sglang-"):
+            sglang += group
+        elif name.startswith("--router-"):
+            router += group
+        else:
+            train += group
+    spec.trainer.train_args = merge_flags(spec.trainer.train_args, train)
+    spec.rollout.sglang_args = merge_flags(spec.rollout.sglang_args, sglang)
+    spec.rollout.router_args = merge_flags(spec.rollout.router_args, router)
+    return problems
+
+
+def load_spec(yaml_path: Path | None, argv: list[str]) -> tuple[JobSpec, list[str]]:
+    """The spec of a YAML file (if any) overridden by flags, and every problem seen reading them."""
+    problems: list[str] = []
+    data: Any = {}
+    if yaml_path is not None:
+        try:
+            data = yaml.safe_load(yaml_path.read_text()) or {}
+        except FileNotFoundError:
+            problems.append(f"spec file {yaml_path}: does not exist")
+        except (OSError, yaml.YAMLError) as err:
+            problems.append(f"spec file {yaml_path}: cannot be read as YAML ({str(err).splitlines()[0]})")
+    spec, more = spec_from_dict(data)
+    problems += more + apply_flags(spec, argv)
+    # ${VAR} in train_args and passthrough lists; an unset variable is left as is and reported
+    for section, name in (("trainer", "train_args"), ("rollout", "sglang_args"), ("rollout", "router_args")):
+        tokens = [os.path.expandvars(t) for t in getattr(getattr(spec, section), name)]
+        setattr(getattr(spec, section), name, tokens)
+    for where, text in _strings(spec):
+        for var in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", text):
+            problems.append(f"{where}: ${{{var}}} is not set; export it or give the value as a flag")
+    return spec, problems
+
+
+def _strings(spec: JobSpec) -> list[tuple[str, str]]:
+    out = []
+    for section, cls in [(None, JobSpec), *SECTIONS.items()]:
+        target = spec if section is None else getattr(spec, section)
+        for f in dataclasses.fields(cls):
+            if f.name in SECTIONS:
+                continue
+            value = getattr(target, f.name)
+            where = f.name if section is None else f"{section}.{f.name}"
+            for text in (value if isinstance(value, list) else [value]):
+                if isinstance(text, str):
+                    out.append((where, text))
+    return out
+
+
+def spec_from_yaml(text_or_path: str | Path) -> JobSpec:
+    """Read a spec (a YAML string or a file path); raises SpecError listing every problem."""
+    text = Path(text_or_path).read_text() if isinstance(text_or_path, Path) else text_or_path
+    spec, problems = spec_from_dict(yaml.safe_load(text) or {})
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+# -- filling in what the user left out (at submission) -----------------------------------------
+def default_job_dir(name: str) -> Path:
+    return Path("slurmrl-jobs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def finalize(spec: JobSpec) -> JobSpec:
+    """A copy ready to submit: absolute job_dir and paths, the interpreter, and --save/--load
+    defaulting to JOB_DIR/checkpoints (so a requeued job resumes from its own saves)."""
+    out = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer),
+                              rollout=dataclasses.replace(spec.rollout),
+                              fault_tolerance=dataclasses.replace(spec.fault_tolerance))
+    out.job_dir = str(Path(spec.job_dir).expanduser().resolve()) if spec.job_dir else str(default_job_dir(spec.name))
+    out.python = spec.python or sys.executable
+    args = list(spec.trainer.train_args)
+    for flag in PATH_FLAGS:
+        value = flag_value(args, flag)
+        if value:
+            args = set_flag(args, flag, str(Path(value).expanduser().resolve()))
+    save = flag_value(args, "--save") or str(JobDir(Path(out.job_dir)).checkpoints)
+    args = set_flag(args, "--save", save)
+    if not flag_value(args, "--load"):
+        args = set_flag(args, "--load", save)
+    out.trainer.train_args = args
+    return out
+
+
+def read_job_spec(job_dir: str | Path) -> JobSpec:
+    """The spec of a job dir (JOB_DIR/spec.yaml), as the supervisor reads it: written by `slurmrl
+    submit` (already final), or copied there by a plain-sbatch template (then ${VAR}s are expanded
+    from the job's environment and the paths made absolute). Raises SpecError on problems."""
+    job_dir = Path(job_dir).resolve()
+    spec, problems = load_spec(JobDir(job_dir).spec, [])
+    if problems:
+        raise SpecError(problems)
+    spec.job_dir = str(job_dir)
+    return finalize(spec)

@@ -1,0 +1,164 @@
+"""The one client for SGLang engines' HTTP routes (reference/sglang-http.md), shared by the
+supervisor and the trainer: health probes (of one engine, or of every engine at once), the weight
+version, updates from disk, and any other route by name. The API key only ever travels in the
+Authorization header: no error names it.
+
+Probing every engine runs on one asyncio loop in a background thread, started by the first
+probe_all and kept for the client's life, so a cycle lasts about one probe timeout however many
+engines there are (slime probes one at a time: a cycle there costs the sum of every engine's
+latency, and one failure kills).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp
+import requests
+
+HEALTH_PATH = "/health_generate"
+# Sockets left for the rest of the process beyond one per engine probed at once.
+FD_HEADROOM = 256
+# Seconds close() waits for the probe session to close, and then for its loop thread to end.
+CLOSE_WAIT_S = 10.0
+
+
+class EngineError(RuntimeError):
+    """A call to an engine failed; the message names the url and the route, never the key."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    latency_s: float
+    error: str | None = None  # "HTTP 503", "timeout after 5.0 s", "ClientConnectorError: ..."
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    # One socket per engine in flight: 1,000 engines outgrow the common soft limit of 1,024.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+
+class EngineClient:
+    """Calls to engines by base url, from any thread; timeout_s (seconds) bounds every request
+    (each of its socket waits, for the blocking calls) unless a call names its own."""
+
+    def __init__(self, api_key: str | None, timeout_s: float) -> None:
+        # requests quotes a header value it refuses in its error text: refuse such a key here, unquoted.
+        if api_key is not None and (not api_key.isprintable() or any(c.isspace() for c in api_key)):
+            raise ValueError("the API key holds whitespace or control characters")
+        # SGLang exempts /health* from --api-key, but a CPU engine or a proxy in front may not.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # guards starting and stopping the probe loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- health ----
+
+    def healthy(self, url: str) -> bool:
+        """Whether the engine answers GET /health_generate with 200 within the timeout."""
+        return self.probe_all({url: url})[url].ok
+
+    def probe_all(self, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
+        """{engine name: base url} -> {engine name: result}, all probed at once; each probe is
+        bounded by timeout_s, so this returns after about that long at most."""
+        _raise_fd_limit(len(targets) + FD_HEADROOM)
+        return asyncio.run_coroutine_threadsafe(self._probe_many(targets), self._probe_loop()).result()
+
+    def _probe_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=loop.run_forever, name="engine-probes", daemon=True)
+                self._thread.start()
+                self._session = asyncio.run_coroutine_threadsafe(self._open_session(), loop).result()
+                self._loop = loop
+            return self._loop
+
+    async def _open_session(self) -> aiohttp.ClientSession:
+        # force_close: a fresh connection per probe, so a restarted engine never fails its first
+        # probe on a keep-alive socket of its dead predecessor.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        return aiohttp.ClientSession(connector=connector, headers=self._headers)
+
+    async def _probe_many(self, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
+        names = list(targets)
+        results = await asyncio.gather(*(self._probe(targets[n]) for n in names))
+        return dict(zip(names, results))
+
+    async def _probe(self, url: str) -> ProbeResult:
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self._session.get(url.rstrip("/") + HEALTH_PATH) as resp:
+                    await resp.read()
+                    ok = resp.status == 200
+                    return ProbeResult(ok, time.monotonic() - start, None if ok else f"HTTP {resp.status}")
+        except TimeoutError:
+            return ProbeResult(False, time.monotonic() - start, f"timeout after {self.timeout_s:g} s")
+        except aiohttp.ClientError as err:
+            return ProbeResult(False, time.monotonic() - start, f"{type(err).__name__}: {err}")
+
+    # ---- routes ----
+
+    def call(self, url: str, route: str, body: dict[str, Any] | None = None,
+             timeout_s: float | None = None) -> dict[str, Any]:
+        """GET the route (no body) or POST the body as JSON; the JSON answer. EngineError unless
+        the engine answers 200 with a JSON object that does not say "success": false."""
+        where = url.rstrip("/") + route
+        try:
+            response = requests.request("GET" if body is None else "POST", where, json=body, headers=self._headers,
+                                        timeout=self.timeout_s if timeout_s is None else timeout_s)
+        except requests.RequestException as err:  # its text names the url, never the headers
+            raise EngineError(f"{where} failed: {type(err).__name__}: {err}") from None
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if response.status_code != 200 or not isinstance(answer, dict) or answer.get("success") is False:
+            detail = answer.get("message", answer) if isinstance(answer, dict) else response.text[:300]
+            raise EngineError(f"{where} answered {response.status_code}: {detail}")
+        return answer
+
+    def weight_version(self, url: str) -> str | None:
+        """The weight version the engine reports serving (None: it names none)."""
+        return self.call(url, "/model_info").get("weight_version")
+
+    def load_from_disk(self, url: str, folder: Path, version: str, timeout_s: float) -> None:
+        """Load the HF safetensors folder as `version`; timeout_s bounds the load."""
+        answer = self.call(url, "/update_weights_from_disk", {"model_path": str(folder), "weight_version": version},
+                           timeout_s)
+        if not answer.get("success"):
+            raise EngineError(f"{url}/update_weights_from_disk of {folder} did not succeed: {answer}")
+
+    # ---- life ----
+
+    def close(self) -> None:
+        """Stop the probe loop, if a probe started it."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+            if loop is None:
+                return
+            asyncio.run_coroutine_threadsafe(self._session.close(), loop).result(CLOSE_WAIT_S)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(CLOSE_WAIT_S)
+            if not self._thread.is_alive():  # a loop still running cannot be closed; the thread is a daemon
+                loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,145 @@
+"""The weight-update process group: a trainer (rank 0, the source) and engine ranks, for
+broadcasting new weights. The trainer hosts it (trainer/publish.py); the CPU engine joins it over
+gloo, SGLang engines over NCCL with their own init_custom_process_group.
+
+The group is built from a TCPStore and a process group directly instead of through
+torch.distributed's default group, so neither side's own distributed state is touched and a
+process may hold several groups. The store keys are prefixed as SGLang's init_custom_process_group
+prefixes them (the group name, then 'name/', then the device), so either side may use that helper
+or this module.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Backend = Literal["gloo", "nccl"]
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
+_DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}
+# Read once, by ProcessGroupNCCL's constructor. By default (3, SkipCleanUp) a broadcast to a hung
+# engine that times out takes the whole trainer down; 2 (CleanUpOnly) aborts only this group.
+# (Seen on 2 H200s, torch 2.11: the trainer lives; the abort still waits about 60 s for the
+# flight recorder's dump.)
+_NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+class WeightSyncError(Exception):
+    """A group cannot be created or a broadcast request is malformed."""
+
+
+@dataclass
+class UpdateGroup:
+    name: str
+    rank: int
+    world_size: int
+    timeout: timedelta  # bounds the rendezvous and every broadcast's wait
+    store: dist.Store  # held so the rendezvous store (hosted by rank 0) lives as long as the group
+    pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None  # None once closed
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Send (on src) or receive (elsewhere) one tensor, in place."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.pg.broadcast([tensor], options).wait(self.timeout)
+
+    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Receive one CPU tensor per name, in order, from rank 0."""
+        tensors = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=dtype)
+            self.broadcast(tensor, src=0)
+            tensors[name] = tensor
+        return tensors
+
+    def close(self) -> None:
+        """Shut the group down and let go of its process group now: only its destruction closes
+        gloo's connections, which is what wakes ranks still blocked on a broadcast (else they
+        wait for their own, longer, timeout while holding their group lock)."""
+        if isinstance(self.pg, dist.ProcessGroupGloo):
+            self.pg.shutdown()
+        elif self.pg is not None:  # NCCL's shutdown waits for the collective a hung rank never finishes
+            self.pg.abort()
+        self.pg = None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' or 'torch.bfloat16' (how trainers write str(tensor.dtype))."""
+    dtype = _DTYPES.get(name.removeprefix("torch.")) if isinstance(name, str) else None
+    if dtype is None:
+        raise WeightSyncError(f"unsupported dtype {name!r}; expected one of {', '.join(_DTYPES)}")
+    return dtype
+
+
+def create_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                 timeout_s: float, backend: Backend = "gloo") -> UpdateGroup:
+    """Join (rank >= 1) or host (rank 0) the group; returns once every rank has joined.
+    timeout_s (seconds) bounds the rendezvous and, later, each broadcast."""
+    if not 0 <= rank < world_size:
+        raise WeightSyncError(f"rank {rank} is outside a group of world_size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        tcp = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                            multi_tenant=True)
+        store = dist.PrefixStore(_DEVICE_PREFIX[backend],
+                                 dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp)))
+        if backend == "gloo":
+            pg = _gloo(store, rank, world_size, timeout, route_address(master_address, master_port))
+        else:
+            pg = _nccl(store, rank, world_size, timeout)
+    except (RuntimeError, OSError, ValueError) as err:
+        raise WeightSyncError(f"cannot join {backend} group {group_name!r} at {master_address}:{master_port} "
+                              f"as rank {rank}: {err}") from err
+    return UpdateGroup(group_name, rank, world_size, timeout, tcp, pg)
+
+
+def _gloo(store: dist.Store, rank: int, world_size: int, timeout: timedelta, address: str) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def _nccl(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroupNCCL:
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    with _environ(_NCCL_GROUP_ENV):
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def route_address(host: str, port: int) -> str:
+    """This host's address on the route to host:port, which the other side can dial back, and
+    where gloo must bind (a node's hostname may resolve to an address the other side cannot use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def free_port(address: str) -> int:
+    """A port free on `address` now, for rank 0's rendezvous store."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,77 @@
+"""A supervisor started again in the same allocation (its watchdog restarted it after a crash)
+keeps the steps its predecessor left running instead of launching duplicates, and re-checks
+their engines' weight versions before the router may route to them again."""
+
+from __future__ import annotations
+
+import os
+
+from rollout.engine_client import EngineError
+from supervisor.context import JobContext
+from supervisor.engines import HEALTHY, Engine
+from supervisor.launcher import ROUTER, TRAINER, JobFailed, StepLauncher
+from supervisor.state import JobState, StateStore
+from supervisor.steps import StepController
+from supervisor.trainer_watch import TrainerWatch
+
+
+def predecessor(store: StateStore, job_id: str) -> JobState | None:
+    """The state left by a supervisor of this same allocation that crashed (its watchdog started
+    this one); None on the job's first start and after a requeue, whose steps SLURM ended."""
+    state = store.snapshot()
+    same_run = state.requeues == int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return state if state.job_id == job_id and same_run else None
+
+
+def adopt(job: JobContext, previous: JobState | None, steps: StepController, launcher: StepLauncher,
+          trainer: TrainerWatch) -> set[str]:
+    """Steps the predecessor left running are kept, not duplicated, and its engines re-checked; a
+    trainer that ended meanwhile ends here as if seen. (After a requeue SLURM has ended them all:
+    everything is launched afresh.) Returns the names of the steps not to launch."""
+    if previous is None:
+        return set()
+    recorded = {name: record.slurm_step for name, record in previous.steps.items()}
+    found = steps.adopt({name: recorded.get(name) for name in (ROUTER, *job.engines, TRAINER)})
+    if found is None:
+        raise JobFailed("SLURM did not answer which steps are still running; not launching duplicates")
+    for step in found:
+        launcher.set_current(step)
+        job.events.emit("step_adopted", step.spec_name, slurm_step=step.slurm_step)
+    adopted = {step.spec_name for step in found}
+    if TRAINER in adopted:
+        trainer.adopted()
+    elif recorded.get(TRAINER):
+        # It ended while no supervisor watched: its end reaches the monitor like any trainer exit,
+        # with the exit code SLURM's accounting has (0: the job is complete).
+        step = steps.ended(TRAINER, recorded[TRAINER])
+        launcher.set_current(step)
+        job.events.emit("step_ended_unseen", TRAINER, slurm_step=recorded[TRAINER], exit_code=step.proc.wait())
+        adopted.add(TRAINER)
+    _restore_engines(job, previous, adopted)
+    return adopted
+
+
+def _restore_engines(job: JobContext, previous: JobState, adopted: set[str]) -> None:
+    """The predecessor's weight version, and its router's members re-checked: an adopted engine
+    stays in the router only if it answers with the current version; any other leaves it."""
+    membership = job.membership
+    membership.current = previous.weight_version
+    router_kept = ROUTER in adopted or job.spec.rollout.external_router
+    listed = set(membership.router.workers()) if router_kept else set()
+    for engine in job.engines.values():
+        record = previous.steps.get(engine.name)
+        engine.restarts = record.restarts if record else 0
+        engine.in_router = engine.url in listed
+        if engine.name in adopted:
+            engine.version = _served_version(job, engine)
+        if engine.name in adopted and engine.in_router and engine.version == membership.current:
+            engine.state = HEALTHY
+        else:
+            membership.expel(engine)
+
+
+def _served_version(job: JobContext, engine: Engine) -> str | None:
+    try:
+        return job.client.weight_version(engine.url)
+    except EngineError:
+        return None  # not answering: not at the current version, as far as routing goes

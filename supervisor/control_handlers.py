@@ -1,0 +1,96 @@
+"""What the supervisor answers on its control socket (jobs/control_protocol.py): one handler per
+call, in a table. Each runs in a connection's thread; the work that takes long goes to the pool."""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import asdict
+from typing import Any
+
+from jobs.control_protocol import Call
+from supervisor.context import Ending, JobContext
+from supervisor.launcher import ROUTER, TRAINER, StepLauncher
+from supervisor.recovery import EngineRecovery
+from supervisor.requeue import Requeue
+from supervisor.steps import StepController
+from supervisor.trainer_watch import TrainerWatch
+from supervisor.control import Handler
+
+
+class ControlHandlers:
+    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, recovery: EngineRecovery,
+                 trainer: TrainerWatch, requeue: Requeue, ending: Ending, pool: Executor,
+                 last_checkpoint: Any) -> None:
+        self.job = job
+        self.launcher = launcher
+        self.steps = steps
+        self.recovery = recovery
+        self.trainer = trainer
+        self.requeue = requeue
+        self.ending = ending
+        self.pool = pool
+        self.last_checkpoint = last_checkpoint
+
+    def table(self) -> dict[Call, Handler]:
+        return {Call.STATUS: self.status, Call.RESTART: self.restart, Call.STOP: self.stop,
+                Call.READY_ENGINES: self.ready_engines, Call.PUBLISHED: self.published,
+                Call.ENGINE_FAILED: self.engine_failed, Call.TRAINER_POLL: self.trainer_poll}
+
+    # ------------------------------------------------------------------ the CLI's calls
+    def status(self) -> dict[str, Any]:
+        state = asdict(self.job.store.snapshot())
+        state["last_checkpoint"] = self.last_checkpoint()
+        state["time_left"] = self.requeue.slurm_job.time_left()
+        return {"state": state}
+
+    def restart(self, target: str) -> dict[str, Any]:
+        job = self.job
+        if target in job.engines:
+            self.recovery.recover(job.engines[target], "restart asked with slurmrl restart")
+        elif target == TRAINER:
+            self.trainer.restart_requested()
+        elif target == ROUTER:
+            job.events.emit("restart_requested", ROUTER)
+            step = self.launcher.current(ROUTER)
+            if step is None:
+                raise ValueError("the router is not a step of this job (an external router?)")
+            self.steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)  # its exit relaunches it
+        else:
+            raise ValueError(f"unknown step {target!r}; one of: {', '.join([*job.engines, ROUTER, TRAINER])}")
+        return {"restarting": target}
+
+    def stop(self) -> dict[str, Any]:
+        with self.job.store.update() as state:
+            state.stop_asked = True
+        self.ending.stop(by_user=True)
+        self.job.events.emit("stop_requested")
+        return {"stopping": True}
+
+    # ------------------------------------------------------------------ the trainer's calls
+    def ready_engines(self) -> dict[str, Any]:
+        return {"engines": [e.url for e in self.recovery.serving().values()]}
+
+    def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> dict[str, Any]:
+        job = self.job
+        behind = job.membership.published(str(version), list(job.engines.values()), set(updated))
+        with job.store.update() as state:
+            state.weight_version = str(version)
+            for engine in job.engines.values():
+                state.steps[engine.name].weight_version = engine.version
+        for url, reason in fenced.items():
+            if (engine := job.engine_by_url(url)) is not None:
+                self.recovery.recover(engine, f"weight update failed: {reason}")
+        for engine in behind:
+            if engine.url not in fenced:
+                self.pool.submit(self.recovery.sync, engine)
+        job.events.emit("weights_published", version=str(version), updated=len(updated), fenced=len(fenced))
+        return {}
+
+    def engine_failed(self, url: str, reason: str) -> dict[str, Any]:
+        engine = self.job.engine_by_url(url)
+        if engine is not None and not self.recovery.is_recovering(engine.name):
+            self.pool.submit(self.recovery.check_reported, engine, reason)
+        return {}
+
+    def trainer_poll(self, rollout_id: int) -> dict[str, Any]:
+        return {"stop": self.ending.stop_requested}

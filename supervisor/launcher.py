@@ -1,0 +1,142 @@
+"""Launching the job's steps (router, engines, trainer) and knowing which step is each one's
+current: the launcher owns that table, under its lock."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from jobs.spec import JobSpec
+from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
+from supervisor import layout as layouts
+from supervisor.context import JobContext
+from supervisor.engines import HEALTHY, STARTING, Engine
+from jobs.contract import JOB_DIR_ENV
+from supervisor.keys import step_env
+from supervisor.layout import Layout
+from supervisor.state import JobState, StepRecord
+from supervisor.steps import Step, StepController, StepSpec
+
+ROUTER, TRAINER = "router", "trainer"
+_ROUTER_POLL_S = 0.2  # between two checks that a starting router answers
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on; the message is the reason `slurmrl status` shows."""
+
+
+class StepLauncher:
+    def __init__(self, job: JobContext, steps: StepController, key: str, router: RouterPlace) -> None:
+        self.job = job
+        self.steps = steps
+        self.router = router
+        self.python = job.spec.python or sys.executable
+        self.env = {**step_env(key), JOB_DIR_ENV: str(job.dir.root)}
+        self._lock = threading.Lock()
+        self._running: dict[str, Step] = {}
+
+    # ------------------------------------------------------------------ the table of current steps
+    def current(self, name: str) -> Step | None:
+        with self._lock:
+            return self._running.get(name)
+
+    def all(self) -> dict[str, Step]:
+        with self._lock:
+            return dict(self._running)
+
+    def set_current(self, step: Step) -> None:
+        with self._lock:
+            self._running[step.spec_name] = step
+
+    # ------------------------------------------------------------------ launching
+    def launch(self, name: str, kind: str, argv: list[str], nodes: tuple[str, ...], het_group: int, *,
+               ntasks: int = 1, gpus_per_node: int = 0, cpus_per_task: int | None = None,
+               overlap: bool = False, env: dict[str, str] | None = None) -> Step:
+        job = self.job
+        spec = StepSpec(name=name, argv=tuple(argv), nodes=nodes, log=job.dir.log(name),
+                        het_group=het_group if job.spec.het_groups > 1 else None, ntasks=ntasks,
+                        gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, overlap=overlap,
+                        env={**self.env, **(env or {})},
+                        # where the job was submitted from: relative paths and plug-ins resolve there
+                        workdir=os.environ.get("SLURM_SUBMIT_DIR"))
+        step = self.steps.launch(spec)
+        self.set_current(step)
+        with job.store.update() as state:
+            record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
+            record.state, record.slurm_step = STARTING, None
+            state.steps[name] = record
+        job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
+        return step
+
+    def launch_router(self) -> None:
+        """The router, on the head node; returns once it answers (JobFailed if it does not)."""
+        job = self.job
+        launch = RouterLaunch(job.layout.head_address, self.router.port, self.router.metrics_port,
+                              policy="round_robin",
+                              router_args=passthrough(job.spec.rollout.router_args, "router"))
+        # --overlap: the router shares the head node's CPUs with the trainer's tasks.
+        step = self.launch(ROUTER, "router", _with_key(router_command(launch, self.python)), (job.layout.head,), 0,
+                           overlap=True)
+        deadline = time.monotonic() + job.ft.router_start_timeout
+        while not job.membership.router.alive():
+            if step.returncode is not None or time.monotonic() > deadline:
+                raise JobFailed(f"the router did not start within router_start_timeout "
+                                f"{job.ft.router_start_timeout:.0f} s (see {job.dir.log(ROUTER)})")
+            if job.finished.wait(_ROUTER_POLL_S):
+                raise JobFailed("the supervisor is shutting down")
+        job.store.update_step(ROUTER, state=HEALTHY, url=self.router.url)
+
+    def launch_engine(self, engine: Engine) -> Step:
+        place, r = engine.place, self.job.spec.rollout
+        launch = EngineLaunch(self.job.spec.trainer.hf_checkpoint, place.address, place.port,
+                              tp=max(1, place.gpus_per_node))
+        command = cpu_engine_command(launch, self.python) if r.engine == "cpu" else sglang_command(launch, self.python)
+        step = self.launch(engine.name, "engine", _with_key(command + passthrough(r.sglang_args, "sglang")),
+                           place.nodes, place.het_group, gpus_per_node=place.gpus_per_node,
+                           cpus_per_task=r.cpus_per_engine)
+        engine.state, engine.version, engine.in_router = STARTING, None, False
+        return step
+
+    def launch_trainer(self) -> Step:
+        t, layout = self.job.spec.trainer, self.job.layout
+        host, port = self.router.url.split("//")[1].rsplit(":", 1)
+        argv = [self.python, "-m", "trainer", *t.train_args, "--job-dir", str(self.job.dir.root), "--supervised",
+                "--sglang-router-ip", host, "--sglang-router-port", port,
+                "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
+        # The master by address: a node's name need not resolve (the devcluster's do not).
+        return self.launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0,
+                           ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
+                           gpus_per_node=t.actor_num_gpus_per_node, cpus_per_task=t.cpus_per_task,
+                           env={"MASTER_ADDR": layout.head_address})
+
+
+@dataclass(frozen=True)
+class RouterPlace:
+    url: str  # where the trainer and the supervisor reach it
+    port: int
+    metrics_port: int
+
+    @classmethod
+    def choose(cls, spec: JobSpec, layout: Layout, predecessor: JobState | None) -> RouterPlace:
+        """The router runs on the head node, where the supervisor runs: its ports are checked free
+        here (and kept on relaunch); a predecessor's router keeps its port (adopted, or relaunched
+        on it). An external router (--sglang-router-ip) is used as given."""
+        record = predecessor.steps.get(ROUTER) if predecessor else None
+        port = (int(record.url.rsplit(":", 1)[1]) if record and record.url
+                else layouts.port_free_here(layout.head_address, layout.router_port))
+        metrics_port = layouts.port_free_here(layout.head_address, layout.router_metrics_port)
+        r = spec.rollout
+        url = (f"http://{r.sglang_router_ip}:{r.sglang_router_port}" if r.external_router
+               else f"http://{layout.head_address}:{port}")
+        return cls(url, port, metrics_port)
+
+
+def _with_key(argv: list[str]) -> list[str]:
+    """[python, -m, MODULE, ARGS...] run so that the job's key joins ARGS only inside the process."""
+    python, dash_m, module, *args = argv
+    if dash_m != "-m":
+        raise ValueError(f"not a python -m command line: {argv}")
+    return [python, "-m", "supervisor.with_key", module, *args]

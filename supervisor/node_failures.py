@@ -1,0 +1,78 @@
+"""Lost nodes, as the supervisor handles them (supervisor/nodes.py asks SLURM): released from the job
+before SLURM marks them DOWN, their engines moved to spare nodes, and a node watched closely
+while an engine on it is stopped or started again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+from supervisor.context import JobContext
+from supervisor.engines import FAILED, Engine
+from supervisor.nodes import LostNodeWatch, NodeTracker
+from supervisor.steps import Step
+
+
+class NodeFailures:
+    def __init__(self, job: JobContext) -> None:
+        self.job = job
+        layout, ft = job.layout, job.ft
+        self.tracker = NodeTracker(layout.job_id, layout.spare_nodes, keep=layout.trainer_nodes,
+                                   timeout_s=ft.slurm_command_timeout)
+        self.watch = LostNodeWatch(self.tracker.check, self.node_lost, ft.node_poll_interval)
+        self._next_check = 0.0  # monotonic time of the next check_due (monitor thread only)
+
+    def node_lost(self, node: str, why: str) -> None:
+        """The first time a node is seen lost: release it from the job, report it."""
+        if self.tracker.lose(node, why):
+            self.job.events.emit("node_failed", node=node, reason=why, allocation=self.tracker.release(node))
+
+    def check_due(self) -> list[tuple[Engine, str]]:
+        """Every node_check_interval, all engine and spare nodes in one query: a lost node is
+        released before SLURM marks it DOWN (which would requeue the whole hetjob), even one whose
+        engine still answers or that holds no engine yet. Returns the engines to recover, and why."""
+        if time.monotonic() < self._next_check:
+            return []
+        self._next_check = time.monotonic() + self.job.ft.node_check_interval
+        engines = self.job.engines.values()
+        watched = {node for e in engines if e.state != FAILED for node in e.place.nodes}
+        out = []
+        for node, why in self.tracker.check(sorted(watched | set(self.tracker.spares))).items():
+            self.node_lost(node, why)
+            out += [(e, f"its node {node} is lost: {why}") for e in engines if node in e.place.nodes]
+        return out
+
+    def place_on_live_node(self, engine: Engine) -> str | None:
+        """Before a (re)launch: if the engine's node is lost, move the engine to a spare node (a fresh
+        start there: not part of a crash loop). Returns the lost node when no spare is left."""
+        lost = self.tracker.check(engine.place.nodes)
+        if not lost:
+            return None
+        for node, why in {**lost, **self.tracker.check(self.tracker.spares)}.items():
+            self.node_lost(node, why)
+        spare = self.tracker.take_spare()
+        if spare is None:
+            return next(iter(lost))
+        job, old = self.job, engine.place.nodes
+        job.membership.expel(engine)  # under its old url, if it is still listed
+        engine.place = job.layout.moved(engine.place, spare)
+        engine.recent_restarts = 0
+        job.store.update_step(engine.name, nodes=[spare], url=engine.url)
+        job.events.emit("engine_moved", engine.name, from_nodes=list(old), to_node=spare, url=engine.url)
+        return None
+
+    @contextmanager
+    def watching(self, engine: Engine, step: Step) -> Iterator:
+        """While in the block, watch the engine's node; once SLURM calls it unusable, release it and
+        kill the step's srun (or an adopted step's stand-in), which ends the block's wait on the
+        step, and set the event yielded. Seen on a dead node: scancel ends the step's srun after some
+        seconds, but an srun launched there again waits for the dead step's CPUs."""
+        def kill_srun() -> None:
+            with suppress(ProcessLookupError):
+                os.killpg(step.proc.pid, signal.SIGKILL)
+
+        with self.watch.watching(engine.place.nodes, kill_srun) as lost:
+            yield lost

@@ -1,0 +1,243 @@
+"""Engines started, recovered and given up on. EngineRecovery owns the set of engines being
+recovered, under its lock: `recover` checks and marks in one step, so the monitor, a control call
+and a trainer's report that all see one failure start one recovery. While an engine is marked,
+its recovery thread alone changes its state, place and restart counts."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+from concurrent.futures import Executor
+
+from rollout.engine_client import EngineError, ProbeResult
+from supervisor.context import Ending, JobContext, restart_backoff
+from supervisor.engines import FAILED, HEALTHY, RESTARTING, WAITING, Engine, EngineStartError, newest_weights, wait_healthy
+from supervisor.launcher import JobFailed, StepLauncher
+from supervisor.node_failures import NodeFailures
+from supervisor.probe import HealthTracker
+from supervisor.requeue import Requeue
+from supervisor.steps import Step, StepController
+from supervisor.tensorboard import ScalarWriter
+
+log = logging.getLogger(__name__)
+
+_SYNC_TRIES = 3  # loads from disk in a row when the trainer keeps publishing meanwhile
+_ADMIT_POLL_S = 0.2  # between two looks whether a recovered engine is in the router
+
+
+class EngineRecovery:
+    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, nodes: NodeFailures,
+                 tracker: HealthTracker, requeue: Requeue, ending: Ending, pool: Executor,
+                 scalars: ScalarWriter) -> None:
+        self.job = job
+        self.launcher = launcher
+        self.steps = steps
+        self.nodes = nodes
+        self.tracker = tracker
+        self.requeue = requeue
+        self.ending = ending
+        self.pool = pool
+        self.scalars = scalars
+        self._lock = threading.Lock()
+        self._recovering: set[str] = set()
+
+    # ------------------------------------------------------------------ what others may ask
+    def is_recovering(self, name: str) -> bool:
+        with self._lock:
+            return name in self._recovering
+
+    def serving(self) -> dict[str, Engine]:
+        """Engines that serve, or wait for, the current weights: probed, and given the next version."""
+        with self._lock:
+            return {name: e for name, e in self.job.engines.items()
+                    if e.state in (WAITING, HEALTHY) and name not in self._recovering}
+
+    # ------------------------------------------------------------------ recovery
+    def recover(self, engine: Engine, reason: str) -> bool:
+        """Take the engine out and bring it back, in a worker thread (the caller goes on). False
+        when it is being recovered already or was given up."""
+        with self._lock:
+            if engine.name in self._recovering or engine.state == FAILED:
+                return False
+            self._recovering.add(engine.name)
+            engine.state = RESTARTING
+        detected = time.time()
+        job = self.job
+        job.membership.expel(engine)
+        job.events.emit("engine_failed", engine.name, reason=reason, url=engine.url)
+        job.store.update_step(engine.name, state=RESTARTING, last_failure=reason)
+        if not job.ft.use_fault_tolerance:
+            self.ending.fail(f"{engine.name} failed ({reason}) and use_fault_tolerance is off")
+            job.wake_monitor(engine.name)
+            return True
+        self.pool.submit(self._restart, engine, detected)
+        return True
+
+    def check_reported(self, engine: Engine, reason: str) -> None:
+        """One failed request is not yet a failed engine: the router can send a request on a
+        keep-alive connection the engine is just closing (SGLang closes idle ones after 5 s, the
+        router keeps them 50 s). One probe decides; a healthy engine stays in."""
+        if self.is_recovering(engine.name):
+            return
+        result = self.job.client.probe_all({engine.name: engine.url})[engine.name]
+        if result.ok:
+            self.job.events.emit("engine_report_dismissed", engine.name, reason=reason,
+                                 probe_s=round(result.latency_s, 3))
+            return
+        self.recover(engine, f"reported by the trainer: {reason}; then /health_generate: {result.error}")
+
+    def _restart(self, engine: Engine, detected: float) -> None:
+        job = self.job
+        try:
+            step = self.launcher.current(engine.name)
+            if step is not None and step.returncode is None:
+                self._stop_step(engine, step)
+            if time.time() - engine.last_restart > job.ft.crash_window:
+                engine.recent_restarts = 0
+            if not self._relaunch_until_up(engine):
+                return
+            self._finish(engine)  # out of the recovering set: among the ready engines again
+            deadline = time.monotonic() + job.ft.engine_admit_timeout
+            # A publish during the sync leaves it one version behind: the next publish includes it.
+            while not engine.in_router and time.monotonic() < deadline and not job.finished.wait(_ADMIT_POLL_S):
+                pass
+            recover_s = round(time.time() - detected, 3)
+            job.events.emit("engine_recovered", engine.name, restarts=engine.restarts, recover_s=recover_s,
+                            weight_version=engine.version, in_router=engine.in_router)
+            total = sum(e.restarts for e in job.engines.values())
+            self.scalars.add_scalar("supervisor/engine_restarts", total, total)
+            self.scalars.add_scalar("supervisor/recover_seconds", recover_s, total)
+        except Exception as err:  # a recovery that breaks must not leave the engine half-handled
+            log.exception("recovering %s failed", engine.name)
+            job.events.emit("engine_restart_failed", engine.name, reason=repr(err))
+            self.give_up(engine)
+        finally:
+            self._finish(engine)
+
+    def _relaunch_until_up(self, engine: Engine) -> bool:
+        """Launch again (with backoff) until the engine answers; False when given up meanwhile."""
+        ft = self.job.ft
+        while True:
+            lost_node = self.nodes.place_on_live_node(engine)
+            if lost_node is not None:
+                self.give_up(engine, lost_node=lost_node)
+                return False
+            if engine.recent_restarts >= ft.max_engine_restarts:
+                self.give_up(engine)
+                return False
+            if self.job.finished.wait(restart_backoff(ft, engine.recent_restarts)):
+                return False
+            engine.restarts += 1
+            engine.recent_restarts += 1
+            engine.last_restart = time.time()
+            step = self.launch(engine)
+            try:
+                with self.nodes.watching(engine, step):
+                    self.await_engine(engine, step)
+                return True
+            except (EngineStartError, EngineError) as err:
+                self.job.events.emit("engine_restart_failed", engine.name, reason=str(err), attempt=engine.restarts)
+                if step.returncode is None:
+                    self._stop_step(engine, step)
+
+    def _finish(self, engine: Engine) -> None:
+        with self._lock:
+            if engine.name not in self._recovering:
+                return
+            self._recovering.discard(engine.name)
+        self.job.store.update_step(engine.name, state=engine.state, restarts=engine.restarts,
+                                   weight_version=engine.version)
+
+    def _stop_step(self, engine: Engine, step: Step) -> None:
+        """Cancel the engine's step (killed instead once its node is found lost: NodeFailures.watching)."""
+        ft = self.job.ft
+        with self.nodes.watching(engine, step) as lost:
+            try:
+                self.steps.cancel(step, ft.step_stop_timeout, ft.step_term_grace)
+            except (TimeoutError, subprocess.TimeoutExpired):  # SLURM lists a lost node's steps a while
+                if not lost.is_set():
+                    raise
+
+    def give_up(self, engine: Engine, lost_node: str | None = None) -> None:
+        """No more restarts: after a crash loop, or when its node is lost and no spare is left (no
+        fault of the engine's). The job goes on with the engines left while min_engines are; below
+        that, a crash loop fails the job and a lost node requeues it without that node."""
+        job, ft = self.job, self.job.ft
+        engine.state = FAILED
+        reason = (f"node {lost_node} is lost and no spare node is left" if lost_node else
+                  f"{engine.recent_restarts} restarts in a row, each within crash_window {ft.crash_window:.0f} s")
+        job.events.emit("engine_given_up", engine.name, restarts=engine.restarts, reason=reason)
+        live = sum(e.state != FAILED for e in job.engines.values())
+        if live >= ft.min_engines:
+            job.events.emit("engine_degraded", engine.name, engines=live, min_engines=ft.min_engines)
+            return
+        if lost_node:
+            # The preemption path (Requeue.check): the trainer saves now, the job requeues.
+            self.requeue.without_node(lost_node, f"node {lost_node} is lost: {live} engines left, below "
+                                                 f"min_engines {ft.min_engines}; requeue without it")
+        else:
+            self.ending.fail(f"only {live} engines left (min_engines {ft.min_engines}): {engine.name} kept failing")
+        job.wake_monitor(engine.name)
+
+    # ------------------------------------------------------------------ starting and syncing
+    def launch(self, engine: Engine) -> Step:
+        step = self.launcher.launch_engine(engine)
+        self.tracker.started(engine.name)
+        return step
+
+    def start_all(self, adopted: set[str]) -> None:
+        """The job's first start of its engines (or a successor's, with some adopted); waits until
+        each answered. JobFailed when too few did."""
+        job, ft = self.job, self.job.ft
+        for engine in job.engines.values():
+            if engine.name not in adopted:
+                self.launch(engine)
+                continue
+            self.tracker.started(engine.name)
+            if engine.state == HEALTHY:  # adopted, and it answered: no first-wait
+                self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})
+        waits = {name: self.pool.submit(self.await_engine, engine, self.launcher.current(name))
+                 for name, engine in job.engines.items() if engine.state != HEALTHY}
+        problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
+        for name, problem in problems.items():
+            job.events.emit("engine_start_failed", name, reason=problem)
+            job.engines[name].state = FAILED
+            job.store.update_step(name, state=FAILED, last_failure=problem)
+        alive = len(job.engines) - len(problems)
+        if problems and (not ft.use_fault_tolerance or alive < ft.min_engines):
+            raise JobFailed(f"{len(problems)} of {len(job.engines)} engines did not start: "
+                            f"{'; '.join(problems.values())}")
+
+    def await_engine(self, engine: Engine, step: Step) -> None:
+        """Until the engine answers (EngineStartError if it does not), then at the current weights."""
+        job = self.job
+        wait_healthy(job.client, engine, job.ft.engine_start_timeout, lambda: step.returncode is None)
+        self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})  # answered: first-wait is over
+        with job.membership.lock:  # a publish meanwhile finds it waiting, or has made its version current
+            engine.state = WAITING  # until it serves the current weight version
+            # An adopted engine off the current version took a publish during the gap (its report
+            # is on the way) or was being synced: the trainer's report or next publish brings it in;
+            # a sync from disk could take it a version back.
+            off_version = step.adopted and engine.version != job.membership.current
+        job.store.update_step(engine.name, state=WAITING)
+        if not off_version:
+            self.sync(engine)
+
+    def sync(self, engine: Engine) -> None:
+        """Bring a waiting engine to the current version from disk, if it is there, and admit it.
+        The trainer may publish meanwhile: then load the newer version (a few tries)."""
+        job = self.job
+        for _ in range(_SYNC_TRIES):
+            with job.membership.lock:
+                current = job.membership.current
+            folder = newest_weights(job.dir.weights, current)
+            if folder is None:
+                return  # not on disk (an update group): the trainer's next publish includes it
+            if engine.version != current:
+                job.client.load_from_disk(engine.url, folder, current, timeout_s=job.ft.weight_load_timeout)
+                engine.version = current
+            if job.membership.admit(engine):
+                job.store.update_step(engine.name, state=HEALTHY, weight_version=engine.version)
+                return

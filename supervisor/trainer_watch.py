@@ -1,0 +1,113 @@
+"""The trainer step as the supervisor watches it: its heartbeat against each phase's timeout, its
+exit (the job's outcome, or a restart from the latest checkpoint), and restarts asked for."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Executor
+
+from jobs.contract import read_heartbeat
+from supervisor.context import Ending, JobContext, restart_backoff
+from supervisor.launcher import TRAINER, JobFailed, StepLauncher
+from supervisor.requeue import Requeue
+from supervisor.steps import Step, StepController
+
+REQUEUE = "preempted: saved, then requeued"
+
+
+class TrainerWatch:
+    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, requeue: Requeue,
+                 ending: Ending, pool: Executor, restarts: int) -> None:
+        self.job = job
+        self.launcher = launcher
+        self.steps = steps
+        self.requeue = requeue
+        self.ending = ending
+        self.pool = pool
+        self.restarts = restarts  # in the job's life (kept across a supervisor crash); monitor thread only
+        self._lock = threading.Lock()
+        self._launched = 0.0  # unix time of the step's (re)launch or adoption: its heartbeat counts from here
+        self._ended_why: str | None = None  # why the supervisor ended the step, if it did
+
+    def launch(self) -> None:
+        with self._lock:
+            self._launched, self._ended_why = time.time(), None
+        self.launcher.launch_trainer()
+
+    def adopted(self) -> None:
+        with self._lock:
+            self._launched = time.time()
+
+    def _end(self, why: str) -> bool:
+        """Mark the running step as ended by the supervisor; False if it was already."""
+        with self._lock:
+            if self._ended_why:
+                return False
+            self._ended_why = why
+            return True
+
+    def restart_requested(self) -> None:
+        """`slurmrl restart trainer` (a control thread): end the step; its exit relaunches it."""
+        step = self.launcher.current(TRAINER)
+        if step is None:
+            raise ValueError("the trainer has not been launched yet")
+        self.job.events.emit("restart_requested", TRAINER)
+        self._end("restart asked with slurmrl restart")
+        self.steps.cancel(step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+
+    def check_heartbeat(self) -> None:
+        """A trainer whose heartbeat stays in one phase past that phase's timeout is hung (a rank
+        stuck in a collective, a dead engine connection...): end its step; its exit restarts it."""
+        step = self.launcher.current(TRAINER)
+        if step is None or step.returncode is not None:
+            return
+        with self._lock:
+            launched, ended = self._launched, self._ended_why
+        if ended:
+            return
+        beat = read_heartbeat(self.job.dir, launched)
+        age, timeout = time.time() - beat.time, self.job.ft.phase_timeout(beat.phase)
+        if age <= timeout:
+            return
+        why = (f"trainer heartbeat stale: in phase {beat.phase.value} for {age:.0f} s "
+               f"(trainer_{beat.phase.value}_timeout {timeout:.0f} s)")
+        if self._end(why):
+            self.job.events.emit("trainer_hung", TRAINER, reason=why, phase=beat.phase.value,
+                                 rollout_id=beat.rollout_id)
+            self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+
+    def on_exit(self, step: Step) -> str | None:
+        """The trainer step ended: the job's outcome, or None once it is restarted."""
+        rc = step.returncode
+        with self._lock:
+            ended_why = self._ended_why
+        preempted = self.requeue.preemption.reason is not None
+        # A trainer the supervisor ended (hung, `slurmrl restart`) may still exit 0: it saves on SIGTERM.
+        if rc == 0 and not ended_why:
+            self.job.events.emit("trainer_finished", TRAINER)
+            if self.ending.by_user:
+                return "stopped by user"
+            if preempted:
+                return REQUEUE
+            # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
+            return "ended by SLURM after the trainer saved" if self.requeue.slurm_job.ending() else "completed"
+        reason = ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
+        self.job.events.emit("trainer_failed", TRAINER, reason=reason)
+        if preempted:  # no restart now: the job requeues from its last checkpoint
+            return REQUEUE
+        self._restart(reason)
+        return None
+
+    def _restart(self, reason: str) -> None:
+        ft = self.job.ft
+        if self.requeue.slurm_job.ending():
+            raise JobFailed(f"{reason}; the job is ending (cancelled or out of time)")
+        if not ft.use_fault_tolerance or self.restarts >= ft.max_trainer_restarts:
+            raise JobFailed(reason)
+        if self.job.finished.wait(restart_backoff(ft, self.restarts)):
+            return
+        self.restarts += 1
+        self.launch()  # it resumes from the latest checkpoint and republishes its weights
+        self.job.store.update_step(TRAINER, restarts=self.restarts)
+        self.job.events.emit("trainer_restarted", TRAINER, restarts=self.restarts)

@@ -1,0 +1,77 @@
+"""Weight versions published to disk: JOB/weights/<version>/, an HF safetensors folder (shards
+with their index, and the config and tokenizer of the HF checkpoint) that appears, by rename,
+only once complete; the newest few are kept."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ckpt_tools.convert import HF_SIDE_FILES
+from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
+from jobs.contract import fsync_dir
+
+_PARTIAL = ".partial-"  # marks a hidden folder still being written (or being removed)
+
+
+@dataclass(frozen=True)
+class WeightFolders:
+    """The version folders under weights_dir: shards of at most shard_bytes, keep_versions kept."""
+
+    weights_dir: Path
+    hf_checkpoint: Path
+    shard_bytes: int
+    keep_versions: int
+
+    def write(self, version: str, tensors: list[tuple[str, torch.Tensor]]) -> tuple[Path, int]:
+        """The folder of `version`, built in a hidden folder and renamed into place, and its bytes."""
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}{_PARTIAL}", dir=self.weights_dir))
+        try:
+            writer = StreamingSafetensorsWriter(tmp, [(n, tuple(t.shape), t.dtype) for n, t in tensors],
+                                                self.shard_bytes)
+            for name, tensor in tensors:
+                writer.write(name, tensor)
+            writer.close()
+            for side in HF_SIDE_FILES:
+                if (self.hf_checkpoint / side).is_file():
+                    shutil.copy2(self.hf_checkpoint / side, tmp / side)
+            fsync_dir(tmp)
+            final = self._move_into_place(tmp, version)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final, writer.total_bytes
+
+    def prune(self, current: Path) -> None:
+        """Keep the newest keep_versions folders (current among them); drop what a publisher
+        that died mid-write left behind."""
+        entries = list(self.weights_dir.iterdir())
+        for entry in entries:
+            if entry.name.startswith(".") and _PARTIAL in entry.name:
+                shutil.rmtree(entry, ignore_errors=True)
+        versions = sorted((e for e in entries if e.is_dir() and not e.name.startswith(".") and e != current),
+                          key=lambda e: e.stat().st_mtime_ns, reverse=True)
+        for old in versions[self.keep_versions - 1:]:
+            self._remove(old)
+
+    def _move_into_place(self, tmp: Path, version: str) -> Path:
+        """Rename the finished folder in; a folder of the same version (a resumed run publishing
+        it again) is removed first, as rename cannot replace a full folder."""
+        final = self.weights_dir / version
+        if final.exists():
+            self._remove(final)
+        os.rename(tmp, final)
+        fsync_dir(self.weights_dir)
+        return final
+
+    def _remove(self, folder: Path) -> None:
+        """Hide the folder first, so nobody sees it half deleted."""
+        hidden = tempfile.mkdtemp(prefix=f".{folder.name}{_PARTIAL}", dir=self.weights_dir)
+        os.rename(folder, hidden)  # onto an empty folder, which rename may replace
+        shutil.rmtree(hidden, ignore_errors=True)
