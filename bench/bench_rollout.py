@@ -68,9 +68,9 @@ def main() -> None:
         argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
         servers.append(start(argv, f"http://127.0.0.1:{port}", work / "router.log", "/liveness"))
         engine_url, router_url = servers[0].url, servers[1].url
-        router = RouterClient(router_url, API_KEY)
+        router = RouterClient(router_url, API_KEY, timeout_s=10)
         router.add_worker(engine_url, api_key=API_KEY)
-        router.wait_listed(engine_url)
+        router.wait_listed(engine_url, timeout_s=60)
 
         asyncio.run(_throughput(engine_url, 4, 8, 8))  # warm up
         one = asyncio.run(_throughput(engine_url, 1, args.requests // 4, args.tokens))

@@ -64,6 +64,7 @@ class RolloutArgs:
     save_debug_rollout_data: str | None = None  # path with {rollout_id}
     load_debug_rollout_data: str | None = None
     retry_timeout_s: float = 1800.0  # give up on a request after this long without any engine
+    router_timeout_s: float = 10.0  # one call to the router's worker API (the job's router_request_timeout)
     # Called with an engine url the router could not reach; default: remove it from the router.
     engine_failure_handler: Callable[[str], None] | None = field(default=None, repr=False)
 
@@ -97,7 +98,7 @@ class _Round:
     def __init__(self, args: RolloutArgs, rollout_id: int, buffer: DataBuffer, evaluation: bool) -> None:
         self.args, self.rollout_id, self.buffer, self.evaluation = args, rollout_id, buffer, evaluation
         self.tokenizer = _tokenizer(args.hf_checkpoint)
-        self.router = RouterClient(args.router_url, args.api_key)
+        self.router = RouterClient(args.router_url, args.api_key, args.router_timeout_s)
         self.reported: set[str] = set()
         self.done = False  # enough groups: stop continuing aborted samples
         self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")

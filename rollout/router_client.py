@@ -10,12 +10,16 @@ import time
 import requests
 
 
+_LISTED_POLL_S = 0.1  # between two looks at the router's worker list
+
+
 class RouterError(RuntimeError):
     pass
 
 
 class RouterClient:
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, api_key: str | None, timeout_s: float) -> None:
+        """timeout_s bounds one call."""
         self.url = url.rstrip("/")
         self.session = requests.Session()
         if api_key:
@@ -53,11 +57,11 @@ class RouterClient:
         self._call("DELETE", f"/workers/{worker_id}")
         return True
 
-    def wait_listed(self, url: str, listed: bool = True, timeout_s: float = 60.0) -> None:
+    def wait_listed(self, url: str, timeout_s: float, listed: bool = True) -> None:
         """Wait until the router lists (or no longer lists) `url`."""
         deadline = time.monotonic() + timeout_s
         while (url in self.workers()) != listed:
             if time.monotonic() > deadline:
                 state = "listed" if listed else "removed"
                 raise RouterError(f"router {self.url} did not have {url} {state} within {timeout_s:.0f} s")
-            time.sleep(0.1)
+            time.sleep(_LISTED_POLL_S)

@@ -37,9 +37,12 @@ class OffPolicyError(RuntimeError):
     """--true-on-policy-mode: the trainer's log-probs differ from the engine's."""
 
 
-def rollout_args(args: argparse.Namespace, router_url: str, on_engine_failure: Callable[[str], None] | None) -> RolloutArgs:
-    names = set(RolloutArgs.__dataclass_fields__) - {"router_url", "api_key", "engine_failure_handler"}
-    return RolloutArgs(router_url=router_url, api_key=args.api_key, engine_failure_handler=on_engine_failure,
+def rollout_args(args: argparse.Namespace, router_url: str, router_timeout_s: float,
+                 on_engine_failure: Callable[[str], None] | None) -> RolloutArgs:
+    names = set(RolloutArgs.__dataclass_fields__) - {"router_url", "router_timeout_s", "api_key",
+                                                     "engine_failure_handler"}
+    return RolloutArgs(router_url=router_url, router_timeout_s=router_timeout_s, api_key=args.api_key,
+                       engine_failure_handler=on_engine_failure,
                        **{name: getattr(args, name) for name in names})
 
 
@@ -62,7 +65,7 @@ class Driver:
             args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
             tokenizer=tokenizer, apply_chat_template=args.apply_chat_template, shuffle=args.rollout_shuffle,
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
-        self.rollout = rollout_args(args, self.router_url or "",
+        self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
         self.reporter = Reporter(job_dir, args.tensorboard_dir)
         self.publisher = None

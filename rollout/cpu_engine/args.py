@@ -35,6 +35,7 @@ class ServerArgs:
     dtype: str
     random_seed: int | None
     num_threads: int
+    weight_update_group_timeout: float = 300.0
     enable_deterministic_inference: bool = False
     ignored: dict[str, Any] = field(default_factory=dict)
 
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--random-seed", type=int, help="seed of requests without sampling_seed (default: random)")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch CPU threads (default %(default)s, to stay light beside other processes)")
+    parser.add_argument("--weight-update-group-timeout", type=float, default=300.0,
+                        help="seconds a weight-update group's rendezvous or one broadcast waits for the "
+                             "trainer before failing (default %(default)s; the CPU engine's own flag)")
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant results: every sequence runs its own forward pass, so its "
                              "logits never depend on what else is running (slower under load)")
@@ -82,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = parser.parse_args(argv)
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be 1..65535, got {ns.port}")
+    if ns.weight_update_group_timeout <= 0:
+        parser.error(f"--weight-update-group-timeout must be positive, got {ns.weight_update_group_timeout}")
     for flag in ("max_running_requests", "num_threads", "context_length"):
         value = getattr(ns, flag)
         if value is not None and value < 1:
@@ -93,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         api_key=ns.api_key, weight_version=ns.weight_version, skip_server_warmup=ns.skip_server_warmup,
         max_running_requests=ns.max_running_requests, context_length=ns.context_length, dtype=ns.dtype,
         random_seed=ns.random_seed, num_threads=ns.num_threads,
+        weight_update_group_timeout=ns.weight_update_group_timeout,
         enable_deterministic_inference=ns.enable_deterministic_inference,
         ignored={name: getattr(ns, name) for name in sorted(ignored_names)},
     )

@@ -14,8 +14,6 @@ from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_j
 from rollout.cpu_engine.weights import WeightError, load_into, read_safetensors_folder
 from rollout.weight_group import WeightSyncError, create_group, parse_dtype
 
-# How long a group rendezvous or one broadcast may wait for the trainer before failing.
-GROUP_TIMEOUT_S = 300.0
 DEFAULT_GROUP = "weight_update_group"
 
 
@@ -88,7 +86,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             try:
                 # One CPU process is tensor-parallel rank 0 of its engine.
                 engine.groups[name] = await asyncio.to_thread(create_group, address, port, offset, world, name,
-                                                              GROUP_TIMEOUT_S)
+                                                              engine.args.weight_update_group_timeout)
             except WeightSyncError as err:
                 return _result(False, str(err))
         # The CPU engine always uses gloo, whatever `backend` asked for (nccl needs GPUs).

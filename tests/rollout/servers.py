@@ -83,11 +83,11 @@ def engines_behind_router(model: Path, log_dir: Path, count: int = 2,
         port = free_port()
         argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
         servers.append(start(argv, f"http://127.0.0.1:{port}", log_dir / "router.log", "/liveness"))
-        router = RouterClient(servers[-1].url, API_KEY)
+        router = RouterClient(servers[-1].url, API_KEY, timeout_s=10)
         for server in engines:
             router.add_worker(server.url, api_key=API_KEY)
         for server in engines:
-            router.wait_listed(server.url)
+            router.wait_listed(server.url, timeout_s=60)
         yield router, engines
     finally:
         for server in servers:

@@ -26,6 +26,7 @@ from tests.rollout.cpu_engine_helpers import (
 PROMPT = [1, 5, 104, 7, 85, 102, 15, 2]
 PROBE = {"input_ids": PROMPT, "return_logprob": True,
          "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+GROUP_TIMEOUT_S = 5.0  # the engine's --weight-update-group-timeout in these tests
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 @pytest.fixture(scope="module")
 def engine(models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    proc = EngineProcess(models[0], tmp_path_factory.mktemp("log") / "engine.log", extra=["--skip-server-warmup"])
+    proc = EngineProcess(models[0], tmp_path_factory.mktemp("log") / "engine.log",
+                         extra=["--skip-server-warmup", "--weight-update-group-timeout", str(GROUP_TIMEOUT_S)])
     try:
         proc.wait_ready()
         yield proc
@@ -177,6 +179,17 @@ def test_paused_engine_updates_without_waiting(engine: EngineProcess, models: di
 
 def _trainer_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
+
+
+def test_a_group_whose_trainer_never_comes_fails_after_the_engines_timeout(engine: EngineProcess) -> None:
+    """--weight-update-group-timeout bounds the rendezvous: the call fails within the test client's
+    120 s (the 300 s default would outlast it), and the failed group is not kept."""
+    init = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "nobody-comes"}
+    for _ in range(2):  # the second try is not refused as "already exists"
+        answer = engine.post("/init_weights_update_group", init)
+        assert answer.status_code == 400 and answer.json()["success"] is False
+        assert "already exists" not in answer.json()["message"]
 
 
 def test_distributed_update_loads_exactly_the_broadcast_tensors(engine: EngineProcess, models: dict[int, Path],
