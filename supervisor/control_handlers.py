@@ -3,24 +3,25 @@ call, in a table. Each runs in a connection's thread; the work that takes long g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import asdict
 from typing import Any
 
 from jobs.control_protocol import Call
 from supervisor.context import Ending, JobContext
+from supervisor.control import Handler
 from supervisor.launcher import ROUTER, TRAINER, StepLauncher
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
 from supervisor.steps import StepController
 from supervisor.trainer_watch import TrainerWatch
-from supervisor.control import Handler
 
 
 class ControlHandlers:
     def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, recovery: EngineRecovery,
                  trainer: TrainerWatch, requeue: Requeue, ending: Ending, pool: Executor,
-                 last_checkpoint: Any) -> None:
+                 last_checkpoint: Callable[[], str | None]) -> None:
         self.job = job
         self.launcher = launcher
         self.steps = steps
