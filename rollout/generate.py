@@ -21,11 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from rollout import debug_data, rewards
 from rollout.buffer import DataBuffer
+from rollout.filters import filter_keeps
 from rollout.plugins import load_function
 from rollout.router_client import RouterClient
 from rollout.sample import Sample, Status
@@ -67,13 +69,28 @@ class RolloutArgs:
     router_timeout_s: float = 10.0  # one call to the router's worker API (the job's router_request_timeout)
     # Called with an engine url the router could not reach; default: remove it from the router.
     engine_failure_handler: Callable[[str], None] | None = field(default=None, repr=False)
+    # What plug-ins get as `args`: the trainer's whole parsed flags, by slime's names (its
+    # sglang_router_ip/port, hf_checkpoint...); None: this object.
+    plugin_args: Any = field(default=None, repr=False)
+
+    @property
+    def for_plugins(self) -> Any:
+        return self if self.plugin_args is None else self.plugin_args
+
+    @property
+    def sglang_router_ip(self) -> str:
+        return urlsplit(self.router_url).hostname or ""
+
+    @property
+    def sglang_router_port(self) -> int | None:
+        return urlsplit(self.router_url).port
 
 
 def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer,
                      evaluation: bool = False) -> list[list[Sample]]:
     if args.rollout_function_path:
         return load_function(args.rollout_function_path, "--rollout-function-path")(
-            args, rollout_id, data_buffer, evaluation)
+            args.for_plugins, rollout_id, data_buffer, evaluation)
     if args.load_debug_rollout_data:
         return debug_data.load(args.load_debug_rollout_data, rollout_id)
     groups = asyncio.run(_Round(args, rollout_id, data_buffer, evaluation).run())
@@ -121,7 +138,7 @@ class _Round:
                 finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
                     group = task.result()
-                    if self.keep is None or self.keep(self.args, group):
+                    if self.keep is None or filter_keeps(self.keep(self.args.for_plugins, group)):
                         kept.append(group)
             self.done = True
             leftovers = await self._abort(running) if running else []
@@ -151,7 +168,7 @@ class _Round:
 
     async def _reward(self, sample: Sample) -> float:
         if self.custom_rm:
-            value = self.custom_rm(self.args, sample)
+            value = self.custom_rm(self.args.for_plugins, sample)
             return float(await value if inspect.isawaitable(value) else value)
         if self.args.rm_type == "toy":
             return rewards.toy_reward(sample.response, sample.label)
@@ -176,7 +193,7 @@ class _Round:
             sample.tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         while True:
             if self.custom_generate:
-                await self.custom_generate(self.args, sample, self._sampling_params(sample))
+                await self.custom_generate(self.args.for_plugins, sample, self._sampling_params(sample))
             elif (body := await self._post(sample)) is not None:
                 self._apply(sample, body)
             # Aborted by someone else (a weight update's pause): continue where it stopped.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 
 class Status(str, Enum):
@@ -32,6 +32,33 @@ class Sample:
     rollout_log_probs: list[float] = field(default_factory=list)
     weight_version: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    Status: ClassVar[type[Status]] = Status  # slime's spelling: Sample.Status.TRUNCATED
+
+    # slime's older plug-ins set these flags instead of `status` (its docs' custom generate
+    # example does): each reads and writes the status. A sample told "not truncated" and "not
+    # aborted" after its generation is complete.
+    @property
+    def truncated(self) -> bool:
+        return self.status is Status.TRUNCATED
+
+    @truncated.setter
+    def truncated(self, value: bool) -> None:
+        self._set_flag(Status.TRUNCATED, value)
+
+    @property
+    def aborted(self) -> bool:
+        return self.status is Status.ABORTED
+
+    @aborted.setter
+    def aborted(self, value: bool) -> None:
+        self._set_flag(Status.ABORTED, value)
+
+    def _set_flag(self, status: Status, value: bool) -> None:
+        if value:
+            self.status = status
+        elif self.status in (Status.PENDING, status):
+            self.status = Status.COMPLETED
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prompt-data", help="jsonl prompts")
     add("--input-key", default="input")
     add("--label-key")
-    add("--metadata-key")
+    add("--metadata-key", default="metadata", help="the jsonl field holding each prompt's metadata (slime's default)")
     add("--apply-chat-template", action="store_true")
     add("--rollout-shuffle", action="store_true")
     add("--rollout-batch-size", type=int, default=32, help="prompts per rollout")

@@ -40,9 +40,9 @@ class OffPolicyError(RuntimeError):
 def rollout_args(args: argparse.Namespace, router_url: str, router_timeout_s: float,
                  on_engine_failure: Callable[[str], None] | None) -> RolloutArgs:
     names = set(RolloutArgs.__dataclass_fields__) - {"router_url", "router_timeout_s", "api_key",
-                                                     "engine_failure_handler"}
+                                                     "engine_failure_handler", "plugin_args"}
     return RolloutArgs(router_url=router_url, router_timeout_s=router_timeout_s, api_key=args.api_key,
-                       engine_failure_handler=on_engine_failure,
+                       engine_failure_handler=on_engine_failure, plugin_args=args,
                        **{name: getattr(args, name) for name in names})
 
 

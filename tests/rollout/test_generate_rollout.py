@@ -138,3 +138,18 @@ def test_partial_rollout_continues_aborted_samples_where_they_stopped(cluster, m
         assert sample.tokens[:len(tokens)] == tokens and sample.response_length > length, "restarted, not continued"
         assert sample.response_length == len(sample.loss_mask) == len(sample.rollout_log_probs)
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
+
+
+def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(cluster, model: Path,
+                                                                         tmp_path: Path) -> None:
+    """The seed doc's custom generate (it reads args.sglang_router_ip/port and sets sample.truncated
+    and sample.aborted) and a filter returning DynamicFilterOutput(keep=False) for odd groups."""
+    router, _ = cluster
+    args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=8,
+                   custom_generate_function_path="tests.rollout.slime_plugins.generate",
+                   dynamic_sampling_filter_path="tests.rollout.slime_plugins.even_groups_only")
+    groups = generate_rollout(args, 0, _buffer(tmp_path))
+    assert len(groups) == 4 and all(g[0].group_index % 2 == 0 for g in groups), "a dropped group was kept"
+    for sample in (s for g in groups for s in g):
+        assert sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.reward in (0.0, 1.0)
+        assert sample.truncated == (sample.status is Status.TRUNCATED) and not sample.aborted
