@@ -56,7 +56,7 @@ class RolloutArgs:
     rollout_stop: list[str] | None = None
     rollout_seed: int = 42
     rollout_concurrency: int = 64  # requests in flight at once
-    rm_type: str = "math"  # built-in reward: math | toy
+    rm_type: str = "math"  # built-in reward: rewards.REWARD_TYPES, each with an optional boxed_ prefix
     custom_rm_path: str | None = None
     custom_generate_function_path: str | None = None
     rollout_function_path: str | None = None
@@ -170,9 +170,7 @@ class _Round:
         if self.custom_rm:
             value = self.custom_rm(self.args.for_plugins, sample)
             return float(await value if inspect.isawaitable(value) else value)
-        if self.args.rm_type == "toy":
-            return rewards.toy_reward(sample.response, sample.label)
-        return rewards.math_reward(sample.response, sample.label)
+        return rewards.rule_based_reward(self.args.rm_type, sample.response, sample.label, sample.metadata)
 
     def _sampling_params(self, sample: Sample) -> dict[str, Any]:
         params = {"max_new_tokens": self.args.rollout_max_response_len - sample.response_length,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import API_KEY_ENV
+from rollout.rewards import REWARD_TYPES
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rollout-concurrency", type=int, default=64)
     add("--rollout-retry-timeout", dest="retry_timeout_s", type=float, default=1800.0,
         help="give up on a request after this many seconds without any engine")
-    add("--rm-type", choices=("math", "toy"), default="math")
+    add("--rm-type", choices=[p + t for p in ("", "boxed_") for t in REWARD_TYPES], default="math",
+        help="built-in reward (a sample's metadata rm_type overrides it)")
     add("--custom-rm-path")
     add("--custom-generate-function-path")
     add("--rollout-function-path")
