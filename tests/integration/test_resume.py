@@ -44,12 +44,20 @@ def uninterrupted(devcluster, toy, tmp_path_factory) -> list[dict]:
     return metrics(job_dir)
 
 
+# Losses and norms may differ in their last bits between two runs from the same start (seen in
+# CI: rollout 0's GRPO loss, a sum of advantages that is ~0 on policy, came out -9.3e-10 in one run
+# and -4.2e-7 in another), so they are compared to 1e-5 relative / 1e-6 absolute; a resume that
+# loses or repeats any state moves them by far more. Samples, rewards and versions stay exact.
+def same(x: object, y: object) -> bool:
+    return x == y if not isinstance(x, float) else y == pytest.approx(x, rel=1e-5, abs=1e-6)
+
+
 def assert_same_run(expected: list[dict], job_dir: Path) -> None:
     got = metrics(job_dir)
     assert [m["rollout_id"] for m in got] == list(range(len(expected))), "a rollout id was skipped or repeated"
     for x, y in zip(expected, got):
         for key in COMPARED:
-            assert x[key] == y[key], f"rollout {x['rollout_id']}: {key} {x[key]} != {y[key]}"
+            assert same(x[key], y[key]), f"rollout {x['rollout_id']}: {key} {x[key]} != {y[key]}"
     assert_never_stale(job_dir)
 
 

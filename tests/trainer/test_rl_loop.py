@@ -117,9 +117,12 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
     for a, b in zip(whole, parts):  # the samples first: equal losses of other samples mean nothing
         tokens = [_rollout_tokens(tmp_path / run, a["rollout_id"]) for run in ("whole", "parts")]
         assert tokens[0] == tokens[1], f"rollout {a['rollout_id']}: the engines generated other samples"
-        keys = ("reward_mean", "loss", "pg_loss", "grad_norm", "weight_version")
-        for key in keys + (("value_loss", "critic_grad_norm") if estimator == "ppo" else ()):
-            assert a[key] == b[key], f"rollout {a['rollout_id']}: {key} {a[key]} != {b[key]}"
+        assert (a["reward_mean"], a["weight_version"]) == (b["reward_mean"], b["weight_version"])
+        # Losses and norms to 1e-5 relative / 1e-6 absolute: two runs from the same start have been
+        # seen to differ in their last bits (rollout 0's GRPO loss, ~0 on policy: -9.3e-10 vs
+        # -4.2e-7); a resume that loses or repeats state moves them by far more.
+        for key in ("loss", "pg_loss", "grad_norm") + (("value_loss", "critic_grad_norm") if estimator == "ppo" else ()):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), f"rollout {a['rollout_id']}: {key}"
 
 
 def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path: Path) -> None:
