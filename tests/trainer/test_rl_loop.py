@@ -148,7 +148,8 @@ def test_debug_train_only_needs_no_engines(files, cluster, tmp_path: Path) -> No
             "--debug-train-only", "--load-debug-rollout-data", saved)
     replayed, collected = metrics(tmp_path / "replay"), metrics(tmp_path / "collect")
     assert [m["reward_mean"] for m in replayed] == [m["reward_mean"] for m in collected]
-    assert [m["loss"] for m in replayed] == [m["loss"] for m in collected]
+    # To 1e-6: two runs from one start have differed in the on-policy loss's last bits (see above).
+    assert [m["loss"] for m in replayed] == pytest.approx([m["loss"] for m in collected], rel=1e-5, abs=1e-6)
 
 
 def test_on_policy_distillation_moves_the_student_towards_the_teacher(files, cluster, tmp_path: Path) -> None:
