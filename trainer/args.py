@@ -54,6 +54,36 @@ class _Parser(argparse.ArgumentParser):
         raise ArgsError(message)
 
 
+_ANY = object()  # refused(allowed=_ANY): refused whatever the value
+
+
+class _Refused(argparse.Action):
+    """A slime flag slurmrl does not implement: a value other than `allowed` (the one that is
+    what slurmrl does anyway) is refused with `reason`, never accepted and ignored."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, reason: str, allowed: Any = _ANY,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason, self.allowed = reason, allowed
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = True if self.nargs == 0 else values
+        if self.allowed is _ANY or given != self.allowed:
+            shown = option_string if self.nargs == 0 else f"{option_string} {values}"
+            raise ArgsError(f"{shown}: {self.reason}")
+        setattr(namespace, self.dest, given)
+
+
+def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any = _ANY, type: Any = str,
+            switch: bool = False) -> None:
+    """Register slime's `flag` as refused: with `reason` whenever given (allowed left out), or
+    unless its value equals `allowed`. `switch`: a store_true flag (it takes no value)."""
+    kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type}
+    p.add_argument(flag, action=_Refused, reason=reason, allowed=allowed, default=None,
+                   help=f"refused: {reason}" + ("" if allowed is _ANY else f" (accepted: {allowed})"), **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m trainer", description="slurmrl's RL trainer (one process per GPU or CPU worker)",
                 allow_abbrev=False)

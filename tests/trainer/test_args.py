@@ -45,6 +45,20 @@ def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], mess
     assert message in str(err.value)
 
 
+def test_a_refused_flag_accepts_only_what_slurmrl_does_anyway() -> None:
+    from trainer.args import _Parser, refused
+
+    parser = _Parser()
+    refused(parser, "--hidden-dropout", "dropout is not supported; use 0.0", allowed=0.0, type=float)
+    refused(parser, "--use-wandb", "wandb is not supported; use --tensorboard-dir", switch=True)
+    assert parser.parse_args(["--hidden-dropout", "0"]).hidden_dropout == 0.0
+    assert parser.parse_args([]).use_wandb is None
+    with pytest.raises(ArgsError, match=r"^--hidden-dropout 0.1: dropout is not supported; use 0.0$"):
+        parser.parse_args(["--hidden-dropout", "0.1"])
+    with pytest.raises(ArgsError, match=r"^--use-wandb: wandb is not supported"):
+        parser.parse_args(["--use-wandb"])
+
+
 def test_missing_inputs_are_named(model: Path, tmp_path: Path) -> None:
     with pytest.raises(ArgsError, match="--hf-checkpoint .* has no config.json"):
         parse_args(["--hf-checkpoint", str(tmp_path), "--num-rollout", "1"])
