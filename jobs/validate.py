@@ -56,7 +56,7 @@ def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
 
 
 def _train_args_problems(spec: JobSpec) -> list[str]:
-    from trainer.args import ArgsError, build_parser, validate
+    from trainer.args import ArgsError, build_parser, check_model_flags, read_hf_config, validate
 
     problems: list[str] = []
     args = spec.trainer.train_args
@@ -98,6 +98,7 @@ def _train_args_problems(spec: JobSpec) -> list[str]:
         check.sglang_router_ip, check.sglang_router_port = "127.0.0.1", 1
         try:
             validate(check)
+            check_model_flags(check, read_hf_config(hf))
         except ArgsError as err:
             own.append(str(err))
     return problems + [f"train_args: {p}" for p in own]

@@ -17,6 +17,7 @@ from typing import Any
 
 from jobs.contract import API_KEY_ENV
 from rollout.rewards import REWARD_TYPES
+from trainer.refused_flags import REFUSED
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
@@ -30,10 +31,37 @@ _MODEL_FLAGS: dict[str, Any] = {
     "kv_channels": lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
     "vocab_size": lambda c: c["vocab_size"],
     "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
+    "rotary_percent": lambda c: c.get("partial_rotary_factor", 1.0),
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
+    "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
     "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
+    "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
+    "add_qkv_bias": lambda c: c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias")),
+    # no bias on any linear but (Qwen2's) q/k/v, which --add-qkv-bias covers
+    "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
+        not c.get("attention_bias") or c["architectures"][0] == "Qwen2ForCausalLM"),
+    # MoE (Qwen3-MoE): every layer's MLP is the experts'
+    "num_experts": lambda c: c.get("num_experts"),
+    "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
+    "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
+    "moe_router_score_function": lambda c: "softmax" if c.get("num_experts") else None,
+    "moe_router_pre_softmax": lambda c: bool(c.get("num_experts")) and not c.get("norm_topk_prob", False),
+    "moe_layer_freq": lambda c: 1 if c.get("num_experts") and not c.get("mlp_only_layers") else None,
 }
+
+
+def _moe_layer_freq(text: str) -> int:
+    """Megatron's --moe-layer-freq: N (every Nth layer is MoE) or a per-layer list "[1, 1, 0, ...]";
+    1 when every layer is MoE, the only layout slurmrl builds; 0 for any other pattern."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            pattern = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of 0/1") from None
+        return 1 if pattern and all(x == 1 for x in pattern) else 0
+    return int(text)
 
 
 class ArgsError(ValueError):
@@ -54,14 +82,11 @@ class _Parser(argparse.ArgumentParser):
         raise ArgsError(message)
 
 
-_ANY = object()  # refused(allowed=_ANY): refused whatever the value
-
-
 class _Refused(argparse.Action):
     """A slime flag slurmrl does not implement: a value other than `allowed` (the one that is
     what slurmrl does anyway) is refused with `reason`, never accepted and ignored."""
 
-    def __init__(self, option_strings: list[str], dest: str, *, reason: str, allowed: Any = _ANY,
+    def __init__(self, option_strings: list[str], dest: str, *, reason: str, allowed: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(option_strings, dest, **kwargs)
         self.reason, self.allowed = reason, allowed
@@ -69,19 +94,19 @@ class _Refused(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         given = True if self.nargs == 0 else values
-        if self.allowed is _ANY or given != self.allowed:
+        if self.allowed is None or given != self.allowed:
             shown = option_string if self.nargs == 0 else f"{option_string} {values}"
             raise ArgsError(f"{shown}: {self.reason}")
         setattr(namespace, self.dest, given)
 
 
-def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any = _ANY, type: Any = str,
-            switch: bool = False) -> None:
-    """Register slime's `flag` as refused: with `reason` whenever given (allowed left out), or
-    unless its value equals `allowed`. `switch`: a store_true flag (it takes no value)."""
-    kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type}
+def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any = None, type: Any = str,
+            switch: bool = False, nargs: str | None = None) -> None:
+    """Register slime's `flag` as refused: with `reason` whenever given (allowed None), or unless
+    its value equals `allowed`. `switch`: a store_true flag (it takes no value)."""
+    kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type, "nargs": nargs}
     p.add_argument(flag, action=_Refused, reason=reason, allowed=allowed, default=None,
-                   help=f"refused: {reason}" + ("" if allowed is _ANY else f" (accepted: {allowed})"), **kwargs)
+                   help=f"refused: {reason}" + ("" if allowed is None else f" (accepted: {allowed})"), **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,19 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "vocab_size"):
         add("--" + flag.replace("_", "-"), type=int)
-    add("--rotary-base", type=float)
-    add("--norm-epsilon", type=float)
-    for flag in ("qk_layernorm", "untie_embeddings_and_output_weights"):
-        add("--" + flag.replace("_", "-"), action="store_true", default=None)
-    add("--group-query-attention", action="store_true")
-    add("--normalization", choices=("RMSNorm",), default="RMSNorm")
-    add("--swiglu", action="store_true", help="accepted for slime scripts; the supported models all use SwiGLU")
-    add("--disable-bias-linear", action="store_true")
-    add("--position-embedding-type", choices=("rope",), default="rope")
-    add("--use-rotary-position-embeddings", action="store_true")
+    for flag in ("rotary_base", "rotary_percent", "norm_epsilon"):
+        add("--" + flag.replace("_", "-"), type=float, help="must equal config.json's")
+    for flag in ("qk_layernorm", "untie_embeddings_and_output_weights", "swiglu", "add_qkv_bias",
+                 "disable_bias_linear", "moe_router_pre_softmax"):
+        add("--" + flag.replace("_", "-"), action="store_true", default=None, help="must agree with config.json")
+    for flag in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+        add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
+    add("--moe-router-score-function", choices=("softmax", "sigmoid"), help="must agree with config.json (MoE)")
+    add("--moe-layer-freq", type=_moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
+    add("--group-query-attention", action="store_true",
+        help="as in Megatron: --num-query-groups applies (the KV heads come from config.json)")
+    add("--normalization", choices=("RMSNorm",), default="RMSNorm", help="the supported models all use RMSNorm")
+    add("--position-embedding-type", choices=("rope",), default="rope", help="the supported models all use rope")
+    add("--use-rotary-position-embeddings", action="store_true", help="as --position-embedding-type rope")
     add("--make-vocab-size-divisible-by", type=int, default=128)
-    add("--seq-length", type=int, help="accepted for slime scripts; samples are packed, so it caps nothing")
-    add("--max-position-embeddings", type=int)
+    add("--seq-length", type=int, help="a placeholder, as in slime (Megatron-LM requires it): samples are packed "
+                                       "to --max-tokens-per-gpu and never cut")
+    add("--max-position-embeddings", type=int, help="must equal config.json's (rope needs no position table)")
     add("--bf16", action="store_true", help="compute in bf16 on GPU (fp32 master weights)")
     add("--attention-backend", choices=("sdpa", "local"), default="sdpa",
         help="sdpa: fused scaled_dot_product_attention over packed samples; local: megatron's unfused one")
@@ -211,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     # logging
     add("--tensorboard-dir")
     add("--master-port", type=int, help="torch.distributed port (default: from the SLURM job id)")
+    for r in REFUSED:
+        refused(p, r.flag, r.reason, allowed=r.allowed, type=r.type, switch=r.switch, nargs=r.nargs)
     return p
 
 
@@ -285,7 +317,11 @@ def check_model_flags(args: argparse.Namespace, hf_config: dict[str, Any]) -> No
         given = getattr(args, flag)
         if given is None:
             continue
-        expected = read(hf_config)
+        try:
+            expected = read(hf_config)
+        except (KeyError, IndexError, TypeError):
+            raise ArgsError(f"--{flag.replace('_', '-')} {given}: {args.hf_checkpoint}/config.json lacks the field "
+                            "to check it against; drop the flag or fix the checkpoint") from None
         if given != expected:
             raise ArgsError(f"--{flag.replace('_', '-')} {given} disagrees with {args.hf_checkpoint}/config.json "
                             f"({expected}); drop the flag or fix the checkpoint")

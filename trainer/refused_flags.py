@@ -1,0 +1,158 @@
+"""slime's flags that slurmrl does not implement, each with why and what to use instead.
+
+The trainer's parser registers each one with trainer.args.refused(): given, it stops the job at
+submission with its reason, unless its value is `allowed` (what slurmrl does anyway). The flags
+slurmrl implements are in trainer/args.py; docs/flags.md lists both (python -m jobs.submit_flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Refusal:
+    flag: str
+    reason: str
+    allowed: Any = None  # the one accepted value (None: refused whenever given)
+    type: Any = str
+    switch: bool = False  # a store_true flag: refused whenever given
+    nargs: str | None = None
+
+
+_MODELS = "slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models from --hf-checkpoint's config.json"
+_RAY = "slurmrl runs as one SLURM job with no Ray"
+_TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
+
+
+def _switch(flag: str, reason: str) -> Refusal:
+    return Refusal(flag, reason, switch=True)
+
+
+REFUSED: tuple[Refusal, ...] = (
+    # -- models slurmrl does not build
+    Refusal("--qwen-gdn-backend", f"Qwen3-Next's gated delta net is not supported; {_MODELS}"),
+    Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
+    Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
+    Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
+    _switch("--multi-latent-attention", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    Refusal("--kv-lora-rank", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    Refusal("--q-lora-rank", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    Refusal("--qk-head-dim", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    Refusal("--qk-pos-emb-head-dim", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    Refusal("--v-head-dim", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    Refusal("--mscale", f"YaRN rope scaling is not supported; {_MODELS}"),
+    Refusal("--mscale-all-dim", f"YaRN rope scaling is not supported; {_MODELS}"),
+    Refusal("--rotary-scaling-factor", f"rope scaling is not supported; {_MODELS}"),
+    _switch("--use-rope-scaling", f"rope scaling (Llama 3.1) is not supported; {_MODELS}"),
+    _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
+    _switch("--no-position-embedding", f"models without position embeddings are not supported; {_MODELS}"),
+    _switch("--apply-layernorm-1p", f"zero-centred norms are not supported; {_MODELS}"),
+    _switch("--attention-output-gate", f"gated attention (Qwen3-Next) is not supported; {_MODELS}"),
+    _switch("--use-gated-attention", f"gated attention is not supported; {_MODELS}"),
+    _switch("--post-mlp-layernorm", f"extra post-MLP norms (GLM-4) are not supported; {_MODELS}"),
+    _switch("--post-self-attn-layernorm", f"extra post-attention norms (GLM-4) are not supported; {_MODELS}"),
+    Refusal("--mtp-num-layers", "multi-token prediction layers are not supported; drop it"),
+    Refusal("--mtp-loss-scaling-factor", "multi-token prediction layers are not supported; drop it", type=float),
+    _switch("--enable-mtp-training", "multi-token prediction layers are not supported; drop it"),
+    # -- MoE features beyond Qwen3-MoE's (shared experts, grouped routing, expert bias, DeepEP)
+    Refusal("--moe-shared-expert-intermediate-size", f"shared experts are not supported; {_MODELS}"),
+    _switch("--moe-shared-expert-gate", f"shared experts are not supported; {_MODELS}"),
+    Refusal("--moe-router-num-groups", f"grouped expert routing (DeepSeek-V3) is not supported; {_MODELS}"),
+    Refusal("--moe-router-group-topk", f"grouped expert routing (DeepSeek-V3) is not supported; {_MODELS}"),
+    _switch("--moe-router-enable-expert-bias", f"expert-bias routing (DeepSeek-V3) is not supported; {_MODELS}"),
+    Refusal("--moe-router-bias-update-rate", f"expert-bias routing (DeepSeek-V3) is not supported; {_MODELS}",
+            type=float),
+    Refusal("--moe-router-topk-scaling-factor", f"routing scale factors (DeepSeek) are not supported; {_MODELS}",
+            type=float),
+    _switch("--moe-enable-deepep", "DeepEP's dispatcher needs the deep_ep package and CUDA; slurmrl uses "
+                                   "megatron's alltoall (GPU) or allgather (CPU) dispatcher"),
+    Refusal("--moe-router-load-balancing-type", "load-balancing losses are not used in RL fine-tuning (the "
+            "router trains on the policy loss alone)", allowed="none"),
+    Refusal("--moe-aux-loss-coeff", "load-balancing losses are not used in RL fine-tuning (the router trains on "
+            "the policy loss alone)", allowed=0.0, type=float),
+    Refusal("--moe-token-drop-policy", "experts are dropless (no capacity factor), so no token is dropped",
+            allowed="probs"),
+    # -- kernels and precisions of TransformerEngine
+    Refusal("--transformer-impl", f"{_TE}; the local implementation is used", allowed="local"),
+    Refusal("--fp8-format", f"FP8 training: {_TE}"),
+    Refusal("--fp8-recipe", f"FP8 training: {_TE}"),
+    _switch("--no-rope-fusion", f"slurmrl's rope is megatron's unfused one already (the fused one: {_TE}); drop it"),
+    _switch("--no-masked-softmax-fusion", "attention runs through SDPA, with no megatron softmax fusion; drop it"),
+    _switch("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 .grad with no fused wgrad kernel "
+                                                 "(it needs TransformerEngine/apex); drop it"),
+    _switch("--no-check-for-nan-in-loss-and-grad", "a NaN loss or gradient always stops the job: training on "
+                                                    "NaN weights is never wanted"),
+    Refusal("--megatron-deepgemm-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
+    Refusal("--megatron-deepgemm-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
+    Refusal("--megatron-deepgemm-moe-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
+    Refusal("--megatron-deepgemm-moe-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
+    _switch("--enable-experimental", "megatron's experimental features are not used"),
+    # -- pipeline parallelism (refused with --pipeline-model-parallel-size > 1)
+    Refusal("--decoder-first-pipeline-num-layers", "pipeline parallelism is not supported (PP = 1)"),
+    Refusal("--decoder-last-pipeline-num-layers", "pipeline parallelism is not supported (PP = 1)"),
+    _switch("--allgather-cp", "context parallelism is not supported (CP = 1): samples are packed"),
+    # -- weight sync: slurmrl publishes full versions over --update-weight-transport disk | nccl
+    Refusal("--update-weight-mode", "weights are published in full each version", allowed="full"),
+    Refusal("--update-weight-delta-encoding", "weights are published in full each version (no deltas)",
+            allowed="xor"),
+    Refusal("--update-weight-delta-checksum", "weights are published in full each version (no deltas)",
+            allowed="xxh3-128"),
+    Refusal("--update-weight-disk-dir", "disk publishing writes under JOB_DIR/weights, which every engine "
+                                        "reads; give --job-dir (or --save) on the shared filesystem instead"),
+    _switch("--update-weight-disk-keep-files", "use --keep-weight-versions N to keep the newest N published "
+                                               "versions"),
+    Refusal("--custom-update-weight-post-write-path", "a hook between writing and loading published weights is "
+                                                      "not supported"),
+    Refusal("--update-weight-local-checkpoint-dir", "engines read published versions from the shared job dir; "
+                                                    "node-local copies are not supported"),
+    Refusal("--update-weights-interval", "weights are published after every rollout (the engines always "
+                                         "serve the trainer's current version)", allowed=1, type=int),
+    _switch("--check-weight-update-equal", "the engines report the version they loaded (weight_version); a "
+                                           "tensor-by-tensor comparison is not supported"),
+    _switch("--release-train", "the trainer stays resident; with --colocate the engines share its GPUs"),
+    _switch("--keep-old-actor", "old log-probs are recomputed by the current actor before each update"),
+    # -- Ray and slime's process layout
+    Refusal("--train-env-vars", f"{_RAY}: export the variables before `slurmrl submit` (steps inherit the "
+                                "environment) or set them in the sbatch template"),
+    Refusal("--rollout-data-transport", f"{_RAY}: samples go to the trainer ranks over torch.distributed",
+            allowed="object-store"),
+    Refusal("--rollout-external-engine-addrs", "the supervisor launches and health-checks every engine; "
+                                               "external engines are not supported", nargs="+"),
+    Refusal("--http-proxy", "engines and the router are reached directly, never through a proxy"),
+    _switch("--use-distributed-post", f"{_RAY}: requests go through the router from the trainer's rank 0"),
+    # -- slime's external rollout buffer service
+    Refusal("--rollout-buffer-url", "slime's external rollout-buffer service is not supported; use "
+                                    "--rollout-function-path for a custom rollout"),
+    Refusal("--fetch-trajectory-retry-times", "slime's external rollout-buffer service is not supported",
+            allowed=-1, type=int),
+    Refusal("--min-batch-collection-ratio", "slime's external rollout-buffer service is not supported",
+            allowed=1.0, type=float),
+    Refusal("--rollout-task-type", "slime's external rollout-buffer service is not supported", allowed="math"),
+    Refusal("--loss-mask-type", "loss masks come from the sample (Sample.loss_mask) or the response tokens; "
+                                "slime's chat-template mask types are its rollout buffer's", allowed="qwen"),
+    Refusal("--data-pad-size-multiplier", "slime's external rollout-buffer service is not supported",
+            allowed=128, type=int),
+    Refusal("--rollout-sample-filter-path", "use --dynamic-sampling-filter-path (per group) or a custom "
+                                            "generate function that sets loss_mask"),
+    Refusal("--rollout-all-samples-process-path", "use --dynamic-sampling-filter-path or "
+                                                  "--rollout-function-path"),
+    # -- debugging and profiling slime does through its own tools
+    Refusal("--load-forge-rollout-data", "use --load-debug-rollout-data with --debug-train-only"),
+    Refusal("--load-debug-rollout-data-subsample", "a replay trains on the whole saved rollout, as the run did",
+            type=float),
+    Refusal("--save-debug-train-data", "use --save-debug-rollout-data: the trainer's inputs follow from it "
+                                       "exactly"),
+    Refusal("--dump-details", "use --save-debug-rollout-data and metrics.jsonl"),
+    Refusal("--memory-snapshot-dir", "memory snapshots are not supported", allowed="."),
+    Refusal("--memory-snapshot-num-steps", "memory snapshots are not supported", type=int),
+    Refusal("--profile-target", "profiling is not supported yet", allowed=["train_overall"], nargs="+"),
+    Refusal("--memory-recorder", "memory snapshots are not supported", allowed="torch"),
+    _switch("--ci-test", "slime's CI checks are its own test suite's"),
+    _switch("--ci-disable-kl-checker", "slime's CI checks are its own test suite's"),
+    Refusal("--ci-train-rollout-logprob-abs-diff-threshold", "use --true-on-policy-mode with "
+                                                             "--true-on-policy-tolerance", allowed=0.1, type=float),
+    Refusal("--ci-save-grad-norm", "slime's CI checks are its own test suite's"),
+    Refusal("--ci-load-grad-norm", "slime's CI checks are its own test suite's"),
+)
