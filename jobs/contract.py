@@ -54,6 +54,7 @@ class JobDir:
     logs = property(lambda self: self.root / "logs")
     tensorboard = property(lambda self: self.root / "tensorboard")
     supervisor_tensorboard = property(lambda self: self.root / "tensorboard" / "supervisor")
+    wandb_run = property(lambda self: self.root / "wandb_run.json")  # --use-wandb: the run a resume continues
 
     def log(self, step: str) -> Path:
         return self.logs / f"{step}.log"

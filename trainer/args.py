@@ -239,7 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
     add("--supervised", action="store_true",
         help="a slurmrl supervisor owns the engines: ask it on --job-dir's control socket (set by slurmrl)")
     # logging
-    add("--tensorboard-dir")
+    # logging: metrics.jsonl and TensorBoard always; W&B with --use-wandb (trainer/wandb_log.py)
+    add("--tensorboard-dir", help="TensorBoard folder (default: TENSORBOARD_DIR, else JOB_DIR/tensorboard_log/"
+                                  "PROJECT/EXPERIMENT with --tb-project-name, else JOB_DIR/tensorboard)")
+    add("--use-tensorboard", action="store_true", help="TensorBoard scalars are always written; see --tensorboard-dir")
+    add("--tb-project-name", help="TensorBoard folder JOB_DIR/tensorboard_log/PROJECT/EXPERIMENT")
+    add("--tb-experiment-name", help="with --tb-project-name (default: the job dir's name, stable across resumes)")
+    add("--use-wandb", action="store_true", help="log each rollout's metrics to one W&B run (resumes continue it)")
+    add("--wandb-mode", choices=("online", "offline", "disabled"), help="default: WANDB_MODE, else online")
+    add("--wandb-dir", help="where W&B keeps its files (default: the job dir)")
+    add("--wandb-key", help="W&B API key for online mode (or WANDB_API_KEY)")
+    add("--wandb-host", help="W&B server for the login")
+    add("--wandb-team", help="W&B entity")
+    add("--wandb-project", help="W&B project")
+    add("--wandb-group", help="W&B group and run name (default: the job dir's name)")
+    add("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false",
+        help="no random suffix on the group (the suffix is chosen once per job, so resumes keep it)")
+    add("--wandb-always-use-train-step", action="store_true",
+        help="W&B step = optimizer steps done (default: the rollout id)")
+    add("--wandb-run-id", help="log into this existing W&B run")
     add("--master-port", type=int, help="torch.distributed port (default: from the SLURM job id)")
     for r in REFUSED:
         refused(p, r.flag, r.reason, allowed=r.allowed, type=r.type, switch=r.switch, nargs=r.nargs)
@@ -299,8 +317,17 @@ def validate(args: argparse.Namespace) -> None:
                  "rollout_function_path", "dynamic_sampling_filter_path"):
         value = getattr(args, flag)
         need(value is None or "." in value, f"--{flag.replace('_', '-')} must be module.function, got {value!r}")
+    wandb_given = [f"--{n.replace('_', '-')}" for n in ("wandb_mode", "wandb_dir", "wandb_key", "wandb_host",
+                   "wandb_team", "wandb_project", "wandb_group", "wandb_run_id") if getattr(args, n)]
+    need(args.use_wandb or not wandb_given, f"{wandb_given[0] if wandb_given else ''} has no effect without "
+                                            "--use-wandb; add --use-wandb or drop it")
+    need(args.tb_project_name or not args.tb_experiment_name,
+         "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
     # Absolute: engines read published weights from here, from their own working directory.
     args.job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
+    if not args.tensorboard_dir and (os.environ.get("TENSORBOARD_DIR") or args.tb_project_name):
+        args.tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or str(Path(
+            args.job_dir, "tensorboard_log", args.tb_project_name, args.tb_experiment_name or Path(args.job_dir).name))
     args.global_batch_size = gbs
     args.ref_model_needed = bool(args.use_kl_loss or args.kl_coef)
     args.api_key = os.environ.get(API_KEY_ENV)  # never on the command line: ps would show it

@@ -138,6 +138,10 @@ REFUSED: tuple[Refusal, ...] = (
                                             "generate function that sets loss_mask"),
     Refusal("--rollout-all-samples-process-path", "use --dynamic-sampling-filter-path or "
                                                   "--rollout-function-path"),
+    # -- slime's extra W&B panels
+    _switch("--log-multi-turn", "multi-turn statistics are not computed; a custom generate function can put "
+                                "its own numbers in Sample.metadata"),
+    _switch("--log-correct-samples", "sample texts are not logged to W&B; use --save-debug-rollout-data"),
     # -- debugging and profiling slime does through its own tools
     Refusal("--load-forge-rollout-data", "use --load-debug-rollout-data with --debug-train-only"),
     Refusal("--load-debug-rollout-data-subsample", "a replay trains on the whole saved rollout, as the run did",

@@ -1,0 +1,70 @@
+"""slime's W&B logging (--use-wandb and its flags): rank 0 logs each rollout's metrics to one run.
+
+The run's id and group are kept in the job dir (JobDir.wandb_run), so a restarted or requeued
+trainer goes on logging into the same run. A resumed run redoes the rollouts after its checkpoint;
+W&B ignores steps it already has, and an exact resume logs the same values for them anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from jobs.contract import JobDir, write_atomic
+
+log = logging.getLogger(__name__)
+
+# Never sent to W&B as the run's config: secrets.
+_SECRETS = ("api_key", "wandb_key")
+
+
+class WandbError(RuntimeError):
+    pass
+
+
+def _run_identity(args: argparse.Namespace, job_dir: JobDir, new_id: Callable[[], str]) -> dict[str, str]:
+    """The run's id and group: --wandb-run-id, else the job's saved ones, else new ones (saved)."""
+    if args.wandb_run_id:
+        return {"id": args.wandb_run_id, "group": args.wandb_group or job_dir.root.name}
+    if job_dir.wandb_run.is_file():
+        return json.loads(job_dir.wandb_run.read_text())
+    group = args.wandb_group or job_dir.root.name
+    if args.wandb_random_suffix:
+        group = f"{group}_{new_id()}"
+    identity = {"id": new_id(), "group": group}
+    write_atomic(job_dir.wandb_run, json.dumps(identity))
+    return identity
+
+
+class WandbRun:
+    def __init__(self, args: argparse.Namespace, job_dir: JobDir) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise WandbError("--use-wandb needs the wandb package on the trainer's nodes: pip install wandb") from None
+        mode = args.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+        if mode == "online" and args.wandb_key:
+            wandb.login(key=args.wandb_key, host=args.wandb_host)
+        identity = _run_identity(args, job_dir, lambda: secrets.token_hex(4))
+        self.steps_per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
+        self.use_train_step = args.wandb_always_use_train_step
+        directory = args.wandb_dir or str(job_dir.root)
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(id=identity["id"], resume="allow", entity=args.wandb_team, project=args.wandb_project,
+                              group=identity["group"], name=identity["group"], dir=directory, mode=mode,
+                              config={k: v for k, v in vars(args).items() if k not in _SECRETS})
+        log.info("logging to W&B run %s (%s mode)", identity["id"], mode)
+
+    def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """One rollout's numbers, at step rollout_id (or the optimizer steps done by its end)."""
+        step = (rollout_id + 1) * self.steps_per_rollout if self.use_train_step else rollout_id
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.run.log({**numbers, "rollout/step": rollout_id}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
