@@ -167,14 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lr", type=float, default=1e-6)
     add("--min-lr", type=float, default=0.0)
     add("--lr-warmup-iters", type=int, default=0)
-    add("--lr-decay-style", choices=("constant", "cosine"), default="constant")
-    add("--lr-decay-iters", type=int)
+    add("--lr-warmup-fraction", type=float, help="warm up over this fraction of --lr-decay-iters (Megatron's)")
+    add("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    add("--lr-decay-iters", type=int, help="optimizer steps to decay over (default: all of the run's steps)")
     add("--weight-decay", type=float, default=0.0)
     add("--adam-beta1", type=float, default=0.9)
     add("--adam-beta2", type=float, default=0.98)
     add("--adam-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, default=1.0)
     add("--global-batch-size", type=int, help="samples per optimizer step (default: the whole rollout)")
+    add("--num-steps-per-rollout", type=int, help="optimizer steps per rollout: --global-batch-size = "
+                                                  "rollout-batch-size x n-samples-per-prompt / N")
     add("--max-tokens-per-gpu", type=int, default=8192, help="packing budget of one micro-batch")
     # RL loss
     add("--advantage-estimator", choices=ESTIMATORS, default="grpo")
@@ -197,8 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tis-clip", type=float, default=2.0)
     add("--true-on-policy-mode", action="store_true")
     add("--true-on-policy-tolerance", type=float, default=1e-5)
+    # on-policy distillation (slime's: a KL-to-teacher penalty on the advantages, on top of any estimator)
+    add("--use-opd", action="store_true", help="on-policy distillation; needs --opd-type megatron")
+    add("--opd-type", choices=("megatron", "sglang"), help="megatron: the teacher (--opd-teacher-load) is loaded "
+                                                            "into the trainer; sglang is refused")
     add("--opd-teacher-load", help="on-policy distillation: a torch_dist teacher loaded into the trainer")
+    add("--opd-teacher-ckpt-step", type=int, help="load this iteration of --opd-teacher-load")
     add("--opd-kl-coef", type=float, default=1.0)
+    add("--ref-ckpt-step", type=int, help="load this iteration of --ref-load")
     # rollout (see rollout.generate.RolloutArgs)
     add("--prompt-data", help="jsonl prompts")
     add("--input-key", default="input")
@@ -292,14 +301,44 @@ def validate(args: argparse.Namespace) -> None:
          or args.disable_grpo_std_normalization,
          f"--advantage-estimator {args.advantage_estimator} needs --n-samples-per-prompt >= 2 (a group's std)")
     total = args.rollout_batch_size * args.n_samples_per_prompt
-    gbs = args.global_batch_size or total
+    if args.num_steps_per_rollout:
+        need(total % args.num_steps_per_rollout == 0, f"--num-steps-per-rollout {args.num_steps_per_rollout} must "
+             f"divide rollout-batch-size x n-samples-per-prompt = {total}")
+        need(args.global_batch_size in (None, total // args.num_steps_per_rollout), "--num-steps-per-rollout and "
+             "--global-batch-size disagree; give one of them")
+    gbs = args.global_batch_size or (total // args.num_steps_per_rollout if args.num_steps_per_rollout else total)
     need(total % gbs == 0, f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt = {total}")
     need(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
+    need(args.opd_type != "sglang", "--opd-type sglang: teacher log-probs from a separate SGLang server are not "
+                                    "supported; load the teacher into the trainer with --opd-type megatron "
+                                    "--opd-teacher-load")
+    need(not args.use_opd or args.opd_type, "--use-opd needs --opd-type megatron (and --opd-teacher-load)")
+    need(args.use_opd or not (args.opd_type or args.opd_teacher_load), "--opd-type/--opd-teacher-load take effect "
+                                                                       "only with --use-opd (as in slime); add it")
+    need(not args.use_opd or args.opd_teacher_load, "--use-opd --opd-type megatron needs --opd-teacher-load "
+                                                    "(the teacher's torch_dist checkpoint)")
+    need(args.opd_teacher_ckpt_step is None or args.opd_teacher_load, "--opd-teacher-ckpt-step needs --opd-teacher-load")
+    need(args.ref_ckpt_step is None or args.ref_load, "--ref-ckpt-step needs --ref-load")
     need(not args.opd_teacher_load or args.train_backend == "megatron", "--opd-teacher-load needs --train-backend megatron")
     need(not (args.train_backend == "fsdp" and args.ref_load), "--ref-load: the fsdp backend starts from "
          "--hf-checkpoint and does not read torch_dist weights; drop --ref-load or use --train-backend megatron")
     need(args.advantage_estimator != "ppo" or args.train_backend == "megatron", "--advantage-estimator ppo needs "
          "--train-backend megatron")
+    if args.train_backend == "fsdp":
+        megatron_only = {"--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
+                         "--sequence-parallel": args.sequence_parallel,
+                         "--expert-model-parallel-size": args.expert_model_parallel_size != 1,
+                         "--recompute-granularity": args.recompute_granularity is not None,
+                         "--recompute-method": args.recompute_method is not None,
+                         "--recompute-num-layers": args.recompute_num_layers is not None,
+                         "--torch-compile": args.torch_compile,
+                         "--custom-megatron-init-path": args.custom_megatron_init_path,
+                         "--custom-megatron-before-log-prob-hook-path": args.custom_megatron_before_log_prob_hook_path,
+                         "--custom-megatron-before-train-step-hook-path":
+                             args.custom_megatron_before_train_step_hook_path}
+        given = [flag for flag, on in megatron_only.items() if on]
+        need(not given, f"{given[0] if given else ''} is the megatron backend's; the fsdp backend shards one "
+                        "model over data-parallel ranks: drop it or use --train-backend megatron")
     need(args.recompute_granularity != "full" or args.recompute_method is not None,
          "--recompute-granularity full needs --recompute-method uniform or block and --recompute-num-layers")
     if args.debug_train_only:
@@ -329,6 +368,11 @@ def validate(args: argparse.Namespace) -> None:
         args.tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or str(Path(
             args.job_dir, "tensorboard_log", args.tb_project_name, args.tb_experiment_name or Path(args.job_dir).name))
     args.global_batch_size = gbs
+    # Megatron's schedule: decay over the whole run unless told; a warmup fraction is of that.
+    args.lr_decay_iters = args.lr_decay_iters or args.num_rollout * (total // gbs)
+    if args.lr_warmup_fraction is not None:
+        need(args.lr_warmup_iters == 0, "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     args.ref_model_needed = bool(args.use_kl_loss or args.kl_coef)
     args.api_key = os.environ.get(API_KEY_ENV)  # never on the command line: ps would show it
 

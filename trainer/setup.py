@@ -31,14 +31,14 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
     backend = MegatronBackend(args, hf_config)
     initial = initial_weights(args, backend.rank == 0, backend.cpu_group)
     if args.opd_teacher_load:
-        backend.load_teacher(_resolve("--opd-teacher-load", args.opd_teacher_load))
+        backend.load_teacher(_resolve("--opd-teacher-load", args.opd_teacher_load, args.opd_teacher_ckpt_step))
     load_reference = (lambda: backend.load_reference(initial)) if args.ref_model_needed else None
     return Loop(args, backend), initial, load_reference
 
 
-def _resolve(flag: str, path: str) -> Path:
+def _resolve(flag: str, path: str, step: int | None = None) -> Path:
     try:
-        return resolve_checkpoint(Path(path))
+        return resolve_checkpoint(Path(path), step)
     except (FileNotFoundError, ValueError) as err:
         raise ArgsError(f"{flag}: {err}") from None
 
@@ -46,7 +46,7 @@ def _resolve(flag: str, path: str) -> Path:
 def initial_weights(args: argparse.Namespace, rank0: bool, group) -> Path:
     """--ref-load's checkpoint; without one, --hf-checkpoint converted once into the job dir."""
     if args.ref_load:
-        return _resolve("--ref-load", args.ref_load)
+        return _resolve("--ref-load", args.ref_load, args.ref_ckpt_step)
     converted = Path(args.job_dir) / "hf_torch_dist"
     if rank0 and not converted.exists():
         from ckpt_tools.convert import hf_to_torch_dist

@@ -38,6 +38,16 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--custom-rm-path", "nodots"], "--custom-rm-path must be module.function"),
     (["--train-backend", "fsdp", "--ref-load", "x"], "--ref-load: the fsdp backend"),
     (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--opd-teacher-load", "t"], "take effect only with --use-opd"),
+    (["--use-opd"], "--use-opd needs --opd-type megatron"),
+    (["--use-opd", "--opd-type", "megatron"], "needs --opd-teacher-load"),
+    (["--use-opd", "--opd-type", "sglang", "--opd-teacher-load", "t"], "--opd-type sglang: teacher log-probs"),
+    (["--ref-ckpt-step", "3"], "--ref-ckpt-step needs --ref-load"),
+    (["--train-backend", "fsdp", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size is the "
+                                                                        "megatron backend's"),
+    (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity is the megatron"),
+    (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
+    (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "not both"),
 ])
 def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], message: str) -> None:
     with pytest.raises(ArgsError) as err:
@@ -107,3 +117,31 @@ def test_true_on_policy_check_measures_the_largest_gap() -> None:
     sample.rollout_log_probs = None
     with pytest.raises(OffPolicyError, match="needs the engines' log-prob"):
         logp_mismatch([sample])
+
+
+def test_the_schedule_spans_the_run_and_steps_follow_num_steps_per_rollout(model: Path, tmp_path: Path) -> None:
+    args = parse_args(_base(model, tmp_path) + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                                                "--num-steps-per-rollout", "2", "--lr-warmup-fraction", "0.25"])
+    assert args.global_batch_size == 4
+    assert args.lr_decay_iters == 2 * 2  # --num-rollout 2 x 2 steps
+    assert args.lr_warmup_iters == 1
+
+
+def test_ckpt_step_flags_pick_that_iteration_of_ref_load(tmp_path: Path) -> None:
+    import argparse
+
+    from ckpt_tools.tracker import iteration_dirname, write_tracker
+    from trainer.setup import initial_weights
+
+    ref = tmp_path / "ref"
+    for step in (1, 2):
+        (ref / iteration_dirname(step)).mkdir(parents=True)
+        (ref / iteration_dirname(step) / ".metadata").write_bytes(b"")
+    write_tracker(ref, 2)
+    args = argparse.Namespace(ref_load=str(ref), ref_ckpt_step=None)
+    assert initial_weights(args, True, None) == ref / iteration_dirname(2)  # the tracker's
+    args.ref_ckpt_step = 1
+    assert initial_weights(args, True, None) == ref / iteration_dirname(1)
+    args.ref_ckpt_step = 3
+    with pytest.raises(ArgsError, match="--ref-load: .*iter_0000003 is not a complete torch_dist checkpoint"):
+        initial_weights(args, True, None)

@@ -162,7 +162,7 @@ def test_on_policy_distillation_moves_the_student_towards_the_teacher(files, clu
                                iteration=None, progress=False)
     trainer(files, router, tmp_path / "job", "--num-rollout", "12", "--rollout-batch-size", "8", "--lr", "5e-3",
             "--rollout-max-response-len", "4", "--custom-rm-path", "tests.trainer.plugins.zero_reward",
-            "--opd-teacher-load", str(teacher), "--opd-kl-coef", "1.0")
+            "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(teacher), "--opd-kl-coef", "1.0")
     kl = [m["teacher_kl"] for m in metrics(tmp_path / "job")]
     assert all(m["reward_mean"] == 0 for m in metrics(tmp_path / "job"))
     assert sum(kl[-3:]) / 3 < 0.6 * kl[0], f"the student did not move towards the teacher: {kl}"
