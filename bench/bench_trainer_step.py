@@ -123,7 +123,7 @@ def main() -> None:
             args = build_parser().parse_args([
                 "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--debug-train-only",
                 "--load-debug-rollout-data", "unused/{rollout_id}", "--attention-backend", attention,
-                "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--lr", "1e-6", "--bf16", *extra])
+                "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--lr", "1e-6", "--bf16", *extra])
             validate(args)
             backend = MegatronBackend(args, read_hf_config(str(model_dir)))
             loss = make_pack_loss(LossConfig(), samples, ids)

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-KLKind = Literal["k1", "k2", "k3"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
@@ -49,17 +49,22 @@ def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True
 gspo_advantages = grpo_advantages
 
 
-def kl(logp: Tensor, ref_logp: Tensor, kind: KLKind) -> Tensor:
-    """Per-token KL(policy || ref) estimators from samples of the policy (Schulman's k1/k2/k3)."""
-    log_ratio = logp - ref_logp
+def kl(logp: Tensor, ref_logp: Tensor, kind: KLKind, importance_ratio: Tensor | None = None) -> Tensor:
+    """Per-token KL(policy || ref) estimators from samples of the policy (Schulman's k1/k2/k3),
+    as slime's compute_approx_kl: times importance_ratio when given (--use-unbiased-kl), and
+    low_var_kl is k3 clamped to [-10, 10] for stability."""
+    log_ratio = logp.float() - ref_logp.float()
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio ** 2
-    if kind == "k3":
-        # exp(-x) + x - 1 >= 0: unbiased and low variance (slime's "low_var_kl").
-        return torch.exp(-log_ratio) + log_ratio - 1
-    raise ValueError(f"unknown KL kind {kind!r}, expected k1, k2 or k3")
+        out = log_ratio
+    elif kind == "k2":
+        out = 0.5 * log_ratio ** 2
+    elif kind in ("k3", "low_var_kl"):
+        out = torch.exp(-log_ratio) + log_ratio - 1  # >= 0: unbiased and low variance
+    else:
+        raise ValueError(f"unknown KL kind {kind!r}, expected k1, k2, k3 or low_var_kl")
+    if importance_ratio is not None:
+        out = importance_ratio * out
+    return out.clamp(-10, 10) if kind == "low_var_kl" else out
 
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:

@@ -19,6 +19,10 @@ from jobs.contract import API_KEY_ENV
 from rollout.rewards import REWARD_TYPES
 from trainer.refused_flags import REFUSED
 
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+# Megatron's --attention-backend names (and slurmrl's sdpa): unfused/local run megatron's unfused
+# attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
 # flag -> how to read the same quantity from an HF config
@@ -148,8 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
                                        "to --max-tokens-per-gpu and never cut")
     add("--max-position-embeddings", type=int, help="must equal config.json's (rope needs no position table)")
     add("--bf16", action="store_true", help="compute in bf16 on GPU (fp32 master weights)")
-    add("--attention-backend", choices=("sdpa", "local"), default="sdpa",
-        help="sdpa: fused scaled_dot_product_attention over packed samples; local: megatron's unfused one")
     add("--torch-compile", action="store_true", help="torch.compile each transformer layer (GPU)")
     # parallelism
     add("--tensor-model-parallel-size", type=int, default=1)
@@ -178,7 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--global-batch-size", type=int, help="samples per optimizer step (default: the whole rollout)")
     add("--num-steps-per-rollout", type=int, help="optimizer steps per rollout: --global-batch-size = "
                                                   "rollout-batch-size x n-samples-per-prompt / N")
-    add("--max-tokens-per-gpu", type=int, default=8192, help="packing budget of one micro-batch")
     # RL loss
     add("--advantage-estimator", choices=ESTIMATORS, default="grpo")
     add("--disable-grpo-std-normalization", action="store_true")
@@ -188,7 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kl-coef", type=float, default=0.0, help="KL to the reference model as reward shaping")
     add("--use-kl-loss", action="store_true")
     add("--kl-loss-coef", type=float, default=0.0)
-    add("--kl-loss-type", choices=("k1", "k2", "k3"), default="k1")
     add("--eps-clip", type=float, default=0.2)
     add("--eps-clip-high", type=float)
     add("--eps-clip-c", type=float, help="dual-clip constant (> 1)")
@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--calculate-per-token-loss", action="store_true")
     add("--use-tis", action="store_true")
     add("--tis-clip", type=float, default=2.0)
+    add("--tis-clip-low", type=float, default=0.0, help="lower clamp of the TIS weights")
     add("--true-on-policy-mode", action="store_true")
     add("--true-on-policy-tolerance", type=float, default=1e-5)
     # on-policy distillation (slime's: a KL-to-teacher penalty on the advantages, on top of any estimator)
@@ -208,6 +209,51 @@ def build_parser() -> argparse.ArgumentParser:
     add("--opd-teacher-ckpt-step", type=int, help="load this iteration of --opd-teacher-load")
     add("--opd-kl-coef", type=float, default=1.0)
     add("--ref-ckpt-step", type=int, help="load this iteration of --ref-load")
+    # batching, loss and numerics (slime's data, algo and Megatron numerics flags)
+    add("--micro-batch-size", type=int, default=1, help="samples per micro-batch (without --use-dynamic-batch-size)")
+    add("--use-dynamic-batch-size", action="store_true",
+        help="first-fit pack each micro-batch with up to --max-tokens-per-gpu tokens")
+    add("--max-tokens-per-gpu", type=int, help="token budget of one micro-batch (with --use-dynamic-batch-size)")
+    add("--log-probs-max-tokens-per-gpu", type=int,
+        help="token budget of the log-prob passes' micro-batches (default: --max-tokens-per-gpu)")
+    add("--balance-data", action="store_true",
+        help="hand micro-batches to data-parallel ranks by Karmarkar-Karp on their token counts")
+    refused(p, "--balance-by-flops", "micro-batches are packed first-fit by tokens; FLOPs-balanced packing is not "
+            "implemented (use --balance-data)", switch=True)
+    add("--kl-loss-type", choices=KL_TYPES, default="k1")
+    add("--use-unbiased-kl", action="store_true", help="weigh the KL loss by the importance ratio pi/pi_old")
+    add("--use-rollout-logprobs", action="store_true",
+        help="the PPO ratio's old log-probs are the engines' instead of the trainer's")
+    add("--loss-type", choices=("policy_loss", "sft_loss"), default="policy_loss",
+        help="sft_loss: the masked mean negative log-likelihood of the responses")
+    refused(p, "--custom-loss-function-path", "custom loss functions are not supported; use --loss-type")
+    add("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
+        help="grpo/gspo/reinforce_plus_plus_baseline: use the raw rewards, no group mean (and std) normalization")
+    refused(p, "--disable-compute-advantages-and-returns", "advantages are always computed", switch=True)
+    refused(p, "--custom-advantage-function-path", "custom advantage functions are not supported")
+    refused(p, "--custom-tis-function-path", "custom TIS functions are not supported; --use-tis is vanilla TIS")
+    refused(p, "--custom-pg-loss-reducer-function-path", "custom loss reducers are not supported; see "
+            "--calculate-per-token-loss")
+    refused(p, "--get-mismatch-metrics", "it needs --custom-tis-function-path, which is not supported", switch=True)
+    refused(p, "--use-rollout-entropy", "the trainer's entropy is always computed with the old log-probs; it "
+            "needs no flag", switch=True, allowed=True)
+    for flag in ("--use-routing-replay", "--use-rollout-routing-replay"):
+        refused(p, flag, "MoE routing replay is not implemented", switch=True)
+    refused(p, "--use-opsm", "off-policy sequence masking is not implemented", switch=True)
+    refused(p, "--opsm-delta", "off-policy sequence masking is not implemented", type=float, allowed=1e-4)
+    refused(p, "--ref-update-interval", "the reference model stays the initial policy", type=int)
+    refused(p, "--num-critic-only-steps", "critic-only warmup steps are not implemented", type=int, allowed=0)
+    for flag in ("--attention-dropout", "--hidden-dropout"):
+        refused(p, flag, "dropout is not supported in RL training; use 0.0", type=float, allowed=0.0)
+    refused(p, "--accumulate-allreduce-grads-in-fp32", "accepted: slurmrl always keeps fp32 gradients and "
+            "reduces them in fp32", switch=True, allowed=True)
+    refused(p, "--attention-softmax-in-fp32", "accepted: the softmax always runs in fp32 (fp32 on CPU; bf16 "
+            "autocast computes softmax in fp32; SDPA kernels accumulate in fp32)", switch=True, allowed=True)
+    add("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        help="auto/sdpa: torch's scaled_dot_product_attention; flash: its flash kernel only (CUDA); fused: its "
+             "cuDNN/memory-efficient kernels (CUDA); unfused/local: the unfused attention")
+    add("--deterministic-mode", action="store_true",
+        help="deterministic cuDNN and torch.use_deterministic_algorithms (errors on ops without one)")
     # rollout (see rollout.generate.RolloutArgs)
     add("--prompt-data", help="jsonl prompts")
     add("--input-key", default="input")
@@ -341,6 +387,27 @@ def validate(args: argparse.Namespace) -> None:
                         "model over data-parallel ranks: drop it or use --train-backend megatron")
     need(args.recompute_granularity != "full" or args.recompute_method is not None,
          "--recompute-granularity full needs --recompute-method uniform or block and --recompute-num-layers")
+    need(args.micro_batch_size >= 1, f"--micro-batch-size must be 1 or more, got {args.micro_batch_size}")
+    if args.use_dynamic_batch_size:
+        need(args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu >= 1,
+             "--use-dynamic-batch-size needs --max-tokens-per-gpu N (N >= 1), the token budget of a micro-batch")
+        need(args.micro_batch_size == 1, f"--micro-batch-size {args.micro_batch_size} is not used with "
+             "--use-dynamic-batch-size (micro-batches are packed to --max-tokens-per-gpu); drop one of them")
+    else:
+        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            need(getattr(args, flag) is None, f"--{flag.replace('_', '-')} only applies with --use-dynamic-batch-size "
+                 "(otherwise micro-batches hold --micro-batch-size samples); add it or drop the flag")
+    need(args.log_probs_max_tokens_per_gpu is None or args.log_probs_max_tokens_per_gpu >= 1,
+         "--log-probs-max-tokens-per-gpu must be 1 or more")
+    need(not (args.use_rollout_logprobs and args.use_tis),
+         "--use-rollout-logprobs and --use-tis cannot be set together (TIS corrects the trainer's log-probs "
+         "towards the engines'); drop one")
+    need(not (args.kl_coef and args.kl_loss_coef), "only one of --kl-coef and --kl-loss-coef can be non-zero")
+    need(args.loss_type == "policy_loss" or args.advantage_estimator != "ppo",
+         "--loss-type sft_loss has no critic: drop --advantage-estimator ppo")
+    # The layer spec takes slurmrl's two implementations; the flag's kernel choice is kept apart.
+    args.attention_kernels = args.attention_backend
+    args.attention_backend = "local" if args.attention_backend in ("unfused", "local") else "sdpa"
     if args.debug_train_only:
         need(bool(args.load_debug_rollout_data),
              "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on)")
@@ -383,7 +450,12 @@ def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
 
 
 def check_model_flags(args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
-    """Every model-shape flag that was given must equal the HF config's value."""
+    """Every model-shape flag that was given must equal the HF config's value, and the model
+    has no dropout (train_step's log-probs must be those of log_probs for the same weights)."""
+    dropout = hf_config.get("attention_dropout", 0.0)
+    if dropout:
+        raise ArgsError(f"{args.hf_checkpoint}/config.json has attention_dropout {dropout}: dropout is not supported "
+                        "in RL training; set it to 0.0")
     for flag, read in _MODEL_FLAGS.items():
         given = getattr(args, flag)
         if given is None:

@@ -8,6 +8,8 @@ per-response tensor (loss mask, advantages, log-probs) has response_length entri
 
 from __future__ import annotations
 
+import argparse
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -63,22 +65,66 @@ class Pack:
         return self.tokens.numel()
 
 
-def make_packs(samples: list[TrainSample], ids: list[int], max_tokens: int) -> list[Pack]:
-    """Greedy packing in the given order: each pack holds at most max_tokens tokens, except a
-    single sample longer than that, which gets a pack of its own."""
-    packs: list[Pack] = []
-    current: list[int] = []
-    used = 0
-    for i in ids:
-        n = samples[i].tokens.numel()
-        if current and used + n > max_tokens:
-            packs.append(_pack(samples, current))
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        packs.append(_pack(samples, current))
-    return packs
+@dataclass(frozen=True)
+class Batching:
+    """How one global batch becomes micro-batches on each data-parallel rank (slime's flags and
+    defaults): --micro-batch-size samples per micro-batch, or with --use-dynamic-batch-size
+    first-fit packs of at most --max-tokens-per-gpu tokens; --balance-data hands the
+    micro-batches to ranks by Karmarkar-Karp on their token counts instead of round-robin."""
+
+    dynamic: bool = False
+    micro_batch_size: int = 1
+    max_tokens: int | None = None
+    balance: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dynamic and (self.max_tokens or 0) < 1:
+            raise ValueError("dynamic batching needs max_tokens >= 1 (--max-tokens-per-gpu)")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be 1 or more, got {self.micro_batch_size}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, for_log_probs: bool = False) -> Batching:
+        """The training micro-batches, or (for_log_probs) those of the no-grad log-prob passes,
+        packed to --log-probs-max-tokens-per-gpu when dynamic (slime's default: the same budget)."""
+        budget = args.max_tokens_per_gpu
+        if for_log_probs and args.log_probs_max_tokens_per_gpu:
+            budget = args.log_probs_max_tokens_per_gpu
+        return cls(dynamic=args.use_dynamic_batch_size, micro_batch_size=args.micro_batch_size,
+                   max_tokens=budget, balance=args.balance_data)
+
+
+def schedule(lengths: list[int], dp_size: int, batching: Batching) -> list[list[list[int]]]:
+    """Per data-parallel rank, its micro-batches as positions into `lengths` (one global batch, in
+    order), as slime's dp_schedule: pack first, distribute second.
+
+    Static: consecutive runs of micro_batch_size samples. Dynamic: first-fit packs of at most
+    max_tokens tokens (a longer sample alone in its own), then the largest packs split in two until
+    every rank can get as many. Micro-batches go round-robin to ranks, or (balance) by
+    Karmarkar-Karp on their token counts, each rank getting the same number when they divide
+    evenly. With fewer micro-batches than ranks, some ranks get none."""
+    n = len(lengths)
+    if batching.dynamic:
+        bins = first_fit_pack(lengths, batching.max_tokens or 0)
+        target = max(-(-len(bins) // dp_size) * dp_size, dp_size)
+        expand_bins_by_splitting(bins, target, lengths)
+    else:
+        step = batching.micro_batch_size
+        bins = [list(range(i, min(i + step, n))) for i in range(0, n, step)]
+    k = len(bins)
+    if batching.balance and k >= dp_size:
+        weights = [sum(lengths[i] for i in b) for b in bins]
+        ranks = [sorted(part) for part in karmarkar_karp(weights, dp_size, equal_size=k % dp_size == 0)]
+    else:
+        ranks = [list(range(r, k, dp_size)) for r in range(dp_size)]
+    return [[bins[b] for b in part] for part in ranks]
+
+
+def rank_packs(samples: list[TrainSample], ids: list[int], dp_size: int, dp_rank: int,
+               batching: Batching) -> list[Pack]:
+    """This rank's micro-batches of the global batch `ids` (see schedule), packed."""
+    mine = schedule([samples[i].tokens.numel() for i in ids], dp_size, batching)[dp_rank]
+    return [_pack(samples, [ids[p] for p in positions]) for positions in mine]
 
 
 def _pack(samples: list[TrainSample], ids: list[int]) -> Pack:
@@ -88,16 +134,86 @@ def _pack(samples: list[TrainSample], ids: list[int]) -> Pack:
     return Pack(sample_ids=list(ids), tokens=torch.cat([samples[i].tokens for i in ids]), cu_seqlens=cu)
 
 
-def split_for_data_parallel(samples: list[TrainSample], ids: list[int], dp_size: int) -> list[list[int]]:
-    """Split sample ids over data-parallel ranks, balancing tokens (largest first to the lightest
-    rank); each rank's ids keep their original order, so the split is deterministic."""
-    loads = [0] * dp_size
-    shares: list[list[int]] = [[] for _ in range(dp_size)]
-    for i in sorted(ids, key=lambda i: (-samples[i].tokens.numel(), i)):
-        rank = min(range(dp_size), key=lambda r: (loads[r], r))
-        shares[rank].append(i)
-        loads[rank] += samples[i].tokens.numel()
-    return [sorted(share) for share in shares]
+def first_fit_pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit bin packing in order: each bin's sum is at most max_tokens, except a single
+    longer item, alone in its own bin."""
+    bins: list[list[int]] = []
+    sums: list[int] = []
+    for i, n in enumerate(lengths):
+        for b, used in enumerate(sums):
+            if used + n <= max_tokens:
+                bins[b].append(i)
+                sums[b] += n
+                break
+        else:
+            bins.append([i])
+            sums.append(n)
+    return bins
+
+
+def expand_bins_by_splitting(bins: list[list[int]], target: int, lengths: list[int]) -> None:
+    """Grow `bins` in place towards `target` bins by splitting the heaviest bin of several items
+    into two halves balanced by tokens (longest first to the lighter half); stops when every bin
+    holds one item. No new bin is heavier than the one it came from."""
+    while len(bins) < target:
+        splittable = [(sum(lengths[i] for i in b), k) for k, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            return
+        _, k = max(splittable)
+        halves: list[list[int]] = [[], []]
+        sums = [0, 0]
+        for i in sorted(bins[k], key=lambda i: -lengths[i]):
+            h = 0 if sums[0] <= sums[1] else 1
+            halves[h].append(i)
+            sums[h] += lengths[i]
+        bins[k] = halves[0]
+        bins.append(halves[1])
+
+
+def karmarkar_karp(weights: list[int], k: int, equal_size: bool) -> list[list[int]]:
+    """k-way largest differencing (Karmarkar-Karp), as slime's seqlen_balancing (from verl):
+    partitions of the indices of `weights` whose sums differ by at most the largest weight;
+    equal_size: every partition gets len(weights) / k items.
+
+    A state is k partial partitions, sorted heaviest first; the two states of largest spread are
+    merged, heaviest of one with lightest of the other, until one state is left."""
+    if equal_size and len(weights) % k:
+        raise ValueError(f"equal_size needs a multiple of {k} items, got {len(weights)}")
+    order = sorted((w, i) for i, w in enumerate(weights))
+    chunks = [order[j:j + k] for j in range(0, len(order), k)] if equal_size else [[item] for item in order]
+    heap = [_State(sorted([_Part(w, [(i, w)]) for w, i in chunk] + [_Part(0, []) for _ in range(k - len(chunk))],
+                          reverse=True)) for chunk in chunks]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap).parts, heapq.heappop(heap).parts
+        heapq.heappush(heap, _State(sorted((_Part(x.total + y.total, x.items + y.items)
+                                            for x, y in zip(a, reversed(b))), reverse=True)))
+    return [[i for i, _ in part.items] for part in heap[0].parts]
+
+
+@dataclass
+class _Part:
+    """One partial partition, ordered as slime's: by sum, then item count, then items."""
+
+    total: int
+    items: list[tuple[int, int]]  # (index, weight)
+
+    def __lt__(self, other: _Part) -> bool:
+        return (self.total, len(self.items), self.items) < (other.total, len(other.items), other.items)
+
+
+@dataclass
+class _State:
+    """k partial partitions, heaviest first; the heap pops the largest spread first, then the
+    one with the heaviest first partition (slime's order)."""
+
+    parts: list[_Part]
+
+    def __lt__(self, other: _State) -> bool:
+        spread, other_spread = self.parts[0].total - self.parts[-1].total, other.parts[0].total - other.parts[-1].total
+        if spread != other_spread:
+            return spread > other_spread
+        return other.parts[0] < self.parts[0]
 
 
 def response_slices(pack: Pack, samples: list[TrainSample]) -> list[slice]:

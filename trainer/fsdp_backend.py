@@ -5,7 +5,7 @@ per rank: one FSDP unit per decoder layer plus the root). FSDP2 runs on CPU over
 torch this project pins (2.13), so CPU uses the same code path as GPU; only the dtype differs
 (fp32 on CPU; bf16 compute with fp32 master weights and fp32 gradient reduction on GPU).
 
-Samples are packed several to a sequence (trainer.batch.make_packs); a packed row restarts its
+Micro-batches (trainer.batch.schedule) pack their samples into one sequence; a packed row restarts its
 position ids at each sample and carries a block-diagonal causal mask (or, with flash attention,
 lets HF derive the varlen boundaries from the position ids), so no sample attends to another.
 
@@ -37,17 +37,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
+from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss
-from trainer.batch import (
-    Pack,
-    TrainSample,
-    make_packs,
-    response_slices,
-    split_for_data_parallel,
-)
+from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.loop import seed_everything
 from trainer.lr_schedule import lr_lambda
+from trainer.numerics import attention_kernels, check_attention_backend
 
 Result = tuple[Tensor, Tensor | None]  # per-token log-probs [R], entropies [R] or None
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -56,10 +52,11 @@ _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
 class FSDPBackend(Backend):
     def __init__(self, hf_checkpoint: str | Path, lr: float = 1e-6, weight_decay: float = 0.0,
                  adam_betas: tuple[float, float] = (0.9, 0.98), adam_eps: float = 1e-8,
-                 clip_grad: float = 1.0, max_tokens_per_gpu: int = 4096, seed: int = 1234,
+                 clip_grad: float = 1.0, batching: Batching = Batching(),
+                 log_probs_batching: Batching | None = None, seed: int = 1234,
                  dtype: torch.dtype = torch.bfloat16, ref_checkpoint: str | Path | None = None,
                  lr_schedule: Callable[[int], float] | None = None,
-                 attn_implementation: str | None = None) -> None:
+                 attn_implementation: str | None = None, attention_backend: str = "auto") -> None:
         """torch.distributed must already be initialised (gloo on CPU, nccl on GPU).
         dtype: the compute dtype on GPU (master weights and gradient reduction stay fp32); CPU
         always computes in fp32. lr_schedule: the LR factor of each optimizer step (constant 1
@@ -70,8 +67,13 @@ class FSDPBackend(Backend):
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = _device()
         self.dtype = dtype if self.device.type == "cuda" else torch.float32
+        if attention_backend == "flash" and self.device.type == "cuda":
+            raise ArgsError("--attention-backend flash: the fsdp backend's packed rows carry a block-diagonal "
+                            "mask, which SDPA's CUDA flash kernel does not take; use --attention-backend auto or fused")
+        check_attention_backend(attention_backend, self.device)
+        self.attention_backend = attention_backend
         self.clip_grad = clip_grad
-        self.max_tokens = max_tokens_per_gpu
+        self.batching, self.log_probs_batching = batching, log_probs_batching or batching
         seed_everything(seed)
         self.hf_dtype = _checkpoint_dtype(hf_checkpoint)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -88,10 +90,12 @@ class FSDPBackend(Backend):
         """From the trainer's flags. The reference model (KL) is --hf-checkpoint itself."""
         return cls(args.hf_checkpoint, lr=args.lr, weight_decay=args.weight_decay,
                    adam_betas=(args.adam_beta1, args.adam_beta2), adam_eps=args.adam_eps,
-                   clip_grad=args.clip_grad, max_tokens_per_gpu=args.max_tokens_per_gpu, seed=args.seed,
+                   clip_grad=args.clip_grad, batching=Batching.from_args(args),
+                   log_probs_batching=Batching.from_args(args, for_log_probs=True), seed=args.seed,
                    dtype=torch.bfloat16 if args.bf16 else torch.float32,
                    ref_checkpoint=args.hf_checkpoint if args.ref_model_needed else None,
-                   lr_schedule=lr_lambda(args))
+                   lr_schedule=lr_lambda(args), attention_backend=args.attention_kernels,
+                   attn_implementation="eager" if args.attention_backend == "local" else "sdpa")
 
     def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
               trainable: bool) -> nn.Module:
@@ -122,12 +126,13 @@ class FSDPBackend(Backend):
         # Flash attention reads sample boundaries from the restarting position ids; eager and
         # sdpa take the explicit mask (HF passes a 4-D mask through unchanged).
         mask = None if self.flash else block_causal_mask(pack.cu_seqlens, self.dtype, self.device)
-        return model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False).logits[0]
+        with attention_kernels(self.attention_backend):
+            return model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=False).logits[0]
 
-    def _padded_packs(self, samples: list[TrainSample], ids: list[int]) -> list[Pack]:
-        """This rank's share packed, padded with dummies to the largest pack count of any rank."""
-        mine = split_for_data_parallel(samples, ids, self.dp_size)[self.dp_rank]
-        packs = make_packs(samples, mine, self.max_tokens)
+    def _padded_packs(self, samples: list[TrainSample], ids: list[int], batching: Batching) -> list[Pack]:
+        """This rank's micro-batches, padded with dummies to the largest count of any rank (ranks
+        differ only when there are fewer micro-batches than ranks, or they do not divide evenly)."""
+        packs = rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
         count = torch.tensor([len(packs)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return packs + [_dummy_pack() for _ in range(int(count) - len(packs))]
@@ -137,7 +142,7 @@ class FSDPBackend(Backend):
         net = self._model(model)
         mine: dict[int, Result] = {}
         with torch.no_grad():
-            for pack in self._padded_packs(samples, ids):
+            for pack in self._padded_packs(samples, ids, self.log_probs_batching):
                 logits = self._pack_logits(net, pack)
                 logps, ents = response_log_probs(logits, pack.tokens.to(self.device),
                                                  response_slices(pack, samples), with_entropy)
@@ -161,7 +166,7 @@ class FSDPBackend(Backend):
         if role != "actor":
             raise NotImplementedError("the fsdp backend has no critic: --advantage-estimator ppo needs megatron")
         sums: dict[str, Tensor] = {}
-        for pack in self._padded_packs(samples, ids):
+        for pack in self._padded_packs(samples, ids, self.batching):
             logits = self._pack_logits(self.model, pack)
             if not pack.sample_ids:  # dummy: a zero loss still runs every layer's gradient reduce
                 (logits.sum() * 0).backward()

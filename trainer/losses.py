@@ -27,12 +27,13 @@ def masked_mean(x: Tensor, mask: Tensor, per_token: bool = False) -> Tensor:
     return per_sample.mean()
 
 
-def tis_weights(old_logp: Tensor, rollout_logp: Tensor, tis_clip: float) -> Tensor:
-    """Truncated importance weights min(pi_old / pi_rollout, tis_clip) (--use-tis, --tis-clip).
+def tis_weights(old_logp: Tensor, rollout_logp: Tensor, tis_clip: float, tis_clip_low: float = 0.0) -> Tensor:
+    """Truncated importance weights pi_old / pi_rollout clamped to [tis_clip_low, tis_clip]
+    (--use-tis, --tis-clip-low, --tis-clip).
 
     They correct for the rollout engine sampling from a slightly different distribution than
     the trainer computes; detached because they are a fixed reweighting, not a learned term."""
-    return torch.exp(old_logp - rollout_logp).clamp(max=tis_clip).detach()
+    return torch.exp(old_logp - rollout_logp).clamp(min=tis_clip_low, max=tis_clip).detach()
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
@@ -95,25 +96,33 @@ class LossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: KLKind = "k1"
+    use_unbiased_kl: bool = False
     use_tis: bool = False
     tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
     per_token_loss: bool = False
     importance: Importance = "token"
+    sft: bool = False  # --loss-type sft_loss
 
 
 def total_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor,
                loss_mask: Tensor, entropy: Tensor | None = None, ref_logp: Tensor | None = None,
                rollout_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """pg_loss - entropy_coef * entropy + kl_loss_coef * kl, with optional TIS on pg_loss.
+    """pg_loss - entropy_coef * entropy + kl_loss_coef * kl, with optional TIS on pg_loss; with
+    use_unbiased_kl the per-token KL is weighted by the ratio pi / pi_old (with its gradient, as
+    slime). cfg.sft: the masked mean negative log-likelihood alone (slime's sft_loss).
 
     Metrics: pg_loss, clipfrac, approx_kl, and entropy / kl_loss (unscaled) / tis_mean only when
-    that term is computed."""
+    that term is computed; sft: sft_loss."""
+    if cfg.sft:
+        nll = masked_mean(-logp, loss_mask, cfg.per_token_loss)
+        return nll, {"sft_loss": nll.detach()}
     metrics: dict[str, Tensor] = {}
     tis = None
     if cfg.use_tis:
         if rollout_logp is None:
             raise ValueError("use_tis needs rollout_logp")
-        tis = tis_weights(old_logp, rollout_logp, cfg.tis_clip)
+        tis = tis_weights(old_logp, rollout_logp, cfg.tis_clip, cfg.tis_clip_low)
         metrics["tis_mean"] = masked_mean(tis, loss_mask, cfg.per_token_loss)
     pg, pg_metrics = policy_loss(logp, old_logp, advantages, loss_mask, cfg.eps_clip,
                                  cfg.eps_clip_high, cfg.eps_clip_c, cfg.importance,
@@ -129,7 +138,8 @@ def total_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tens
     if cfg.use_kl_loss:
         if ref_logp is None:
             raise ValueError("use_kl_loss needs ref_logp")
-        kl_mean = masked_mean(kl(logp, ref_logp, cfg.kl_loss_type), loss_mask, cfg.per_token_loss)
+        ratio = torch.exp(logp - old_logp) if cfg.use_unbiased_kl else None
+        kl_mean = masked_mean(kl(logp, ref_logp, cfg.kl_loss_type, ratio), loss_mask, cfg.per_token_loss)
         loss = loss + cfg.kl_loss_coef * kl_mean
         metrics["kl_loss"] = kl_mean.detach()
     return loss, metrics

@@ -27,15 +27,10 @@ from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
 from trainer import megatron_state
 from trainer.backend import Backend, PackLoss
-from trainer.batch import (
-    Pack,
-    TrainSample,
-    make_packs,
-    response_slices,
-    split_for_data_parallel,
-)
+from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_layer_spec
+from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.token_stats import log_probs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -83,6 +78,7 @@ class MegatronBackend(Backend):
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        check_attention_backend(args.attention_kernels, self.device)
         self.hf_config = hf_config
         self.shape = mapping.ModelShape.from_hf_config(hf_config, args.make_vocab_size_divisible_by * self.tp_size)
         self.actor = self._trainee(self._build_model(), args.lr)
@@ -148,7 +144,8 @@ class MegatronBackend(Backend):
             inputs["attention_mask"] = None
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
+                attention_kernels(self.args.attention_kernels):
             logits = model(tokens, positions, **inputs)
         return logits[0]
 
@@ -166,9 +163,9 @@ class MegatronBackend(Backend):
         lengths = [s.stop - s.start for s in slices]
         return list(logp.split(lengths)), (list(ent.split(lengths)) if ent is not None else None)
 
-    def _my_packs(self, samples: list[TrainSample], ids: list[int]) -> list[Pack]:
-        share = split_for_data_parallel(samples, ids, self.dp_size)[self.dp_rank]
-        return make_packs(samples, share, self.args.max_tokens_per_gpu)
+    def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
+        batching = Batching.from_args(self.args, for_log_probs)
+        return rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
 
     # ---------------------------------------------------------------- Backend
     def _values(self, pack: Pack, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -191,7 +188,7 @@ class MegatronBackend(Backend):
             self._hooks["log_prob"](self.args, net, samples, model)
         net.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for pack in self._my_packs(samples, ids):
+        for pack in self._my_packs(samples, ids, for_log_probs=True):
             logps, ents = self._token_stats(net, pack, samples, with_entropy)
             for k, i in enumerate(pack.sample_ids):
                 mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
@@ -201,7 +198,7 @@ class MegatronBackend(Backend):
     def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, torch.Tensor]:
         self.critic.model.eval()
         mine = {}
-        for pack in self._my_packs(samples, ids):
+        for pack in self._my_packs(samples, ids, for_log_probs=True):
             for i, v in zip(pack.sample_ids, self._values(pack, samples)):
                 mine[i] = v.cpu()
         return self._gather_per_sample(mine)
@@ -214,7 +211,7 @@ class MegatronBackend(Backend):
         trainee.model.train()
         trainee.optimizer.zero_grad(set_to_none=False)
         totals: dict[str, torch.Tensor] = {}
-        for pack in self._my_packs(samples, ids):
+        for pack in self._my_packs(samples, ids, for_log_probs=False):
             if role == "critic":
                 value, metrics = loss(pack, self._values(pack, samples), None)
             else:

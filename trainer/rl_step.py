@@ -26,14 +26,18 @@ def padded(rows: list[Tensor]) -> Tensor:
 def loss_config(args: argparse.Namespace) -> LossConfig:
     return LossConfig(eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
                       entropy_coef=args.entropy_coef, use_kl_loss=args.use_kl_loss, kl_loss_coef=args.kl_loss_coef,
-                      kl_loss_type=args.kl_loss_type, use_tis=args.use_tis, tis_clip=args.tis_clip,
-                      per_token_loss=args.calculate_per_token_loss,
-                      importance="sequence" if args.advantage_estimator == "gspo" else "token")
+                      kl_loss_type=args.kl_loss_type, use_unbiased_kl=args.use_unbiased_kl, use_tis=args.use_tis,
+                      tis_clip=args.tis_clip, tis_clip_low=args.tis_clip_low, per_token_loss=args.calculate_per_token_loss,
+                      importance="sequence" if args.advantage_estimator == "gspo" else "token",
+                      sft=args.loss_type == "sft_loss")
 
 
 def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> None:
     """Fill sample.advantages (and .returns) in place. Deterministic, so every rank that runs it
-    on the same batch gets the same result."""
+    on the same batch gets the same result. With --use-rollout-logprobs the engines' log-probs
+    replace the trainer's as old_log_probs first (for the KL penalty and the PPO ratio, as slime)."""
+    if args.use_rollout_logprobs:
+        use_rollout_log_probs(samples)
     mask = padded([s.loss_mask for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     n = args.n_samples_per_prompt
@@ -49,14 +53,18 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
     penalty *= mask
     estimator = args.advantage_estimator
     if estimator in ("grpo", "gspo"):
-        scores = adv.grpo_advantages(rewards, n, normalize_std=not args.disable_grpo_std_normalization)
+        # --disable-rewards-normalization: the raw rewards, no group normalization.
+        scores = adv.grpo_advantages(rewards, n, normalize_std=not args.disable_grpo_std_normalization) \
+            if args.rewards_normalization else rewards
         # The penalty enters as REINFORCE++ does: its discounted sum from each token on.
         token_adv = scores[:, None] * mask + adv.reinforce_plus_plus_returns(
             torch.zeros_like(rewards), penalty, 1.0, mask, args.gamma)
     elif estimator == "reinforce_plus_plus":
         token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
-    elif estimator == "reinforce_plus_plus_baseline":
+    elif estimator == "reinforce_plus_plus_baseline" and args.rewards_normalization:
         token_adv = adv.reinforce_plus_plus_baseline_advantages(rewards, n, penalty, 1.0, mask, args.gamma)
+    elif estimator == "reinforce_plus_plus_baseline":  # no group baseline: REINFORCE++ on the raw rewards
+        token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
     else:  # ppo: per-token rewards (the reward on the last token, minus the penalty), GAE on the critic
         token_rewards = (-penalty).scatter_add(-1, adv.last_token_index(mask)[:, None], rewards[:, None])
         token_adv, returns = adv.gae(token_rewards, padded([s.values for s in samples]), mask, args.gamma, args.lambd)
@@ -66,6 +74,15 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
         token_adv = adv.whiten(token_adv, mask)
     for s, row in zip(samples, token_adv):
         s.advantages = row[: s.response_length].clone()
+
+
+def use_rollout_log_probs(samples: list[TrainSample]) -> None:
+    """old_log_probs := the engines' log-probs of each response token (--use-rollout-logprobs)."""
+    for s in samples:
+        if s.rollout_log_probs is None or s.rollout_log_probs.shape != (s.response_length,):
+            raise ValueError("--use-rollout-logprobs needs the engines' log-prob of every response token; "
+                             "this rollout's samples lack them")
+        s.old_log_probs = s.rollout_log_probs
 
 
 def _scaled(samples: list[TrainSample], batch_ids: list[int], per_token: bool,

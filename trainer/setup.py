@@ -12,6 +12,7 @@ from ckpt_tools.tracker import resolve_checkpoint
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, read_hf_config
 from trainer.loop import Loop, seed_everything
+from trainer.numerics import apply_deterministic_mode
 
 
 def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], None] | None]:
@@ -20,6 +21,7 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
     check_model_flags(args, hf_config)
     dist_env.init_process_group()
     seed_everything(args.seed)
+    apply_deterministic_mode(args.deterministic_mode)
     if args.train_backend == "fsdp":
         from trainer.fsdp_backend import FSDPBackend
 

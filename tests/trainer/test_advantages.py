@@ -119,3 +119,14 @@ def test_gae():
     adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
     close(adv, [[0.21712, 0.246, 0.3], [0.328, 0.4, 0.0]])
     close(ret, [[0.21712 + 0.5, 0.246 + 0.6, 0.3 + 0.7], [0.328 + 0.5, 0.4 + 0.6, 0.0]])
+
+
+def test_low_var_kl_is_k3_clamped_and_weighted_before_the_clamp():
+    logp = torch.tensor([0.0, -1.0, -12.0])
+    ref = torch.tensor([-1.0, 0.0, 0.0])  # the last: exp(12) - 13, far above the clamp
+    k3 = kl(logp, ref, "k3")
+    close(kl(logp, ref, "low_var_kl"), [k3[0].item(), k3[1].item(), 10.0])
+    # slime weighs by the importance ratio first, then clamps: 10 would be 5 the other way round.
+    ratio = torch.tensor([2.0, 0.5, 0.5])
+    close(kl(logp, ref, "low_var_kl", ratio), [2 * k3[0].item(), 0.5 * k3[1].item(), 10.0])
+    close(kl(logp, ref, "k3", ratio), (ratio * k3).tolist())

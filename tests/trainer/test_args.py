@@ -48,6 +48,17 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity is the megatron"),
     (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
     (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "not both"),
+    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),
+    (["--max-tokens-per-gpu", "4096"], "--max-tokens-per-gpu only applies with --use-dynamic-batch-size"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--micro-batch-size", "2"],
+     "--micro-batch-size 2 is not used with --use-dynamic-batch-size"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be 1 or more"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not supported in RL training; use 0.0"),
+    (["--attention-dropout", "0.05"], "--attention-dropout 0.05: dropout is not supported in RL training"),
+    (["--balance-by-flops"], "--balance-by-flops: micro-batches are packed first-fit by tokens"),
+    (["--use-rollout-logprobs", "--use-tis"], "--use-rollout-logprobs and --use-tis cannot be set together"),
+    (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef and --kl-loss-coef"),
+    (["--attention-backend", "triton"], "invalid choice: 'triton'"),
 ])
 def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], message: str) -> None:
     with pytest.raises(ArgsError) as err:
@@ -67,6 +78,33 @@ def test_a_refused_flag_accepts_only_what_slurmrl_does_anyway() -> None:
         parser.parse_args(["--hidden-dropout", "0.1"])
     with pytest.raises(ArgsError, match=r"^--use-wandb: wandb is not supported"):
         parser.parse_args(["--use-wandb"])
+
+
+def test_slime_recipe_batching_and_numerics_flags(model: Path, tmp_path: Path) -> None:
+    """The batching, loss and numerics flags of slime's qwen3 recipes parse to their effect."""
+    args = parse_args(_base(model, tmp_path) + [
+        "--balance-data", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216", "--use-kl-loss",
+        "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl", "--attention-dropout", "0.0", "--hidden-dropout",
+        "0.0", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-backend", "flash",
+        "--deterministic-mode", "--calculate-per-token-loss"])
+    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu, args.balance_data) == (True, 9216, True)
+    assert args.kl_loss_type == "low_var_kl" and args.ref_model_needed and args.deterministic_mode
+    # flash: SDPA (the layer spec's implementation) limited to its flash kernel.
+    assert (args.attention_backend, args.attention_kernels) == ("sdpa", "flash")
+    defaults = parse_args(_base(model, tmp_path))
+    assert (defaults.use_dynamic_batch_size, defaults.micro_batch_size, defaults.max_tokens_per_gpu) == (False, 1, None)
+    assert (defaults.attention_backend, defaults.attention_kernels) == ("sdpa", "auto")
+    assert parse_args(_base(model, tmp_path) + ["--attention-backend", "unfused"]).attention_backend == "local"
+
+
+def test_a_checkpoint_with_dropout_is_refused(model: Path, tmp_path: Path) -> None:
+    import json
+
+    args = parse_args(_base(model, tmp_path))
+    config = json.loads((model / "config.json").read_text())
+    check_model_flags(args, config)
+    with pytest.raises(ArgsError, match="attention_dropout 0.1: dropout is not supported"):
+        check_model_flags(args, {**config, "attention_dropout": 0.1})
 
 
 def test_missing_inputs_are_named(model: Path, tmp_path: Path) -> None:
@@ -145,3 +183,12 @@ def test_ckpt_step_flags_pick_that_iteration_of_ref_load(tmp_path: Path) -> None
     args.ref_ckpt_step = 3
     with pytest.raises(ArgsError, match="--ref-load: .*iter_0000003 is not a complete torch_dist checkpoint"):
         initial_weights(args, True, None)
+
+
+def test_deterministic_mode_turns_on_deterministic_algorithms() -> None:
+    # In a fresh process: the switch is process-wide.
+    code = ("import os, torch; from trainer.numerics import apply_deterministic_mode; apply_deterministic_mode(True); "
+            "print(torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, "
+            "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "True", "False", ":4096:8"]

@@ -18,11 +18,12 @@ from rollout.tiny_model import write_tiny_model
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from trainer.args import ArgsError, parse_args
 from trainer.backend import PackLoss
-from trainer.batch import Pack, TrainSample, make_packs
+from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.fsdp_backend import FSDPBackend
 
 ATOL = 1e-5  # float32 throughout; packing and sharding only reorder sums
 MAX_TOKENS = 24  # small, so the five samples make packs of several samples each
+PACKED = Batching(dynamic=True, max_tokens=MAX_TOKENS)
 LR = 1e-2  # large, so one step moves the weights well beyond float noise
 LENGTHS = [(9, 4), (6, 3), (11, 5), (5, 2), (8, 1)]  # (tokens, response tokens)
 
@@ -82,8 +83,8 @@ def lone_process_group(tmp_path_factory):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_log_probs_equal_each_sample_alone(models, attn: str) -> None:
     samples = _samples()
-    assert any(len(p.sample_ids) > 1 for p in make_packs(samples, list(range(5)), MAX_TOKENS))
-    backend = FSDPBackend(models["actor"], max_tokens_per_gpu=MAX_TOKENS, ref_checkpoint=models["ref"],
+    assert any(len(p.sample_ids) > 1 for p in rank_packs(samples, list(range(5)), 1, 0, PACKED))
+    backend = FSDPBackend(models["actor"], batching=PACKED, ref_checkpoint=models["ref"],
                           attn_implementation=attn)
     for name in ("actor", "ref"):
         got = backend.log_probs(samples, list(range(5)), model=name, with_entropy=True)
@@ -97,9 +98,19 @@ def test_packed_log_probs_equal_each_sample_alone(models, attn: str) -> None:
         backend.log_probs(samples, [0], model="critic")
 
 
+def test_attention_backend_flash_runs_the_flash_kernel_and_fused_needs_cuda(models) -> None:
+    samples, ids = _samples(), list(range(5))
+    auto = FSDPBackend(models["actor"], batching=PACKED, attn_implementation="sdpa").log_probs(samples, ids)
+    flash = FSDPBackend(models["actor"], batching=PACKED, attn_implementation="sdpa", attention_backend="flash")
+    for i, (logp, _) in flash.log_probs(samples, ids).items():
+        _assert_close(logp, auto[i][0])
+    with pytest.raises(ArgsError, match="--attention-backend fused: SDPA's cuDNN and memory-efficient kernels run on CUDA"):
+        FSDPBackend(models["actor"], attention_backend="fused")
+
+
 def test_train_step_lowers_the_loss_and_changes_the_weights(models) -> None:
     samples, ids = _samples(), list(range(5))
-    backend = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS)
+    backend = FSDPBackend(models["actor"], lr=LR, batching=PACKED)
     before = backend.log_probs(samples, ids)
     weights_before = dict(backend.hf_weights())
     metrics = backend.train_step(samples, ids, _nll_loss(len(ids)), need_entropy=True)
@@ -125,23 +136,28 @@ def _scenario(backend: FSDPBackend) -> dict:
 # gradient, and no clipping: the weights then show the gradient's scale (a sum over ranks, not a
 # mean) and float-level noise, instead of Adam's first-step g / |g| blowing up the noise of
 # near-zero gradient elements.
-PARITY = {"lr": LR, "max_tokens_per_gpu": MAX_TOKENS, "adam_eps": 1.0, "clip_grad": 1e6}
+PARITY = {"lr": LR, "batching": PACKED, "adam_eps": 1.0, "clip_grad": 1e6}
 
 
 def _parallel_worker(rank: int, world: int, init_file: str, model_dir: Path, out: Path) -> None:
     # A collective that one rank never joins fails after the timeout instead of hanging the test.
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    result = _scenario(FSDPBackend(model_dir, **PARITY))
+    result = _scenario(FSDPBackend(model_dir, **{**PARITY, "batching": BALANCED}))
     assert rank == 0 or not result["weights"]  # hf_weights yields on rank 0 only
     torch.save(result, out / f"result_{rank}.pt")
     dist.destroy_process_group()
 
 
+BALANCED = Batching(dynamic=True, max_tokens=MAX_TOKENS, balance=True)
+
+
 def test_two_ranks_take_the_same_step_as_one(models, tmp_path: Path) -> None:
+    """Two ranks with dynamic, balanced micro-batches against one rank with two samples per
+    micro-batch: the same losses, gradients (through the weights) and log-probs."""
     mp.start_processes(_parallel_worker, args=(2, str(tmp_path / "rendezvous"), models["actor"], tmp_path),
                        nprocs=2, start_method="spawn")
-    alone = _scenario(FSDPBackend(models["actor"], **PARITY))
+    alone = _scenario(FSDPBackend(models["actor"], **{**PARITY, "batching": Batching(micro_batch_size=2)}))
     for rank in range(2):
         result = torch.load(tmp_path / f"result_{rank}.pt")
         # Averaging gradients over ranks instead of summing would halve grad_norm.
@@ -158,13 +174,31 @@ def test_two_ranks_take_the_same_step_as_one(models, tmp_path: Path) -> None:
         _assert_close(weights[name], tensor)
 
 
+@pytest.mark.parametrize("batching", [Batching(micro_batch_size=3), BALANCED])
+def test_the_step_does_not_depend_on_the_micro_batches(models, batching: Batching) -> None:
+    """One sample per micro-batch (slime's default) against other micro-batchings: the same loss,
+    gradient norm and new weights."""
+    samples, ids = _samples(), list(range(5))
+    assert len(rank_packs(samples, ids, 1, 0, batching)) not in (1, 5)  # a different split from both ends
+    steps = {}
+    for name, how in (("alone", Batching()), ("other", batching)):
+        backend = FSDPBackend(models["actor"], **{**PARITY, "batching": how})
+        metrics = backend.train_step(samples, ids, _nll_loss(len(ids)), need_entropy=True)
+        steps[name] = metrics, dict(backend.hf_weights())
+    (alone, alone_weights), (other, other_weights) = steps["alone"], steps["other"]
+    for key in ("nll", "entropy", "grad_norm"):
+        assert other[key] == pytest.approx(alone[key], abs=ATOL), key
+    for name, tensor in alone_weights.items():
+        _assert_close(other_weights[name], tensor)
+
+
 def _halving(step: int) -> float:
     return 0.5 ** step
 
 
 def test_resume_takes_the_same_next_step(models, tmp_path: Path) -> None:
     samples, ids, loss = _samples(), list(range(5)), _nll_loss(5)
-    first = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS, lr_schedule=_halving)
+    first = FSDPBackend(models["actor"], lr=LR, batching=PACKED, lr_schedule=_halving)
     first.train_step(samples, ids, loss, need_entropy=False)
     after_save = first.log_probs(samples, ids)
     first.save(tmp_path, {"rollout_id": 7})
@@ -173,7 +207,7 @@ def test_resume_takes_the_same_next_step(models, tmp_path: Path) -> None:
     expected_weights = dict(first.hf_weights())
 
     torch.manual_seed(999)
-    resumed = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS, lr_schedule=_halving)
+    resumed = FSDPBackend(models["actor"], lr=LR, batching=PACKED, lr_schedule=_halving)
     assert resumed.load(tmp_path, weights_only=False) == {"rollout_id": 7}
     assert torch.equal(torch.rand(4), draw)  # RNG restored
     assert expected["lr"] == LR / 2  # the schedule's second step
@@ -182,7 +216,7 @@ def test_resume_takes_the_same_next_step(models, tmp_path: Path) -> None:
         assert torch.equal(tensor, expected_weights[name]), name
 
     # weights_only: the saved weights, a fresh optimizer (so the next step differs).
-    weights_only = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS, lr_schedule=_halving)
+    weights_only = FSDPBackend(models["actor"], lr=LR, batching=PACKED, lr_schedule=_halving)
     assert weights_only.load(tmp_path, weights_only=True) == {}
     for i, (logp, _) in weights_only.log_probs(samples, ids).items():
         assert torch.equal(logp, after_save[i][0])
@@ -193,7 +227,7 @@ def test_resume_takes_the_same_next_step(models, tmp_path: Path) -> None:
 
 def test_hf_weights_load_into_a_fresh_hf_model(models, tmp_path: Path) -> None:
     samples, ids = _samples(), list(range(5))
-    backend = FSDPBackend(models["actor"], lr=LR, max_tokens_per_gpu=MAX_TOKENS)
+    backend = FSDPBackend(models["actor"], lr=LR, batching=PACKED)
     backend.train_step(samples, ids, _nll_loss(5), need_entropy=False)
     weights = dict(backend.hf_weights())
     # Tied embeddings: the checkpoint's names exactly, no lm_head.weight.
@@ -225,10 +259,12 @@ def test_from_args_reads_the_trainer_flags(models, tmp_path: Path) -> None:
     prompts.write_text("")
     argv = ["--hf-checkpoint", str(models["actor"]), "--num-rollout", "1", "--prompt-data", str(prompts),
             "--engine-urls", "http://127.0.0.1:1", "--train-backend", "fsdp", "--use-kl-loss",
-            "--lr", "0.5", "--lr-warmup-iters", "4", "--max-tokens-per-gpu", str(MAX_TOKENS)]
+            "--lr", "0.5", "--lr-warmup-iters", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(MAX_TOKENS),
+            "--log-probs-max-tokens-per-gpu", "64", "--balance-data"]
     backend = FSDPBackend.from_args(parse_args(argv))
     samples = _samples()
-    assert backend.max_tokens == MAX_TOKENS
+    assert backend.batching == Batching(dynamic=True, max_tokens=MAX_TOKENS, balance=True)
+    assert backend.log_probs_batching == Batching(dynamic=True, max_tokens=64, balance=True)
     # The KL reference is the starting checkpoint itself.
     ref, actor = backend.log_probs(samples, [0], "ref"), backend.log_probs(samples, [0])
     assert torch.equal(ref[0][0], actor[0][0])

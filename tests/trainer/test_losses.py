@@ -137,3 +137,27 @@ def test_total_loss_defaults_are_plain_ppo_and_missing_inputs_fail():
     for cfg in (LossConfig(use_kl_loss=True), LossConfig(use_tis=True), LossConfig(entropy_coef=0.1)):
         with pytest.raises(ValueError):
             total_loss(cfg, zeros, zeros, zeros, mask)
+
+
+def test_tis_clip_low_raises_small_weights():
+    w = tis_weights(torch.tensor([0.0, 0.0]), torch.tensor([math.log(10.0), 0.0]), tis_clip=2.0, tis_clip_low=0.5)
+    close(w, [0.5, 1.0])  # exp(-log 10) = 0.1, raised to 0.5
+
+
+def test_unbiased_kl_weighs_the_kl_by_the_ratio_with_its_gradient():
+    # logp - old = [log 2, 0]: ratio [2, 1]; k1 kl = logp - ref = [log 2 + 1, 1]
+    logp = torch.tensor([[math.log(2.0), 0.0]], requires_grad=True)
+    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=1.0, use_unbiased_kl=True)
+    _, m = total_loss(cfg, logp, torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
+                      ref_logp=torch.tensor([[-1.0, -1.0]]))
+    close(m["kl_loss"], (2 * (math.log(2.0) + 1) + 1) / 2)
+
+
+def test_sft_loss_is_the_masked_mean_nll():
+    logp = torch.tensor([[-1.0, -3.0], [-2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, m = total_loss(LossConfig(sft=True), logp, logp, torch.zeros(2, 2), mask)
+    close(loss, (2.0 + 2.0) / 2)  # per sample: mean(1, 3) = 2 and 2
+    assert set(m) == {"sft_loss"}
+    loss, _ = total_loss(LossConfig(sft=True, per_token_loss=True), logp, logp, torch.zeros(2, 2), mask)
+    close(loss, 6.0 / 3)

@@ -1,4 +1,5 @@
-"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention) on a tiny Qwen3 converted from HF:
+"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention; each
+with its own micro-batching) on a tiny Qwen3 converted from HF:
 packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
 layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
 tensors under HF names."""
@@ -36,6 +37,13 @@ def _samples(vocab: int) -> list[TrainSample]:
     return out
 
 
+# Micro-batching differs by layout, so the layouts' agreement also shows the step does not depend
+# on it: slime's default (one sample per micro-batch) at TP=1, packs of at most 24 tokens at TP=2,
+# and at DP=2 those packs handed to the two ranks by Karmarkar-Karp.
+PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
+BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"]}
+
+
 def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Path, ckpt: Path, out: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -46,7 +54,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Pa
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only",
         "--load-debug-rollout-data", "unused/{rollout_id}", "--tensor-model-parallel-size", str(tp),
-        "--attention-backend", attention, "--lr", "1e-2", "--clip-grad", "0.5", "--max-tokens-per-gpu", "24",
+        "--attention-backend", attention, "--lr", "1e-2", "--clip-grad", "0.5", *BATCHING[(tp, world)],
         # Adam's first step is about lr * sign(g): float noise in a near-zero gradient element would
         # flip it. With eps = 1 the update follows the gradient, so layouts can be compared.
         "--adam-eps", "1"])

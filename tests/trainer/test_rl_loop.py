@@ -28,7 +28,8 @@ from rollout.toy_task import write_toy_data
 from tests.rollout.servers import API_KEY, Server, engines_behind_router, free_port
 
 TOY = ["--label-key", "label", "--rm-type", "toy", "--rollout-shuffle", "--rollout-max-response-len", "1",
-       "--n-samples-per-prompt", "8", "--attention-backend", "local"]
+       "--n-samples-per-prompt", "8", "--attention-backend", "local", "--use-dynamic-batch-size",
+       "--max-tokens-per-gpu", "4096"]
 
 
 @pytest.fixture(scope="module")

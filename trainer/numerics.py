@@ -1,0 +1,46 @@
+"""Numerics flags with a process-wide effect: --attention-backend's kernels, --deterministic-mode.
+
+--attention-backend takes Megatron's names (slime passes them through; trainer.args maps them to
+slurmrl's two implementations): auto and sdpa run torch's scaled_dot_product_attention and let it
+pick a kernel; flash restricts it to the flash kernel (CUDA, or torch's CPU flash kernel) and
+fused to the cuDNN / memory-efficient ones (what TransformerEngine's fused attention is;
+CUDA-only); unfused and local run the unfused softmax(QK^T)V attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from trainer.args import ArgsError
+
+_KERNELS = {"flash": [SDPBackend.FLASH_ATTENTION],
+            "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]}
+
+
+def check_attention_backend(backend: str, device: torch.device) -> None:
+    """fused names CUDA-only kernels: refused on a CPU trainer (torch has a CPU flash kernel)."""
+    if backend == "fused" and device.type != "cuda":
+        raise ArgsError(f"--attention-backend fused: SDPA's cuDNN and memory-efficient kernels run on CUDA only and "
+                        f"this trainer runs on {device.type}; use --attention-backend auto or flash")
+
+
+def attention_kernels(backend: str) -> contextlib.AbstractContextManager:
+    """The context a forward runs in: SDPA limited to the backend's kernels (none for the others)."""
+    return sdpa_kernel(_KERNELS[backend]) if backend in _KERNELS else contextlib.nullcontext()
+
+
+def apply_deterministic_mode(enabled: bool) -> None:
+    """--deterministic-mode, as slime's: deterministic cuDNN, no autotuning, and torch raising on
+    any op without a deterministic implementation. cuBLAS needs a fixed workspace for that
+    (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts), and NCCL a fixed algorithm."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=False)
