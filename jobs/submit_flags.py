@@ -54,6 +54,8 @@ def classify(flag: str, spec: dict, trainer: dict[str, argparse.Action]) -> tupl
         reason = getattr(action, "reason", None)
         if reason is not None:
             allowed = getattr(action, "allowed", None)
+            if action.nargs == 0 and allowed is True:  # a switch that names what slurmrl always does
+                return "trainer", reason
             return "refused", reason + ("" if allowed is None else f" (accepted: {allowed})")
         return "trainer", " ".join((action.help or "").split()) or "as in slime"
     if flag.startswith("--sglang-"):

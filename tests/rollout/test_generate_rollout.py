@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs.contract import API_KEY_ENV
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
@@ -140,10 +141,12 @@ def test_partial_rollout_continues_aborted_samples_where_they_stopped(cluster, m
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
 
 
-def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(cluster, model: Path,
-                                                                         tmp_path: Path) -> None:
-    """The seed doc's custom generate (it reads args.sglang_router_ip/port and sets sample.truncated
-    and sample.aborted) and a filter returning DynamicFilterOutput(keep=False) for odd groups."""
+def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(cluster, model: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed doc's custom generate, verbatim (slime's `post` and `Sample` imported from slime's
+    paths; it reads args.sglang_router_ip/port and sets sample.truncated and sample.aborted) and a
+    filter returning DynamicFilterOutput(keep=False) for odd groups."""
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)  # as every step of a job has it
     router, _ = cluster
     args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=8,
                    custom_generate_function_path="tests.rollout.slime_plugins.generate",
