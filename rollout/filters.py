@@ -9,17 +9,27 @@ from typing import Any
 from rollout.sample import Sample
 
 
-@dataclass(frozen=True)
+@dataclass
 class DynamicFilterOutput:
     """What slime's dynamic filters return (a plain bool works too)."""
 
     keep: bool
     reason: str | None = None
+    # Kept after all when dropping it would leave too few groups, running or kept, to fill the
+    # rollout (rather than starting another round of sampling).
+    keep_when_insufficient: bool = False
 
 
-def filter_keeps(verdict: Any) -> bool:
-    """A filter's verdict: DynamicFilterOutput's `keep` (the object itself is always truthy), or the bool."""
-    return bool(verdict.keep) if hasattr(verdict, "keep") else bool(verdict)
+def filter_keeps(verdict: Any, candidates: int | None = None, target: int | None = None) -> bool:
+    """A filter's verdict: DynamicFilterOutput's `keep` (the object itself is always truthy), or the
+    bool. `candidates`: the groups kept or still running, this one included; with `target`, a
+    dropped group marked keep_when_insufficient is kept when candidates <= target (slime's rule)."""
+    if not hasattr(verdict, "keep"):
+        return bool(verdict)
+    if verdict.keep:
+        return True
+    return bool(getattr(verdict, "keep_when_insufficient", False) and candidates is not None
+                and target is not None and candidates <= target)
 
 
 def nonzero_reward_std(args, group: list[Sample]) -> bool:
