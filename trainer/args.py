@@ -17,6 +17,7 @@ from typing import Any
 
 from jobs.contract import API_KEY_ENV
 from rollout.data import PROMPT_SUFFIXES
+from rollout.loss_masks import LOSS_MASK_TYPES
 from rollout.rewards import DICT_REWARDS, REWARD_TYPES
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rm-max-retries", type=int, default=10, help="remote_rm attempts per sample before the rollout fails")
     add("--rm-retry-backoff", type=float, default=1.0,
         help="seconds before remote_rm's first retry; doubles each time, at most 30 s")
+    add("--loss-mask-type", choices=LOSS_MASK_TYPES, default="qwen",
+        help="rollout.sft_rollout: how a conversation's trained tokens are found (step_loss_mask 0 turns are not)")
     add("--apply-chat-template-kwargs", type=_json_object, default="{}",
         help="JSON object passed to the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\": false}'")
     # engines and weight publishing
