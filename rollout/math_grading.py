@@ -10,10 +10,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import sympy
-from pylatexenc import latex2text
-from sympy.parsing import sympy_parser
-
 # sympy can hang on these; such answers are compared as strings only
 _BAD_SUBSTRINGS = ("^{", "^(")
 _BAD_REGEXES = (r"\^[0-9]+\^", r"\^[0-9][0-9]+")
@@ -110,7 +106,12 @@ def grade_answer_mathd(given: str, ground_truth: str) -> bool:
 
 
 # ---- sympy equivalence ------------------------------------------------------------------------
+# sympy and pylatexenc are imported on first use: the job's command line reads the reward types
+# (trainer.args) and must start fast.
 def _sympy_parse(expr: str) -> Any:
+    import sympy
+    from sympy.parsing import sympy_parser
+
     names = {k: v for k, v in sympy.__dict__.items() if not k.startswith("_")}
     return sympy_parser.parse_expr(
         expr.replace("^", "**"), local_dict={}, global_dict={"__builtins__": {}, **names},
@@ -118,6 +119,8 @@ def _sympy_parse(expr: str) -> Any:
 
 
 def _parse_latex(expr: str) -> str:
+    from pylatexenc import latex2text
+
     expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     expr = latex2text.LatexNodes2Text().latex_to_text(expr)
     for symbol, name in (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*")):
@@ -192,6 +195,8 @@ def _should_allow_eval(expr: str) -> bool:
 
 
 def _equal_under_sympy(ground_truth: str, given: str) -> bool:
+    import sympy
+
     expr = f"({ground_truth})-({given})"
     try:
         return _should_allow_eval(expr) and sympy.simplify(_sympy_parse(expr)) == 0
