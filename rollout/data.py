@@ -1,9 +1,11 @@
-"""Prompts from a jsonl file, in a seeded order, epoch after epoch, with an exact resume position."""
+"""Prompts from a jsonl or parquet file (by its suffix, as slime reads them), in a seeded order,
+epoch after epoch, with an exact resume position."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +16,49 @@ class DataError(ValueError):
     """Bad data: the message names the file, the line and the fix."""
 
 
-def _read_jsonl(path: Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise DataError(f"--prompt-data {path} does not exist")
-    rows = []
+PROMPT_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict) or input_key not in row:
-                raise DataError(f"{path}:{number}: no {input_key!r} field (set --input-key to the prompt's field)")
-            prompt = row[input_key]
-            if not (isinstance(prompt, str) or _is_messages(prompt)):
-                raise DataError(f"{path}:{number}: {input_key!r} must be a string or a list of "
-                                "{'role', 'content'} messages")
-            if label_key and label_key not in row:
-                raise DataError(f"{path}:{number}: no {label_key!r} field (check --label-key)")
-            if metadata_key and not isinstance(row.get(metadata_key, {}), dict):
-                raise DataError(f"{path}:{number}: {metadata_key!r} must be an object (check --metadata-key)")
-            rows.append({"prompt": prompt, "label": row.get(label_key) if label_key else None,
-                         "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {}})
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for row in batch.to_pylist():
+            number += 1
+            yield f"{path} row {number}", row
+
+
+def _read_rows(path: Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"--prompt-data {path} does not exist")
+    if path.suffix not in PROMPT_SUFFIXES:
+        raise DataError(f"--prompt-data {path}: unsupported format; give a {' or '.join(PROMPT_SUFFIXES)} file")
+    rows = []
+    for where, row in (_jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)):
+        if not isinstance(row, dict) or input_key not in row:
+            raise DataError(f"{where}: no {input_key!r} field (set --input-key to the prompt's field)")
+        prompt = row[input_key]
+        if not (isinstance(prompt, str) or _is_messages(prompt)):
+            raise DataError(f"{where}: {input_key!r} must be a string or a list of "
+                            "{'role', 'content'} messages")
+        if label_key and label_key not in row:
+            raise DataError(f"{where}: no {label_key!r} field (check --label-key)")
+        if metadata_key and not isinstance(row.get(metadata_key) or {}, dict):
+            raise DataError(f"{where}: {metadata_key!r} must be an object (check --metadata-key)")
+        rows.append({"prompt": prompt, "label": row.get(label_key) if label_key else None,
+                     "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {}})
     if not rows:
         raise DataError(f"{path} holds no prompts")
     return rows
@@ -53,15 +74,17 @@ class JsonlDataSource:
 
     def __init__(self, path: str | Path, *, input_key: str = "input", label_key: str | None = None,
                  metadata_key: str | None = None, tokenizer: Any = None, apply_chat_template: bool = False,
+                 apply_chat_template_kwargs: dict[str, Any] | None = None,
                  shuffle: bool = True, seed: int = 42, n_samples_per_prompt: int = 1) -> None:
         if n_samples_per_prompt < 1:
             raise DataError(f"--n-samples-per-prompt must be 1 or more, got {n_samples_per_prompt}")
         if apply_chat_template and tokenizer is None:
             raise DataError("--apply-chat-template needs the model's tokenizer")
         self.path = Path(path)
-        self.rows = _read_jsonl(self.path, input_key, label_key, metadata_key)
+        self.rows = _read_rows(self.path, input_key, label_key, metadata_key)
         self.tokenizer = tokenizer
         self.apply_chat_template = apply_chat_template
+        self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})  # e.g. {"enable_thinking": False}
         self.shuffle = shuffle
         self.seed = seed
         self.n_samples_per_prompt = n_samples_per_prompt
@@ -80,7 +103,8 @@ class JsonlDataSource:
         if not self.apply_chat_template:
             return raw
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **self.apply_chat_template_kwargs)
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         groups = []
@@ -93,10 +117,6 @@ class JsonlDataSource:
             self.offset += 1
             row = self.rows[row_index]
             metadata = {**row["metadata"], "row": row_index, "epoch": self.epoch}
-            if _is_messages(row["prompt"]):
-                # Multi-turn data: which assistant turns count towards the loss (slime's step_loss_mask).
-                metadata["step_loss_mask"] = [m.get("step_loss_mask", 1) for m in row["prompt"]
-                                              if m["role"] == "assistant"]
             group_index = self.next_sample_index // self.n_samples_per_prompt
             group = []
             for _ in range(self.n_samples_per_prompt):

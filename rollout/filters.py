@@ -34,5 +34,5 @@ def filter_keeps(verdict: Any, candidates: int | None = None, target: int | None
 
 def nonzero_reward_std(args, group: list[Sample]) -> bool:
     """Keep groups whose rewards differ: a group with one reward for all gives GRPO no signal."""
-    rewards = [s.reward for s in group]
+    rewards = [s.get_reward_value(args) for s in group]
     return len(rewards) > 1 and statistics.pstdev(rewards) > 0

@@ -11,6 +11,7 @@ with the tokens they have, to be continued in a later round.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import json
@@ -29,6 +30,7 @@ from rollout import debug_data, rewards
 from rollout.buffer import DataBuffer
 from rollout.filters import filter_keeps
 from rollout.plugins import load_function
+from rollout.remote_rm import RemoteRewardModel
 from rollout.router_client import RouterClient
 from rollout.sample import Sample, Status
 
@@ -56,8 +58,16 @@ class RolloutArgs:
     rollout_stop: list[str] | None = None
     rollout_seed: int = 42
     rollout_concurrency: int = 64  # requests in flight at once
-    rm_type: str = "math"  # built-in reward: rewards.REWARD_TYPES, each with an optional boxed_ prefix
-    custom_rm_path: str | None = None
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # for prompts given as messages
+    rm_type: str | None = None  # built-in reward: rewards.REWARD_TYPES, each with an optional boxed_ prefix
+    custom_rm_path: str | None = None  # async f(args, sample) -> reward; with group_rm, f(args, samples) -> list
+    group_rm: bool = False  # score a group at once, when all its samples are done
+    reward_key: str | None = None  # the entry of a dict reward that is trained on
+    rm_url: str | None = None  # remote_rm's reward server
+    rm_concurrency: int = 64  # reward requests in flight at once
+    rm_timeout: float = 120.0  # seconds for one reward request
+    rm_max_retries: int = 10  # attempts per sample before the rollout fails
+    rm_retry_backoff: float = 1.0  # seconds before the first retry; doubles, capped at 30 s
     custom_generate_function_path: str | None = None
     rollout_function_path: str | None = None
     over_sampling_batch_size: int | None = None  # groups started per batch with dynamic sampling
@@ -121,6 +131,9 @@ class _Round:
         self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
                                 if args.custom_generate_function_path else None)
         self.custom_rm = load_function(args.custom_rm_path, "--custom-rm-path") if args.custom_rm_path else None
+        self.remote_rm = (RemoteRewardModel(args.rm_url, concurrency=args.rm_concurrency, timeout_s=args.rm_timeout,
+                                            max_retries=args.rm_max_retries, backoff_s=args.rm_retry_backoff)
+                          if args.rm_url else None)
         self.keep = (load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
                      if args.dynamic_sampling_filter_path and not evaluation else None)
 
@@ -130,7 +143,8 @@ class _Round:
         headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
         self.gate = asyncio.Semaphore(self.args.rollout_concurrency)
         kept: list[list[Sample]] = []
-        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as self.http:
+        async with (aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as self.http,
+                    self.remote_rm or contextlib.nullcontext()):
             running: set[asyncio.Task] = set()
             while len(kept) < target:
                 if not running:
@@ -162,15 +176,38 @@ class _Round:
     async def _group(self, group: list[Sample]) -> list[Sample]:
         await asyncio.gather(*(self._sample(s) for s in group))
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in group):
-            for s in group:
-                s.reward = await self._reward(s)
+            if self.args.group_rm:
+                scored, values = group, await self._group_rewards(group)
+            else:
+                scored = [s for s in group if s.reward is None]  # a custom generate may have scored its sample
+                values = await asyncio.gather(*(self._reward(s) for s in scored))
+            for sample, value in zip(scored, values):
+                sample.reward = value
         return group
 
-    async def _reward(self, sample: Sample) -> float:
+    async def _group_rewards(self, group: list[Sample]) -> list[Any]:
+        """--group-rm: slime's batched contract, the custom RM gets the whole group and returns a
+        list; built-in types score each sample."""
+        if not self.custom_rm:
+            return list(await asyncio.gather(*(self._reward(s) for s in group)))
+        values = self.custom_rm(self.args.for_plugins, group)
+        values = await values if inspect.isawaitable(values) else values
+        if not isinstance(values, (list, tuple)) or len(values) != len(group):
+            raise RolloutError(f"--custom-rm-path {self.args.custom_rm_path} with --group-rm must return one reward "
+                               f"per sample of the group (a list of {len(group)}), got {values!r:.200}")
+        return list(values)
+
+    async def _reward(self, sample: Sample) -> Any:
         if self.custom_rm:
             value = self.custom_rm(self.args.for_plugins, sample)
-            return float(await value if inspect.isawaitable(value) else value)
-        return rewards.rule_based_reward(self.args.rm_type, sample.response, sample.label, sample.metadata)
+            return await value if inspect.isawaitable(value) else value
+        if rewards.sample_type(self.args.rm_type, sample.metadata).removeprefix("boxed_") == rewards.REMOTE:
+            if self.remote_rm is None:
+                raise RolloutError(f"sample {sample.index}: rm_type remote_rm needs --rm-url (the reward server)")
+            return await self.remote_rm.reward(sample)
+        # In a thread: sympy's grading can take a while, and requests keep flowing meanwhile.
+        return await asyncio.to_thread(rewards.rule_based_reward, self.args.rm_type, sample.response, sample.label,
+                                       sample.metadata)
 
     def _sampling_params(self, sample: Sample) -> dict[str, Any]:
         params = {"max_new_tokens": self.args.rollout_max_response_len - sample.response_length,
@@ -187,7 +224,8 @@ class _Round:
         if not sample.tokens:
             prompt = sample.prompt
             if not isinstance(prompt, str):
-                prompt = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                prompt = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                            **self.args.apply_chat_template_kwargs)
             sample.tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         while True:
             if self.custom_generate:

@@ -1,5 +1,6 @@
-"""Built-in rewards (--rm-type, or a sample's metadata["rm_type"], as slime reads them): math, f1,
-gpqa and the toy task's; a `boxed_` prefix scores only the last \\boxed{...} of the response."""
+"""Built-in rewards (--rm-type, or a sample's metadata["rm_type"], as slime reads them): math,
+deepscaler, dapo, f1, gpqa and the toy task's; a `boxed_` prefix scores only the last
+\\boxed{...} of the response. remote_rm (a reward server at --rm-url) is rollout.remote_rm's."""
 
 from __future__ import annotations
 
@@ -8,49 +9,13 @@ import string
 from collections import Counter
 from typing import Any
 
-_ANSWER_LINE = re.compile(r"^\s*answer\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+from rollout.dapo_grading import dapo_reward
+from rollout.math_grading import deepscaler_reward, extract_answer, grade_answer_verl
 
-
-def last_boxed(text: str) -> str | None:
-    """The contents of the last \\boxed{...} (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1: j]
-    return None
-
-
-def extract_answer(response: str) -> str | None:
-    """\\boxed{...} wins; else the last "Answer: ..." line."""
-    boxed = last_boxed(response)
-    if boxed is not None:
-        return boxed
-    lines = _ANSWER_LINE.findall(response)
-    return lines[-1] if lines else None
-
-
-def _normalise(answer: str) -> str:
-    answer = answer.strip().strip("$").rstrip(".").replace(" ", "").replace("\\!", "")
-    answer = re.sub(r"\\(?:text|mathrm)\{([^}]*)\}", r"\1", answer)
-    return answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-
-
-def math_reward(response: str, label: str | int | float) -> float:
-    """1.0 if the extracted answer equals the label (numerically when both are numbers), else 0.0."""
-    answer = extract_answer(response)
-    if answer is None:
-        return 0.0
-    got, want = _normalise(answer), _normalise(str(label))
-    if got == want:
-        return 1.0
-    try:
-        return float(abs(float(got.replace(",", "")) - float(want.replace(",", ""))) < 1e-6)
-    except ValueError:
-        return 0.0
+def math_reward(response: str, label: Any) -> int:
+    """slime's math: 1 if the response's last \\boxed{} answer equals the label (as MATH's
+    normaliser or sympy sees it), else 0."""
+    return int(grade_answer_verl(response, label))
 
 
 def toy_reward(response: str, label: str) -> float:
@@ -123,21 +88,37 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
     return float(any(_qa_normalise(t) and f" {_qa_normalise(t)} " in said for t in targets))
 
 
-REWARD_TYPES = ("math", "toy", "f1", "gpqa")  # each also with the boxed_ prefix
+REMOTE = "remote_rm"
+REWARD_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "toy", REMOTE)  # each also with the boxed_ prefix
+DICT_REWARDS = {"dapo": ("score", "acc", "pred")}  # types whose reward is a dict: --reward-key picks one
 
 
-def rule_based_reward(rm_type: str, response: str, label: Any, metadata: dict[str, Any]) -> float:
-    """The reward of one response by a built-in type; ValueError naming an unknown type."""
-    rm_type = str(metadata.get("rm_type") or rm_type).strip()
+def sample_type(rm_type: str | None, metadata: dict[str, Any]) -> str:
+    """The type a sample is scored by: its metadata's rm_type over --rm-type (slime's order)."""
+    return str(metadata.get("rm_type") or rm_type or "").strip()
+
+
+def rule_based_reward(rm_type: str | None, response: str, label: Any, metadata: dict[str, Any]) -> Any:
+    """The reward of one response by a built-in type (a number, or dapo's dict); ValueError
+    naming a missing or unknown type."""
+    rm_type = sample_type(rm_type, metadata)
     if rm_type.startswith("boxed_"):
-        response, rm_type = last_boxed(response) or "", rm_type.removeprefix("boxed_")
+        response, rm_type = extract_answer(response) or "", rm_type.removeprefix("boxed_")
     if rm_type == "math":
         return math_reward(response, label)
+    if rm_type == "deepscaler":
+        return deepscaler_reward(response, label)
+    if rm_type == "dapo":
+        return dapo_reward(response, label)
     if rm_type == "toy":
         return toy_reward(response, label)
     if rm_type == "f1":
         return f1_reward(response, label)
     if rm_type == "gpqa":
         return gpqa_reward(response, label, metadata)
-    raise ValueError(f"rm_type {rm_type!r}: not a built-in reward; one of {', '.join(REWARD_TYPES)} "
-                     "(each may take a boxed_ prefix), or give --custom-rm-path")
+    known = f"one of {', '.join(REWARD_TYPES)} (each may take a boxed_ prefix), or give --custom-rm-path"
+    if not rm_type:
+        raise ValueError(f"no reward type: give --rm-type, {known}")
+    if rm_type == REMOTE:
+        raise ValueError("rm_type remote_rm is scored by a reward server: give --rm-url")
+    raise ValueError(f"rm_type {rm_type!r}: not a built-in reward; {known}")

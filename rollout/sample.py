@@ -26,7 +26,7 @@ class Sample:
     response: str = ""
     response_length: int = 0
     label: Any = None
-    reward: float | None = None
+    reward: float | dict[str, Any] | None = None  # a dict when the reward model returns several values
     loss_mask: list[int] = field(default_factory=list)  # one per response token
     status: Status = Status.PENDING
     rollout_log_probs: list[float] = field(default_factory=list)
@@ -59,6 +59,25 @@ class Sample:
             self.status = status
         elif self.status in (Status.PENDING, status):
             self.status = Status.COMPLETED
+
+    def reward_value(self, reward_key: str | None) -> float:
+        """The number trained on: the reward, or its `reward_key` entry when it is a dict."""
+        if isinstance(self.reward, dict):
+            if not reward_key:
+                raise ValueError(f"sample {self.index}: the reward is a dict (keys {', '.join(map(str, self.reward))}): "
+                                 "give --reward-key naming the value to train on")
+            if reward_key not in self.reward:
+                raise ValueError(f"--reward-key {reward_key}: sample {self.index}'s reward has only the keys "
+                                 f"{', '.join(map(str, self.reward))}")
+            return float(self.reward[reward_key])
+        if reward_key and self.reward is not None:
+            raise ValueError(f"--reward-key {reward_key}: sample {self.index}'s reward is {self.reward!r}, not a dict; "
+                             "drop --reward-key")
+        return float(self.reward or 0.0)
+
+    def get_reward_value(self, args: Any) -> float:
+        """slime's spelling (its filters call it): reward_value by args.reward_key."""
+        return self.reward_value(getattr(args, "reward_key", None))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract import API_KEY_ENV
-from rollout.rewards import REWARD_TYPES
+from rollout.data import PROMPT_SUFFIXES
+from rollout.loss_masks import LOSS_MASK_TYPES
+from rollout.rewards import DICT_REWARDS, REWARD_TYPES
 from trainer.refused_flags import REFUSED
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -111,6 +113,16 @@ def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any 
     kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type, "nargs": nargs}
     p.add_argument(flag, action=_Refused, reason=reason, allowed=allowed, default=None,
                    help=f"refused: {reason}" + ("" if allowed is None else f" (accepted: {allowed})"), **kwargs)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): give a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON object: give one, e.g. '{{\"enable_thinking\": false}}'")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rollout-concurrency", type=int, default=64)
     add("--rollout-retry-timeout", dest="retry_timeout_s", type=float, default=1800.0,
         help="give up on a request after this many seconds without any engine")
-    add("--rm-type", choices=[p + t for p in ("", "boxed_") for t in REWARD_TYPES], default="math",
-        help="built-in reward (a sample's metadata rm_type overrides it)")
+    add("--rm-type", choices=[p + t for p in ("", "boxed_") for t in REWARD_TYPES],
+        help="built-in reward (a sample's metadata rm_type overrides it); slime's default: none")
     add("--custom-rm-path")
     add("--custom-generate-function-path")
     add("--rollout-function-path")
@@ -283,6 +295,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--save-debug-rollout-data")
     add("--load-debug-rollout-data")
     add("--debug-train-only", action="store_true")
+    # rewards and data (issue 14 item 6): see rollout/rewards.py, rollout/remote_rm.py, rollout/data.py
+    add("--reward-key", help="a reward that is a dict (dapo's, a reward server's): the entry trained on")
+    add("--eval-reward-key", help="the same for eval (default: --reward-key)")
+    add("--group-rm", action="store_true",
+        help="score each group at once: --custom-rm-path gets (args, samples) and returns a list")
+    add("--rm-url", help="--rm-type remote_rm: the reward server (POST {prompt, response, label} -> reward)")
+    add("--rm-concurrency", type=int, default=64, help="remote_rm requests in flight at once")
+    add("--rm-timeout", type=float, default=120.0, help="seconds for one remote_rm request")
+    add("--rm-max-retries", type=int, default=10, help="remote_rm attempts per sample before the rollout fails")
+    add("--rm-retry-backoff", type=float, default=1.0,
+        help="seconds before remote_rm's first retry; doubles each time, at most 30 s")
+    add("--loss-mask-type", choices=LOSS_MASK_TYPES, default="qwen",
+        help="rollout.sft_rollout: how a conversation's trained tokens are found (step_loss_mask 0 turns are not)")
+    add("--apply-chat-template-kwargs", type=_json_object, default="{}",
+        help="JSON object passed to the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\": false}'")
     # engines and weight publishing
     add("--sglang-router-ip")
     add("--sglang-router-port", type=int)
@@ -418,6 +445,19 @@ def validate(args: argparse.Namespace) -> None:
              "give --sglang-router-ip and --sglang-router-port (or --engine-urls for debugging)")
     if args.prompt_data:
         need(Path(args.prompt_data).is_file(), f"--prompt-data {args.prompt_data} does not exist")
+        need(Path(args.prompt_data).suffix in PROMPT_SUFFIXES,
+             f"--prompt-data {args.prompt_data}: read by its suffix, one of {', '.join(PROMPT_SUFFIXES)}")
+    rm_type = (args.rm_type or "").removeprefix("boxed_")
+    need(rm_type != "remote_rm" or bool(args.rm_url), "--rm-type remote_rm needs --rm-url (the reward server's URL)")
+    need(rm_type not in DICT_REWARDS or bool(args.reward_key) or bool(args.custom_rm_path),
+         f"--rm-type {args.rm_type} gives a dict reward ({', '.join(DICT_REWARDS.get(rm_type, ()))}): "
+         "add --reward-key naming the one to train on (slime's recipes use score)")
+    need(args.rm_concurrency >= 1, f"--rm-concurrency must be 1 or more, got {args.rm_concurrency}")
+    need(args.rm_timeout > 0, f"--rm-timeout must be > 0 seconds, got {args.rm_timeout}")
+    need(args.rm_max_retries >= 1, f"--rm-max-retries must be 1 or more (attempts in all), got {args.rm_max_retries}")
+    need(args.rm_retry_backoff >= 0, f"--rm-retry-backoff must be >= 0 seconds, got {args.rm_retry_backoff}")
+    if args.eval_reward_key is None:
+        args.eval_reward_key = args.reward_key
     for flag in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
                  "custom_megatron_before_train_step_hook_path", "custom_rm_path", "custom_generate_function_path",
                  "rollout_function_path", "dynamic_sampling_filter_path"):

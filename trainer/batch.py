@@ -38,12 +38,13 @@ class TrainSample:
         return self.tokens.numel() - self.response_length
 
     @classmethod
-    def from_sample(cls, sample: Sample) -> TrainSample:
+    def from_sample(cls, sample: Sample, reward_key: str | None = None) -> TrainSample:
+        """reward_key (--reward-key): which entry of a dict reward is trained on."""
         r = sample.response_length
         logp = torch.tensor(sample.rollout_log_probs, dtype=torch.float32) if sample.rollout_log_probs else None
         return cls(tokens=torch.tensor(sample.tokens, dtype=torch.int64), response_length=r,
                    loss_mask=torch.tensor(sample.loss_mask[:r] or [1] * r, dtype=torch.float32),
-                   reward=float(sample.reward or 0.0), rollout_log_probs=logp)
+                   reward=sample.reward_value(reward_key), rollout_log_probs=logp)
 
 
 @dataclass

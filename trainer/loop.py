@@ -63,7 +63,8 @@ class Driver:
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint) if args.apply_chat_template else None
         self.buffer = DataBuffer(JsonlDataSource(
             args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-            tokenizer=tokenizer, apply_chat_template=args.apply_chat_template, shuffle=args.rollout_shuffle,
+            tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs, shuffle=args.rollout_shuffle,
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
         self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
@@ -95,7 +96,7 @@ class Driver:
 
     def generate(self, rollout_id: int) -> list[TrainSample]:
         groups = generate_rollout(self.rollout, rollout_id, self.buffer)
-        return [TrainSample.from_sample(s) for group in groups for s in group]
+        return [TrainSample.from_sample(s, self.args.reward_key) for group in groups for s in group]
 
     def generate_abandonable(self, rollout_id: int, signal: save_now.SaveNowSignal) -> list[TrainSample] | None:
         """generate(), or None if a save-now request abandoned it: the data buffer is then put

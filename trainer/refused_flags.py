@@ -130,8 +130,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--min-batch-collection-ratio", "slime's external rollout-buffer service is not supported",
             allowed=1.0, type=float),
     Refusal("--rollout-task-type", "slime's external rollout-buffer service is not supported", allowed="math"),
-    Refusal("--loss-mask-type", "loss masks come from the sample (Sample.loss_mask) or the response tokens; "
-                                "slime's chat-template mask types are its rollout buffer's", allowed="qwen"),
     Refusal("--data-pad-size-multiplier", "slime's external rollout-buffer service is not supported",
             allowed=128, type=int),
     Refusal("--rollout-sample-filter-path", "use --dynamic-sampling-filter-path (per group) or a custom "

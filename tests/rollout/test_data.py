@@ -1,4 +1,4 @@
-"""The jsonl data source: seeded order across epochs, exact resume, clear errors; the buffer
+"""The jsonl and parquet data source: seeded order across epochs, exact resume, clear errors; the buffer
 keeps unfinished groups through a state_dict round trip."""
 
 from __future__ import annotations
@@ -80,22 +80,51 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, line: str, message: 
         JsonlDataSource(path, input_key="q", label_key="a")
 
 
-def test_chat_template_and_step_loss_mask(tmp_path: Path) -> None:
+def test_chat_template_gets_apply_chat_template_kwargs(tmp_path: Path) -> None:
     class Tokenizer:  # the one method the source calls; the real tokenizer is covered by engine tests
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
             assert tokenize is False and add_generation_prompt is True
-            return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+            think = "|think" if kwargs.get("enable_thinking", True) else ""
+            return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:" + think
 
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "step_loss_mask": 0},
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "again"}]
     path = _write(tmp_path / "d.jsonl", [{"input": "plain"}, {"input": messages}])
     src = JsonlDataSource(path, tokenizer=Tokenizer(), apply_chat_template=True, shuffle=False)
     plain, chat = (g[0] for g in src.get_samples(2))
-    assert plain.prompt == "user:plain|assistant:"
-    assert chat.prompt == "user:hi|assistant:yo|user:again|assistant:"
-    assert chat.metadata["step_loss_mask"] == [0]
+    assert plain.prompt == "user:plain|assistant:|think"
+    assert chat.prompt == "user:hi|assistant:yo|user:again|assistant:|think"
+    src = JsonlDataSource(path, tokenizer=Tokenizer(), apply_chat_template=True, shuffle=False,
+                          apply_chat_template_kwargs={"enable_thinking": False})
+    assert src.get_samples(1)[0][0].prompt == "user:plain|assistant:"
     with pytest.raises(DataError, match="--apply-chat-template needs the model's tokenizer"):
         JsonlDataSource(path, apply_chat_template=True)
+
+
+def test_parquet_reads_as_jsonl_does(tmp_path: Path, data: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=3)  # several batches
+    from_jsonl, from_parquet = _source(data), _source(tmp_path / "d.parquet")
+    assert _ids(from_parquet.get_samples(9)) == _ids(from_jsonl.get_samples(9))
+    assert from_parquet.rows == from_jsonl.rows
+    # messages as a list of structs, metadata a struct
+    messages = [{"role": "user", "content": "hi"}]
+    pq.write_table(pa.Table.from_pylist([{"q": messages, "a": "1", "m": {"rm_type": "f1"}}]), tmp_path / "m.parquet")
+    sample = _source(tmp_path / "m.parquet").get_samples(1)[0][0]
+    assert sample.prompt == messages and sample.metadata["rm_type"] == "f1"
+    pq.write_table(pa.Table.from_pylist([{"q": "x"}, {"q": "y"}]), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad.parquet row 1: no 'a' field \(check --label-key\)"):
+        _source(tmp_path / "bad.parquet")
+
+
+def test_other_suffixes_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.json", [{"input": "x"}])
+    with pytest.raises(DataError, match=r"d.json: unsupported format; give a .jsonl or .parquet file"):
+        JsonlDataSource(path)
 
 
 def test_buffer_serves_unfinished_groups_first_and_survives_state_dict(data: Path) -> None:

@@ -19,7 +19,7 @@ from rollout.launch import (
     sglang_command,
 )
 from rollout.plugins import load_function
-from rollout.rewards import extract_answer, math_reward, toy_reward
+from rollout.rewards import toy_reward
 from rollout.sample import Sample, Status
 
 
@@ -69,24 +69,6 @@ def test_router_command_turns_off_what_the_supervisor_owns_and_parses_with_the_r
 def test_redacted_hides_keys() -> None:
     assert redacted(["x", "--api-key", "s3cret", "--api-key=abc", "--port", "1"]) == [
         "x", "--api-key", "***", "--api-key=***", "--port", "1"]
-
-
-@pytest.mark.parametrize(("response", "label", "reward"), [
-    ("so \\boxed{42}.", "42", 1.0),
-    ("\\boxed{\\frac{1}{2}} then \\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
-    ("Answer: 3.50", "3.5", 1.0),
-    ("answer: 1,000", "1000", 1.0),
-    ("\\boxed{41}", "42", 0.0),
-    ("no answer here", "42", 0.0),
-    ("\\boxed{x^{2}}", "x^{2}", 1.0),
-])
-def test_math_reward(response: str, label: str, reward: float) -> None:
-    assert math_reward(response, label) == reward
-
-
-def test_extract_answer_prefers_boxed_and_handles_unbalanced() -> None:
-    assert extract_answer("Answer: 1\n\\boxed{2}") == "2"
-    assert extract_answer("\\boxed{2") is None
 
 
 def test_toy_reward() -> None:

@@ -1,0 +1,129 @@
+# slime 624b824a898ab0ec1fcb4d373004c7f3852bf515: scripts/run-qwen3-4B.sh with scripts/models/qwen3-4B.sh,
+# verbatim but for paths (/root/ -> ${ROOT}/). The test reads ARGS.
+
+MODEL_ARGS=(
+   --swiglu
+   --num-layers 36
+   --hidden-size 2560
+   --ffn-hidden-size 9728
+   --num-attention-heads 32
+   --group-query-attention
+   --num-query-groups 8
+   --use-rotary-position-embeddings
+   --disable-bias-linear
+   --normalization "RMSNorm"
+   --norm-epsilon 1e-6
+   --rotary-base "${MODEL_ARGS_ROTARY_BASE:-1000000}"
+   --vocab-size 151936
+   --kv-channels 128
+   --qk-layernorm
+)
+
+CKPT_ARGS=(
+   --hf-checkpoint ${ROOT}/Qwen3-4B
+   #--hf-checkpoint ${ROOT}/Qwen3-4B-FP8
+   --ref-load ${ROOT}/Qwen3-4B_torch_dist
+   --load ${ROOT}/Qwen3-4B_slime/
+   --save ${ROOT}/Qwen3-4B_slime/
+   --save-interval 20
+)
+
+ROLLOUT_ARGS=(
+   --prompt-data ${ROOT}/dapo-math-17k/dapo-math-17k.jsonl
+   --input-key prompt
+   --label-key label
+   --apply-chat-template
+   --rollout-shuffle
+   --rm-type deepscaler
+   --num-rollout 3000
+   --rollout-batch-size 32
+   --n-samples-per-prompt 8
+   --rollout-max-response-len 8192
+   --rollout-temperature 1
+
+   --global-batch-size 256
+   --balance-data
+)
+
+EVAL_ARGS=(
+   --eval-interval 20
+   --eval-prompt-data aime ${ROOT}/aime-2024/aime-2024.jsonl
+   --n-samples-per-eval-prompt 16
+   --eval-max-response-len 16384
+   --eval-top-p 1
+)
+
+PERF_ARGS=(
+   --tensor-model-parallel-size 2
+   --sequence-parallel
+   --pipeline-model-parallel-size 1
+   --context-parallel-size 1
+   --expert-model-parallel-size 1
+   --expert-tensor-parallel-size 1
+
+   --recompute-granularity full
+   --recompute-method uniform
+   --recompute-num-layers 1
+
+   # --micro-batch-size 1
+   --use-dynamic-batch-size
+   --max-tokens-per-gpu 9216
+)
+
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --use-kl-loss
+   --kl-loss-coef 0.00
+   --kl-loss-type low_var_kl
+   --entropy-coef 0.00
+   --eps-clip 0.2
+   --eps-clip-high 0.28
+)
+
+OPTIMIZER_ARGS=(
+   --optimizer adam
+   --lr 1e-6
+   --lr-decay-style constant
+   --weight-decay 0.1
+   --adam-beta1 0.9
+   --adam-beta2 0.98
+)
+
+WANDB_ARGS=(
+   # --use-wandb
+   # --wandb-project slime-dev
+   # --wandb-group qwen3-4B-test
+   # --wandb-key ${WANDB_KEY}
+)
+
+SGLANG_ARGS=(
+   --rollout-num-gpus-per-engine 2
+   --sglang-mem-fraction-static 0.7
+)
+
+MISC_ARGS=(
+   # default dropout in megatron is 0.1
+   --attention-dropout 0.0
+   --hidden-dropout 0.0
+   # should be good for model performance
+   --accumulate-allreduce-grads-in-fp32
+   --attention-softmax-in-fp32
+   # need to comment this when using model with MLA
+   --attention-backend flash
+)
+
+ARGS=(
+   --actor-num-nodes 1
+   --actor-num-gpus-per-node ${NUM_GPUS}
+   --colocate
+   ${MODEL_ARGS[@]}
+   ${CKPT_ARGS[@]}
+   ${ROLLOUT_ARGS[@]}
+   ${OPTIMIZER_ARGS[@]}
+   ${GRPO_ARGS[@]}
+   ${WANDB_ARGS[@]}
+   ${PERF_ARGS[@]}
+   ${EVAL_ARGS[@]}
+   ${SGLANG_ARGS[@]}
+   ${MISC_ARGS[@]}
+)

@@ -1,0 +1,110 @@
+"""slime's own recipes, unchanged but for paths, pass `slurmrl submit --dry-run` and describe the
+job they ask for. The argument lists are slime's scripts verbatim (tests/jobs/slime_recipes/); the
+models are config.json stand-ins with the real models' shapes; the data are tiny files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jobs import submit_cli, validate
+from jobs.spec_loading import load_spec
+from trainer.args import build_parser
+
+RECIPES = Path(__file__).parent / "slime_recipes"
+
+_QWEN3 = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000, "vocab_size": 151936,
+          "head_dim": 128, "max_position_embeddings": 40960, "attention_bias": False}
+CONFIGS = {  # the shape-bearing fields of each model's config.json on the Hugging Face hub
+    "Qwen3-4B": {**_QWEN3, "architectures": ["Qwen3ForCausalLM"], "hidden_size": 2560, "intermediate_size": 9728,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "tie_word_embeddings": True},
+    "Qwen3-30B-A3B": {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "tie_word_embeddings": False},
+    "Qwen3-32B": {**_QWEN3, "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600,
+                  "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+                  "tie_word_embeddings": False},
+    "Qwen2.5-0.5B-Instruct": {"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 896,
+                              "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                              "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                              "vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": True},
+}
+
+
+def _recipe_argv(name: str, root: Path) -> list[str]:
+    """The recipe's train.py arguments, expanded by bash exactly as slime's script expands them."""
+    out = subprocess.run(["bash", "-c", f'source "{RECIPES / name}.sh" && printf "%s\\0" "${{ARGS[@]}}"'],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "ROOT": str(root), "NUM_GPUS": "8"})
+    return out.stdout.split("\0")[:-1]
+
+
+def _files(root: Path) -> None:
+    """What the recipes' paths point at: the models, torch_dist folders and prompt sets."""
+    for model, config in CONFIGS.items():
+        (root / model).mkdir(parents=True)
+        (root / model / "config.json").write_text(json.dumps(config))
+        (root / f"{model}_torch_dist").mkdir()
+    row = {"prompt": [{"role": "user", "content": "1 + 1?"}], "label": "2"}
+    for path in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(json.dumps(row) + "\n")
+    import pyarrow
+    import pyarrow.parquet
+
+    (root / "gsm8k").mkdir()
+    for split in ("train", "test"):
+        table = pyarrow.table({"messages": [[{"role": "user", "content": "1 + 1?"}]], "label": ["2"]})
+        pyarrow.parquet.write_table(table, root / "gsm8k" / f"{split}.parquet")
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    _files(tmp_path)
+    # No cluster: capacity is checked only where SLURM answers, and this test asks no SLURM.
+    monkeypatch.setattr(validate, "query_partitions", lambda timeout_s: None)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("recipe, tp, sp, ep, gpus_per_engine", [
+    ("run-qwen3-4B", 2, True, 1, 2),
+    ("run-qwen3-30B-A3B", 4, True, 8, 8),
+    ("run-qwen3-32B", 8, True, 1, 8),
+    ("run-qwen2.5-0.5B-reproducibility", 1, True, 1, 1),
+])
+def test_a_slime_recipe_passes_dry_run_and_describes_its_job(root: Path, recipe: str, tp: int, sp: bool, ep: int,
+                                                             gpus_per_engine: int,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    argv = _recipe_argv(recipe, root)
+    assert submit_cli.main(argv + ["--dry-run"]) == 0, capsys.readouterr().err
+    script = capsys.readouterr().out
+    assert "#SBATCH" in script and "hetjob" not in script  # --colocate: one group, engines on the trainer's GPUs
+
+    spec, problems = load_spec(None, argv)
+    assert problems == []
+    assert spec.rollout.colocate and spec.rollout.rollout_num_gpus_per_engine == gpus_per_engine
+    args = build_parser().parse_args(spec.trainer.train_args)
+    assert (args.tensor_model_parallel_size, args.sequence_parallel, args.expert_model_parallel_size) == (tp, sp, ep)
+    assert args.eval_interval == 20 and len(args.eval_prompt_data) == 2  # one named eval set: NAME PATH
+    if recipe != "run-qwen2.5-0.5B-reproducibility":
+        assert args.use_dynamic_batch_size and args.recompute_granularity == "full"
+        assert args.balance_data and args.rm_type == "deepscaler"
+
+
+def test_a_recipe_with_a_changed_value_is_refused_with_its_reason(root: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    argv = _recipe_argv("run-qwen3-4B", root)
+    argv[argv.index("--hidden-dropout") + 1] = "0.1"
+    argv[argv.index("--num-layers") + 1] = "35"
+    assert submit_cli.main(argv + ["--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--hidden-dropout 0.1: dropout" in err
+    assert "--num-layers 35 disagrees with" in err and "config.json (36)" in err
