@@ -105,7 +105,7 @@ def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer
         return debug_data.load(args.load_debug_rollout_data, rollout_id)
     groups = asyncio.run(_Round(args, rollout_id, data_buffer, evaluation).run())
     if args.save_debug_rollout_data:
-        debug_data.save(args.save_debug_rollout_data, rollout_id, groups)
+        debug_data.save(args.save_debug_rollout_data, rollout_id, [s for group in groups for s in group])
     return groups
 
 
@@ -211,7 +211,7 @@ class _Round:
 
     def _sampling_params(self, sample: Sample) -> dict[str, Any]:
         params = {"max_new_tokens": self.args.rollout_max_response_len - sample.response_length,
-                  "temperature": 0.0 if self.evaluation else self.args.rollout_temperature,
+                  "temperature": self.args.rollout_temperature,  # an eval's args carry its set's
                   "top_p": self.args.rollout_top_p, "top_k": self.args.rollout_top_k,
                   "sampling_seed": _seed(self.args.rollout_seed, self.rollout_id, sample.index, sample.response_length)}
         if self.args.rollout_stop:
@@ -238,7 +238,8 @@ class _Round:
 
     async def _post(self, sample: Sample) -> dict[str, Any] | None:
         """The engine's answer; None if the round ended while this request waited its turn."""
-        payload = {"rid": f"r{self.rollout_id}-s{sample.index}-t{sample.response_length}", "input_ids": sample.tokens,
+        kind = "e" if self.evaluation else "r"
+        payload = {"rid": f"{kind}{self.rollout_id}-s{sample.index}-t{sample.response_length}", "input_ids": sample.tokens,
                    "sampling_params": self._sampling_params(sample), "return_logprob": True}
         deadline, backoff = time.monotonic() + self.args.retry_timeout_s, 0.2
         while True:

@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.setup import build
 
     dist_env.setup(master_port=args.master_port)
+    if args.debug_rollout_only:
+        from trainer import rollout_only
+
+        rollout_only.run(args)
+        return
     try:
         loop, initial, load_reference = build(args)
     except ArgsError as err:

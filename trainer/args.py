@@ -292,9 +292,36 @@ def build_parser() -> argparse.ArgumentParser:
     add("--over-sampling-batch-size", type=int)
     add("--dynamic-sampling-filter-path")
     add("--partial-rollout", action="store_true")
-    add("--save-debug-rollout-data")
-    add("--load-debug-rollout-data")
-    add("--debug-train-only", action="store_true")
+    # debug dumps and debug modes (slime's .pt layout: rollout.debug_data)
+    add("--save-debug-rollout-data", help="torch.save each rollout's samples here (a path with {rollout_id})")
+    add("--load-debug-rollout-data", help="train on rollouts saved by --save-debug-rollout-data, not engines")
+    add("--debug-train-only", action="store_true", help="no engines: train on --load-debug-rollout-data")
+    add("--debug-rollout-only", action="store_true",
+        help="engines and rollouts only: no model in the trainer, no training, no checkpoint; the engines "
+             "serve --hf-checkpoint's weights (published once as version 0)")
+    refused(p, "--load-debug-rollout-data-subsample", "replaying part of a rollout would change its training "
+            "step; replay the whole dump", type=float)
+    # eval (rollout.eval): named sets on the live engines between rollouts
+    add("--eval-interval", type=int, help="evaluate after every N rollouts (and before the first, unless "
+        "--skip-eval-before-train)")
+    add("--eval-prompt-data", nargs="+", metavar="NAME PATH", help="eval sets: NAME PATH [NAME PATH ...] (jsonl)")
+    add("--skip-eval-before-train", action="store_true")
+    add("--eval-input-key", help="the eval sets' prompt field (default: --input-key)")
+    add("--eval-label-key", help="the eval sets' label field (default: --label-key)")
+    add("--n-samples-per-eval-prompt", type=int, default=1, help="responses per eval prompt: pass@k's k")
+    add("--eval-temperature", type=float, help="default: --rollout-temperature")
+    add("--eval-top-p", type=float, help="default: --rollout-top-p")
+    add("--eval-top-k", type=int, help="default: --rollout-top-k")
+    add("--eval-max-response-len", type=int, help="default: --rollout-max-response-len")
+    add("--eval-function-path", help="module.function run as generate_rollout(args, rollout_id, data_buffer, "
+        "evaluation=True) -> {name: {'rewards', 'truncated', 'samples'}} (default: --rollout-function-path)")
+    add("--custom-eval-rollout-log-function-path",
+        help="module.function(rollout_id, args, data, extra_metrics) -> bool: True skips slurmrl's eval logging")
+    refused(p, "--eval-config", "give the eval sets as --eval-prompt-data NAME PATH ... and the --eval-* flags")
+    refused(p, "--eval-tool-key", "slurmrl's data has no tools field")
+    refused(p, "--eval-max-prompt-len", "slurmrl does not drop long prompts; trim the eval set", type=int)
+    refused(p, "--eval-min-new-tokens", "min_new_tokens is not a sampling parameter slurmrl sends", type=int)
+    refused(p, "--eval-max-context-len", "slurmrl bounds responses with --eval-max-response-len only", type=int)
     # rewards and data (issue 14 item 6): see rollout/rewards.py, rollout/remote_rm.py, rollout/data.py
     add("--reward-key", help="a reward that is a dict (dapo's, a reward server's): the entry trained on")
     add("--eval-reward-key", help="the same for eval (default: --reward-key)")
@@ -435,6 +462,25 @@ def validate(args: argparse.Namespace) -> None:
     # The layer spec takes slurmrl's two implementations; the flag's kernel choice is kept apart.
     args.attention_kernels = args.attention_backend
     args.attention_backend = "local" if args.attention_backend in ("unfused", "local") else "sdpa"
+    need(not (args.debug_train_only and args.debug_rollout_only),
+         "--debug-train-only and --debug-rollout-only exclude each other; give one")
+    need(not (args.debug_rollout_only and args.load_debug_rollout_data),
+         "--debug-rollout-only generates its rollouts; drop --load-debug-rollout-data")
+    need(args.eval_interval is None or args.eval_interval >= 1, f"--eval-interval must be 1 or more, got {args.eval_interval}")
+    need(args.eval_interval is None or bool(args.eval_prompt_data),
+         "--eval-interval needs eval sets: give --eval-prompt-data NAME PATH [NAME PATH ...]")
+    need(args.eval_interval is None or not args.debug_train_only,
+         "--eval-interval: --debug-train-only has no engines to evaluate on; drop --eval-interval")
+    need(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be 1 or more")
+    if args.eval_prompt_data:
+        from rollout.eval import EvalConfigError, eval_sets
+
+        try:
+            args.eval_datasets = eval_sets(args)
+        except EvalConfigError as err:
+            raise ArgsError(str(err)) from None
+    else:
+        args.eval_datasets = []
     if args.debug_train_only:
         need(bool(args.load_debug_rollout_data),
              "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on)")
@@ -460,7 +506,8 @@ def validate(args: argparse.Namespace) -> None:
         args.eval_reward_key = args.reward_key
     for flag in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
                  "custom_megatron_before_train_step_hook_path", "custom_rm_path", "custom_generate_function_path",
-                 "rollout_function_path", "dynamic_sampling_filter_path"):
+                 "rollout_function_path", "dynamic_sampling_filter_path", "eval_function_path",
+                 "custom_eval_rollout_log_function_path"):
         value = getattr(args, flag)
         need(value is None or "." in value, f"--{flag.replace('_', '-')} must be module.function, got {value!r}")
     wandb_given = [f"--{n.replace('_', '-')}" for n in ("wandb_mode", "wandb_dir", "wandb_key", "wandb_host",

@@ -3,7 +3,13 @@
     for rollout_id from the resume point:
         generate_rollout -> broadcast the samples -> old/ref log-probs -> advantages
         -> optimizer steps over global batches -> publish weights as version v+1
+        -> every --eval-interval rollouts, eval on the engines (they now serve v+1)
         -> every --save-interval rollouts (and at the end), save
+
+Eval also runs before the first rollout of a fresh start (unless --skip-eval-before-train); its
+numbers go in rollout 0's line as before_train/eval/... An eval that a save-now (which skips the
+publish) left undone is owed in the checkpoint: the resumed trainer runs it after its first
+publish and adds it to that rollout's line, so a resumed run reports what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from jobs.spec import FaultToleranceSpec
 from jobs.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
+from rollout.eval import Evaluator
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.router_client import RouterClient
 from trainer import checkpoint, rl_step, save_now
@@ -69,6 +76,11 @@ class Driver:
         self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
         self.reporter = Reporter(job_dir, args.tensorboard_dir)
+        self.evaluator = Evaluator(
+            self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+            eval_function_path=args.eval_function_path or args.rollout_function_path,
+            log_function_path=args.custom_eval_rollout_log_function_path) if args.eval_interval is not None else None
         self.publisher = None
         if not args.debug_train_only:
             from trainer.publish import WeightPublisher
@@ -93,6 +105,11 @@ class Driver:
             self.supervisor.engine_failed(url, reason)
         elif self.router:
             self.router.remove_worker(url)
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        self.reporter.heartbeat(Phase.ROLLOUT, rollout_id)  # eval is generation, with the rollout's timeout
+        assert self.evaluator is not None
+        return self.evaluator.run(rollout_id, self.buffer)
 
     def generate(self, rollout_id: int) -> list[TrainSample]:
         groups = generate_rollout(self.rollout, rollout_id, self.buffer)
@@ -126,6 +143,8 @@ class Loop:
         self.driver = Driver(args) if self.rank0 else None
         self.next_rollout, self.weight_version = 0, 0
         self.last_saved: int | None = None
+        self.eval_owed: int | None = None  # the rollout whose eval a save-now left undone
+        self.eval_before_train: dict[str, float] = {}  # reported in rollout 0's line
         self.save_now = save_now.install()
         self.loss_cfg = rl_step.loss_config(args)
 
@@ -139,6 +158,7 @@ class Loop:
             common = self.backend.load(resume, weights_only=False)
             self.next_rollout, self.weight_version = common["rollout_id"] + 1, common["weight_version"]
             self.last_saved = common["rollout_id"]
+            self.eval_owed = common.get("eval_owed")
             if self.driver:
                 self.driver.restore(common, self.next_rollout)
             log.info("resumed from %s: next rollout %d, weight version %d", resume, self.next_rollout, self.weight_version)
@@ -147,6 +167,12 @@ class Loop:
         if load_reference is not None:
             load_reference()
         self.publish()  # the engines serve exactly the trainer's weights from the first rollout on
+        if self.driver and self.driver.evaluator:
+            if resume is None and not args.skip_eval_before_train:
+                self.eval_before_train = before_train(self.driver.evaluate(0))
+            elif self.eval_owed is not None:
+                self.driver.reporter.amend(self.eval_owed, self.driver.evaluate(self.eval_owed))
+        self.eval_owed = None
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
@@ -264,6 +290,13 @@ class Loop:
         self.next_rollout = rollout_id + 1
         # Not published (save-now): the resumed trainer publishes this version first thing.
         metrics.update(self.publish() if publish else {}, weight_version=self.weight_version)
+        if eval_due(self.args, rollout_id):
+            if not publish:
+                self.eval_owed = rollout_id  # the engines are a version behind: the resumed run evaluates
+            elif self.driver:
+                metrics.update(self.driver.evaluate(rollout_id))
+        if rollout_id == 0:
+            metrics.update(self.eval_before_train)
         last = rollout_id == self.args.num_rollout - 1
         if self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0)):
             began = time.monotonic()
@@ -275,12 +308,21 @@ class Loop:
     def save(self, rollout_id: int) -> None:
         if self.driver:
             self.driver.reporter.heartbeat(Phase.SAVE, rollout_id)
-        common = {"rollout_id": rollout_id, "weight_version": self.weight_version,
+        common = {"rollout_id": rollout_id, "weight_version": self.weight_version, "eval_owed": self.eval_owed,
                   **(self.driver.state() if self.driver else {})}
         common = self.backend.broadcast_object(common)
         checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
                         keep=self.args.keep_checkpoints)
         self.last_saved = rollout_id
+
+
+def eval_due(args: argparse.Namespace, rollout_id: int) -> bool:
+    """slime's schedule: after every --eval-interval-th rollout (rollout_id + 1 a multiple of it)."""
+    return args.eval_interval is not None and (rollout_id + 1) % args.eval_interval == 0
+
+
+def before_train(metrics: dict[str, float]) -> dict[str, float]:
+    return {f"before_train/{name}": value for name, value in metrics.items()}
 
 
 def _masked_token_mean(values: list[torch.Tensor], samples: list[TrainSample]) -> float:

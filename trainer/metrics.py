@@ -1,5 +1,6 @@
-"""The trainer's reports: one stdout line and one metrics.jsonl line per rollout, TensorBoard
-scalars, and the heartbeat the supervisor watches (the files are jobs/contract.py's)."""
+"""The trainer's reports: one stdout line and one metrics.jsonl line per rollout (its eval numbers
+included), TensorBoard scalars at step rollout_id, and the heartbeat the supervisor watches (the
+files are jobs/contract.py's)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,20 @@ class Reporter:
         write_heartbeat(self.job_dir, phase, rollout_id)
 
     def rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)):
-                self.writer.add_scalar(name, value, rollout_id)
-        self.writer.flush()
+        self._scalars(rollout_id, metrics)
         line = append_metrics(self.job_dir, rollout_id, metrics)
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items())
         print(f"[trainer] {shown}", flush=True)
+
+    def amend(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """Add `metrics` to rollout_id's line (an eval that a save-now left to the resumed run)."""
+        self._scalars(rollout_id, metrics)
+        path = self.job_dir.metrics
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+        for line in lines:
+            if line[Metric.ROLLOUT_ID] == rollout_id:
+                line.update(metrics)
+        write_atomic(path, "".join(json.dumps(line) + "\n" for line in lines))
 
     def drop_from(self, rollout_id: int) -> None:
         """A resumed run redoes the rollouts after its checkpoint: forget their earlier lines."""
@@ -37,6 +45,12 @@ class Reporter:
         kept = [line for line in path.read_text().splitlines()
                 if line and json.loads(line)[Metric.ROLLOUT_ID] < rollout_id]
         write_atomic(path, "".join(line + "\n" for line in kept))
+
+    def _scalars(self, step: int, metrics: dict[str, Any]) -> None:
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(name, value, step)
+        self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()

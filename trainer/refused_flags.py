@@ -142,8 +142,6 @@ REFUSED: tuple[Refusal, ...] = (
     _switch("--log-correct-samples", "sample texts are not logged to W&B; use --save-debug-rollout-data"),
     # -- debugging and profiling slime does through its own tools
     Refusal("--load-forge-rollout-data", "use --load-debug-rollout-data with --debug-train-only"),
-    Refusal("--load-debug-rollout-data-subsample", "a replay trains on the whole saved rollout, as the run did",
-            type=float),
     Refusal("--save-debug-train-data", "use --save-debug-rollout-data: the trainer's inputs follow from it "
                                        "exactly"),
     Refusal("--dump-details", "use --save-debug-rollout-data and metrics.jsonl"),

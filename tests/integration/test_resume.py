@@ -4,6 +4,8 @@ flags: the same rollout ids once each, and the same rewards, losses, grad norms 
 
 - SLURM's warning signal with a long grace: the trainer saves at its rollout boundary, the job
   requeues itself and resumes.
+- Eval is on (a tiny set before training and after every third rollout): the resumed runs'
+  eval numbers equal the uninterrupted run's.
 - With a short grace the trainer saves at once: a signal during a checkpoint save leaves that
   save whole and valid; a signal while a rollout is being generated abandons the rollout (it is
   generated again after the resume).
@@ -23,14 +25,17 @@ import psutil
 import pytest
 
 from ckpt_tools.tracker import iteration_dirname, read_tracker
+from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import (assert_never_stale, events, heartbeat, listening_pid, rollouts_done,
                                              status, submit)
 from tests.slurm_helpers import wait_job_gone
 from trainer import checkpoint
 
-FLAGS = ("--num-rollout", "14", "--save-interval", "100", "--rollout-batch-size", "8")
+FLAGS = ("--num-rollout", "14", "--save-interval", "100", "--rollout-batch-size", "8", "--eval-interval", "3",
+         "--n-samples-per-eval-prompt", "2", "--eval-temperature", "0.7")
 COMPARED = ("reward_mean", "loss", "grad_norm", "weight_version")
+EVAL_SET = "toy"
 
 
 def metrics(job_dir: Path) -> list[dict]:
@@ -38,10 +43,19 @@ def metrics(job_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(devcluster, toy, tmp_path_factory) -> list[dict]:
+def eval_flags(tmp_path_factory) -> tuple[str, ...]:
+    evals = write_toy_data(tmp_path_factory.mktemp("eval") / "eval.jsonl", num_prompts=4, seed=1)
+    return ("--eval-prompt-data", EVAL_SET, str(evals))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(devcluster, toy, eval_flags, tmp_path_factory) -> list[dict]:
     job_dir = tmp_path_factory.mktemp("whole") / "job"
-    wait_job_gone(submit(toy, job_dir, *FLAGS), timeout_s=600)
-    return metrics(job_dir)
+    wait_job_gone(submit(toy, job_dir, *FLAGS, *eval_flags), timeout_s=600)
+    rows = metrics(job_dir)
+    assert [m["rollout_id"] for m in rows if f"eval/{EVAL_SET}" in m] == [2, 5, 8, 11], "slime's eval schedule"
+    assert f"before_train/eval/{EVAL_SET}" in rows[0] and f"eval/{EVAL_SET}-pass@2" in rows[2]
+    return rows
 
 
 # Losses and norms may differ in their last bits between two runs from the same start (seen in
@@ -58,6 +72,8 @@ def assert_same_run(expected: list[dict], job_dir: Path) -> None:
     for x, y in zip(expected, got):
         for key in COMPARED:
             assert same(x[key], y[key]), f"rollout {x['rollout_id']}: {key} {x[key]} != {y[key]}"
+        evals = [{k: v for k, v in m.items() if "eval/" in k} for m in (x, y)]
+        assert evals[0] == evals[1], f"rollout {x['rollout_id']}: eval {evals[0]} != {evals[1]}"
     assert_never_stale(job_dir)
 
 
@@ -71,13 +87,13 @@ def resumed_at(job_dir: Path) -> list[int]:
     return [int(n) for n in re.findall(r"resumed from \S+: next rollout (\d+)", log)]
 
 
-def test_preempted_job_saves_requeues_and_resumes_exactly(uninterrupted, toy, tmp_path: Path) -> None:
+def test_preempted_job_saves_requeues_and_resumes_exactly(uninterrupted, toy, eval_flags, tmp_path: Path) -> None:
     """SLURM's warning signal (scancel --signal=USR1 --batch, as before a preemption or the time
     limit): the trainer saves at its rollout boundary, the job requeues itself, the new supervisor
     resumes from that checkpoint. Then `scontrol requeue` (SLURM ends the job at once: SIGTERM,
     KillWait, SIGKILL): the trainer saves on SIGTERM and the requeued job loses no rollout."""
     job_dir = tmp_path / "job"
-    job_id = submit(toy, job_dir, *FLAGS)
+    job_id = submit(toy, job_dir, *FLAGS, *eval_flags)
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 4, 300, "a few rollouts")
         preempt(job_id)
@@ -134,11 +150,11 @@ def freeze_during_rollout(job_dir: Path, engines: list[int]) -> None:
     wait_for(caught, 120, "the trainer generating a rollout", interval_s=0.002)
 
 
-def test_short_grace_saves_at_once(uninterrupted, toy, tmp_path: Path) -> None:
+def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Path) -> None:
     """preempt_grace 1 s is shorter than any rollout plus save: the supervisor has the trainer
     save at once (save_now). Once during a checkpoint save, once during a rollout."""
     job_dir = tmp_path / "job"
-    job_id = submit(toy, job_dir, *FLAGS, "--preempt-grace", "1", "--save-interval", "1")
+    job_id = submit(toy, job_dir, *FLAGS, *eval_flags, "--preempt-grace", "1", "--save-interval", "1")
     save_dir = job_dir / "checkpoints"
     stopped: list[int] = []
     try:

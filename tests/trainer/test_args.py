@@ -59,6 +59,18 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--use-rollout-logprobs", "--use-tis"], "--use-rollout-logprobs and --use-tis cannot be set together"),
     (["--kl-coef", "0.1", "--kl-loss-coef", "0.1"], "only one of --kl-coef and --kl-loss-coef"),
     (["--attention-backend", "triton"], "invalid choice: 'triton'"),
+    (["--eval-interval", "2"], "--eval-interval needs eval sets: give --eval-prompt-data"),
+    (["--eval-interval", "0"], "--eval-interval must be 1 or more"),
+    (["--eval-prompt-data", "math", "missing.jsonl"], "--eval-prompt-data math missing.jsonl: no such file"),
+    (["--eval-prompt-data", "a", "b", "c"], "--eval-prompt-data takes NAME PATH pairs"),
+    (["--n-samples-per-eval-prompt", "0"], "--n-samples-per-eval-prompt must be 1 or more"),
+    (["--eval-config", "eval.yaml"], "--eval-config eval.yaml: give the eval sets as --eval-prompt-data"),
+    (["--eval-max-prompt-len", "512"], "--eval-max-prompt-len 512: slurmrl does not drop long prompts"),
+    (["--load-debug-rollout-data-subsample", "0.5"], "--load-debug-rollout-data-subsample 0.5: replaying part"),
+    (["--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data", "x"], "exclude each other"),
+    (["--debug-rollout-only", "--load-debug-rollout-data", "x"], "--debug-rollout-only generates its rollouts"),
+    (["--debug-train-only", "--load-debug-rollout-data", "x", "--eval-interval", "1", "--eval-prompt-data", "PROMPTS"],
+     "--debug-train-only has no engines to evaluate on"),
 ])
 def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], message: str) -> None:
     with pytest.raises(ArgsError) as err:

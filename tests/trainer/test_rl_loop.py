@@ -6,7 +6,10 @@ sglang-router on the toy task.
 - Save, resume, continue: an interrupted run whose latest checkpoint is damaged falls back to the
   one before and then produces exactly the rollout ids, data and losses of an uninterrupted run.
 - --true-on-policy-mode: the trainer's log-probs equal the engines' to 1e-5.
-- --debug-train-only trains on saved rollouts without engines.
+- --debug-rollout-only generates and dumps rollouts without a model; --debug-train-only replays
+  such a dump without engines and reproduces the normal run's training step.
+- Eval (--eval-interval, named sets) reports per set in metrics.jsonl and TensorBoard, and the
+  resumed run's eval numbers equal the uninterrupted run's.
 - PPO (critic, GAE) resumes exactly; on-policy distillation pulls the student towards a teacher.
 """
 
@@ -21,7 +24,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rollout import debug_data
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
@@ -86,22 +91,25 @@ def test_reward_rises_and_engines_follow_the_weights(files, cluster, tmp_path: P
 
 
 def _rollout_tokens(job: Path, rollout_id: int) -> list[list[int]]:
-    groups = json.loads((job / "rollouts" / f"{rollout_id}.json").read_text())["groups"]
-    return [s["tokens"] for group in groups for s in group]
+    return [s.tokens for group in debug_data.load(str(job / "rollouts/{rollout_id}.pt"), rollout_id) for s in group]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "ppo"])
 def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cluster, tmp_path: Path,
                                                                        estimator: str) -> None:
-    """PPO adds a critic with its own optimizer, saved beside the actor: it must resume exactly too."""
+    """PPO adds a critic with its own optimizer, saved beside the actor: it must resume exactly too.
+    Eval runs before training and after every second rollout, at its own temperature: the resumed
+    run's eval numbers are the uninterrupted run's, and eval moves no training sample."""
     router, _ = cluster
+    evals = write_toy_data(tmp_path / "eval.jsonl", num_prompts=4, seed=1)
     common = ["--rollout-batch-size", "8", "--lr", "1e-2", "--save-interval", "2", "--seed", "7",
-              "--advantage-estimator", estimator]
+              "--advantage-estimator", estimator, "--eval-interval", "2", "--eval-prompt-data", "toy", str(evals),
+              "--n-samples-per-eval-prompt", "2", "--eval-temperature", "0.7"]
 
     def run(name: str, rollouts: int) -> str:
         job = tmp_path / name
         return trainer(files, router, job, "--num-rollout", str(rollouts), "--save", str(job / "ckpt"),
-                       "--load", str(job / "ckpt"), "--save-debug-rollout-data", str(job / "rollouts/{rollout_id}.json"),
+                       "--load", str(job / "ckpt"), "--save-debug-rollout-data", str(job / "rollouts/{rollout_id}.pt"),
                        *common)
 
     run("whole", 6)
@@ -124,6 +132,12 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
         # -4.2e-7); a resume that loses or repeats state moves them by far more.
         for key in ("loss", "pg_loss", "grad_norm") + (("value_loss", "critic_grad_norm") if estimator == "ppo" else ()):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), f"rollout {a['rollout_id']}: {key}"
+        assert {k: v for k, v in a.items() if "eval/" in k} == {k: v for k, v in b.items() if "eval/" in k}
+    evaluated = [m["rollout_id"] for m in whole if "eval/toy" in m]
+    assert evaluated == [1, 3, 5] and "before_train/eval/toy" in whole[0], "slime's eval schedule"
+    assert {"eval/toy-pass@1", "eval/toy-pass@2", "eval/toy-truncated_ratio"} <= set(whole[1])
+    scalars = EventAccumulator(str(tmp_path / "whole/tensorboard")).Reload().Tags()["scalars"]
+    assert {"eval/toy", "eval/toy-pass@2", "before_train/eval/toy"} <= set(scalars)
 
 
 def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path: Path) -> None:
@@ -140,17 +154,25 @@ def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path
     assert rows[-1]["entropy"] < rows[0]["entropy"], "the weights the engines sample from did not change"
 
 
-def test_debug_train_only_needs_no_engines(files, cluster, tmp_path: Path) -> None:
+def test_debug_rollout_only_dump_replayed_by_debug_train_only_is_the_normal_training_step(
+        files, cluster, tmp_path: Path) -> None:
+    """A normal run dumps rollout 0; --debug-rollout-only (no model, no training) generates and
+    dumps the same rollout from --hf-checkpoint's weights; --debug-train-only on that dump, with
+    no engines, gives the normal run's training metrics."""
     router, _ = cluster
-    saved = str(tmp_path / "rollouts/{rollout_id}.json")
-    trainer(files, router, tmp_path / "collect", "--num-rollout", "2", "--rollout-batch-size", "8",
-            "--save-debug-rollout-data", saved)
-    trainer(files, None, tmp_path / "replay", "--num-rollout", "2", "--rollout-batch-size", "8",
-            "--debug-train-only", "--load-debug-rollout-data", saved)
-    replayed, collected = metrics(tmp_path / "replay"), metrics(tmp_path / "collect")
-    assert [m["reward_mean"] for m in replayed] == [m["reward_mean"] for m in collected]
+    one = ("--num-rollout", "1", "--rollout-batch-size", "8")
+    normal, rollouts = str(tmp_path / "normal/{rollout_id}.pt"), str(tmp_path / "rollouts/{rollout_id}.pt")
+    trainer(files, router, tmp_path / "normal", *one, "--save-debug-rollout-data", normal)
+    trainer(files, router, tmp_path / "collect", *one, "--debug-rollout-only", "--save-debug-rollout-data", rollouts)
+    trainer(files, None, tmp_path / "replay", *one, "--debug-train-only", "--load-debug-rollout-data", rollouts)
+    tokens = [[s.tokens for g in debug_data.load(path, 0) for s in g] for path in (normal, rollouts)]
+    assert tokens[0] == tokens[1], "--debug-rollout-only should sample from the same weights"
+    trained, collected, replayed = (metrics(tmp_path / name)[0] for name in ("normal", "collect", "replay"))
+    assert "loss" not in collected and not (tmp_path / "collect/hf_torch_dist").exists(), "no model, no training"
+    assert trained["reward_mean"] == collected["reward_mean"] == replayed["reward_mean"]
     # To 1e-6: two runs from one start have differed in the on-policy loss's last bits (see above).
-    assert [m["loss"] for m in replayed] == pytest.approx([m["loss"] for m in collected], rel=1e-5, abs=1e-6)
+    for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+        assert replayed[key] == pytest.approx(trained[key], rel=1e-5, abs=1e-6), key
 
 
 def test_on_policy_distillation_moves_the_student_towards_the_teacher(files, cluster, tmp_path: Path) -> None:
