@@ -120,17 +120,38 @@ def spec_from_dict(data: dict[str, Any]) -> tuple[JobSpec, list[str]]:
     return spec, problems
 
 
+# slime's rollout placement flags that are not the spec's own names, and those slurmrl does not do
+_ALIASES = {"--num-gpus-per-node": "--rollout-num-gpus-per-node"}
+_OFFLOAD = ("offloading the trainer or the engines between phases is not supported yet (colocated engines "
+            "share the trainer's GPUs as they are); drop it")
+_REFUSED = {
+    "--offload": _OFFLOAD, "--offload-train": _OFFLOAD, "--offload-rollout": _OFFLOAD,
+    "--prefill-num-servers": "prefill/decode disaggregation is not supported yet; drop it (every engine "
+                             "serves whole requests)",
+    # slime's, not SGLang's: it must not reach sglang.launch_server
+    "--sglang-config": "engine groups from a deployment YAML (disaggregation, per-group overrides) are not "
+                      "supported yet; size the engines with --rollout-num-gpus and --rollout-num-gpus-per-engine "
+                      "and give engine flags as --sglang-*",
+}
+_AS_SLURMRL_DOES = ("--no-offload-train", "--no-offload-rollout")  # slurmrl never offloads: nothing to do
+
+
 def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
     """Apply slime-style flags to spec (in place); problems for bad values. `--sglang-*` and
-    `--router-*` go to the passthrough lists, every other unknown flag to the trainer's."""
+    `--router-*` go to the passthrough lists, every other unknown flag to the trainer's; then
+    slime's own --sglang-* flags are routed (route_slime_sglang_flags)."""
     problems: list[str] = []
     table = spec_flags()
     train, sglang, router = [], [], []
     for group in group_flags(argv):
-        name = flag_name(group[0])
+        name = _ALIASES.get(flag_name(group[0]), flag_name(group[0]))
         values = ([group[0].split("=", 1)[1]] if "=" in group[0] else []) + group[1:]
         if not name.startswith("--"):
             problems.append(f"{name}: unexpected argument; flags start with -- (is the spec file first?)")
+        elif name in _REFUSED:
+            problems.append(f"{' '.join(group)}: {_REFUSED[name]}")
+        elif name in _AS_SLURMRL_DOES and not values:
+            continue
         elif name in table:
             section, f = table[name]
             if str(f.type).startswith("bool") and not values:
@@ -152,6 +173,38 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
     spec.trainer.train_args = merge_flags(spec.trainer.train_args, train)
     spec.rollout.sglang_args = merge_flags(spec.rollout.sglang_args, sglang)
     spec.rollout.router_args = merge_flags(spec.rollout.router_args, router)
+    return problems + route_slime_sglang_flags(spec)
+
+
+def route_slime_sglang_flags(spec: JobSpec) -> list[str]:
+    """slime's own --sglang-* flags in rollout.sglang_args (from flags or YAML) are not SGLang's:
+    each goes where slurmrl does the same thing (in place), or is refused."""
+    r, problems, kept = spec.rollout, [], []
+    for group in group_flags(r.sglang_args):
+        name = flag_name(group[0])
+        values = ([group[0].split("=", 1)[1]] if "=" in group[0] else []) + group[1:]
+        number = values[0] if len(values) == 1 and values[0].isdigit() and int(values[0]) > 0 else None
+        if name == "--sglang-router-request-timeout-secs":  # slime gives it to the router as its own flag
+            if flag_value(r.router_args, "--router-request-timeout-secs") is not None:
+                problems.append(f"{name}: the router's --router-request-timeout-secs is given too; give one")
+            elif number is None:
+                problems.append(f"{' '.join(group)}: needs one whole number of seconds above 0")
+            else:
+                r.router_args = [*r.router_args, "--router-request-timeout-secs", number]
+        elif name == "--sglang-server-concurrency":  # slime: requests in flight per engine
+            if flag_value(spec.trainer.train_args, "--rollout-concurrency") is not None:
+                problems.append(f"{name}: --rollout-concurrency (requests in flight over all engines) is given "
+                                "too; give one")
+            elif number is None:
+                problems.append(f"{' '.join(group)}: needs one whole number above 0 (requests per engine)")
+            else:
+                total = int(number) * max(1, r.engine_count)
+                spec.trainer.train_args = [*spec.trainer.train_args, "--rollout-concurrency", str(total)]
+        elif name in _REFUSED:
+            problems.append(f"{' '.join(group)}: {_REFUSED[name]}")
+        else:
+            kept += group
+    r.sglang_args = kept
     return problems
 
 

@@ -30,11 +30,11 @@ UNFINISHED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING"
 
 
 def prepare(yaml_path: Path | None, argv: list[str],
-            partitions: dict[str, PartitionInfo] | None | bool = True) -> JobSpec:
+            partitions: dict[str, PartitionInfo] | None | bool = True, notes: list[str] | None = None) -> JobSpec:
     """The spec of a YAML file and flags, validated and finalized (absolute job dir and paths);
-    raises SpecError with every problem. Writes nothing."""
+    raises SpecError with every problem. Writes nothing. notes: gets the checks that could not run."""
     spec, problems = load_spec(yaml_path, argv)
-    problems += validate(spec, partitions)
+    problems += validate(spec, partitions, notes)
     if problems:
         raise SpecError(problems)
     return finalize(spec)

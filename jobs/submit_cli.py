@@ -19,7 +19,9 @@ USAGE = """usage: slurmrl submit [JOB.yaml] [FLAGS...] [--dry-run] [--wait] [--j
 Submit an RL job as one heterogeneous SLURM job (group 0: trainer nodes and the supervisor,
 group 1: rollout nodes). Flags override the YAML file:
   spec flags        {spec}
-  --sglang-*        passed to every engine (--sglang-mem-fraction-static 0.8 -> --mem-fraction-static 0.8)
+  --sglang-*        passed to every engine (--sglang-mem-fraction-static 0.8 -> --mem-fraction-static 0.8) and
+                    checked by SGLang's own parser; slime's own --sglang-router-request-timeout-secs and
+                    --sglang-server-concurrency go to the router and the trainer instead
   --router-*        passed to the sglang-router
   anything else     the trainer's flags (python -m trainer --help)
   --dry-run         validate and print the sbatch script; submit and write nothing
@@ -52,12 +54,15 @@ def main(argv: list[str]) -> int:
     from jobs.spec import SpecError
     from jobs.submit import follow, prepare, render_script, submit
 
+    notes: list[str] = []
     try:
-        spec = prepare(spec_file, rest)
+        spec = prepare(spec_file, rest, notes=notes)
     except SpecError as err:
         for problem in err.problems:
             print(f"slurmrl submit: error: {problem}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"slurmrl submit: note: {note}", file=sys.stderr)
     if own["--dry-run"]:
         print(render_script(spec))
         return 0

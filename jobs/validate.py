@@ -158,6 +158,28 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
+def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
+    """The engine command line the supervisor builds, parsed by SGLang's own ServerArgs parser
+    (jobs/sglang_args.py): a passthrough SGLang rejects is refused with SGLang's reason."""
+    from jobs.sglang_args import ParserUnavailable, parse_errors
+    from supervisor.launcher import engine_command
+    from supervisor.layout import EnginePlace
+
+    if not spec.rollout.sglang_args or not spec.trainer.hf_checkpoint:
+        return []  # only slurmrl's own flags: tests/jobs/test_sglang_args.py parses those
+    gpus = 0 if spec.rollout.engine == "cpu" else spec.rollout.rollout_num_gpus_per_engine
+    place = EnginePlace("engine-0", 0, ("node",), "127.0.0.1", 30000, spec.rollout_group, gpus)
+    # the flags after `-m MODULE`, and the key supervisor.with_key adds inside the step
+    argv = engine_command(spec, place, "python")[3:] + ["--api-key=KEY"]
+    try:
+        error = parse_errors([argv])[0]
+    except ParserUnavailable as err:
+        notes.append(f"the engine flags were not checked by SGLang's own parser: {err}")
+        return []
+    return [] if error is None else [f"rollout.sglang_args: SGLang refuses the engine command line: {error}; "
+                                     "fix or drop that --sglang-* flag"]
+
+
 _WAITS = ("router_start_timeout", "engine_start_timeout", "engine_admit_timeout", "weight_load_timeout",
           "step_stop_timeout", "step_term_grace", "step_exit_code_wait", "slurm_command_timeout",
           "node_check_interval", "node_poll_interval", "exclude_timeout", "router_request_timeout",
@@ -246,11 +268,15 @@ def _capacity(spec: JobSpec, partitions: dict[str, PartitionInfo] | None) -> lis
     return problems
 
 
-def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool = True) -> list[str]:
+def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool = True,
+             notes: list[str] | None = None) -> list[str]:
     """Every problem of spec, one line each (empty: fine to submit). partitions: True asks sinfo
-    once; None or False skips the capacity checks; a dict is used as is (tests)."""
+    once; None or False skips the capacity checks; a dict is used as is (tests). notes: gets a
+    line for each check that could not run here."""
     shape = _numbers(spec) + _rollout_problems(spec)
     problems = _job_problems(spec) + shape + _train_args_problems(spec)
+    if not shape:  # the engine command line is well formed only then
+        problems += _engine_flag_problems(spec, [] if notes is None else notes)
     if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then
         known = (query_partitions(spec.fault_tolerance.slurm_command_timeout) if partitions is True
                  else partitions or None)

@@ -12,6 +12,8 @@ _ENGINE_OWNED = {"model-path", "host", "port", "tp-size", "nnodes", "node-rank",
 _ROUTER_OWNED = {"host", "port", "api-key", "prometheus-port", "prometheus-host", "disable-health-check",
                  "disable-retries", "disable-circuit-breaker", "worker-urls"}
 SECRET_FLAGS = ("--api-key",)
+# slime's --sglang-router-request-timeout-secs default: one generate request through the router
+ROUTER_REQUEST_TIMEOUT_S = 14400
 
 
 class LaunchError(ValueError):
@@ -99,7 +101,8 @@ def router_command(router: RouterLaunch, python: str = sys.executable) -> list[s
     _check_owned(router.router_args, _ROUTER_OWNED, "router")
     argv = [python, "-m", "sglang_router.launch_router", "--host", router.host, "--port", str(router.port),
             "--prometheus-host", router.host, "--prometheus-port", str(router.prometheus_port),
-            "--policy", router.policy, "--disable-health-check", "--disable-retries", "--disable-circuit-breaker"]
+            "--policy", router.policy, "--disable-health-check", "--disable-retries", "--disable-circuit-breaker",
+            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S)]  # a passthrough, later, overrides it
     if router.api_key:
         argv += ["--api-key", router.api_key]
     return argv + list(router.router_args)

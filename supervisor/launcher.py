@@ -16,7 +16,7 @@ from supervisor.context import JobContext
 from supervisor.engines import HEALTHY, STARTING, Engine
 from jobs.contract import JOB_DIR_ENV
 from supervisor.keys import step_env
-from supervisor.layout import Layout
+from supervisor.layout import EnginePlace, Layout
 from supervisor.state import JobState, StepRecord
 from supervisor.steps import Step, StepController, StepSpec
 
@@ -91,10 +91,7 @@ class StepLauncher:
 
     def launch_engine(self, engine: Engine) -> Step:
         place, r = engine.place, self.job.spec.rollout
-        launch = EngineLaunch(self.job.spec.trainer.hf_checkpoint, place.address, place.port,
-                              tp=max(1, place.gpus_per_node))
-        command = cpu_engine_command(launch, self.python) if r.engine == "cpu" else sglang_command(launch, self.python)
-        step = self.launch(engine.name, "engine", _with_key(command + passthrough(r.sglang_args, "sglang")),
+        step = self.launch(engine.name, "engine", _with_key(engine_command(self.job.spec, place, self.python)),
                            place.nodes, place.het_group, gpus_per_node=place.gpus_per_node,
                            cpus_per_task=r.cpus_per_engine)
         engine.state, engine.version, engine.in_router = STARTING, None, False
@@ -111,6 +108,14 @@ class StepLauncher:
                            ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
                            gpus_per_node=t.actor_num_gpus_per_node, cpus_per_task=t.cpus_per_task,
                            env={"MASTER_ADDR": layout.head_address})
+
+
+def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
+    """The command line of the engine at `place` (the job's key joins it inside the step: _with_key)."""
+    r = spec.rollout
+    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port, tp=max(1, place.gpus_per_node),
+                          sglang_args=passthrough(r.sglang_args, "sglang"))
+    return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""SGLang's own argument parser, run on engine command lines before a job is submitted.
+
+scripts/install.sh puts the sglang wheel and the modules `sglang.srt.server_args` imports in
+SIDE_FOLDER (never site-packages: SGLang cannot run here). The parse runs in a child process with
+the side folder at the end of its sys.path, so this process never imports sglang and the side
+folder never shadows an installed package.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SIDE_FOLDER = Path(__file__).resolve().parents[1] / ".sglang-args"
+# Importing sglang.srt.server_args (torch, transformers) takes ~10 s on a loaded 2-core machine.
+PARSE_TIMEOUT_S = 180.0
+
+# argv lists as JSON on stdin -> one error (or null) per list as JSON on stdout
+_CHILD = """
+import argparse, json, sys
+sys.path.append(sys.argv[1])
+from sglang.srt.server_args import ServerArgs
+
+class Refused(Exception):
+    pass
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise Refused(message)
+
+def error(argv):
+    parser = Parser(prog="sglang.launch_server", allow_abbrev=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        parser.parse_args(argv)
+    except Refused as err:
+        return str(err)
+    return None
+
+print(json.dumps([error(argv) for argv in json.load(sys.stdin)]))
+"""
+
+
+class ParserUnavailable(RuntimeError):
+    """SGLang's parser cannot be run here; the message says why and how to get it."""
+
+
+def parse_errors(argvs: list[list[str]], timeout_s: float = PARSE_TIMEOUT_S) -> list[str | None]:
+    """SGLang's error for each engine argv (the flags after `-m sglang.launch_server`), None where it
+    parses. Raises ParserUnavailable when the side folder is missing or does not import."""
+    if not (SIDE_FOLDER / "sglang").is_dir():
+        raise ParserUnavailable(f"{SIDE_FOLDER} is missing; run scripts/install.sh")
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(SIDE_FOLDER)], input=json.dumps(argvs),
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ParserUnavailable(f"importing it from {SIDE_FOLDER} took over {timeout_s:.0f} s") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ParserUnavailable(f"it does not import from {SIDE_FOLDER} ({last}); run scripts/install.sh")
+    return json.loads(out.stdout.strip().splitlines()[-1])
