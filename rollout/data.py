@@ -40,7 +40,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path} row {number}", row
 
 
-def _read_rows(path: Path, input_key: str, label_key: str | None, metadata_key: str | None) -> list[dict[str, Any]]:
+def _read_rows(path: Path, input_key: str, label_key: str | None, metadata_key: str | None,
+               tool_key: str | None = None) -> list[dict[str, Any]]:
     if not path.is_file():
         raise DataError(f"--prompt-data {path} does not exist")
     if path.suffix not in PROMPT_SUFFIXES:
@@ -58,7 +59,8 @@ def _read_rows(path: Path, input_key: str, label_key: str | None, metadata_key: 
         if metadata_key and not isinstance(row.get(metadata_key) or {}, dict):
             raise DataError(f"{where}: {metadata_key!r} must be an object (check --metadata-key)")
         rows.append({"prompt": prompt, "label": row.get(label_key) if label_key else None,
-                     "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {}})
+                     "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {},
+                     "tools": row.get(tool_key) if tool_key else None})
     if not rows:
         raise DataError(f"{path} holds no prompts")
     return rows
@@ -74,17 +76,20 @@ class JsonlDataSource:
 
     def __init__(self, path: str | Path, *, input_key: str = "input", label_key: str | None = None,
                  metadata_key: str | None = None, tokenizer: Any = None, apply_chat_template: bool = False,
-                 apply_chat_template_kwargs: dict[str, Any] | None = None,
+                 apply_chat_template_kwargs: dict[str, Any] | None = None, tool_key: str | None = "tools",
+                 max_prompt_len: int | None = None,
                  shuffle: bool = True, seed: int = 42, n_samples_per_prompt: int = 1) -> None:
         if n_samples_per_prompt < 1:
             raise DataError(f"--n-samples-per-prompt must be 1 or more, got {n_samples_per_prompt}")
-        if apply_chat_template and tokenizer is None:
-            raise DataError("--apply-chat-template needs the model's tokenizer")
+        if (apply_chat_template or max_prompt_len is not None) and tokenizer is None:
+            raise DataError("--apply-chat-template and --rollout-max-prompt-len need the model's tokenizer")
         self.path = Path(path)
-        self.rows = _read_rows(self.path, input_key, label_key, metadata_key)
+        self.rows = _read_rows(self.path, input_key, label_key, metadata_key, tool_key)
         self.tokenizer = tokenizer
         self.apply_chat_template = apply_chat_template
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})  # e.g. {"enable_thinking": False}
+        if max_prompt_len is not None:
+            self.rows = self._short_enough(max_prompt_len)
         self.shuffle = shuffle
         self.seed = seed
         self.n_samples_per_prompt = n_samples_per_prompt
@@ -99,12 +104,24 @@ class JsonlDataSource:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def _prompt(self, raw: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+    def _prompt(self, row: dict[str, Any]) -> str | list[dict[str, str]]:
+        raw = row["prompt"]
         if not self.apply_chat_template:
             return raw
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+        tools = {"tools": row["tools"]} if row.get("tools") else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **self.apply_chat_template_kwargs)
+                                                  **tools, **self.apply_chat_template_kwargs)
+
+    def _short_enough(self, max_prompt_len: int) -> list[dict[str, Any]]:
+        """slime's filter_long_prompt: rows whose prompt is at most max_prompt_len tokens. A prompt
+        of messages without --apply-chat-template is kept unchecked, as slime keeps it."""
+        kept = [row for row in self.rows if not isinstance(prompt := self._prompt(row), str)
+                or len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_len]
+        if not kept:
+            raise DataError(f"{self.path}: every prompt is longer than --rollout-max-prompt-len {max_prompt_len} "
+                            "tokens; raise it")
+        return kept
 
     def get_samples(self, num_prompts: int) -> list[list[Sample]]:
         groups = []
@@ -121,7 +138,7 @@ class JsonlDataSource:
             group = []
             for _ in range(self.n_samples_per_prompt):
                 group.append(Sample(index=self.next_sample_index, group_index=group_index,
-                                    prompt=self._prompt(row["prompt"]), label=row["label"], metadata=dict(metadata)))
+                                    prompt=self._prompt(row), label=row["label"], metadata=dict(metadata)))
                 self.next_sample_index += 1
             groups.append(group)
         return groups

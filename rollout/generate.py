@@ -56,6 +56,8 @@ class RolloutArgs:
     rollout_top_p: float = 1.0
     rollout_top_k: int = -1
     rollout_stop: list[str] | None = None
+    rollout_stop_token_ids: list[int] | None = None
+    rollout_skip_special_tokens: bool = False  # slime's default: the response text keeps them
     rollout_seed: int = 42
     rollout_concurrency: int = 64  # requests in flight at once
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # for prompts given as messages
@@ -73,6 +75,8 @@ class RolloutArgs:
     over_sampling_batch_size: int | None = None  # groups started per batch with dynamic sampling
     dynamic_sampling_filter_path: str | None = None
     partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False  # a continued sample trains only on its new tokens
+    rollout_sample_hook_path: list[str] = field(default_factory=list)  # hook(args, sample, *, rollout_id, evaluation)
     save_debug_rollout_data: str | None = None  # path with {rollout_id}
     load_debug_rollout_data: str | None = None
     retry_timeout_s: float = 1800.0  # give up on a request after this long without any engine
@@ -134,12 +138,13 @@ class _Round:
         self.remote_rm = (RemoteRewardModel(args.rm_url, concurrency=args.rm_concurrency, timeout_s=args.rm_timeout,
                                             max_retries=args.rm_max_retries, backoff_s=args.rm_retry_backoff)
                           if args.rm_url else None)
+        self.hooks = [load_function(path, "--rollout-sample-hook-path") for path in args.rollout_sample_hook_path]
         self.keep = (load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
                      if args.dynamic_sampling_filter_path and not evaluation else None)
 
     async def run(self) -> list[list[Sample]]:
         target = self.args.rollout_batch_size
-        batch = (self.args.over_sampling_batch_size or target) if self.keep else target
+        batch = self.args.over_sampling_batch_size or target  # more than target: the first to finish are kept
         headers = {"Authorization": f"Bearer {self.args.api_key}"} if self.args.api_key else {}
         self.gate = asyncio.Semaphore(self.args.rollout_concurrency)
         kept: list[list[Sample]] = []
@@ -150,9 +155,11 @@ class _Round:
                 if not running:
                     running = {asyncio.create_task(self._group(g)) for g in self.buffer.get(batch)}
                 finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
+                for left, task in enumerate(finished, 1):
                     group = task.result()
-                    if self.keep is None or filter_keeps(self.keep(self.args.for_plugins, group)):
+                    # groups kept or still able to be: slime's keep_when_insufficient counts them
+                    candidates = len(kept) + len(running) + len(finished) - left + 1
+                    if self.keep is None or filter_keeps(self.keep(self.args.for_plugins, group), candidates, target):
                         kept.append(group)
             self.done = True
             leftovers = await self._abort(running) if running else []
@@ -176,6 +183,8 @@ class _Round:
     async def _group(self, group: list[Sample]) -> list[Sample]:
         await asyncio.gather(*(self._sample(s) for s in group))
         if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in group):
+            for i, sample in enumerate(group):
+                group[i] = await self._run_hooks(sample)
             if self.args.group_rm:
                 scored, values = group, await self._group_rewards(group)
             else:
@@ -184,6 +193,14 @@ class _Round:
             for sample, value in zip(scored, values):
                 sample.reward = value
         return group
+
+    async def _run_hooks(self, sample: Sample) -> Sample:
+        """--rollout-sample-hook-path, in order, before the reward: a hook may return a new sample."""
+        for hook in self.hooks:
+            out = hook(self.args.for_plugins, sample, rollout_id=self.rollout_id, evaluation=self.evaluation)
+            out = await out if inspect.isawaitable(out) else out
+            sample = sample if out is None else out
+        return sample
 
     async def _group_rewards(self, group: list[Sample]) -> list[Any]:
         """--group-rm: slime's batched contract, the custom RM gets the whole group and returns a
@@ -216,6 +233,10 @@ class _Round:
                   "sampling_seed": _seed(self.args.rollout_seed, self.rollout_id, sample.index, sample.response_length)}
         if self.args.rollout_stop:
             params["stop"] = self.args.rollout_stop
+        if self.args.rollout_stop_token_ids:
+            params["stop_token_ids"] = self.args.rollout_stop_token_ids
+        # slime's: special tokens and matched stop strings stay in the text the reward reads
+        params.update(skip_special_tokens=self.args.rollout_skip_special_tokens, no_stop_trim=True)
         return params
 
     async def _sample(self, sample: Sample) -> None:
@@ -227,9 +248,12 @@ class _Round:
                 prompt = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                                             **self.args.apply_chat_template_kwargs)
             sample.tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if sample.response_length and self.args.mask_offpolicy_in_partial_rollout:
+            sample.loss_mask = [0] * len(sample.loss_mask)  # generated by an older policy, in an earlier round
         while True:
             if self.custom_generate:
-                await self.custom_generate(self.args.for_plugins, sample, self._sampling_params(sample))
+                async with self.gate:  # a plug-in's requests count against --rollout-concurrency too
+                    await self.custom_generate(self.args.for_plugins, sample, self._sampling_params(sample))
             elif (body := await self._post(sample)) is not None:
                 self._apply(sample, body)
             # Aborted by someone else (a weight update's pause): continue where it stopped.

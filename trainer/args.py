@@ -70,6 +70,10 @@ def _moe_layer_freq(text: str) -> int:
     return int(text)
 
 
+# slime's default --rollout-function-path: given explicitly, it means the built-in rollout.
+SLIME_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
+
+
 class ArgsError(ValueError):
     """A flag's value is wrong; the message names the flag and the fix."""
 
@@ -280,6 +284,31 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rollout-top-p", type=float, default=1.0)
     add("--rollout-top-k", type=int, default=-1)
     add("--rollout-stop", nargs="*")
+    add("--rollout-stop-token-ids", nargs="+", type=int, help="token ids that end a response")
+    add("--rollout-skip-special-tokens", action="store_true",
+        help="drop special tokens from the response text (slime's default keeps them)")
+    add("--rollout-max-prompt-len", type=int, help="drop prompts longer than this many tokens when the data is read")
+    add("--rollout-max-context-len", type=int, help="the engines' context: prompts longer than N - 1 tokens are "
+                                                    "dropped (unless --rollout-max-prompt-len says otherwise)")
+    add("--mask-offpolicy-in-partial-rollout", action="store_true",
+        help="with --partial-rollout: a continued sample trains only on the tokens of its last round")
+    add("--rollout-sample-hook-path", action="append", default=[],
+        help="module.function(args, sample, *, rollout_id, evaluation) run on each finished sample before its "
+             "reward, in order (sync or async; may return a new sample); repeatable")
+    add("--tool-key", default="tools", help="the prompt field holding tools for the chat template")
+    add("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false",
+        help="no --prompt-data: --rollout-function-path supplies every prompt")
+    refused(p, "--data-source-path", "prompts come from --prompt-data (jsonl or parquet); a custom rollout "
+            "brings its own with --rollout-function-path", allowed="slime.rollout.data_source.RolloutDataSourceWithBuffer")
+    refused(p, "--buffer-filter-path", "groups left over by partial rollout go back in their prompt order; a "
+            "filter over them is not supported")
+    refused(p, "--rollout-data-postprocess-path", "a hook after the log-probs is not supported; set loss_mask in a "
+            "custom generate function or a --rollout-sample-hook-path hook")
+    refused(p, "--custom-rollout-log-function-path", "rollout metrics go to metrics.jsonl, TensorBoard and W&B; "
+            "a custom logger is not supported")
+    refused(p, "--multimodal-keys", "slurmrl trains text-only models")
+    refused(p, "--num-epoch", "give --num-rollout (epochs x prompts / --rollout-batch-size)", type=int)
+    refused(p, "--start-rollout-id", "a run starts at rollout 0, or where --load's checkpoint left off", type=int)
     add("--rollout-seed", type=int, default=42)
     add("--rollout-concurrency", type=int, default=64)
     add("--rollout-retry-timeout", dest="retry_timeout_s", type=float, default=1800.0,
@@ -385,6 +414,8 @@ def validate(args: argparse.Namespace) -> None:
         if not ok:
             raise ArgsError(message)
 
+    if args.rollout_function_path == SLIME_ROLLOUT:  # slime's default, named: the built-in rollout
+        args.rollout_function_path = None
     need(Path(args.hf_checkpoint, "config.json").is_file(),
          f"--hf-checkpoint {args.hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
@@ -489,6 +520,14 @@ def validate(args: argparse.Namespace) -> None:
              "--prompt-data is required (a jsonl file), unless --rollout-function-path supplies the samples")
         need(bool(args.sglang_router_ip and args.sglang_router_port) or bool(args.engine_urls),
              "give --sglang-router-ip and --sglang-router-port (or --engine-urls for debugging)")
+    need(args.rollout_global_dataset or (args.rollout_function_path and not args.prompt_data),
+         "--disable-rollout-global-dataset: --rollout-function-path supplies the prompts; give it and drop --prompt-data")
+    if args.rollout_max_context_len is not None:
+        need(args.rollout_max_context_len >= 2, "--rollout-max-context-len must be 2 or more")
+        if args.rollout_max_prompt_len is None:  # slime's: room for at least one generated token
+            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
+        need(args.rollout_max_prompt_len <= args.rollout_max_context_len - 1, "--rollout-max-prompt-len must be below "
+             "--rollout-max-context-len, leaving room for at least one generated token")
     if args.prompt_data:
         need(Path(args.prompt_data).is_file(), f"--prompt-data {args.prompt_data} does not exist")
         need(Path(args.prompt_data).suffix in PROMPT_SUFFIXES,

@@ -67,11 +67,13 @@ class Driver:
                            if args.sglang_router_ip else None)
         self.router = RouterClient(self.router_url, args.api_key, ft.router_request_timeout) if self.router_url else None
         self.supervisor = SupervisorLink.of(job_dir, ft) if args.supervised else None
-        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint) if args.apply_chat_template else None
+        tokenizer = (AutoTokenizer.from_pretrained(args.hf_checkpoint)
+                     if args.apply_chat_template or args.rollout_max_prompt_len is not None else None)
         self.buffer = DataBuffer(JsonlDataSource(
             args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
             tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
-            apply_chat_template_kwargs=args.apply_chat_template_kwargs, shuffle=args.rollout_shuffle,
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs, tool_key=args.tool_key,
+            max_prompt_len=args.rollout_max_prompt_len, shuffle=args.rollout_shuffle,
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
         self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None)

@@ -36,3 +36,16 @@ def even_groups_only(args, samples) -> DynamicFilterOutput:
     """A slime-style dynamic filter: its verdict is an object, never a bare bool."""
     keep = samples[0].group_index % 2 == 0
     return DynamicFilterOutput(keep=keep, reason=None if keep else "odd group")
+
+
+def reject_with_fallback(args, samples) -> DynamicFilterOutput:
+    """Drops every group, but lets one fill a rollout that would otherwise need another round."""
+    return DynamicFilterOutput(keep=False, reason="always", keep_when_insufficient=True)
+
+
+async def answer_with_label(args, sample, *, rollout_id=None, evaluation=False):
+    """A --rollout-sample-hook-path hook (slime's signature): it rewrites the response before the
+    reward reads it, so every sample it ran on scores 1 on the toy task."""
+    sample.response = str(sample.label)
+    sample.metadata["hooked_at"] = rollout_id
+    return sample

@@ -97,8 +97,33 @@ def test_chat_template_gets_apply_chat_template_kwargs(tmp_path: Path) -> None:
     src = JsonlDataSource(path, tokenizer=Tokenizer(), apply_chat_template=True, shuffle=False,
                           apply_chat_template_kwargs={"enable_thinking": False})
     assert src.get_samples(1)[0][0].prompt == "user:plain|assistant:"
-    with pytest.raises(DataError, match="--apply-chat-template needs the model's tokenizer"):
+    with pytest.raises(DataError, match="--apply-chat-template and --rollout-max-prompt-len need the model's "):
         JsonlDataSource(path, apply_chat_template=True)
+
+
+def test_long_prompts_are_dropped_and_tools_reach_the_chat_template(tmp_path: Path) -> None:
+    """--rollout-max-prompt-len drops prompts longer than N tokens (chat template applied), as
+    slime's filter_long_prompt does; a row's --tool-key field reaches apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    from rollout.tiny_model import write_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(write_tiny_model(tmp_path / "model"))
+    rows = [{"input": "1 2"}, {"input": "1 2 3 4 5 6 7 8"}, {"input": "3", "tools": [{"name": "calc"}]}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    lengths = [len(tokenizer(r["input"], add_special_tokens=False)["input_ids"]) for r in rows]
+    limit = sorted(lengths)[1]
+    src = JsonlDataSource(path, tokenizer=tokenizer, max_prompt_len=limit, shuffle=False)
+    assert [g[0].prompt for g in src.get_samples(2)] == [r["input"] for r, n in zip(rows, lengths) if n <= limit]
+    with pytest.raises(DataError, match="every prompt is longer than --rollout-max-prompt-len 0"):
+        JsonlDataSource(path, tokenizer=tokenizer, max_prompt_len=0)
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None, **kwargs):
+            return f"{messages[-1]['content']}|tools={tools}"
+
+    src = JsonlDataSource(path, tokenizer=Tokenizer(), apply_chat_template=True, shuffle=False)
+    assert [g[0].prompt for g in src.get_samples(3)][2] == "3|tools=[{'name': 'calc'}]"
 
 
 def test_parquet_reads_as_jsonl_does(tmp_path: Path, data: Path) -> None:

@@ -156,3 +156,21 @@ def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(cluster,
     for sample in (s for g in groups for s in g):
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED) and sample.reward in (0.0, 1.0)
         assert sample.truncated == (sample.status is Status.TRUNCATED) and not sample.aborted
+
+
+def test_slime_rollout_flags_reach_the_engines_and_the_round(cluster, model: Path, tmp_path: Path) -> None:
+    """--rollout-stop-token-ids (every token stops: one-token responses, kept in the text as slime's
+    no_stop_trim keeps them), --rollout-sample-hook-path (runs before the reward), and a filter's
+    keep_when_insufficient (groups it drops fill the rollout rather than another round)."""
+    from rollout.tiny_model import vocabulary
+
+    router, _ = cluster
+    args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=8,
+                   rollout_stop_token_ids=sorted(vocabulary().values()),
+                   rollout_sample_hook_path=["tests.rollout.slime_plugins.answer_with_label"],
+                   dynamic_sampling_filter_path="tests.rollout.slime_plugins.reject_with_fallback")
+    groups = generate_rollout(args, 3, _buffer(tmp_path))
+    assert len(groups) == 4, "the round ended without filling the rollout from the dropped groups"
+    for sample in (s for g in groups for s in g):
+        assert sample.status is Status.COMPLETED and sample.response_length == 1
+        assert sample.metadata["hooked_at"] == 3 and sample.reward == 1.0

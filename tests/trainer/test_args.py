@@ -43,6 +43,9 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--use-opd", "--opd-type", "megatron"], "needs --opd-teacher-load"),
     (["--use-opd", "--opd-type", "sglang", "--opd-teacher-load", "t"], "--opd-type sglang: teacher log-probs"),
     (["--ref-ckpt-step", "3"], "--ref-ckpt-step needs --ref-load"),
+    (["--disable-rollout-global-dataset"], "--disable-rollout-global-dataset: --rollout-function-path supplies"),
+    (["--rollout-max-context-len", "10", "--rollout-max-prompt-len", "10"], "must be below --rollout-max-context-len"),
+    (["--data-source-path", "my.Source"], "--data-source-path my.Source: prompts come from"),
     (["--train-backend", "fsdp", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size is the "
                                                                         "megatron backend's"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity is the megatron"),
