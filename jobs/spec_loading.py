@@ -134,6 +134,18 @@ _REFUSED = {
                       "and give engine flags as --sglang-*",
 }
 _AS_SLURMRL_DOES = ("--no-offload-train", "--no-offload-rollout")  # slurmrl never offloads: nothing to do
+_ROUTED = {"--sglang-router-request-timeout-secs": "the router's --request-timeout-secs (slime's default 14400)",
+           "--sglang-server-concurrency": "--rollout-concurrency = N x the number of engines (slime's formula)"}
+
+
+def slime_flag_routes() -> dict[str, tuple[str, str]]:
+    """slime's flags that submit takes itself, not under their spec names: flag -> (refused or
+    job spec, what happens). For the flag table (jobs/submit_flags.py)."""
+    routes = {flag: ("job spec", f"as {alias}") for flag, alias in _ALIASES.items()}
+    routes.update({flag: ("job spec", "accepted: slurmrl never offloads") for flag in _AS_SLURMRL_DOES})
+    routes.update({flag: ("job spec", effect) for flag, effect in _ROUTED.items()})
+    routes.update({flag: ("refused", reason) for flag, reason in _REFUSED.items()})
+    return routes
 
 
 def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:

@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.spec_loading import spec_flags
+from jobs.spec_loading import slime_flag_routes, spec_flags
 
 SLIME_FLAGS = Path(__file__).resolve().parent.parent / "docs" / "slime_flags.tsv"
 MISSING = "MISSING"
@@ -46,6 +46,8 @@ def _trainer_actions() -> dict[str, argparse.Action]:
 
 
 def classify(flag: str, spec: dict, trainer: dict[str, argparse.Action]) -> tuple[str, str]:
+    if flag in (routes := slime_flag_routes()):
+        return routes[flag]
     if flag in spec:
         section, field = spec[flag]
         return "job spec", f"the job spec's {f'{section}.' if section else ''}{field.name}"

@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
     add("--moe-router-score-function", choices=("softmax", "sigmoid"), help="must agree with config.json (MoE)")
     add("--moe-layer-freq", type=_moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
+    add("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+        help="how tokens reach their experts (default: alltoall on GPU, as slime; allgather on CPU, where "
+             "alltoall's CUDA streams do not exist)")
+    add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
+    refused(p, "--moe-grouped-gemm", "accepted: experts run as megatron's SequentialMLP, one GEMM per expert (the "
+            "same numbers; grouped GEMM needs TransformerEngine or the grouped_gemm package)", switch=True, allowed=True)
+    refused(p, "--moe-permute-fusion", "accepted: tokens are permuted by megatron's unfused code (the same numbers; "
+            "the fused kernels need TransformerEngine)", switch=True, allowed=True)
     add("--group-query-attention", action="store_true",
         help="as in Megatron: --num-query-groups applies (the KV heads come from config.json)")
     add("--normalization", choices=("RMSNorm",), default="RMSNorm", help="the supported models all use RMSNorm")
@@ -396,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--wandb-always-use-train-step", action="store_true",
         help="W&B step = optimizer steps done (default: the rollout id)")
     add("--wandb-run-id", help="log into this existing W&B run")
+    add("--log-passrate", action="store_true", help="log passrate/pass@k of each rollout's groups (reward 1 = pass)")
     add("--master-port", type=int, help="torch.distributed port (default: from the SLURM job id)")
     for r in REFUSED:
         refused(p, r.flag, r.reason, allowed=r.allowed, type=r.type, switch=r.switch, nargs=r.nargs)

@@ -28,7 +28,7 @@ from jobs.spec import FaultToleranceSpec
 from jobs.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
-from rollout.eval import Evaluator
+from rollout.eval import Evaluator, pass_at_k
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.router_client import RouterClient
 from trainer import checkpoint, rl_step, save_now
@@ -221,6 +221,9 @@ class Loop:
         metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rolled - began, Metric.TRAIN_SECONDS: time.monotonic() - rolled})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
+        if self.args.log_passrate:  # slime's passrate/pass@k over the rollout's groups
+            passrate = pass_at_k([s.reward for s in samples], self.args.n_samples_per_prompt)
+            metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         return metrics
 
     def train(self, samples: list[TrainSample], rollout_id: int) -> dict[str, Any]:

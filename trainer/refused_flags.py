@@ -136,7 +136,28 @@ REFUSED: tuple[Refusal, ...] = (
                                             "generate function that sets loss_mask"),
     Refusal("--rollout-all-samples-process-path", "use --dynamic-sampling-filter-path or "
                                                   "--rollout-function-path"),
+    # -- training options slurmrl does not have
+    _switch("--recompute-loss-function", "the loss is computed once per micro-batch; recomputing it in the "
+                                         "backward pass is not supported (use --recompute-granularity)"),
+    Refusal("--log-probs-chunk-size", "log-probs are computed over the whole micro-batch (bound it with "
+                                      "--log-probs-max-tokens-per-gpu)", allowed=-1, type=int),
+    Refusal("--only-train-params-name-list", "freezing parameters is not supported; every parameter trains",
+            nargs="+"),
+    Refusal("--freeze-params-name-list", "freezing parameters is not supported; every parameter trains", nargs="+"),
+    Refusal("--save-hf", "checkpoints are torch_dist; convert one with `python -m ckpt_tools torch-dist-to-hf`, "
+                         "or read a published version in JOB_DIR/weights, which is an HF checkpoint"),
+    Refusal("--megatron-config-path", "per-role Megatron YAML is not supported; the critic takes the actor's "
+                                      "flags and --critic-lr"),
+    _switch("--reset-optimizer-states", "the optimizer's moments persist across rollouts, as in an exact resume"),
+    _switch("--use-stateless-adam", "the optimizer is Adam with persistent moments"),
+    Refusal("--custom-reward-post-process-path", "rewards are normalized by --advantage-estimator (see "
+                                                 "--disable-rewards-normalization); a custom post-process is not "
+                                                 "supported"),
+    Refusal("--custom-convert-samples-to-train-data-path", "samples become training data as slurmrl's trainer "
+                                                          "defines; set loss_mask and reward on the Sample instead"),
     # -- slime's extra W&B panels
+    Refusal("--log-reward-category", "per-category reward statistics are not computed; log them from a custom "
+                                     "reward function's metadata"),
     _switch("--log-multi-turn", "multi-turn statistics are not computed; a custom generate function can put "
                                 "its own numbers in Sample.metadata"),
     _switch("--log-correct-samples", "sample texts are not logged to W&B; use --save-debug-rollout-data"),

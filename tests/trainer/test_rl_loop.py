@@ -78,9 +78,12 @@ def test_reward_rises_and_engines_follow_the_weights(files, cluster, tmp_path: P
     router, engines = cluster
     rollouts = 30
     trainer(files, router, tmp_path / "job", "--num-rollout", str(rollouts), "--rollout-batch-size", "16",
-            "--lr", "1e-2")
+            "--lr", "1e-2", "--log-passrate")
     rewards = [m["reward_mean"] for m in metrics(tmp_path / "job")]
     assert [m["rollout_id"] for m in metrics(tmp_path / "job")] == list(range(rollouts))
+    # --log-passrate: pass@1 is the mean reward of 0/1 rewards; pass@k grows with k
+    assert all(m["passrate/pass@1"] == pytest.approx(m["reward_mean"]) for m in metrics(tmp_path / "job"))
+    assert all(m["passrate/pass@1"] <= m["passrate/pass@2"] <= m["passrate/pass@4"] for m in metrics(tmp_path / "job"))
     assert rewards[0] < 0.2, rewards
     assert sum(rewards[-8:]) / 8 > 0.6, f"the reward did not rise: {rewards}"
     for engine in engines:
