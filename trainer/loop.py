@@ -35,6 +35,7 @@ from trainer import checkpoint, rl_step, save_now
 from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
+from trainer.wandb_log import WandbRun
 from trainer.supervisor_link import SupervisorLink
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Driver:
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
         self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
-        self.reporter = Reporter(job_dir, args.tensorboard_dir)
+        self.reporter = Reporter(job_dir, args.tensorboard_dir, WandbRun(args, job_dir) if args.use_wandb else None)
         self.evaluator = Evaluator(
             self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
             apply_chat_template_kwargs=args.apply_chat_template_kwargs,

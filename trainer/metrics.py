@@ -1,6 +1,6 @@
 """The trainer's reports: one stdout line and one metrics.jsonl line per rollout (its eval numbers
-included), TensorBoard scalars at step rollout_id, and the heartbeat the supervisor watches (the
-files are jobs/contract.py's)."""
+included), TensorBoard scalars at step rollout_id, W&B with --use-wandb (trainer/wandb_log.py), and
+the heartbeat the supervisor watches (the files are jobs/contract.py's)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,25 @@ import json
 from typing import Any
 
 from jobs.contract import JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
+from trainer.wandb_log import WandbRun
 
 
 class Reporter:
-    def __init__(self, job_dir: JobDir, tensorboard_dir: str | None) -> None:
+    def __init__(self, job_dir: JobDir, tensorboard_dir: str | None, wandb: WandbRun | None = None) -> None:
         self.job_dir = job_dir
         job_dir.root.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(tensorboard_dir or str(job_dir.tensorboard))
+        self.wandb = wandb
 
     def heartbeat(self, phase: Phase, rollout_id: int) -> None:
         write_heartbeat(self.job_dir, phase, rollout_id)
 
     def rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         self._scalars(rollout_id, metrics)
+        if self.wandb:
+            self.wandb.log(rollout_id, metrics)
         line = append_metrics(self.job_dir, rollout_id, metrics)
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items())
         print(f"[trainer] {shown}", flush=True)
@@ -54,3 +58,5 @@ class Reporter:
 
     def close(self) -> None:
         self.writer.close()
+        if self.wandb:
+            self.wandb.close()
