@@ -285,11 +285,25 @@ def finalize(spec: JobSpec) -> JobSpec:
         value = flag_value(args, flag)
         if value:
             args = set_flag(args, flag, str(Path(value).expanduser().resolve()))
+    args = _absolute_eval_paths(args)
     save = flag_value(args, "--save") or str(JobDir(Path(out.job_dir)).checkpoints)
     args = set_flag(args, "--save", save)
     if not flag_value(args, "--load"):
         args = set_flag(args, "--load", save)
     out.trainer.train_args = args
+    return out
+
+
+def _absolute_eval_paths(args: list[str]) -> list[str]:
+    """--eval-prompt-data NAME PATH [NAME PATH ...] (or a lone PATH) with each PATH made absolute."""
+    out = []
+    for group in group_flags(args):
+        if flag_name(group[0]) == "--eval-prompt-data" and len(group) > 1:
+            values = group[1:]
+            paths = {0} if len(values) == 1 else set(range(1, len(values), 2))
+            values = [str(Path(v).expanduser().resolve()) if i in paths else v for i, v in enumerate(values)]
+            group = [group[0], *values]
+        out += group
     return out
 
 

@@ -69,12 +69,16 @@ def test_yaml_then_flags_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_yaml_round_trip_and_finalize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURMRL_TEST_MODEL", str(tmp_path / "model"))
     monkeypatch.chdir(tmp_path)
-    spec = prepare(_write(tmp_path), ["--prompt-data", "toy.jsonl"], partitions=DEV)
+    (tmp_path / "aime.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
+    spec = prepare(_write(tmp_path), ["--prompt-data", "toy.jsonl", "--eval-prompt-data", "aime", "aime.jsonl",
+                                      "gsm", "toy.jsonl"], partitions=DEV)
     assert Path(spec.job_dir).is_absolute() and Path(spec.job_dir).parent == tmp_path / "slurmrl-jobs"
     assert re.fullmatch(r"toy-\d{8}-\d{6}", Path(spec.job_dir).name)
     assert not Path(spec.job_dir).exists(), "prepare wrote something"
     args = spec.trainer.train_args
     assert flag_value(args, "--prompt-data") == str(tmp_path / "toy.jsonl"), "a relative path was kept"
+    evals = args[args.index("--eval-prompt-data") + 1:][:4]
+    assert evals == ["aime", str(tmp_path / "aime.jsonl"), "gsm", str(tmp_path / "toy.jsonl")], evals
     assert flag_value(args, "--save") == flag_value(args, "--load") == spec.job_dir + "/checkpoints"
     assert spec.python
     again = spec_from_yaml(spec.to_yaml())
