@@ -123,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--torch-compile", action="store_true", help="torch.compile each transformer layer (GPU)")
     # parallelism
     add("--tensor-model-parallel-size", type=int, default=1)
-    add("--sequence-parallel", action="store_true")
+    # megatron parallelism: sequence parallel, expert TP (megatron backend)
+    add("--sequence-parallel", action="store_true",
+        help="split norms, dropout and MoE routing over the TP ranks along the sequence (no effect at TP 1)")
+    add("--expert-tensor-parallel-size", type=int, default=None,
+        help="TP degree of MoE expert weights (default: --tensor-model-parallel-size)")
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-parallel-size", type=int, default=1)
     add("--expert-model-parallel-size", type=int, default=1)
@@ -233,10 +237,7 @@ def validate(args: argparse.Namespace) -> None:
          "--pipeline-model-parallel-size > 1 is not supported by slurmrl's trainer yet; use tensor and data parallel")
     need(args.context_parallel_size == 1,
          "--context-parallel-size > 1 is not supported yet; samples are packed, so long contexts need no CP split")
-    need(not args.sequence_parallel or args.tensor_model_parallel_size > 1,
-         "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    need(not args.sequence_parallel, "--sequence-parallel needs TransformerEngine's norms, which are not installed; "
-                                     "drop --sequence-parallel")
+    _validate_megatron_parallel(args, need)
     need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
     need(args.advantage_estimator not in ("grpo", "gspo") or args.n_samples_per_prompt >= 2
          or args.disable_grpo_std_normalization,
@@ -272,6 +273,17 @@ def validate(args: argparse.Namespace) -> None:
     args.global_batch_size = gbs
     args.ref_model_needed = bool(args.use_kl_loss or args.kl_coef)
     args.api_key = os.environ.get(API_KEY_ENV)  # never on the command line: ps would show it
+
+
+def _validate_megatron_parallel(args: argparse.Namespace, need: Any) -> None:
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
+    need(etp is None or (etp >= 1 and tp % etp == 0),
+         f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
+    config = read_hf_config(args.hf_checkpoint)
+    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    need(not moe or tp == 1 or args.sequence_parallel or args.train_backend != "megatron",
+         f"--tensor-model-parallel-size {tp} with a MoE model needs --sequence-parallel (megatron-core's MoE layer "
+         "requires it when training with TP > 1)")
 
 
 def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import param_is_not_shared
@@ -35,7 +36,7 @@ from trainer.batch import (
     split_for_data_parallel,
 )
 from trainer.lr_schedule import lr_lambda
-from trainer.megatron_attention import gpt_layer_spec
+from trainer.megatron_attention import gpt_block_spec
 from trainer.token_stats import log_probs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -61,26 +62,34 @@ class Trainee:
 
 class ValueHead(torch.nn.Module):
     """Hidden state -> scalar value, in place of GPTModel's output layer (same call signature).
-    Replicated on every TP rank: its input is the full hidden state. Starts at zero."""
+    Replicated on every TP rank: its input is the full hidden state (gathered over the sequence
+    under sequence parallelism), so every rank computes the same gradient. Starts at zero."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, sequence_parallel: bool) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         # Named weight and bias, as the layer it replaces: GPTModel's checkpoint code expects them.
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 class MegatronBackend(Backend):
     def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
         self.args = args
-        init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed)
+        init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed,
+                      args.expert_tensor_parallel_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
+        self.sequence_parallel = args.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.hf_config = hf_config
@@ -103,7 +112,8 @@ class MegatronBackend(Backend):
     def _build_model(self, tied: bool | None = None) -> GPTModel:
         args = self.args
         config, model_kwargs = transformer_config_from_hf(
-            self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by)
+            self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
+            sequence_parallel=self.sequence_parallel, etp=self.etp_size)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -111,7 +121,7 @@ class MegatronBackend(Backend):
         config.recompute_granularity = args.recompute_granularity
         config.recompute_method = args.recompute_method
         config.recompute_num_layers = args.recompute_num_layers
-        spec = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, args.attention_backend)
+        spec = gpt_block_spec(config, args.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs).to(self.device)
         if args.torch_compile:
             for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
@@ -121,7 +131,7 @@ class MegatronBackend(Backend):
     def _build_critic(self) -> GPTModel:
         """The actor's architecture with a scalar value head instead of the vocabulary projection."""
         critic = self._build_model(tied=False)
-        critic.output_layer = ValueHead(self.shape.hidden_size).to(self.device)
+        critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
@@ -133,24 +143,23 @@ class MegatronBackend(Backend):
 
     def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
         """This rank's vocab slice of the logits, [T, V / tp]."""
-        tokens = pack.tokens.to(self.device)[None]
-        positions = pack.position_ids.to(self.device)[None]
+        tokens, positions, cu = _pad_for_sequence_parallel(pack, self.tp_size if self.sequence_parallel else 1)
+        tokens, positions = tokens.to(self.device)[None], positions.to(self.device)[None]
         inputs: dict[str, Any] = {}
         if self.args.attention_backend == "local":
             # Block-diagonal causal mask (True = masked): no sample sees another.
-            seq = torch.repeat_interleave(torch.arange(len(pack.sample_ids)),
-                                          (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()).to(self.device)
+            seq = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()).to(self.device)
             causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=self.device).triu(1)
             inputs["attention_mask"] = (causal | (seq[:, None] != seq[None, :]))[None, None]
         else:  # the fused path takes the sample boundaries themselves (THD layout)
-            cu = pack.cu_seqlens  # on the CPU: megatron's per-sample RoPE reads it with .tolist()
-            longest = int((pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).max())
+            # cu stays on the CPU: megatron's per-sample RoPE reads it with .tolist()
+            longest = int((cu[1:] - cu[:-1]).max())
             inputs["attention_mask"] = None
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"):
             logits = model(tokens, positions, **inputs)
-        return logits[0]
+        return logits[0, :len(pack.tokens)]
 
     def _token_stats(self, model: GPTModel, pack: Pack, samples: list[TrainSample],
                      with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -234,12 +243,15 @@ class MegatronBackend(Backend):
         return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": lr}
 
     def _reduce_gradients(self, model: GPTModel) -> None:
-        """Sum gradients where several ranks hold parts of one: q/k layernorm weights over the TP
-        group (each rank normalises only its own heads), then every replica over data-parallel
-        ranks (the loss is already scaled for a sum); expert weights over the expert-DP group."""
+        """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
+        weights (each rank normalises only its own heads) and, under sequence parallelism, weights
+        marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
+        then every replica over data-parallel ranks (the loss is already scaled for a sum);
+        expert weights over the expert-DP group."""
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-        qk_norms = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
-        _all_reduce_sum(qk_norms, ps.get_tensor_model_parallel_group())
+        partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
+                   or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
+        _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
         experts = [not getattr(p, "allreduce", True) for _, p in named]
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
@@ -298,18 +310,17 @@ class MegatronBackend(Backend):
 
     def _gather(self, name: str, param: torch.Tensor,
                 experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:
-        """The full tensor (TP shards joined), once per global expert for expert weights."""
+        """The full tensor (TP shards joined), once per global expert for expert weights.
+        Expert weights are split over the expert-TP group (--expert-tensor-parallel-size), the rest
+        over the TP group."""
         data = param.detach()
-        if experts is not None and self.args.expert_model_parallel_size > 1:
-            parts = [torch.empty_like(data) for _ in range(self.args.expert_model_parallel_size)]
-            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
-            local, per_rank = experts
-            for ep_rank, part in enumerate(parts):
-                yield ep_rank * per_rank + local, part
-            return
-        if getattr(param, "tensor_model_parallel", False) and self.tp_size > 1:
-            parts = [torch.empty_like(data) for _ in range(self.tp_size)]
-            dist.all_gather(parts, data.contiguous(), group=ps.get_tensor_model_parallel_group())
+        if experts is None:
+            tp_size, tp_group = self.tp_size, ps.get_tensor_model_parallel_group()
+        else:
+            tp_size, tp_group = self.etp_size, ps.get_expert_tensor_parallel_group()
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            parts = [torch.empty_like(data) for _ in range(tp_size)]
+            dist.all_gather(parts, data.contiguous(), group=tp_group)
             dim = param.partition_dim
             if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
                 # Each rank holds [gate shard; up shard]: join the gates, then the ups.
@@ -317,6 +328,13 @@ class MegatronBackend(Backend):
                 data = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
             else:
                 data = torch.cat(parts, dim=dim)
+        if experts is not None and self.args.expert_model_parallel_size > 1:
+            parts = [torch.empty_like(data) for _ in range(self.args.expert_model_parallel_size)]
+            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
+            local, per_rank = experts
+            for ep_rank, part in enumerate(parts):
+                yield ep_rank * per_rank + local, part
+            return
         yield (experts[0] if experts else None), data
 
     # ---------------------------------------------------------------- checkpoints
@@ -348,6 +366,19 @@ class MegatronBackend(Backend):
     def load_reference(self, ckpt_dir: Path) -> None:
         megatron_state.load_megatron(ckpt_dir, self.ref_model, None)
         self.ref_model.requires_grad_(False)
+
+
+def _pad_for_sequence_parallel(pack: Pack, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, position ids and cu_seqlens of `pack`, padded to a multiple of `multiple` tokens
+    (sequence parallelism splits the sequence evenly over TP ranks). The padding is a sequence of
+    its own at the end: causal attention keeps it out of every real token's view."""
+    pad = -len(pack.tokens) % multiple
+    if not pad:
+        return pack.tokens, pack.position_ids, pack.cu_seqlens
+    cu = pack.cu_seqlens
+    return (torch.cat([pack.tokens, pack.tokens.new_zeros(pad)]),
+            torch.cat([pack.position_ids, torch.arange(pad, dtype=pack.position_ids.dtype)]),
+            torch.cat([cu, cu[-1:] + pad]))
 
 
 def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:

@@ -1,4 +1,5 @@
-"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention) on a tiny Qwen3 converted from HF:
+"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention,
+and with sequence parallelism over packs of odd length, padded to a multiple of TP) on a tiny Qwen3 converted from HF:
 packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
 layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
 tensors under HF names."""
@@ -36,7 +37,8 @@ def _samples(vocab: int) -> list[TrainSample]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Path, ckpt: Path, out: Path) -> None:
+def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: list[str], name: str, model: Path,
+            ckpt: Path, out: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from trainer.megatron_backend import (
@@ -49,7 +51,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Pa
         "--attention-backend", attention, "--lr", "1e-2", "--clip-grad", "0.5", "--max-tokens-per-gpu", "24",
         # Adam's first step is about lr * sign(g): float noise in a near-zero gradient element would
         # flip it. With eps = 1 the update follows the gradient, so layouts can be compared.
-        "--adam-eps", "1"])
+        "--adam-eps", "1", *extra])
     validate(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
@@ -62,7 +64,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Pa
     metrics = backend.train_step(samples, ids, make_pack_loss(LossConfig(), samples, ids), need_entropy=False)
     weights = dict(backend.hf_weights())
     if rank == 0:
-        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights}, out / f"result_tp{tp}_world{world}_{attention}.pt")
+        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights}, out / f"result_{name}.pt")
     from trainer import dist_env
 
     dist_env.shutdown()
@@ -76,11 +78,12 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     return model, ckpt
 
 
-def _run(tiny: tuple[Path, Path], tmp_path: Path, tp: int, world: int, attention: str) -> dict:
+def _run(tiny: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int, attention: str,
+         extra: list[str]) -> dict:
     model, ckpt = tiny
-    mp.start_processes(_worker, args=(world, free_port(), tp, attention, model, ckpt, tmp_path), nprocs=world,
-                       start_method="spawn")
-    return torch.load(tmp_path / f"result_tp{tp}_world{world}_{attention}.pt")
+    mp.start_processes(_worker, args=(world, free_port(), tp, attention, extra, name, model, ckpt, tmp_path),
+                       nprocs=world, start_method="spawn")
+    return torch.load(tmp_path / f"result_{name}.pt")
 
 
 def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -97,8 +100,11 @@ def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]
 @pytest.fixture(scope="module")
 def results(tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
-    layouts = (("tp1", 1, 1, "local"), ("tp2", 2, 2, "local"), ("dp2", 1, 2, "local"), ("tp2_sdpa", 2, 2, "sdpa"))
-    return {name: _run(tiny, tmp, tp, world, attention) for name, tp, world, attention in layouts}
+    sp = ["--sequence-parallel"]
+    layouts = (("tp1", 1, 1, "local", []), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
+               ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp),
+               ("tp1_sp", 1, 1, "local", sp))  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
+    return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_packed_log_probs_equal_hf(tiny, results) -> None:
@@ -114,7 +120,7 @@ def test_packed_log_probs_equal_hf(tiny, results) -> None:
 def test_one_step_is_the_same_in_every_layout(results) -> None:
     base = results["tp1"]
     assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
-    for name in ("tp2", "dp2", "tp2_sdpa"):
+    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp"):
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
             assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
