@@ -252,7 +252,7 @@ class MegatronBackend(Backend):
         partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
-        experts = [not getattr(p, "allreduce", True) for _, p in named]
+        experts = [_is_expert(n) for n, _ in named]
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
 
@@ -262,8 +262,8 @@ class MegatronBackend(Backend):
         squares = []
         for expert, group in ((False, ps.get_model_parallel_group()),
                               (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
-            grads = [p.grad for p in model.parameters() if p.grad is not None and param_is_not_shared(p)
-                     and (not getattr(p, "allreduce", True)) == expert
+            grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and param_is_not_shared(p)
+                     and _is_expert(n) == expert
                      and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             for g in grads:
@@ -366,6 +366,13 @@ class MegatronBackend(Backend):
     def load_reference(self, ckpt_dir: Path) -> None:
         megatron_state.load_megatron(ckpt_dir, self.ref_model, None)
         self.ref_model.requires_grad_(False)
+
+
+def _is_expert(name: str) -> bool:
+    """An expert weight, held by the expert grid (EP x expert-TP): megatron marks these
+    allreduce=False only when EP > 1, but with --expert-tensor-parallel-size != TP their
+    data-parallel group differs from the dense weights' at EP 1 too."""
+    return ".mlp.experts." in name
 
 
 def _pad_for_sequence_parallel(pack: Pack, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
