@@ -148,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adam-beta2", type=float, default=0.98)
     add("--adam-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, default=1.0)
+    # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron_optimizer)
+    add("--optimizer", choices=("adam", "sgd"), default="adam", help="adam: AdamW (decoupled weight decay), as megatron's")
+    add("--sgd-momentum", type=float, default=0.9)
+    add("--use-distributed-optimizer", action="store_true", default=True,
+        help="shard optimizer state over data-parallel ranks (always on, as slime sets it)")
+    add("--optimizer-cpu-offload", action="store_true", help="keep optimizer state and fp32 weights on the host")
+    add("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+        help="with --optimizer-cpu-offload: asynchronous gradient and weight copies")
+    add("--use-precision-aware-optimizer", action="store_true",
+        help="accepted: the optimizer updates fp32 weights with fp32 gradients and moments, what slurmrl always does")
     add("--global-batch-size", type=int, help="samples per optimizer step (default: the whole rollout)")
     add("--max-tokens-per-gpu", type=int, default=8192, help="packing budget of one micro-batch")
     # RL loss
@@ -238,6 +248,12 @@ def validate(args: argparse.Namespace) -> None:
     need(args.context_parallel_size == 1,
          "--context-parallel-size > 1 is not supported yet; samples are packed, so long contexts need no CP split")
     _validate_megatron_parallel(args, need)
+    need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
+         "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
+    need(not (args.optimizer_cpu_offload and args.train_backend != "megatron"),
+         "--optimizer-cpu-offload needs --train-backend megatron")
+    need(args.optimizer == "adam" or args.train_backend == "megatron",
+         f"--optimizer {args.optimizer}: the fsdp backend uses AdamW; use --optimizer adam or --train-backend megatron")
     need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
     need(args.advantage_estimator not in ("grpo", "gspo") or args.n_samples_per_prompt >= 2
          or args.disable_grpo_std_normalization,

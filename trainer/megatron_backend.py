@@ -1,8 +1,9 @@
-"""The megatron backend: a megatron-core GPTModel (TP/EP/DP), plain AdamW, packed micro-batches.
+"""The megatron backend: a megatron-core GPTModel (TP/SP/EP/DP), packed micro-batches, and a
+torch optimizer sharded over data-parallel ranks (trainer.megatron_optimizer).
 
 Runs on CPU through gloo (ckpt_tools.megatron_cpu) and on GPU through NCCL. Parameters are kept
 in fp32; on GPU the forward runs under bf16 autocast (--bf16), so the optimizer always updates
-fp32 master weights without megatron's DDP or distributed optimizer.
+fp32 master weights without megatron's DDP; gradients are reduced here by hand.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from trainer.batch import (
 )
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_block_spec
+from trainer.megatron_optimizer import ShardedOptimizer
 from trainer.token_stats import log_probs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Trainee:
     """A model with its own optimizer and LR schedule (the actor; PPO's critic)."""
 
     model: GPTModel
-    optimizer: torch.optim.Optimizer
+    optimizer: ShardedOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
@@ -98,6 +100,7 @@ class MegatronBackend(Backend):
         self.model = self.actor.model
         if args.custom_megatron_init_path:
             load_function(args.custom_megatron_init_path, "--custom-megatron-init-path")(args, self.model)
+            self.actor.optimizer.refresh_host_copies()
         self.ref_model = self._build_model() if args.ref_model_needed else None
         # On-policy distillation's teacher: frozen, the student's architecture, its own weights.
         self.teacher_model = self._build_model() if args.opd_teacher_load else None
@@ -135,11 +138,12 @@ class MegatronBackend(Backend):
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
-        args = self.args
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                      weight_decay=args.weight_decay)
-        return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args)))
+        def data_parallel_group(expert: bool) -> dist.ProcessGroup:
+            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optimizer = ShardedOptimizer(named, self.args, lr, data_parallel_group, _is_expert)
+        return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.args)))
 
     def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
         """This rank's vocab slice of the logits, [T, V / tp]."""
@@ -221,7 +225,7 @@ class MegatronBackend(Backend):
         if "train_step" in self._hooks and role == "actor":
             self._hooks["train_step"](self.args, self.model, self.actor.scheduler.last_epoch)
         trainee.model.train()
-        trainee.optimizer.zero_grad(set_to_none=False)
+        trainee.optimizer.zero_grad()
         totals: dict[str, torch.Tensor] = {}
         for pack in self._my_packs(samples, ids):
             if role == "critic":
@@ -347,6 +351,13 @@ class MegatronBackend(Backend):
                                          {"lr_scheduler": self.critic.scheduler.state_dict()})
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
+        common = self._load(ckpt_dir, weights_only)
+        for trainee in (self.actor, self.critic):
+            if trainee is not None:
+                trainee.optimizer.refresh_host_copies()
+        return common
+
+    def _load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.actor.optimizer)
         if weights_only:
             if self.critic is not None:  # the critic starts as the initial policy with a zero value head
