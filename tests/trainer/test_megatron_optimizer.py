@@ -52,6 +52,7 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
         state = optimizer.optimizer.state
         result["owned"] = [len(optimizer.owned), len(optimizer.params)]
         result["param_numel"] = sum(p.numel() for p in optimizer.params)
+        result["state_devices"] = sorted({t.device.type for s in state.values() for t in s.values() if t.dim() > 0})
         result["state_numel"] = sum(t.numel() for s in state.values() for t in s.values() if t.dim() > 0)
     else:
         assert backend.load(checkpoint.find_loadable(out / "save"), weights_only=False) == {"rollout_id": 1}
