@@ -21,7 +21,7 @@ from tests.rollout.servers import free_port
 from trainer.args import build_parser, validate
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
-from trainer.rl_step import make_pack_loss
+from trainer.rl_step import make_pack_loss, make_value_pack_loss
 
 ATOL = 1e-5
 LENGTHS = [(7, 3), (12, 5), (5, 1), (9, 4), (15, 6), (6, 2)]  # (total tokens, response tokens)
@@ -63,11 +63,25 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
         s.old_log_probs = logps[i][0] + (0.3 if i % 2 else -0.3)  # off-policy enough that clipping matters
     metrics = backend.train_step(samples, ids, make_pack_loss(LossConfig(), samples, ids), need_entropy=False)
     weights = dict(backend.hf_weights())
+    critic = _critic_step(backend, samples, ids) if backend.critic is not None else None
     if rank == 0:
-        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights}, out / f"result_{name}.pt")
+        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic},
+                   out / f"result_{name}.pt")
     from trainer import dist_env
 
     dist_env.shutdown()
+
+
+def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
+    """PPO's critic: one step toward random returns, then its values (under SP its value head
+    gathers the sequence)."""
+    g = torch.Generator().manual_seed(5)
+    for i, s in enumerate(samples):
+        s.values = backend.values(samples, ids)[i]
+        s.returns = torch.randn(s.response_length, generator=g)
+    metrics = backend.train_step(samples, ids, make_value_pack_loss(0.2, False, samples, ids), need_entropy=False,
+                                 role="critic")
+    return {"metrics": metrics, "values": backend.values(samples, ids)}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +115,9 @@ def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]
 def results(tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
     sp = ["--sequence-parallel"]
-    layouts = (("tp1", 1, 1, "local", []), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
-               ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp),
+    ppo = ["--advantage-estimator", "ppo"]  # adds the critic
+    layouts = (("tp1", 1, 1, "local", ppo), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
+               ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp + ppo),
                ("tp1_sp", 1, 1, "local", sp))  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
     return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
@@ -143,3 +158,13 @@ def test_hf_weights_have_hf_names_and_changed(tiny, results) -> None:
         assert after[name].shape == tensor.shape and after[name].dtype == tensor.dtype, name
     changed = [n for n in initial if not torch.equal(after[n], initial[n])]
     assert len(changed) == len(initial), f"a step should move every tensor; unchanged: {set(initial) - set(changed)}"
+
+
+def test_the_critic_under_sequence_parallelism_equals_tp1(results) -> None:
+    base, other = results["tp1"]["critic"], results["tp2_sp_sdpa"]["critic"]
+    assert base["metrics"]["value_loss"] > 0
+    for key in ("value_loss", "grad_norm"):
+        assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), key
+    for i, values in base["values"].items():
+        assert values.abs().max() > 1e-3, "the critic step must move the values to be a test"
+        assert (other["values"][i] - values).abs().max() < ATOL, f"sample {i}: values after the critic step"
