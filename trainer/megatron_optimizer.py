@@ -11,7 +11,10 @@ MoE needs, and gathers its state on one rank to save it.)
 
 --optimizer-cpu-offload: the optimizer updates fp32 CPU copies of the (owned) parameters; the
 gradients go to the host before the step and the new values back after it. With
---overlap-cpu-optimizer-d2h-h2d the copies are asynchronous (pinned memory, one side stream).
+--overlap-cpu-optimizer-d2h-h2d the copies are asynchronous (pinned memory): the gradient copies
+are queued together with one wait, and the weight copies run on a side stream while the host goes
+on (the next forward waits for them). Unlike megatron's HybridDeviceOptimizer, the CPU step itself
+is not pipelined with the copies.
 On a CPU-only machine the parameters are already in host memory and both change nothing.
 """
 
@@ -69,8 +72,9 @@ class ShardedOptimizer:
         for group, src, share in self._broadcasts:
             flat = torch._utils._flatten_dense_tensors([p.data for p in share])
             dist.broadcast(flat, src=src, group=group)
-            for p, new in zip(share, torch._utils._unflatten_dense_tensors(flat, share)):
-                p.data.copy_(new)
+            if src != dist.get_rank():
+                for p, new in zip(share, torch._utils._unflatten_dense_tensors(flat, share)):
+                    p.data.copy_(new)
 
     def _to_host(self) -> None:
         for host, p in zip(self._host, self.owned):
