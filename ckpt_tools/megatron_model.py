@@ -61,12 +61,14 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
 
 def transformer_config_from_hf(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
-    params_dtype: torch.dtype = torch.float32,
+    params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, etp: int | None = None,
 ) -> tuple[TransformerConfig, dict[str, Any]]:
     """TransformerConfig and GPTModel keyword arguments (besides config and layer spec).
 
     The config is validated, and its shape derived, by ckpt_tools.mapping.ModelShape; the vocab
-    is padded as Megatron-LM does, to a multiple of make_vocab_size_divisible_by * tp."""
+    is padded as Megatron-LM does, to a multiple of make_vocab_size_divisible_by * tp.
+    sequence_parallel needs tp > 1 and SP-capable norms (trainer.megatron_norm); etp (expert
+    tensor parallel size) defaults to tp, as in megatron."""
     shape = ModelShape.from_hf_config(hf_config, make_vocab_size_divisible_by * tp)
     config_kwargs: dict[str, Any] = {
         "num_layers": shape.num_layers,
@@ -87,6 +89,8 @@ def transformer_config_from_hf(
         "init_method_std": hf_config.get("initializer_range", 0.02),
         "tensor_model_parallel_size": tp,
         "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
+        "sequence_parallel": sequence_parallel,
         "use_cpu_initialization": not torch.cuda.is_available(),
         "params_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
@@ -160,8 +164,9 @@ def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tenso
     return logits[..., : getattr(model, "hf_vocab_size", logits.shape[-1])]
 
 
-def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
-    """Initialise torch.distributed (unless already up) and megatron's TP/EP groups and RNG.
+def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = None) -> None:
+    """Initialise torch.distributed (unless already up) and megatron's TP/EP (and expert-TP,
+    default tp) groups and RNG.
 
     Uses env:// when WORLD_SIZE is set (torchrun, srun wrappers), else a lone process."""
     if not torch.distributed.is_initialized():
@@ -173,7 +178,8 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
             torch.distributed.init_process_group(backend)
         else:
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

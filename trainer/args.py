@@ -159,8 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-router-score-function", choices=("softmax", "sigmoid"), help="must agree with config.json (MoE)")
     add("--moe-layer-freq", type=_moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
     add("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
-        help="how tokens reach their experts (default: alltoall on GPU, as slime; allgather on CPU, where "
-             "alltoall's CUDA streams do not exist)")
+        help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
     refused(p, "--moe-grouped-gemm", "accepted: experts run as megatron's SequentialMLP, one GEMM per expert (the "
             "same numbers; grouped GEMM needs TransformerEngine or the grouped_gemm package)", switch=True, allowed=True)
@@ -179,7 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--torch-compile", action="store_true", help="torch.compile each transformer layer (GPU)")
     # parallelism
     add("--tensor-model-parallel-size", type=int, default=1)
-    add("--sequence-parallel", action="store_true")
+    # megatron parallelism: sequence parallel, expert TP (megatron backend)
+    add("--sequence-parallel", action="store_true",
+        help="split norms, dropout and MoE routing over the TP ranks along the sequence (no effect at TP 1)")
+    add("--expert-tensor-parallel-size", type=int, default=None,
+        help="TP degree of MoE expert weights (default: --tensor-model-parallel-size)")
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-parallel-size", type=int, default=1)
     add("--expert-model-parallel-size", type=int, default=1)
@@ -201,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adam-beta2", type=float, default=0.98)
     add("--adam-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, default=1.0)
+    # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron_optimizer)
+    add("--optimizer", choices=("adam", "sgd"), default="adam", help="adam: AdamW (decoupled weight decay), as megatron's")
+    add("--sgd-momentum", type=float, default=0.9)
+    add("--use-distributed-optimizer", action="store_true", default=True,
+        help="shard optimizer state over data-parallel ranks (always on, as slime sets it)")
+    add("--optimizer-cpu-offload", action="store_true", help="keep optimizer state and fp32 weights on the host")
+    add("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+        help="with --optimizer-cpu-offload: asynchronous gradient and weight copies")
+    add("--use-precision-aware-optimizer", action="store_true",
+        help="accepted: the optimizer updates fp32 weights with fp32 gradients and moments, what slurmrl always does")
     add("--global-batch-size", type=int, help="samples per optimizer step (default: the whole rollout)")
     add("--num-steps-per-rollout", type=int, help="optimizer steps per rollout: --global-batch-size = "
                                                   "rollout-batch-size x n-samples-per-prompt / N")
@@ -432,10 +445,13 @@ def validate(args: argparse.Namespace) -> None:
          "--pipeline-model-parallel-size > 1 is not supported by slurmrl's trainer yet; use tensor and data parallel")
     need(args.context_parallel_size == 1,
          "--context-parallel-size > 1 is not supported yet; samples are packed, so long contexts need no CP split")
-    need(not args.sequence_parallel or args.tensor_model_parallel_size > 1,
-         "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    need(not args.sequence_parallel, "--sequence-parallel needs TransformerEngine's norms, which are not installed; "
-                                     "drop --sequence-parallel")
+    _validate_megatron_parallel(args, need)
+    need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
+         "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
+    need(not (args.optimizer_cpu_offload and args.train_backend != "megatron"),
+         "--optimizer-cpu-offload needs --train-backend megatron")
+    need(args.optimizer == "adam" or args.train_backend == "megatron",
+         f"--optimizer {args.optimizer}: the fsdp backend uses AdamW; use --optimizer adam or --train-backend megatron")
     need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
     need(args.advantage_estimator not in ("grpo", "gspo") or args.n_samples_per_prompt >= 2
          or args.disable_grpo_std_normalization,
@@ -577,6 +593,17 @@ def validate(args: argparse.Namespace) -> None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     args.ref_model_needed = bool(args.use_kl_loss or args.kl_coef)
     args.api_key = os.environ.get(API_KEY_ENV)  # never on the command line: ps would show it
+
+
+def _validate_megatron_parallel(args: argparse.Namespace, need: Any) -> None:
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
+    need(etp is None or (etp >= 1 and tp % etp == 0),
+         f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
+    config = read_hf_config(args.hf_checkpoint)
+    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    need(not moe or tp == 1 or args.sequence_parallel or args.train_backend != "megatron",
+         f"--tensor-model-parallel-size {tp} with a MoE model needs --sequence-parallel (megatron-core's MoE layer "
+         "requires it when training with TP > 1)")
 
 
 def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:

@@ -23,6 +23,17 @@ from trainer.batch import Pack, TrainSample
 PackLoss = Callable[[Pack, list[Tensor], list[Tensor] | None], tuple[Tensor, dict[str, Tensor]]]
 
 
+class NonFiniteGradient(FloatingPointError):
+    """A NaN or infinite gradient norm: the step is not taken and the trainer stops (Megatron's
+    check_for_nan_in_loss_and_grad, always on), so no NaN ever reaches the weights or a checkpoint."""
+
+
+def check_finite(grad_norm: float, role: str) -> None:
+    if grad_norm != grad_norm or grad_norm in (float("inf"), float("-inf")):
+        raise NonFiniteGradient(f"the {role}'s gradient norm is {grad_norm}; the optimizer step was not taken. "
+                                "Lower --lr, check the rewards and the data (the last checkpoint is intact)")
+
+
 class Backend(ABC):
     rank: int  # global rank in the trainer
     world_size: int
@@ -38,7 +49,7 @@ class Backend(ABC):
 
     @abstractmethod
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
-                   need_entropy: bool, role: str = "actor") -> dict[str, float]:
+                   need_entropy: bool, role: str = "actor", rollout_id: int = 0, step_id: int = 0) -> dict[str, float]:
         """One optimizer step on the global batch `ids`: forward/backward over micro-batches
         of this rank's share, gradient all-reduce, clipping, the optimizer and LR schedule.
         Returns metrics averaged over the batch, plus grad_norm and lr. role "critic" (PPO) trains

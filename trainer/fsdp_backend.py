@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 from trainer.args import ArgsError
-from trainer.backend import Backend, PackLoss
+from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.loop import seed_everything
@@ -162,7 +162,7 @@ class FSDPBackend(Backend):
     # ---- training -----------------------------------------------------------------------------
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
-                   need_entropy: bool, role: str = "actor") -> dict[str, float]:
+                   need_entropy: bool, role: str = "actor", rollout_id: int = 0, step_id: int = 0) -> dict[str, float]:
         if role != "actor":
             raise NotImplementedError("the fsdp backend has no critic: --advantage-estimator ppo needs megatron")
         sums: dict[str, Tensor] = {}
@@ -178,6 +178,7 @@ class FSDPBackend(Backend):
             for key, metric in metrics.items():  # tensors: no host sync per micro-batch
                 sums[key] = sums.get(key, 0.0) + metric.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+        check_finite(float(_full(grad_norm)), role)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]

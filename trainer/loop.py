@@ -253,11 +253,11 @@ class Loop:
         out["entropy"] = _masked_token_mean([old[i][1] for i in ids], samples)
         totals: dict[str, float] = {}
         steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
-        for batch in steps:
+        for step_id, batch in enumerate(steps):
             if self.driver:
                 self.driver.reporter.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
             step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss_cfg, samples, batch),
-                                                   need_entropy)
+                                                   need_entropy, rollout_id=rollout_id, step_id=step_id)
             if args.advantage_estimator == "ppo":
                 critic_loss = rl_step.make_value_pack_loss(args.value_clip, args.calculate_per_token_loss, samples, batch)
                 critic_metrics = self.backend.train_step(samples, batch, critic_loss, False, role="critic")

@@ -28,7 +28,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from torch import Tensor
+
+from trainer.megatron_norm import HeadNorm, HiddenStateNorm
 
 try:  # flash-attention varlen kernel (torch >= 2.10); CUDA with 16-bit inputs only
     from torch.nn.attention.varlen import varlen_attn
@@ -109,12 +112,25 @@ class SDPAttention(MegatronModule):
 
 
 def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: AttentionKind) -> ModuleSpec:
-    """The GPTModel layer spec (RMSNorm, local linears): megatron's local spec, with its core
-    attention replaced by SDPAttention when attention == "sdpa"."""
+    """The GPTModel layer spec (RMSNorm, local linears): megatron's local spec with norms that also
+    run under sequence parallelism (trainer.megatron_norm), and its core attention replaced by
+    SDPAttention when attention == "sdpa"."""
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenStateNorm
+    attn = spec.submodules.self_attention.submodules
+    if qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = HeadNorm
     if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attn.core_attention = SDPAttention
     return spec
+
+
+def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> ModuleSpec:
+    """The whole decoder's spec: gpt_layer_spec for every layer and the final norm, which megatron
+    would otherwise build as WrappedTorchNorm (it refuses sequence parallelism)."""
+    layer = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, attention)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers, layer_norm=HiddenStateNorm))

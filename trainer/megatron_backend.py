@@ -1,8 +1,9 @@
-"""The megatron backend: a megatron-core GPTModel (TP/EP/DP), plain AdamW, packed micro-batches.
+"""The megatron backend: a megatron-core GPTModel (TP/SP/EP/DP), packed micro-batches, and a
+torch optimizer sharded over data-parallel ranks (trainer.megatron_optimizer).
 
 Runs on CPU through gloo (ckpt_tools.megatron_cpu) and on GPU through NCCL. Parameters are kept
 in fp32; on GPU the forward runs under bf16 autocast (--bf16), so the optimizer always updates
-fp32 master weights without megatron's DDP or distributed optimizer.
+fp32 master weights without megatron's DDP; gradients are reduced here by hand.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import param_is_not_shared
@@ -26,10 +28,12 @@ from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
 from trainer import megatron_state
-from trainer.backend import Backend, PackLoss
+from trainer.args import ArgsError
+from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.lr_schedule import lr_lambda
-from trainer.megatron_attention import gpt_layer_spec
+from trainer.megatron_attention import gpt_block_spec
+from trainer.megatron_optimizer import ShardedOptimizer
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.token_stats import log_probs_and_entropy
 
@@ -50,41 +54,49 @@ class Trainee:
     """A model with its own optimizer and LR schedule (the actor; PPO's critic)."""
 
     model: GPTModel
-    optimizer: torch.optim.Optimizer
+    optimizer: ShardedOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
 class ValueHead(torch.nn.Module):
     """Hidden state -> scalar value, in place of GPTModel's output layer (same call signature).
-    Replicated on every TP rank: its input is the full hidden state. Starts at zero."""
+    Replicated on every TP rank: its input is the full hidden state (gathered over the sequence
+    under sequence parallelism), so every rank computes the same gradient. Starts at zero."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, sequence_parallel: bool) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         # Named weight and bias, as the layer it replaces: GPTModel's checkpoint code expects them.
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 class MegatronBackend(Backend):
     def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
         self.args = args
-        init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed)
+        init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed,
+                      args.expert_tensor_parallel_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
+        self.sequence_parallel = args.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         check_attention_backend(args.attention_kernels, self.device)
         self.hf_config = hf_config
         self.shape = mapping.ModelShape.from_hf_config(hf_config, args.make_vocab_size_divisible_by * self.tp_size)
+        if args.custom_megatron_init_path:  # slime's: once megatron is initialised, before any model is built
+            load_function(args.custom_megatron_init_path, "--custom-megatron-init-path")(args)
         self.actor = self._trainee(self._build_model(), args.lr)
         self.model = self.actor.model
-        if args.custom_megatron_init_path:
-            load_function(args.custom_megatron_init_path, "--custom-megatron-init-path")(args, self.model)
         self.ref_model = self._build_model() if args.ref_model_needed else None
         # On-policy distillation's teacher: frozen, the student's architecture, its own weights.
         self.teacher_model = self._build_model() if args.opd_teacher_load else None
@@ -99,7 +111,8 @@ class MegatronBackend(Backend):
     def _build_model(self, tied: bool | None = None) -> GPTModel:
         args = self.args
         config, model_kwargs = transformer_config_from_hf(
-            self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by)
+            self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
+            sequence_parallel=self.sequence_parallel, etp=self.etp_size)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -107,7 +120,12 @@ class MegatronBackend(Backend):
         config.recompute_granularity = args.recompute_granularity
         config.recompute_method = args.recompute_method
         config.recompute_num_layers = args.recompute_num_layers
-        spec = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, args.attention_backend)
+        if config.num_moe_experts:
+            if args.moe_token_dispatcher_type == "alltoall" and self.device.type != "cuda":
+                raise ArgsError("--moe-token-dispatcher-type alltoall needs CUDA streams; use allgather on CPU")
+            config.moe_token_dispatcher_type = args.moe_token_dispatcher_type or "allgather"
+            config.moe_router_dtype = args.moe_router_dtype
+        spec = gpt_block_spec(config, args.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs).to(self.device)
         if args.torch_compile:
             for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
@@ -117,37 +135,37 @@ class MegatronBackend(Backend):
     def _build_critic(self) -> GPTModel:
         """The actor's architecture with a scalar value head instead of the vocabulary projection."""
         critic = self._build_model(tied=False)
-        critic.output_layer = ValueHead(self.shape.hidden_size).to(self.device)
+        critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
-        args = self.args
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                      weight_decay=args.weight_decay)
-        return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args)))
+        def data_parallel_group(expert: bool) -> dist.ProcessGroup:
+            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optimizer = ShardedOptimizer(named, self.args, lr, data_parallel_group, _is_expert)
+        return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.args)))
 
     def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
         """This rank's vocab slice of the logits, [T, V / tp]."""
-        tokens = pack.tokens.to(self.device)[None]
-        positions = pack.position_ids.to(self.device)[None]
+        tokens, positions, cu = _pad_for_sequence_parallel(pack, self.tp_size if self.sequence_parallel else 1)
+        tokens, positions = tokens.to(self.device)[None], positions.to(self.device)[None]
         inputs: dict[str, Any] = {}
         if self.args.attention_backend == "local":
             # Block-diagonal causal mask (True = masked): no sample sees another.
-            seq = torch.repeat_interleave(torch.arange(len(pack.sample_ids)),
-                                          (pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).long()).to(self.device)
+            seq = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()).to(self.device)
             causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=self.device).triu(1)
             inputs["attention_mask"] = (causal | (seq[:, None] != seq[None, :]))[None, None]
         else:  # the fused path takes the sample boundaries themselves (THD layout)
-            cu = pack.cu_seqlens  # on the CPU: megatron's per-sample RoPE reads it with .tolist()
-            longest = int((pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]).max())
+            # cu stays on the CPU: megatron's per-sample RoPE reads it with .tolist()
+            longest = int((cu[1:] - cu[:-1]).max())
             inputs["attention_mask"] = None
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
                 attention_kernels(self.args.attention_kernels):
             logits = model(tokens, positions, **inputs)
-        return logits[0]
+        return logits[0, :len(pack.tokens)]
 
     def _token_stats(self, model: GPTModel, pack: Pack, samples: list[TrainSample],
                      with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -184,8 +202,8 @@ class MegatronBackend(Backend):
         net = {"actor": self.model, "ref": self.ref_model, "teacher": self.teacher_model}[model]
         if net is None:
             raise RuntimeError(f"no {model} model was loaded")
-        if "log_prob" in self._hooks:
-            self._hooks["log_prob"](self.args, net, samples, model)
+        if "log_prob" in self._hooks:  # slime's signature: the model's chunks and where its log-probs go
+            self._hooks["log_prob"](self.args, [net], "" if model == "actor" else f"{model}_")
         net.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for pack in self._my_packs(samples, ids, for_log_probs=True):
@@ -204,12 +222,13 @@ class MegatronBackend(Backend):
         return self._gather_per_sample(mine)
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
-                   need_entropy: bool, role: str = "actor") -> dict[str, float]:
+                   need_entropy: bool, role: str = "actor", rollout_id: int = 0, step_id: int = 0) -> dict[str, float]:
         trainee = self.critic if role == "critic" else self.actor
-        if "train_step" in self._hooks and role == "actor":
-            self._hooks["train_step"](self.args, self.model, self.actor.scheduler.last_epoch)
+        if "train_step" in self._hooks and role == "actor":  # slime's signature
+            self._hooks["train_step"](self.args, rollout_id, step_id, [self.model], self.actor.optimizer,
+                                      self.actor.scheduler)
         trainee.model.train()
-        trainee.optimizer.zero_grad(set_to_none=False)
+        trainee.optimizer.zero_grad()
         totals: dict[str, torch.Tensor] = {}
         for pack in self._my_packs(samples, ids, for_log_probs=False):
             if role == "critic":
@@ -222,6 +241,7 @@ class MegatronBackend(Backend):
                 totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
         self._reduce_gradients(trainee.model)
         grad_norm = self._grad_norm(trainee.model)
+        check_finite(grad_norm, role)
         if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
             grads = [p.grad for p in trainee.model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, self.args.clip_grad / (grad_norm + 1e-6))
@@ -231,13 +251,16 @@ class MegatronBackend(Backend):
         return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": lr}
 
     def _reduce_gradients(self, model: GPTModel) -> None:
-        """Sum gradients where several ranks hold parts of one: q/k layernorm weights over the TP
-        group (each rank normalises only its own heads), then every replica over data-parallel
-        ranks (the loss is already scaled for a sum); expert weights over the expert-DP group."""
+        """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
+        weights (each rank normalises only its own heads) and, under sequence parallelism, weights
+        marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
+        then every replica over data-parallel ranks (the loss is already scaled for a sum);
+        expert weights over the expert-DP group."""
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-        qk_norms = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
-        _all_reduce_sum(qk_norms, ps.get_tensor_model_parallel_group())
-        experts = [not getattr(p, "allreduce", True) for _, p in named]
+        partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
+                   or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
+        _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
+        experts = [_is_expert(n) for n, _ in named]
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
 
@@ -247,8 +270,8 @@ class MegatronBackend(Backend):
         squares = []
         for expert, group in ((False, ps.get_model_parallel_group()),
                               (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
-            grads = [p.grad for p in model.parameters() if p.grad is not None and param_is_not_shared(p)
-                     and (not getattr(p, "allreduce", True)) == expert
+            grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and param_is_not_shared(p)
+                     and _is_expert(n) == expert
                      and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             for g in grads:
@@ -295,18 +318,17 @@ class MegatronBackend(Backend):
 
     def _gather(self, name: str, param: torch.Tensor,
                 experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:
-        """The full tensor (TP shards joined), once per global expert for expert weights."""
+        """The full tensor (TP shards joined), once per global expert for expert weights.
+        Expert weights are split over the expert-TP group (--expert-tensor-parallel-size), the rest
+        over the TP group."""
         data = param.detach()
-        if experts is not None and self.args.expert_model_parallel_size > 1:
-            parts = [torch.empty_like(data) for _ in range(self.args.expert_model_parallel_size)]
-            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
-            local, per_rank = experts
-            for ep_rank, part in enumerate(parts):
-                yield ep_rank * per_rank + local, part
-            return
-        if getattr(param, "tensor_model_parallel", False) and self.tp_size > 1:
-            parts = [torch.empty_like(data) for _ in range(self.tp_size)]
-            dist.all_gather(parts, data.contiguous(), group=ps.get_tensor_model_parallel_group())
+        if experts is None:
+            tp_size, tp_group = self.tp_size, ps.get_tensor_model_parallel_group()
+        else:
+            tp_size, tp_group = self.etp_size, ps.get_expert_tensor_parallel_group()
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            parts = [torch.empty_like(data) for _ in range(tp_size)]
+            dist.all_gather(parts, data.contiguous(), group=tp_group)
             dim = param.partition_dim
             if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
                 # Each rank holds [gate shard; up shard]: join the gates, then the ups.
@@ -314,6 +336,13 @@ class MegatronBackend(Backend):
                 data = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
             else:
                 data = torch.cat(parts, dim=dim)
+        if experts is not None and self.args.expert_model_parallel_size > 1:
+            parts = [torch.empty_like(data) for _ in range(self.args.expert_model_parallel_size)]
+            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
+            local, per_rank = experts
+            for ep_rank, part in enumerate(parts):
+                yield ep_rank * per_rank + local, part
+            return
         yield (experts[0] if experts else None), data
 
     # ---------------------------------------------------------------- checkpoints
@@ -326,6 +355,13 @@ class MegatronBackend(Backend):
                                          {"lr_scheduler": self.critic.scheduler.state_dict()})
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
+        common = self._load(ckpt_dir, weights_only)
+        for trainee in (self.actor, self.critic):
+            if trainee is not None:
+                trainee.optimizer.refresh_host_copies()
+        return common
+
+    def _load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.actor.optimizer)
         if weights_only:
             if self.critic is not None:  # the critic starts as the initial policy with a zero value head
@@ -345,6 +381,26 @@ class MegatronBackend(Backend):
     def load_reference(self, ckpt_dir: Path) -> None:
         megatron_state.load_megatron(ckpt_dir, self.ref_model, None)
         self.ref_model.requires_grad_(False)
+
+
+def _is_expert(name: str) -> bool:
+    """An expert weight, held by the expert grid (EP x expert-TP): megatron marks these
+    allreduce=False only when EP > 1, but with --expert-tensor-parallel-size != TP their
+    data-parallel group differs from the dense weights' at EP 1 too."""
+    return ".mlp.experts." in name
+
+
+def _pad_for_sequence_parallel(pack: Pack, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, position ids and cu_seqlens of `pack`, padded to a multiple of `multiple` tokens
+    (sequence parallelism splits the sequence evenly over TP ranks). The padding is a sequence of
+    its own at the end: causal attention keeps it out of every real token's view."""
+    pad = -len(pack.tokens) % multiple
+    if not pad:
+        return pack.tokens, pack.position_ids, pack.cu_seqlens
+    cu = pack.cu_seqlens
+    return (torch.cat([pack.tokens, pack.tokens.new_zeros(pad)]),
+            torch.cat([pack.position_ids, torch.arange(pad, dtype=pack.position_ids.dtype)]),
+            torch.cat([cu, cu[-1:] + pad]))
 
 
 def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:

@@ -1,11 +1,14 @@
 """What the megatron backend keeps in a checkpoint folder, through megatron-core's dist_checkpointing
-(torch_dist): the model, the AdamW state, every rank's RNG states and rank 0's loop state.
+(torch_dist): the model, the optimizer state (Adam or SGD), every rank's RNG states and rank 0's loop state.
 
 Layout, as Megatron-LM writes it where it has a say:
 - model tensors under their sharded keys (the keys ckpt_tools writes: a converted HF checkpoint
   loads as weights);
-- `optimizer.state.exp_avg.<param key>`, `optimizer.state.exp_avg_sq.<param key>`: sharded like
-  the parameter; the step, shared by every parameter, and the param groups go to common.pt;
+- `optimizer.state.exp_avg.<param key>`, `optimizer.state.exp_avg_sq.<param key>` (SGD:
+  `optimizer.state.momentum_buffer.<param key>`): sharded like the parameter; the step, shared by
+  every parameter, and the param groups go to common.pt. With the distributed optimizer each
+  parameter's state is written by the data-parallel rank that owns it: the same files, so a
+  checkpoint loads with or without it, at any data-parallel size;
 - `rng_state`: one object per (pp, tp, dp) rank (python, numpy, torch, CUDA, megatron's tracker);
 - `common`: the loop state (rollout id, weight version, data buffer...), in common.pt.
 """
@@ -13,6 +16,7 @@ Layout, as Megatron-LM writes it where it has a say:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import queue
 from pathlib import Path
@@ -31,13 +35,15 @@ from megatron.core.models.gpt import GPTModel
 
 from ckpt_tools.torch_dist import read_metadata
 from trainer.checkpoint import process_rng_state, set_process_rng_state
+from trainer.megatron_optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
+Optimizer = torch.optim.Optimizer | ShardedOptimizer
 
 
-def sharded_state(model: GPTModel, optimizer: torch.optim.Optimizer, common: dict[str, Any]) -> dict[str, Any]:
+def sharded_state(model: GPTModel, optimizer: Optimizer, common: dict[str, Any]) -> dict[str, Any]:
     """The state dict to hand to dist_checkpointing.save (every rank; `common` matters on rank 0)."""
     model_state = model.sharded_state_dict()
     return {
@@ -48,17 +54,18 @@ def sharded_state(model: GPTModel, optimizer: torch.optim.Optimizer, common: dic
     }
 
 
-def save_megatron(ckpt_dir: Path, model: GPTModel, optimizer: torch.optim.Optimizer, common: dict[str, Any]) -> None:
+def save_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer, common: dict[str, Any]) -> None:
     """Write model, optimizer, RNG and `common` into the existing empty folder ckpt_dir. Collective."""
     _in_process_results_queue()
     dist_checkpointing.save(
         sharded_state(model, optimizer, common), str(ckpt_dir),
-        # `common` is rank 0's: other ranks may hold something else, which is not a mistake.
-        preprocess_common_before_consistancy_check=lambda state: {k: v for k, v in state.items() if k != "common"},
+        # `common` is rank 0's: other ranks may hold something else, which is not a mistake; so are
+        # the distributed optimizer's parameter lists (each rank's own).
+        preprocess_common_before_consistancy_check=_without_rank_specific,
     )
 
 
-def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer | None) -> dict[str, Any]:
     """Restore what save_megatron wrote and return `common` ({} if the checkpoint has none).
     optimizer None: the model's weights only (--ref-load, a checkpoint converted from HF); a full
     load also restores the optimizer and, when saved with the same parallel layout, RNG states.
@@ -79,7 +86,7 @@ def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: torch.optim.Optimi
     return loaded.get("common", {})
 
 
-def _optimizer_and_rng_request(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
+def _optimizer_and_rng_request(ckpt_dir: Path, optimizer: Optimizer,
                                model_state: dict[str, Any]) -> dict[str, Any]:
     """What a full load asks for besides the model: the optimizer state (which must be there) and
     this rank's RNG states (skipped, with a warning, when saved with another parallel layout)."""
@@ -96,6 +103,14 @@ def _optimizer_and_rng_request(ckpt_dir: Path, optimizer: torch.optim.Optimizer,
                     "another parallel layout?): random streams go on from the current seed",
                     ckpt_dir, rng.global_offset, rng.global_shape)
     return request
+
+
+def _without_rank_specific(state: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in state.items() if k != "common"}
+    if "optimizer" in out:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in out["optimizer"].get("param_groups", [])]
+        out["optimizer"] = {**out["optimizer"], "param_groups": groups}
+    return out
 
 
 def _in_process_results_queue() -> None:
@@ -118,28 +133,54 @@ def _check_keys(ckpt_dir: Path, in_ckpt_only: set[str], in_request_only: set[str
 
 # ---- optimizer ---------------------------------------------------------------------------------
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
-    """AdamW's state with each moment as a ShardedTensor shaped like its parameter (as megatron's
-    FP32Optimizer does for a torch optimizer); the step is one value for all parameters."""
-    _init_moments(optimizer)  # a fresh optimizer has no state to save, or to load into
-    state = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    step = _common_step(optimizer)
+def _parts(optimizer: Optimizer) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], bool]:
+    """(torch optimizer, the model parameters it updates in its order, whether DP-sharded)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.optimizer, optimizer.owned, optimizer.distributed
+    return optimizer, [p for group in optimizer.param_groups for p in group["params"]], False
+
+
+def _optimizer_state(optimizer: Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's state with each per-parameter tensor as a ShardedTensor shaped like its
+    parameter (as megatron's FP32Optimizer does for a torch optimizer); Adam's step is one value
+    for all parameters."""
+    torch_optimizer, params, distributed = _parts(optimizer)
+    _init_state(torch_optimizer)  # a fresh optimizer has no state to save, or to load into
+    state = torch_optimizer.state_dict()
+    step = _common_step(torch_optimizer)
     optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",))
-    state["state"]["common_step"] = step
+    if distributed:
+        _owner_is_main_replica(state)
+    if step is not None:
+        state["state"]["common_step"] = step
     return state
 
 
-def _init_moments(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter the state Adam would create on its first step (step 0, zero moments),
-    which changes nothing in what the optimizer computes next."""
-    if not isinstance(optimizer, _ADAM):
-        raise TypeError(f"megatron checkpoints hold Adam/AdamW state; got {type(optimizer).__name__}")
+def _owner_is_main_replica(state: dict[str, Any]) -> None:
+    """Model tensors are written by (expert-)data-parallel rank 0 (the last entry of replica_id);
+    a parameter's optimizer state only by the rank that owns it, which holds the only copy."""
+    for param_state in state["state"].values():
+        for key, sharded in param_state.items():
+            rid = sharded.replica_id
+            param_state[key] = dataclasses.replace(sharded, replica_id=(*rid[:-1], 0) if isinstance(rid, tuple) else 0)
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter the state the optimizer would create on its first step (Adam: step 0,
+    zero moments; SGD: a zero momentum buffer), which changes nothing in what it computes next."""
+    if not isinstance(optimizer, (*_ADAM, torch.optim.SGD)):
+        raise TypeError(f"megatron checkpoints hold Adam/AdamW/SGD state; got {type(optimizer).__name__}")
     if optimizer.state:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"]:  # with dampening 0, 0 * momentum + g equals the first step's g
+                    if group["dampening"]:
+                        raise ValueError("SGD with dampening starts its momentum from the first gradient: not saved")
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                continue
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -147,8 +188,13 @@ def _init_moments(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _common_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+def _common_step(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """Adam's step, the same for every parameter; None for SGD (it keeps none)."""
+    if not isinstance(optimizer, _ADAM):
+        return None
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        return torch.tensor(0.0)  # a data-parallel rank that owns no parameter
     without = [i for i, p in enumerate(params) if "step" not in optimizer.state[p]]
     if without:
         raise ValueError(f"optimizer parameters {without} have no state while others do (never given a "
@@ -160,11 +206,16 @@ def _common_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     return optimizer.state[params[0]]["step"].clone()
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
-    step = loaded["state"].pop("common_step")
-    for param_state in loaded["state"].values():
-        param_state["step"] = copy.deepcopy(step)
-    optimizer.load_state_dict(loaded)
+def _load_optimizer(optimizer: Optimizer, loaded: dict[str, Any]) -> None:
+    torch_optimizer, _, _ = _parts(optimizer)
+    step = loaded["state"].pop("common_step", None)
+    if step is not None:
+        for param_state in loaded["state"].values():
+            param_state["step"] = copy.deepcopy(step)
+    # The param groups come from rank 0's common.pt: keep this rank's own parameter lists.
+    for saved, own in zip(loaded["param_groups"], torch_optimizer.state_dict()["param_groups"]):
+        saved["params"] = own["params"]
+    torch_optimizer.load_state_dict(loaded)
 
 
 # ---- RNG ---------------------------------------------------------------------------------------

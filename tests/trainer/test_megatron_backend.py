@@ -1,5 +1,6 @@
-"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention; each
-with its own micro-batching) on a tiny Qwen3 converted from HF:
+"""The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention,
+and with sequence parallelism over packs of odd length, padded to a multiple of TP; each layout with its
+own micro-batching) on a tiny Qwen3 converted from HF:
 packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
 layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
 tensors under HF names."""
@@ -21,7 +22,7 @@ from tests.rollout.servers import free_port
 from trainer.args import build_parser, validate
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
-from trainer.rl_step import make_pack_loss
+from trainer.rl_step import make_pack_loss, make_value_pack_loss
 
 ATOL = 1e-5
 LENGTHS = [(7, 3), (12, 5), (5, 1), (9, 4), (15, 6), (6, 2)]  # (total tokens, response tokens)
@@ -44,7 +45,8 @@ PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
 BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"]}
 
 
-def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Path, ckpt: Path, out: Path) -> None:
+def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: list[str], name: str, model: Path,
+            ckpt: Path, out: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from trainer.megatron_backend import (
@@ -57,7 +59,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Pa
         "--attention-backend", attention, "--lr", "1e-2", "--clip-grad", "0.5", *BATCHING[(tp, world)],
         # Adam's first step is about lr * sign(g): float noise in a near-zero gradient element would
         # flip it. With eps = 1 the update follows the gradient, so layouts can be compared.
-        "--adam-eps", "1"])
+        "--adam-eps", "1", *extra])
     validate(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
@@ -69,11 +71,25 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, model: Pa
         s.old_log_probs = logps[i][0] + (0.3 if i % 2 else -0.3)  # off-policy enough that clipping matters
     metrics = backend.train_step(samples, ids, make_pack_loss(LossConfig(), samples, ids), need_entropy=False)
     weights = dict(backend.hf_weights())
+    critic = _critic_step(backend, samples, ids) if backend.critic is not None else None
     if rank == 0:
-        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights}, out / f"result_tp{tp}_world{world}_{attention}.pt")
+        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic},
+                   out / f"result_{name}.pt")
     from trainer import dist_env
 
     dist_env.shutdown()
+
+
+def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
+    """PPO's critic: one step toward random returns, then its values (under SP its value head
+    gathers the sequence)."""
+    g = torch.Generator().manual_seed(5)
+    for i, s in enumerate(samples):
+        s.values = backend.values(samples, ids)[i]
+        s.returns = torch.randn(s.response_length, generator=g)
+    metrics = backend.train_step(samples, ids, make_value_pack_loss(0.2, False, samples, ids), need_entropy=False,
+                                 role="critic")
+    return {"metrics": metrics, "values": backend.values(samples, ids)}
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +100,12 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     return model, ckpt
 
 
-def _run(tiny: tuple[Path, Path], tmp_path: Path, tp: int, world: int, attention: str) -> dict:
+def _run(tiny: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int, attention: str,
+         extra: list[str]) -> dict:
     model, ckpt = tiny
-    mp.start_processes(_worker, args=(world, free_port(), tp, attention, model, ckpt, tmp_path), nprocs=world,
-                       start_method="spawn")
-    return torch.load(tmp_path / f"result_tp{tp}_world{world}_{attention}.pt")
+    mp.start_processes(_worker, args=(world, free_port(), tp, attention, extra, name, model, ckpt, tmp_path),
+                       nprocs=world, start_method="spawn")
+    return torch.load(tmp_path / f"result_{name}.pt")
 
 
 def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -105,8 +122,12 @@ def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]
 @pytest.fixture(scope="module")
 def results(tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
-    layouts = (("tp1", 1, 1, "local"), ("tp2", 2, 2, "local"), ("dp2", 1, 2, "local"), ("tp2_sdpa", 2, 2, "sdpa"))
-    return {name: _run(tiny, tmp, tp, world, attention) for name, tp, world, attention in layouts}
+    sp = ["--sequence-parallel"]
+    ppo = ["--advantage-estimator", "ppo"]  # adds the critic
+    layouts = (("tp1", 1, 1, "local", ppo), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
+               ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp + ppo),
+               ("tp1_sp", 1, 1, "local", sp))  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
+    return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_packed_log_probs_equal_hf(tiny, results) -> None:
@@ -122,7 +143,7 @@ def test_packed_log_probs_equal_hf(tiny, results) -> None:
 def test_one_step_is_the_same_in_every_layout(results) -> None:
     base = results["tp1"]
     assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
-    for name in ("tp2", "dp2", "tp2_sdpa"):
+    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp"):
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
             assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
@@ -145,3 +166,13 @@ def test_hf_weights_have_hf_names_and_changed(tiny, results) -> None:
         assert after[name].shape == tensor.shape and after[name].dtype == tensor.dtype, name
     changed = [n for n in initial if not torch.equal(after[n], initial[n])]
     assert len(changed) == len(initial), f"a step should move every tensor; unchanged: {set(initial) - set(changed)}"
+
+
+def test_the_critic_under_sequence_parallelism_equals_tp1(results) -> None:
+    base, other = results["tp1"]["critic"], results["tp2_sp_sdpa"]["critic"]
+    assert base["metrics"]["value_loss"] > 0
+    for key in ("value_loss", "grad_norm"):
+        assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), key
+    for i, values in base["values"].items():
+        assert values.abs().max() > 1e-3, "the critic step must move the values to be a test"
+        assert (other["values"][i] - values).abs().max() < ATOL, f"sample {i}: values after the critic step"

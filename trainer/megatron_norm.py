@@ -1,0 +1,42 @@
+"""RMSNorm for megatron-core's local layer spec that also runs under sequence parallelism.
+
+megatron's WrappedTorchNorm (the local spec's norm without TransformerEngine or Apex) refuses
+config.sequence_parallel. The norm itself needs nothing special under SP: each TP rank normalises
+its own slice of the sequence with the full (replicated) weight. Only the weight's gradient is
+partial, so the hidden-state norms mark it `sequence_parallel=True`, as TransformerEngine's norms
+do, and the trainer sums such gradients over the TP group (megatron's finalize_model_grads does
+the same). q/k norms run after the sequence is gathered, on each rank's own heads: they are not
+marked (their gradients are summed over TP as q/k layernorms anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+
+def _rms_norm(config: TransformerConfig, hidden_size: int, eps: float) -> torch.nn.RMSNorm:
+    if config.normalization != "RMSNorm":
+        raise ValueError(f"normalization {config.normalization!r} is not supported; slurmrl's models use RMSNorm")
+    for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+        if getattr(config, flag):
+            raise ValueError(f"{flag} needs TransformerEngine or Apex norms, which are not installed")
+    return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
+class HiddenStateNorm:
+    """The input, pre-MLP and final norms: over a sequence slice per TP rank under SP.
+    Takes WrappedTorchNorm's constructor arguments."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
+        norm = _rms_norm(config, hidden_size, eps)
+        if config.sequence_parallel:
+            norm.weight.sequence_parallel = True
+        return norm
+
+
+class HeadNorm:
+    """The q/k norms (over head_dim, on this rank's heads, the whole sequence)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
+        return _rms_norm(config, hidden_size, eps)
