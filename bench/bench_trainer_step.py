@@ -121,7 +121,7 @@ def main() -> None:
         variants = [("sdpa", []), ("sdpa", ["--torch-compile"])] if device == "cuda" else [("local", []), ("sdpa", [])]
         for attention, extra in variants:
             args = build_parser().parse_args([
-                "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--debug-train-only",
+                "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
                 "--load-debug-rollout-data", "unused/{rollout_id}", "--attention-backend", attention,
                 "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--lr", "1e-6", "--bf16", *extra])
             validate(args)

@@ -2,7 +2,7 @@
 
 The trainer's parser registers each one with trainer.args.refused(): given, it stops the job at
 submission with its reason, unless its value is `allowed` (what slurmrl does anyway). The flags
-slurmrl implements are in trainer/args.py; docs/flags.md lists both (python -m jobs.submit_flags).
+slurmrl implements are in trainer/args_parser.py; docs/flags.md lists both (python -m jobs.submit_flags).
 """
 
 from __future__ import annotations

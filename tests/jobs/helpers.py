@@ -21,4 +21,4 @@ def job_flags(root: Path, name: str, job_dir: Path | None = None) -> list[str]:
             "--actor-num-gpus-per-node", "0", "--actor-cpus-per-task", "1",
             "--rollout-engine", "cpu", "--rollout-num-engines", "2", "--rollout-cpus-per-engine", "1",
             "--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", "2",
-            "--rm-type", "toy", "--label-key", "label", "--job-dir", str(job_dir or root / "job")]
+            "--rm-type", "toy", "--label-key", "label", "--n-samples-per-prompt", "2", "--job-dir", str(job_dir or root / "job")]

@@ -86,7 +86,8 @@ def test_a_slime_recipe_passes_dry_run_and_describes_its_job(root: Path, recipe:
     argv = _recipe_argv(recipe, root)
     assert submit_cli.main(argv + ["--dry-run"]) == 0, capsys.readouterr().err
     script = capsys.readouterr().out
-    assert "#SBATCH" in script and "hetjob" not in script  # --colocate: one group, engines on the trainer's GPUs
+    # --colocate: one group (no "#SBATCH hetjob" separator), the engines on the trainer's 8 GPUs of one node
+    assert "#SBATCH hetjob" not in script and "#SBATCH --gres=gpu:8" in script and "#SBATCH --nodes=1" in script
 
     spec, problems = load_spec(None, argv)
     assert problems == []

@@ -28,6 +28,7 @@ trainer:
     lr: 1.0e-2
     rollout-shuffle: true
     rollout-top-k: -1
+    n-samples-per-prompt: 4
 rollout:
   engine: cpu
   num_engines: 2

@@ -26,7 +26,7 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     data = tmp_path / "data.jsonl"
     data.write_text('{"input": "repeat 1\\n", "label": "1"}\n')
     return ["--hf-checkpoint", str(model), "--num-rollout", "2", "--prompt-data", str(data),
-            "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "30000"]
+            "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "30000", "--n-samples-per-prompt", "4"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -128,7 +128,7 @@ def test_missing_inputs_are_named(model: Path, tmp_path: Path) -> None:
     with pytest.raises(ArgsError, match="--prompt-data .* does not exist"):
         parse_args(_base(model, tmp_path) + ["--prompt-data", str(tmp_path / "none.jsonl")])
     with pytest.raises(ArgsError, match="--sglang-router-ip and --sglang-router-port"):
-        parse_args(_base(model, tmp_path)[:6])
+        parse_args(_base(model, tmp_path)[:6] + ["--n-samples-per-prompt", "4"])
     with pytest.raises(ArgsError, match="--debug-train-only needs --load-debug-rollout-data"):
         parse_args(_base(model, tmp_path) + ["--debug-train-only"])
 

@@ -257,7 +257,7 @@ def test_hf_weights_keep_the_checkpoint_dtype_and_names(arch: str, tmp_path: Pat
 def test_from_args_reads_the_trainer_flags(models, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("")
-    argv = ["--hf-checkpoint", str(models["actor"]), "--num-rollout", "1", "--prompt-data", str(prompts),
+    argv = ["--hf-checkpoint", str(models["actor"]), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--prompt-data", str(prompts),
             "--engine-urls", "http://127.0.0.1:1", "--train-backend", "fsdp", "--use-kl-loss",
             "--lr", "0.5", "--lr-warmup-iters", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(MAX_TOKENS),
             "--log-probs-max-tokens-per-gpu", "64", "--balance-data"]
@@ -268,6 +268,7 @@ def test_from_args_reads_the_trainer_flags(models, tmp_path: Path) -> None:
     # The KL reference is the starting checkpoint itself.
     ref, actor = backend.log_probs(samples, [0], "ref"), backend.log_probs(samples, [0])
     assert torch.equal(ref[0][0], actor[0][0])
-    assert backend.train_step(samples, [0], _nll_loss(1), need_entropy=False)["lr"] == 0.5 / 4  # warmup
+    # Megatron's warmup: the first step's lr is 0, then it rises by --lr / --lr-warmup-iters a step
+    assert [backend.train_step(samples, [0], _nll_loss(1), need_entropy=False)["lr"] for _ in range(2)] == [0.0, 0.5 / 4]
     with pytest.raises(ArgsError, match="--ref-load"):
         FSDPBackend.from_args(parse_args(argv + ["--ref-load", str(tmp_path)]))

@@ -19,9 +19,9 @@ def _megatron_lrs(lr: float, min_lr: float, warmup: int, decay: int, style: str,
                                         lr_decay_steps=decay, lr_decay_style=style, start_wd=0.0, end_wd=0.0,
                                         wd_incr_steps=1, wd_incr_style="constant")
     out = []
-    for _ in range(steps):
-        scheduler.step(1)  # Megatron counts the step before it is taken
+    for _ in range(steps):  # the lr each optimizer step runs with; the scheduler steps after it
         out.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(1)
     return out
 
 

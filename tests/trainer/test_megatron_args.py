@@ -22,7 +22,7 @@ def _base(tmp_path: Path, moe: bool) -> list[str]:
     model.mkdir()
     config = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"], **({"num_experts": 128} if moe else {})}
     (model / "config.json").write_text(json.dumps(config))
-    return ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--load-debug-rollout-data", "x"]
+    return ["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data", "x"]
 
 
 def test_the_30b_a3b_recipe_is_accepted(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
     )
 
     args = build_parser().parse_args([
-        "--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only",
+        "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
         "--load-debug-rollout-data", "unused/{rollout_id}", "--tensor-model-parallel-size", str(tp),
         "--attention-backend", attention, "--lr", "1e-2", "--clip-grad", "0.5", *BATCHING[(tp, world)],
         # Adam's first step is about lr * sign(g): float noise in a near-zero gradient element would

@@ -31,7 +31,7 @@ def _worker(rank: int, port: int, model: Path, ckpt: Path, out: Path) -> None:
     from trainer.megatron_backend import MegatronBackend
 
     args = build_parser().parse_args([
-        "--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--load-debug-rollout-data",
+        "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data",
         "unused/{rollout_id}", "--attention-backend", "local", "--lr", "1e-3",
         "--custom-megatron-init-path", f"{HOOKS}.init",
         "--custom-megatron-before-log-prob-hook-path", f"{HOOKS}.before_log_prob",

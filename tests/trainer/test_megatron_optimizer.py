@@ -39,8 +39,8 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
     from trainer.megatron_backend import MegatronBackend
 
     args = build_parser().parse_args([
-        "--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--load-debug-rollout-data",
-        "unused/{rollout_id}", "--lr", "1e-2", "--max-tokens-per-gpu", "24", *extra])
+        "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data",
+        "unused/{rollout_id}", "--lr", "1e-2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", *extra])
     validate(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     result: dict = {}

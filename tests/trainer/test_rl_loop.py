@@ -34,7 +34,7 @@ from tests.rollout.servers import API_KEY, Server, engines_behind_router, free_p
 
 TOY = ["--label-key", "label", "--rm-type", "toy", "--rollout-shuffle", "--rollout-max-response-len", "1",
        "--n-samples-per-prompt", "8", "--attention-backend", "local", "--use-dynamic-batch-size",
-       "--max-tokens-per-gpu", "4096"]
+       "--max-tokens-per-gpu", "4096", "--lr-decay-style", "constant", "--adam-beta2", "0.98", "--weight-decay", "0"]
 
 
 @pytest.fixture(scope="module")

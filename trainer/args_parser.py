@@ -1,0 +1,414 @@
+"""The trainer's flags: slime's names and defaults, each with its effect (help) or its refusal.
+trainer.args validates a parse; model-shape flags are checked against the HF config there."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from typing import Any
+
+from rollout.loss_masks import LOSS_MASK_TYPES
+from rollout.rewards import REWARD_TYPES
+from trainer.refused_flags import REFUSED
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+# Megatron's --attention-backend names (and slurmrl's sdpa): unfused/local run megatron's unfused
+# attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
+# flag -> how to read the same quantity from an HF config
+_MODEL_FLAGS: dict[str, Any] = {
+    "num_layers": lambda c: c["num_hidden_layers"],
+    "hidden_size": lambda c: c["hidden_size"],
+    "ffn_hidden_size": lambda c: c["intermediate_size"],
+    "num_attention_heads": lambda c: c["num_attention_heads"],
+    "num_query_groups": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
+    "kv_channels": lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+    "vocab_size": lambda c: c["vocab_size"],
+    "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
+    "rotary_percent": lambda c: c.get("partial_rotary_factor", 1.0),
+    "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
+    "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
+    "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+    "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
+    "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
+    "add_qkv_bias": lambda c: c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias")),
+    # no bias on any linear but (Qwen2's) q/k/v, which --add-qkv-bias covers
+    "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
+        not c.get("attention_bias") or c["architectures"][0] == "Qwen2ForCausalLM"),
+    # MoE (Qwen3-MoE): every layer's MLP is the experts'
+    "num_experts": lambda c: c.get("num_experts"),
+    "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
+    "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
+    "moe_router_score_function": lambda c: "softmax" if c.get("num_experts") else None,
+    "moe_router_pre_softmax": lambda c: bool(c.get("num_experts")) and not c.get("norm_topk_prob", False),
+    "moe_layer_freq": lambda c: 1 if c.get("num_experts") and not c.get("mlp_only_layers") else None,
+}
+
+
+def _moe_layer_freq(text: str) -> int:
+    """Megatron's --moe-layer-freq: N (every Nth layer is MoE) or a per-layer list "[1, 1, 0, ...]";
+    1 when every layer is MoE, the only layout slurmrl builds; 0 for any other pattern."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            pattern = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of 0/1") from None
+        return 1 if pattern and all(x == 1 for x in pattern) else 0
+    return int(text)
+
+
+class ArgsError(ValueError):
+    """A flag's value is wrong; the message names the flag and the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # Unknown flags get a suggestion ("--lrr: did you mean --lr?").
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = []
+            for flag in message.split(":", 1)[1].split():
+                if flag.startswith("--"):
+                    close = difflib.get_close_matches(flag.split("=")[0], known, n=1)
+                    hints.append(f"{flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+            message = "unknown flag " + ", ".join(hints or [message])
+        raise ArgsError(message)
+
+
+class _Refused(argparse.Action):
+    """A slime flag slurmrl does not implement: a value other than `allowed` (the one that is
+    what slurmrl does anyway) is refused with `reason`, never accepted and ignored."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, reason: str, allowed: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason, self.allowed = reason, allowed
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = True if self.nargs == 0 else values
+        if self.allowed is None or given != self.allowed:
+            shown = option_string if self.nargs == 0 else f"{option_string} {values}"
+            raise ArgsError(f"{shown}: {self.reason}")
+        setattr(namespace, self.dest, given)
+
+
+def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any = None, type: Any = str,
+            switch: bool = False, nargs: str | None = None) -> None:
+    """Register slime's `flag` as refused: with `reason` whenever given (allowed None), or unless
+    its value equals `allowed`. `switch`: a store_true flag (it takes no value)."""
+    kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type, "nargs": nargs}
+    p.add_argument(flag, action=_Refused, reason=reason, allowed=allowed, default=None,
+                   help=f"refused: {reason}" + ("" if allowed is None else f" (accepted: {allowed})"), **kwargs)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): give a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON object: give one, e.g. '{{\"enable_thinking\": false}}'")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m trainer", description="slurmrl's RL trainer (one process per GPU or CPU worker)",
+                allow_abbrev=False)
+    add = p.add_argument
+    # checkpoints and model
+    add("--hf-checkpoint", required=True, help="HF model folder: config, tokenizer, initial weights")
+    add("--load", help="resume from this torch_dist save folder (missing or empty: start from --ref-load)")
+    add("--ref-load", help="torch_dist weights to start from and, with KL, the reference model")
+    add("--save", help="torch_dist save folder (SAVE/iter_XXXXXXX)")
+    add("--save-interval", type=int, default=0, help="save every N rollouts (0: only at the end)")
+    add("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints")
+    add("--ckpt-step", type=int, help="resume from exactly this iteration of --load")
+    add("--job-dir", help="folder for weights, metrics and the heartbeat (default: --save or the cwd)")
+    add("--train-backend", choices=("megatron", "fsdp"), default="megatron")
+    add("--seed", type=int, default=1234)
+    add("--num-rollout", type=int, required=True, help="number of rollouts (RL iterations) to run")
+    # model shape (optional; checked against the HF config)
+    for flag in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "vocab_size"):
+        add("--" + flag.replace("_", "-"), type=int)
+    for flag in ("rotary_base", "rotary_percent", "norm_epsilon"):
+        add("--" + flag.replace("_", "-"), type=float, help="must equal config.json's")
+    for flag in ("qk_layernorm", "untie_embeddings_and_output_weights", "swiglu", "add_qkv_bias",
+                 "disable_bias_linear", "moe_router_pre_softmax"):
+        add("--" + flag.replace("_", "-"), action="store_true", default=None, help="must agree with config.json")
+    for flag in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+        add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
+    add("--moe-router-score-function", choices=("softmax", "sigmoid"), help="must agree with config.json (MoE)")
+    add("--moe-layer-freq", type=_moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
+    add("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+        help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
+    add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
+    refused(p, "--moe-grouped-gemm", "accepted: experts run as megatron's SequentialMLP, one GEMM per expert (the "
+            "same numbers; grouped GEMM needs TransformerEngine or the grouped_gemm package)", switch=True, allowed=True)
+    refused(p, "--moe-permute-fusion", "accepted: tokens are permuted by megatron's unfused code (the same numbers; "
+            "the fused kernels need TransformerEngine)", switch=True, allowed=True)
+    add("--group-query-attention", action="store_true",
+        help="as in Megatron: --num-query-groups applies (the KV heads come from config.json)")
+    add("--normalization", choices=("RMSNorm",), default="RMSNorm", help="the supported models all use RMSNorm")
+    add("--position-embedding-type", choices=("rope",), default="rope", help="the supported models all use rope")
+    add("--use-rotary-position-embeddings", action="store_true", help="as --position-embedding-type rope")
+    add("--make-vocab-size-divisible-by", type=int, default=128)
+    add("--seq-length", type=int, help="a placeholder, as in slime (Megatron-LM requires it): samples are packed "
+                                       "to --max-tokens-per-gpu and never cut")
+    add("--max-position-embeddings", type=int, help="must equal config.json's (rope needs no position table)")
+    add("--bf16", action="store_true", help="compute in bf16 on GPU (fp32 master weights)")
+    add("--torch-compile", action="store_true", help="torch.compile each transformer layer (GPU)")
+    # parallelism
+    add("--tensor-model-parallel-size", type=int, default=1)
+    # megatron parallelism: sequence parallel, expert TP (megatron backend)
+    add("--sequence-parallel", action="store_true",
+        help="split norms, dropout and MoE routing over the TP ranks along the sequence (no effect at TP 1)")
+    add("--expert-tensor-parallel-size", type=int, default=None,
+        help="TP degree of MoE expert weights (default: --tensor-model-parallel-size)")
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--context-parallel-size", type=int, default=1)
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--recompute-granularity", choices=("full", "selective"))
+    add("--recompute-method", choices=("uniform", "block"))
+    add("--recompute-num-layers", type=int)
+    add("--custom-megatron-init-path")
+    add("--custom-megatron-before-log-prob-hook-path")
+    add("--custom-megatron-before-train-step-hook-path")
+    # optimizer
+    add("--lr", type=float, default=1e-6)
+    add("--min-lr", type=float, default=0.0)
+    add("--lr-warmup-iters", type=int, default=0)
+    add("--lr-warmup-fraction", type=float, help="warm up over this fraction of --lr-decay-iters (Megatron's)")
+    add("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
+        help="Megatron's default, as in slime: linear to --min-lr over the run (slime's recipes give constant)")
+    add("--lr-decay-iters", type=int, help="optimizer steps to decay over (default: all of the run's steps)")
+    add("--weight-decay", type=float, default=0.01, help="Megatron's default, as in slime")
+    add("--adam-beta1", type=float, default=0.9)
+    add("--adam-beta2", type=float, default=0.999, help="Megatron's default, as in slime")
+    add("--adam-eps", type=float, default=1e-8)
+    add("--clip-grad", type=float, default=1.0)
+    # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron_optimizer)
+    add("--optimizer", choices=("adam", "sgd"), default="adam", help="adam: AdamW (decoupled weight decay), as megatron's")
+    add("--sgd-momentum", type=float, default=0.9)
+    add("--use-distributed-optimizer", action="store_true", default=True,
+        help="shard optimizer state over data-parallel ranks (always on, as slime sets it)")
+    add("--optimizer-cpu-offload", action="store_true", help="keep optimizer state and fp32 weights on the host")
+    add("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+        help="with --optimizer-cpu-offload: asynchronous gradient and weight copies")
+    add("--use-precision-aware-optimizer", action="store_true",
+        help="accepted: the optimizer updates fp32 weights with fp32 gradients and moments, what slurmrl always does")
+    add("--global-batch-size", type=int, help="samples per optimizer step (default: the whole rollout)")
+    add("--num-steps-per-rollout", type=int, help="optimizer steps per rollout: --global-batch-size = "
+                                                  "rollout-batch-size x n-samples-per-prompt / N")
+    # RL loss
+    add("--advantage-estimator", choices=ESTIMATORS, default="grpo")
+    add("--disable-grpo-std-normalization", action="store_true")
+    add("--normalize-advantages", action="store_true")
+    add("--gamma", type=float, default=1.0)
+    add("--lambd", type=float, default=1.0)
+    add("--kl-coef", type=float, default=0.0, help="KL to the reference model as reward shaping")
+    add("--use-kl-loss", action="store_true")
+    add("--kl-loss-coef", type=float, default=0.0)
+    add("--eps-clip", type=float, default=0.2)
+    add("--eps-clip-high", type=float)
+    add("--eps-clip-c", type=float, help="dual-clip constant (> 1)")
+    add("--value-clip", type=float, default=0.2)
+    add("--critic-lr", type=float)
+    add("--entropy-coef", type=float, default=0.0)
+    add("--calculate-per-token-loss", action="store_true")
+    add("--use-tis", action="store_true")
+    add("--tis-clip", type=float, default=2.0)
+    add("--tis-clip-low", type=float, default=0.0, help="lower clamp of the TIS weights")
+    add("--true-on-policy-mode", action="store_true")
+    add("--true-on-policy-tolerance", type=float, default=1e-5)
+    # on-policy distillation (slime's: a KL-to-teacher penalty on the advantages, on top of any estimator)
+    add("--use-opd", action="store_true", help="on-policy distillation; needs --opd-type megatron")
+    add("--opd-type", choices=("megatron", "sglang"), help="megatron: the teacher (--opd-teacher-load) is loaded "
+                                                            "into the trainer; sglang is refused")
+    add("--opd-teacher-load", help="on-policy distillation: a torch_dist teacher loaded into the trainer")
+    add("--opd-teacher-ckpt-step", type=int, help="load this iteration of --opd-teacher-load")
+    add("--opd-kl-coef", type=float, default=1.0)
+    add("--ref-ckpt-step", type=int, help="load this iteration of --ref-load")
+    # batching, loss and numerics (slime's data, algo and Megatron numerics flags)
+    add("--micro-batch-size", type=int, default=1, help="samples per micro-batch (without --use-dynamic-batch-size)")
+    add("--use-dynamic-batch-size", action="store_true",
+        help="first-fit pack each micro-batch with up to --max-tokens-per-gpu tokens")
+    add("--max-tokens-per-gpu", type=int, help="token budget of one micro-batch (with --use-dynamic-batch-size)")
+    add("--log-probs-max-tokens-per-gpu", type=int,
+        help="token budget of the log-prob passes' micro-batches (default: --max-tokens-per-gpu)")
+    add("--balance-data", action="store_true",
+        help="hand micro-batches to data-parallel ranks by Karmarkar-Karp on their token counts")
+    refused(p, "--balance-by-flops", "micro-batches are packed first-fit by tokens; FLOPs-balanced packing is not "
+            "implemented (use --balance-data)", switch=True)
+    add("--kl-loss-type", choices=KL_TYPES, default="k1")
+    add("--use-unbiased-kl", action="store_true", help="weigh the KL loss by the importance ratio pi/pi_old")
+    add("--use-rollout-logprobs", action="store_true",
+        help="the PPO ratio's old log-probs are the engines' instead of the trainer's")
+    add("--loss-type", choices=("policy_loss", "sft_loss"), default="policy_loss",
+        help="sft_loss: the masked mean negative log-likelihood of the responses")
+    refused(p, "--custom-loss-function-path", "custom loss functions are not supported; use --loss-type")
+    add("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
+        help="grpo/gspo/reinforce_plus_plus_baseline: use the raw rewards, no group mean (and std) normalization")
+    refused(p, "--disable-compute-advantages-and-returns", "advantages are always computed", switch=True)
+    refused(p, "--custom-advantage-function-path", "custom advantage functions are not supported")
+    refused(p, "--custom-tis-function-path", "custom TIS functions are not supported; --use-tis is vanilla TIS")
+    refused(p, "--custom-pg-loss-reducer-function-path", "custom loss reducers are not supported; see "
+            "--calculate-per-token-loss")
+    refused(p, "--get-mismatch-metrics", "it needs --custom-tis-function-path, which is not supported", switch=True)
+    refused(p, "--use-rollout-entropy", "the trainer's entropy is always computed with the old log-probs; it "
+            "needs no flag", switch=True, allowed=True)
+    for flag in ("--use-routing-replay", "--use-rollout-routing-replay"):
+        refused(p, flag, "MoE routing replay is not implemented", switch=True)
+    refused(p, "--use-opsm", "off-policy sequence masking is not implemented", switch=True)
+    refused(p, "--opsm-delta", "off-policy sequence masking is not implemented", type=float, allowed=1e-4)
+    refused(p, "--ref-update-interval", "the reference model stays the initial policy", type=int)
+    refused(p, "--num-critic-only-steps", "critic-only warmup steps are not implemented", type=int, allowed=0)
+    for flag in ("--attention-dropout", "--hidden-dropout"):
+        refused(p, flag, "dropout is not supported in RL training; use 0.0", type=float, allowed=0.0)
+    refused(p, "--accumulate-allreduce-grads-in-fp32", "accepted: slurmrl always keeps fp32 gradients and "
+            "reduces them in fp32", switch=True, allowed=True)
+    refused(p, "--attention-softmax-in-fp32", "accepted: the softmax always runs in fp32 (fp32 on CPU; bf16 "
+            "autocast computes softmax in fp32; SDPA kernels accumulate in fp32)", switch=True, allowed=True)
+    add("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        help="auto/sdpa: torch's scaled_dot_product_attention; flash: its flash kernel only (CUDA); fused: its "
+             "cuDNN/memory-efficient kernels (CUDA); unfused/local: the unfused attention")
+    add("--deterministic-mode", action="store_true",
+        help="deterministic cuDNN and torch.use_deterministic_algorithms (errors on ops without one)")
+    # rollout (see rollout.generate.RolloutArgs)
+    add("--prompt-data", help="jsonl prompts")
+    add("--input-key", default="input")
+    add("--label-key")
+    add("--metadata-key", default="metadata", help="the jsonl field holding each prompt's metadata (slime's default)")
+    add("--apply-chat-template", action="store_true")
+    add("--rollout-shuffle", action="store_true")
+    add("--rollout-batch-size", type=int, default=32, help="prompts per rollout")
+    add("--n-samples-per-prompt", type=int, default=1, help="responses per prompt (a group); slime's default 1")
+    add("--rollout-max-response-len", type=int, default=1024)
+    add("--rollout-temperature", type=float, default=1.0)
+    add("--rollout-top-p", type=float, default=1.0)
+    add("--rollout-top-k", type=int, default=-1)
+    add("--rollout-stop", nargs="*")
+    add("--rollout-stop-token-ids", nargs="+", type=int, help="token ids that end a response")
+    add("--rollout-skip-special-tokens", action="store_true",
+        help="drop special tokens from the response text (slime's default keeps them)")
+    add("--rollout-max-prompt-len", type=int, help="drop prompts longer than this many tokens when the data is read")
+    add("--rollout-max-context-len", type=int, help="the engines' context: prompts longer than N - 1 tokens are "
+                                                    "dropped (unless --rollout-max-prompt-len says otherwise)")
+    add("--mask-offpolicy-in-partial-rollout", action="store_true",
+        help="with --partial-rollout: a continued sample trains only on the tokens of its last round")
+    add("--rollout-sample-hook-path", action="append", default=[],
+        help="module.function(args, sample, *, rollout_id, evaluation) run on each finished sample before its "
+             "reward, in order (sync or async; may return a new sample); repeatable")
+    add("--tool-key", default="tools", help="the prompt field holding tools for the chat template")
+    add("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false",
+        help="no --prompt-data: --rollout-function-path supplies every prompt")
+    refused(p, "--data-source-path", "prompts come from --prompt-data (jsonl or parquet); a custom rollout "
+            "brings its own with --rollout-function-path", allowed="slime.rollout.data_source.RolloutDataSourceWithBuffer")
+    refused(p, "--buffer-filter-path", "groups left over by partial rollout go back in their prompt order; a "
+            "filter over them is not supported")
+    refused(p, "--rollout-data-postprocess-path", "a hook after the log-probs is not supported; set loss_mask in a "
+            "custom generate function or a --rollout-sample-hook-path hook")
+    refused(p, "--custom-rollout-log-function-path", "rollout metrics go to metrics.jsonl, TensorBoard and W&B; "
+            "a custom logger is not supported")
+    refused(p, "--multimodal-keys", "slurmrl trains text-only models")
+    refused(p, "--num-epoch", "give --num-rollout (epochs x prompts / --rollout-batch-size)", type=int)
+    refused(p, "--start-rollout-id", "a run starts at rollout 0, or where --load's checkpoint left off", type=int)
+    add("--rollout-seed", type=int, default=42)
+    add("--rollout-concurrency", type=int, default=64)
+    add("--rollout-retry-timeout", dest="retry_timeout_s", type=float, default=1800.0,
+        help="give up on a request after this many seconds without any engine")
+    add("--rm-type", choices=[p + t for p in ("", "boxed_") for t in REWARD_TYPES],
+        help="built-in reward (a sample's metadata rm_type overrides it); slime's default: none")
+    add("--custom-rm-path")
+    add("--custom-generate-function-path")
+    add("--rollout-function-path")
+    add("--over-sampling-batch-size", type=int)
+    add("--dynamic-sampling-filter-path")
+    add("--partial-rollout", action="store_true")
+    # debug dumps and debug modes (slime's .pt layout: rollout.debug_data)
+    add("--save-debug-rollout-data", help="torch.save each rollout's samples here (a path with {rollout_id})")
+    add("--load-debug-rollout-data", help="train on rollouts saved by --save-debug-rollout-data, not engines")
+    add("--debug-train-only", action="store_true", help="no engines: train on --load-debug-rollout-data")
+    add("--debug-rollout-only", action="store_true",
+        help="engines and rollouts only: no model in the trainer, no training, no checkpoint; the engines "
+             "serve --hf-checkpoint's weights (published once as version 0)")
+    refused(p, "--load-debug-rollout-data-subsample", "replaying part of a rollout would change its training "
+            "step; replay the whole dump", type=float)
+    # eval (rollout.eval): named sets on the live engines between rollouts
+    add("--eval-interval", type=int, help="evaluate after every N rollouts (and before the first, unless "
+        "--skip-eval-before-train)")
+    add("--eval-prompt-data", nargs="+", metavar="NAME PATH", help="eval sets: NAME PATH [NAME PATH ...] (jsonl)")
+    add("--skip-eval-before-train", action="store_true")
+    add("--eval-input-key", help="the eval sets' prompt field (default: --input-key)")
+    add("--eval-label-key", help="the eval sets' label field (default: --label-key)")
+    add("--n-samples-per-eval-prompt", type=int, default=1, help="responses per eval prompt: pass@k's k")
+    add("--eval-temperature", type=float, help="default: --rollout-temperature")
+    add("--eval-top-p", type=float, help="default: --rollout-top-p")
+    add("--eval-top-k", type=int, help="default: --rollout-top-k")
+    add("--eval-max-response-len", type=int, help="default: --rollout-max-response-len")
+    add("--eval-function-path", help="module.function run as generate_rollout(args, rollout_id, data_buffer, "
+        "evaluation=True) -> {name: {'rewards', 'truncated', 'samples'}} (default: --rollout-function-path)")
+    add("--custom-eval-rollout-log-function-path",
+        help="module.function(rollout_id, args, data, extra_metrics) -> bool: True skips slurmrl's eval logging")
+    refused(p, "--eval-config", "give the eval sets as --eval-prompt-data NAME PATH ... and the --eval-* flags")
+    refused(p, "--eval-tool-key", "slurmrl's data has no tools field")
+    refused(p, "--eval-max-prompt-len", "slurmrl does not drop long prompts; trim the eval set", type=int)
+    refused(p, "--eval-min-new-tokens", "min_new_tokens is not a sampling parameter slurmrl sends", type=int)
+    refused(p, "--eval-max-context-len", "slurmrl bounds responses with --eval-max-response-len only", type=int)
+    # rewards and data (issue 14 item 6): see rollout/rewards.py, rollout/remote_rm.py, rollout/data.py
+    add("--reward-key", help="a reward that is a dict (dapo's, a reward server's): the entry trained on")
+    add("--eval-reward-key", help="the same for eval (default: --reward-key)")
+    add("--group-rm", action="store_true",
+        help="score each group at once: --custom-rm-path gets (args, samples) and returns a list")
+    add("--rm-url", help="--rm-type remote_rm: the reward server (POST {prompt, response, label} -> reward)")
+    add("--rm-concurrency", type=int, default=64, help="remote_rm requests in flight at once")
+    add("--rm-timeout", type=float, default=120.0, help="seconds for one remote_rm request")
+    add("--rm-max-retries", type=int, default=10, help="remote_rm attempts per sample before the rollout fails")
+    add("--rm-retry-backoff", type=float, default=1.0,
+        help="seconds before remote_rm's first retry; doubles each time, at most 30 s")
+    add("--loss-mask-type", choices=LOSS_MASK_TYPES, default="qwen",
+        help="rollout.sft_rollout: how a conversation's trained tokens are found (step_loss_mask 0 turns are not)")
+    add("--apply-chat-template-kwargs", type=_json_object, default="{}",
+        help="JSON object passed to the tokenizer's apply_chat_template, e.g. '{\"enable_thinking\": false}'")
+    # engines and weight publishing
+    add("--sglang-router-ip")
+    add("--sglang-router-port", type=int)
+    add("--engine-urls", nargs="*", help="standalone debugging: publish to these engines (default: the router's)")
+    add("--update-weight-transport", choices=("disk", "nccl"), default="disk",
+        help="disk: each version an HF folder in JOB_DIR/weights, which a restarted engine also loads; nccl: "
+             "broadcast over a weight-update group (slime's default)")
+    add("--update-weight-buffer-size", type=int, default=512 * 2**20)
+    add("--keep-weight-versions", type=int, default=3)
+    add("--update-weight-timeout", type=float, default=600.0)
+    add("--supervised", action="store_true",
+        help="a slurmrl supervisor owns the engines: ask it on --job-dir's control socket (set by slurmrl)")
+    # logging
+    # logging: metrics.jsonl and TensorBoard always; W&B with --use-wandb (trainer/wandb_log.py)
+    add("--tensorboard-dir", help="TensorBoard folder (default: TENSORBOARD_DIR, else JOB_DIR/tensorboard_log/"
+                                  "PROJECT/EXPERIMENT with --tb-project-name, else JOB_DIR/tensorboard)")
+    add("--use-tensorboard", action="store_true", help="TensorBoard scalars are always written; see --tensorboard-dir")
+    add("--tb-project-name", help="TensorBoard folder JOB_DIR/tensorboard_log/PROJECT/EXPERIMENT")
+    add("--tb-experiment-name", help="with --tb-project-name (default: the job dir's name, stable across resumes)")
+    add("--use-wandb", action="store_true", help="log each rollout's metrics to one W&B run (resumes continue it)")
+    add("--wandb-mode", choices=("online", "offline", "disabled"), help="default: WANDB_MODE, else online")
+    add("--wandb-dir", help="where W&B keeps its files (default: the job dir)")
+    add("--wandb-key", help="W&B API key for online mode (or WANDB_API_KEY)")
+    add("--wandb-host", help="W&B server for the login")
+    add("--wandb-team", help="W&B entity")
+    add("--wandb-project", help="W&B project")
+    add("--wandb-group", help="W&B group and run name (default: the job dir's name)")
+    add("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false",
+        help="no random suffix on the group (the suffix is chosen once per job, so resumes keep it)")
+    add("--wandb-always-use-train-step", action="store_true",
+        help="W&B step = optimizer steps done (default: the rollout id)")
+    add("--wandb-run-id", help="log into this existing W&B run")
+    add("--log-passrate", action="store_true", help="log passrate/pass@k of each rollout's groups (reward 1 = pass)")
+    add("--master-port", type=int, help="torch.distributed port (default: from the SLURM job id)")
+    for r in REFUSED:
+        refused(p, r.flag, r.reason, allowed=r.allowed, type=r.type, switch=r.switch, nargs=r.nargs)
+    return p
