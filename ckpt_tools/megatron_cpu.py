@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a few places that are reached even on CPU (RNG tracker, rotary
 embedding, dist_checkpointing's barriers, TP gathers). `apply()` redirects exactly those to
-their CPU equivalents; it does nothing when a GPU is present and is safe to call repeatedly.
+their CPU equivalents when no GPU is present, and defines what 0.16.1 leaves undefined without
+TransformerEngine; it is safe to call repeatedly.
 """
 
 from __future__ import annotations
@@ -18,9 +19,18 @@ _applied = False
 
 
 def apply() -> None:
-    """Redirect megatron-core's CUDA-only calls to CPU. No-op with a GPU; idempotent."""
+    """Redirect megatron-core's CUDA-only calls to CPU (none with a GPU) and mend what it leaves
+    undefined without TransformerEngine (CPU and GPU alike). Idempotent."""
     global _applied
-    if _applied or torch.cuda.is_available():
+    if _applied:
+        return
+    _applied = True
+    # 0.16.1 tests `te_general_gemm is not None` in the MoE router without defining it when
+    # TransformerEngine is absent (NameError, on a GPU too); None selects the torch path.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if torch.cuda.is_available():
         return
     cuda = torch.cuda
     # dist_checkpointing preload/finalize and parallel_state synchronize; CPU ops are synchronous.
@@ -33,8 +43,3 @@ def apply() -> None:
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    # 0.16.1 tests `te_general_gemm is not None` in the router without defining it when
-    # TransformerEngine is absent (NameError); None selects the torch path.
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    moe_utils.te_general_gemm = None
-    _applied = True
