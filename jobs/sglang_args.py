@@ -8,12 +8,16 @@ folder never shadows an installed package.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from jobs.contract import write_atomic
+
 SIDE_FOLDER = Path(__file__).resolve().parents[1] / ".sglang-args"
+CACHE = SIDE_FOLDER / "parse-cache"  # one JSON verdict per (pinned versions, argv)
 # Importing sglang.srt.server_args (torch, transformers) takes ~10 s on a loaded 2-core machine.
 PARSE_TIMEOUT_S = 180.0
 
@@ -49,9 +53,27 @@ class ParserUnavailable(RuntimeError):
 
 def parse_errors(argvs: list[list[str]], timeout_s: float = PARSE_TIMEOUT_S) -> list[str | None]:
     """SGLang's error for each engine argv (the flags after `-m sglang.launch_server`), None where it
-    parses. Raises ParserUnavailable when the side folder is missing or does not import."""
+    parses. Raises ParserUnavailable when the side folder is missing or does not import. A verdict
+    is remembered in the side folder (keyed by its pinned versions and the argv), so a command line
+    seen before costs no import of SGLang."""
     if not (SIDE_FOLDER / "sglang").is_dir():
         raise ParserUnavailable(f"{SIDE_FOLDER} is missing; run scripts/install.sh")
+    keys = [_cache_key(argv) for argv in argvs]
+    known = {key: json.loads(path.read_text()) for key in keys if (path := CACHE / f"{key}.json").is_file()}
+    todo = [(key, argv) for key, argv in zip(keys, argvs) if key not in known]
+    if todo:
+        for (key, _), verdict in zip(todo, _run_parser([argv for _, argv in todo], timeout_s)):
+            known[key] = verdict
+            write_atomic(CACHE / f"{key}.json", json.dumps(verdict), durable=False)
+    return [known[key] for key in keys]
+
+
+def _cache_key(argv: list[str]) -> str:
+    pins = (SIDE_FOLDER / "PINS").read_text() if (SIDE_FOLDER / "PINS").is_file() else ""
+    return hashlib.sha256(json.dumps([pins, argv]).encode()).hexdigest()
+
+
+def _run_parser(argvs: list[list[str]], timeout_s: float) -> list[str | None]:
     try:
         out = subprocess.run([sys.executable, "-c", _CHILD, str(SIDE_FOLDER)], input=json.dumps(argvs),
                              capture_output=True, text=True, timeout=timeout_s)

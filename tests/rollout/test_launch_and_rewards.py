@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from rollout import debug_data
 from rollout.filters import nonzero_reward_std
 from rollout.launch import (
     EngineLaunch,
@@ -20,7 +18,7 @@ from rollout.launch import (
 )
 from rollout.plugins import load_function
 from rollout.rewards import toy_reward
-from rollout.sample import Sample, Status
+from rollout.sample import Sample
 
 
 def test_passthrough_strips_the_prefix_and_keeps_values() -> None:
@@ -91,19 +89,6 @@ def test_nonzero_reward_std_filter() -> None:
         return [Sample(index=i, group_index=0, prompt="p", reward=r) for i, r in enumerate(rewards)]
     assert nonzero_reward_std(None, group(0.0, 1.0, 1.0))
     assert not nonzero_reward_std(None, group(1.0, 1.0, 1.0))
-
-
-def test_debug_data_round_trip(tmp_path: Path) -> None:
-    groups = [[Sample(index=0, group_index=0, prompt="p", tokens=[1, 2, 3], response="x", response_length=1,
-                      reward=1.0, loss_mask=[1], status=Status.COMPLETED, rollout_log_probs=[-0.5],
-                      weight_version="v2", metadata={"row": 4})]]
-    template = str(tmp_path / "dbg" / "rollout_{rollout_id}.json")
-    assert debug_data.save(template, 3, groups) == tmp_path / "dbg" / "rollout_3.json"
-    assert debug_data.load(template, 3) == groups
-    with pytest.raises(FileNotFoundError, match="rollout 4 saved"):
-        debug_data.load(template, 4)
-    with pytest.raises(ValueError, match="must contain"):
-        debug_data.save(str(tmp_path / "x.json"), 1, groups)
 
 
 def test_engine_command_parses_with_sglangs_own_parser() -> None:

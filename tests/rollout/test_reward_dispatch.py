@@ -97,7 +97,7 @@ def test_a_reward_the_generate_set_is_kept_and_dict_rewards_take_reward_key(mode
 def _parse(model: Path, tmp_path: Path, *flags: str):
     data = tmp_path / "data.jsonl"
     data.write_text('{"input": "x", "label": "1"}\n')
-    return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--prompt-data", str(data),
+    return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--prompt-data", str(data),
                        "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "30000", *flags])
 
 
