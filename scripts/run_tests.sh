@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec python3 -m pytest -ra -q "$@"
+exec python3 -m pytest -ra -q --durations=15 "$@"
