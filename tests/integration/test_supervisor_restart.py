@@ -52,8 +52,8 @@ def test_a_killed_supervisor_is_restarted_and_adopts_its_steps(devcluster, toy, 
     rewards = [m["reward_mean"] for m in metrics]
     assert rewards[0] < 0.2 and max(rewards[-4:]) > 0.5, rewards
     assert_never_stale(job_dir)
-    # The trainer waited for the restarted supervisor instead of failing.
-    assert "again for up to" in (job_dir / "logs" / "trainer.log").read_text()
+    # The trainer waits for a restarted supervisor instead of failing (its retry is
+    # tests/trainer/test_supervisor_link.py's): whether one of its calls fell in this gap is timing.
 
 
 def test_a_stop_asked_just_before_a_crash_still_ends_the_job(devcluster, toy, tmp_path: Path) -> None:  # noqa: F811
