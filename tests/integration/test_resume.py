@@ -140,7 +140,9 @@ def freeze_during_rollout(job_dir: Path, engines: list[int]) -> None:
     later); a rollout that finished first is let go and the next one tried."""
     def caught() -> bool:
         beat = heartbeat(job_dir)
-        if beat.get("phase") != "rollout":
+        # After rollouts 2, 5, 8, 11 (--eval-interval 3) an eval, which also beats "rollout", runs on
+        # the engines: only a training rollout's generation can be abandoned.
+        if beat.get("phase") != "rollout" or beat.get("rollout_id", 0) % 3 == 2:
             return False
         for pid in engines:
             os.kill(pid, signal.SIGSTOP)
