@@ -71,7 +71,7 @@ from supervisor.trainer_watch import REQUEUE, TrainerWatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Daemon", "JobFailed", "Supervisor"]
+__all__ = ["Daemon", "JobFailed", "Supervisor", "record_start_failure", "start"]
 
 
 class Supervisor(submitit.helpers.Checkpointable):
@@ -81,7 +81,29 @@ class Supervisor(submitit.helpers.Checkpointable):
         self.spec = spec
 
     def __call__(self) -> str:
-        return Daemon(self.spec).run()
+        return start(self.spec).run()
+
+
+def start(spec: JobSpec) -> Daemon:
+    """The job's Daemon; if it cannot even start, the reason goes where `slurmrl status` and
+    `slurmrl events` show it (else only Submitit's log would say why the job ended)."""
+    try:
+        return Daemon(spec)
+    except Exception as err:
+        reason = f"the supervisor could not start: {err}"
+        record_start_failure(JobDir(Path(spec.job_dir)), reason)
+        raise JobFailed(reason) from err
+
+
+def record_start_failure(job_dir: JobDir, reason: str) -> None:
+    if not job_dir.root.is_dir():
+        return  # no job dir to write to: the caller's stderr is all there is
+    with StateStore(job_dir).update() as state:
+        state.job_id = os.environ.get("SLURM_JOB_ID", state.job_id)
+        state.stop_reason = f"failed: {reason}"
+    events = EventLog(job_dir.events)
+    events.emit("job_failed", reason=reason)
+    events.close()
 
 
 class Daemon:

@@ -93,7 +93,10 @@ def _resolve(address: str) -> str:
 def from_environment(spec: JobSpec, timeout_s: float, env: dict[str, str] | None = None) -> Layout:
     """The layout of the job this process runs in; timeout_s bounds each scontrol call."""
     env = dict(os.environ if env is None else env)
-    job_id = env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job_id:
+        raise ValueError("SLURM_JOB_ID is not set: the supervisor runs as a SLURM job's batch step "
+                         "(slurmrl submit, or sbatch a template of slurm/templates)")
     groups = [hostnames(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}") or env["SLURM_JOB_NODELIST"], timeout_s)
               for g in range(spec.het_groups)]
     trainer_nodes = groups[0]
