@@ -66,7 +66,7 @@ class StepLauncher:
         self.set_current(step)
         with job.store.update() as state:
             record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
-            record.state, record.slurm_step = STARTING, None
+            record.state, record.slurm_step, record.launched_at = STARTING, None, time.time()
             state.steps[name] = record
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
         return step

@@ -292,10 +292,12 @@ class Loop:
                 "engines_fenced": len(result.fenced)}
 
     def publish_and_save(self, rollout_id: int, metrics: dict[str, Any], publish: bool = True) -> None:
+        # weight_version: the version the engines generated this rollout with; published_version:
+        # the one trained on it. Not published (save-now): the resumed trainer publishes it first thing.
+        metrics["weight_version"] = self.weight_version
         self.weight_version += 1
         self.next_rollout = rollout_id + 1
-        # Not published (save-now): the resumed trainer publishes this version first thing.
-        metrics.update(self.publish() if publish else {}, weight_version=self.weight_version)
+        metrics.update(self.publish() if publish else {}, published_version=self.weight_version)
         if eval_due(self.args, rollout_id):
             if not publish:
                 self.eval_owed = rollout_id  # the engines are a version behind: the resumed run evaluates
