@@ -4,7 +4,7 @@
 YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollout):
 
     name: toy                       # SLURM job name
-    job_dir: null                   # default ./slurmrl-jobs/<name>-<timestamp> (made absolute)
+    job_dir: null                   # default $SLURMRL_JOBS_DIR or ~/slurmrl-jobs, then /<name>-<timestamp>
     partition: dev
     account: null
     qos: null

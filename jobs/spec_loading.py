@@ -268,8 +268,14 @@ def spec_from_yaml(text_or_path: str | Path) -> JobSpec:
 
 
 # -- filling in what the user left out (at submission) -----------------------------------------
+JOBS_DIR_ENV = "SLURMRL_JOBS_DIR"
+
+
 def default_job_dir(name: str) -> Path:
-    return Path("slurmrl-jobs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    """$SLURMRL_JOBS_DIR/<name>-<timestamp>, else ~/slurmrl-jobs/...: a shared home on a cluster, and
+    never inside the working tree one happens to submit from."""
+    root = Path(os.environ.get(JOBS_DIR_ENV) or Path.home() / "slurmrl-jobs").expanduser()
+    return (root / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
 def finalize(spec: JobSpec) -> JobSpec:
