@@ -287,8 +287,11 @@ class Daemon:
     def _stop_steps(self) -> None:
         job = self.job
         job.finished.set()
+        why = job.store.snapshot().stop_reason or "the supervisor is ending"
         for name, step in self.launcher.all().items():
             if step.returncode is None:
+                _note_in_log(job.dir.log(name), f"slurmrl: the supervisor stops this step ({why}); srun's "
+                                                "'Terminated' or 'Killed' lines after this one are that stop")
                 try:
                     self.steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)
                 except Exception:  # keep stopping the others
@@ -296,3 +299,11 @@ class Daemon:
             failed = name in job.engines and job.engines[name].state == FAILED
             job.store.update_step(name, state=FAILED if failed else "stopped")
 
+
+
+def _note_in_log(path: Path, line: str) -> None:
+    try:
+        with open(path, "a") as log:
+            log.write(line + "\n")
+    except OSError:  # a log we cannot write to must not keep a step running
+        pass
