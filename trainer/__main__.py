@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> None:
         warnings.filterwarnings("ignore", message=message)
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("trainer").info("megatron-core runs without TransformerEngine and Apex (torch kernels)")
     try:
         args = parse_args(argv)
     except ArgsError as err:
         main_error(err)
+    logging.getLogger("trainer").info("megatron-core runs without TransformerEngine and Apex (torch kernels)")
     from trainer import dist_env
     from trainer.setup import build
 

@@ -207,3 +207,12 @@ def test_deterministic_mode_turns_on_deterministic_algorithms() -> None:
             "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["True", "True", "False", ":4096:8"]
+
+
+def test_help_shows_every_flags_default() -> None:
+    from trainer.args import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--adam-beta2 ADAM_BETA2 Megatron's default, as in slime (default: 0.999)" in text
+    assert "--seed SEED as in slime (default: 1234)" in text
+    assert "--train-backend {megatron,fsdp} as in slime (default: megatron)" in text
