@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from jobs.contract import JobDir, read_heartbeat
 from jobs.control_protocol import Call, ControlClient, ControlError
 from jobs.spec import FaultToleranceSpec
-from supervisor import status_view
+from supervisor import slurm_jobs, status_view
 from supervisor.events import follow
 from supervisor.launcher import TRAINER
 from supervisor.state import read_state
@@ -27,70 +25,92 @@ from supervisor.state import read_state
 _WAITS = FaultToleranceSpec()
 
 
-class JobNotFound(ValueError):
-    pass
+def _status(job_dir: JobDir, args: argparse.Namespace) -> int:
+    if args.json:
+        state, live = _state(job_dir)
+        if state is None:
+            return _not_started(job_dir)
+        print(json.dumps({**state, "supervisor_running": live}))
+        return 0
+    while True:
+        text, code, over = _status_text(job_dir, args.since)
+        if args.watch and sys.stdout.isatty():
+            print("\x1b[H\x1b[2J", end="")  # home and clear: the table refreshes in place
+        print(text, flush=True)
+        if not args.watch or over:
+            return code
+        time.sleep(args.watch)
+        if not sys.stdout.isatty():
+            print()
 
 
-def job_dir_of(job: str) -> JobDir:
-    """A job dir as given, or the one a SLURM job id's Submitit log lives in (JOB_DIR/submitit/...)."""
-    given = JobDir(Path(job).resolve())
-    if given.spec.is_file():
-        return given
-    if not job.isdigit():
-        raise JobNotFound(f"{job}: neither a job directory (no spec.yaml) nor a SLURM job id")
-    try:
-        done = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
-                              timeout=_WAITS.slurm_command_timeout)
-    except subprocess.TimeoutExpired:
-        raise JobNotFound(f"job {job}: SLURM did not answer within {_WAITS.slurm_command_timeout:.0f} s; "
-                          "give its job directory") from None
-    except FileNotFoundError:
-        raise JobNotFound(f"job {job}: there is no scontrol here (no SLURM client); give its job directory") from None
-    if done.returncode != 0 and "invalid job id" not in done.stderr.lower():
-        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise JobNotFound(f"job {job}: SLURM did not answer: {said} (is SLURM_CONF set?)")
-    for field in done.stdout.split():
-        if field.startswith("StdOut="):
-            candidate = JobDir(Path(field.split("=", 1)[1]).parent.parent)
-            if candidate.spec.is_file():
-                return candidate
-    raise JobNotFound(f"job {job}: SLURM no longer knows it, or it is not a slurmrl job; give its job directory")
-
-
-def _status(job_dir: JobDir, as_json: bool, since: float | None) -> int:
+def _state(job_dir: JobDir) -> tuple[dict[str, Any] | None, bool]:
+    """The live supervisor's state, else the saved one; (None, False) before the supervisor's start."""
     if not job_dir.state.is_file():
-        print(f"slurmrl status: {job_dir.root} has no {job_dir.state.name} yet (the supervisor has not started)",
-              file=sys.stderr)
-        return 1
+        return None, False
     try:
-        state = ControlClient(job_dir, _WAITS.control_call_timeout).call(Call.STATUS)["state"]
-        live = True
+        return ControlClient(job_dir, _WAITS.control_call_timeout).call(Call.STATUS)["state"], True
     except ControlError:
         from dataclasses import asdict
 
-        state, live = asdict(read_state(job_dir)), False
-    if as_json:
-        print(json.dumps({**state, "supervisor_running": live}))
-        return 0
-    print(status_view.header(state))
-    if state.get("stop_reason"):
-        print(f"stopped: {state['stop_reason']}")
+        return asdict(read_state(job_dir)), False
+
+
+def _status_text(job_dir: JobDir, since: float | None) -> tuple[str, int, bool]:
+    """(what to print, exit code, whether the job is over)."""
+    state, live = _state(job_dir)
+    if state is None:
+        return _before_start(job_dir)
+    lines = [status_view.header(state)]
+    over = bool(state.get("stop_reason"))
+    if over:
+        lines.append(f"stopped: {state['stop_reason']}")
+    elif not live and (slurm := _slurm_job(job_dir)) is not None and not slurm.queued:
+        lines.append(f"ended: SLURM says {slurm.state} (the supervisor wrote no reason: see {job_dir.root}/submitit)")
+        over = True
     launched = (state["steps"].get(TRAINER) or {}).get("launched_at")
     beat = read_heartbeat(job_dir, launched) if launched else None
-    print(status_view.table(state["steps"], state["job_id"], beat))
+    lines.append(status_view.table(state["steps"], state["job_id"], beat))
     if since is not None:
-        print("\nevents:")
-        for event in follow(job_dir.events, from_start=True, stop=_at_end()):
-            if float(event["time"]) >= since:
-                print(event_line(event))
-    return 0
+        lines.append("\nevents:")
+        lines += [event_line(e) for e in follow(job_dir.events, from_start=True, stop=_at_end())
+                  if float(e["time"]) >= since]
+    return "\n".join(lines), 0, over
+
+
+def _before_start(job_dir: JobDir) -> tuple[str, int, bool]:
+    slurm = _slurm_job(job_dir)
+    if slurm is None:
+        return (f"{job_dir.root}: no supervisor state yet, and SLURM knows no job of it "
+                f"({job_dir.slurm_job_id.name} is missing or names a job SLURM forgot)"), 1, True
+    if slurm.state == "PENDING":
+        return (f"job {slurm.job_id} is pending ({slurm.reason or 'no reason given'}): the supervisor starts "
+                "when SLURM runs the job"), 0, False
+    if slurm.queued:
+        return f"job {slurm.job_id} is {slurm.state.lower()}: its supervisor has not written its state yet", 0, False
+    return (f"job {slurm.job_id} ended ({slurm.state}) before its supervisor started: see "
+            f"{job_dir.root}/submitit"), 1, True
+
+
+def _slurm_job(job_dir: JobDir) -> slurm_jobs.SlurmJob | None:
+    try:
+        job_id = job_dir.slurm_job_id.read_text().strip()
+    except OSError:
+        return None
+    return slurm_jobs.job_state(job_id, _WAITS.slurm_command_timeout)
+
+
+def _not_started(job_dir: JobDir) -> int:
+    text, code, _ = _before_start(job_dir)
+    print(f"slurmrl status: {text}", file=sys.stderr if code else sys.stdout)
+    return code
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        job_dir = job_dir_of(args.job)
+        job_dir = slurm_jobs.job_dir_of(args.job, _WAITS.slurm_command_timeout)
         if args.command == "status":
-            return _status(job_dir, args.json, args.since)
+            return _status(job_dir, args)
         if args.command == "events":
             for event in follow(job_dir.events, from_start=True, stop=None if args.follow else _at_end()):
                 if args.since is None or float(event["time"]) >= args.since:
@@ -103,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         ControlClient(job_dir, _WAITS.control_call_timeout).call(Call.STOP)
         print("stopping: the trainer saves at its next rollout boundary, then the job ends")
         return 0
-    except (JobNotFound, ControlError, FileNotFoundError) as err:
+    except (slurm_jobs.JobNotFound, slurm_jobs.SlurmUnavailable, ControlError, FileNotFoundError) as err:
         print(f"slurmrl {args.command}: error: {err}", file=sys.stderr)
         return 1
 
@@ -145,6 +165,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser("status", help="a table of a job's steps, its weight version and checkpoint")
     status.add_argument("job", help="SLURM job id or job directory")
     status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", nargs="?", type=float, const=5.0, metavar="SECONDS",
+                        help="refresh in place every SECONDS (default 5) until the job ends")
     status.add_argument("--since", type=since_time, metavar="WHEN", help="also list the events from then on "
                         "(an ISO time or an age: 90s, 10m, 2h, 1d)")
     restart = subparsers.add_parser("restart", help="restart one step of a running job")
