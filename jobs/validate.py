@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jobs.contract import Phase
 from jobs.hetjob import het_groups
-from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, group_flags
+from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, group_flags
 from jobs.spec_loading import spec_flags
 
 
@@ -130,8 +130,10 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
                             f"(rollout_num_gpus_per_node); give a multiple of {per_node}")
         elif (tp_ <= per_node and per_node % tp_) or (tp_ > per_node and tp_ % per_node):
             problems.append(f"rollout.rollout_num_gpus_per_engine: {tp_} does not tile nodes of {per_node} GPUs; "
-                            "an engine must fit a node evenly or span whole nodes")
+                            f"an engine must fit a node evenly or span whole nodes: give a divisor or a "
+                            f"multiple of {per_node}")
     else:
+        problems += _cpu_topology_problems(r)
         if not r.num_engines or r.num_engines < 1:
             problems.append("rollout.num_engines: the cpu engine needs --rollout-num-engines 1 or more")
         if r.cpus_per_engine < 1:
@@ -156,6 +158,21 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
                             f"actor_num_gpus_per_node = {trainer_gpus}; colocated engines share the trainer's "
                             f"GPUs: give --rollout-num-gpus {trainer_gpus}")
     return problems
+
+
+def _cpu_topology_problems(r: RolloutSpec) -> list[str]:
+    """The cpu engine spans nodes as SGLang's would (rollout_num_gpus_per_engine over
+    rollout_num_gpus_per_node, whole nodes), one engine per node then."""
+    per_engine, per_node = r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node
+    if per_engine <= per_node:
+        return []
+    if per_node < 1 or per_engine % per_node:
+        return [f"rollout.rollout_num_gpus_per_engine: {per_engine} does not span whole nodes of {per_node} GPUs "
+                f"(rollout_num_gpus_per_node); give a multiple of {max(1, per_node)}"]
+    if r.engines_per_node not in (None, 1):
+        return [f"rollout.engines_per_node: {r.engines_per_node}, but each engine spans {r.nodes_per_engine} whole "
+                "nodes; drop --rollout-engines-per-node"]
+    return []
 
 
 def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:

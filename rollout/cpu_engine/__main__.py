@@ -18,11 +18,23 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.num_threads)
     _report_ignored(args)
+    link = None
+    if args.nnodes > 1:  # SGLang's multi-node engine: rank 0 serves, the others follow it
+        from rollout.cpu_engine import node_link
+
+        if args.node_rank > 0:
+            return node_link.follow(args)
+        try:
+            link = node_link.lead(args)
+        except node_link.NodeLinkError as err:
+            print(f"cpu_engine: error: {err}", file=sys.stderr)
+            return 1
     try:
         engine = load_engine(args)
     except EngineLoadError as err:
         print(f"cpu_engine: error: {err}", file=sys.stderr)
         return 1
+    engine.link = link
     engine.scheduler.start()
     server = EngineServer(engine)
     try:
