@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report_ignored(args: ServerArgs) -> None:
     defaults = parse_args(["--model-path", args.model_path]).ignored
-    changed = {k: v for k, v in args.ignored.items() if v != defaults[k]}
+    changed = {k: v for k, v in args.ignored.items() if v != defaults[k]
+               and not (k == "tp_size" and v == args.nnodes)}  # one rank per node: as many as it has
     if changed:
         shown = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in changed.items())
         print(f"cpu_engine: no effect on CPU, ignored: {shown}", flush=True)
