@@ -181,15 +181,19 @@ def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     from jobs.sglang_args import ParserUnavailable, parse_errors
     from supervisor.launcher import engine_command
     from supervisor.layout import EnginePlace
+    from supervisor.node_rank import node_argv
 
-    if not spec.rollout.sglang_args or not spec.trainer.hf_checkpoint:
+    r = spec.rollout
+    if not r.sglang_args or not spec.trainer.hf_checkpoint:
         return []  # only slurmrl's own flags: tests/jobs/test_sglang_args.py parses those
-    gpus = 0 if spec.rollout.engine == "cpu" else spec.rollout.rollout_num_gpus_per_engine
-    place = EnginePlace("engine-0", 0, ("node",), "127.0.0.1", 30000, spec.rollout_group, gpus)
-    # the flags after `-m MODULE`, and the key supervisor.with_key adds inside the step
+    gpus = 0 if r.engine == "cpu" else min(r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node)
+    nodes = tuple(f"node{k}" for k in range(r.nodes_per_engine))
+    place = EnginePlace("engine-0", 0, nodes, "127.0.0.1", 30000, spec.rollout_group, gpus, 30001)
+    # the flags after `-m MODULE`, and the key supervisor.with_key adds inside the step; every node rank's
     argv = engine_command(spec, place, "python")[3:] + ["--api-key=KEY"]
     try:
-        error = parse_errors([argv])[0]
+        error = next(filter(None, parse_errors([node_argv(argv, rank, "127.0.0.1") if rank else argv
+                                                for rank in range(len(nodes))])), None)
     except ParserUnavailable as err:
         notes.append(f"the engine flags were not checked by SGLang's own parser: {err}")
         return []
