@@ -10,7 +10,8 @@ from typing import Any
 # They are accepted (so the same command line works) and reported in /server_info.
 _IGNORED_FLAGS: tuple[tuple[str, type | None, Any], ...] = (
     ("--tp-size", int, 1), ("--dp-size", int, 1), ("--mem-fraction-static", float, None),
-    ("--base-gpu-id", int, 0), ("--gpu-id-step", int, 1), ("--enable-memory-saver", None, False), ("--trust-remote-code", None, False),
+    ("--base-gpu-id", int, 0), ("--gpu-id-step", int, 1), ("--enable-memory-saver", None, False),
+    ("--trust-remote-code", None, False),
     ("--log-level", str, "info"), ("--disable-radix-cache", None, False), ("--chunked-prefill-size", int, None),
     ("--cuda-graph-max-bs", int, None), ("--disable-cuda-graph", None, False), ("--attention-backend", str, None),
     ("--sampling-backend", str, None), ("--max-total-tokens", int, None), ("--schedule-policy", str, "fcfs"),

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from rollout.cpu_engine.args import ServerArgs
-from rollout.weight_group import UpdateGroup, WeightSyncError, create_group, parse_dtype, route_address
+from rollout.weight_group import (
+    UpdateGroup,
+    WeightSyncError,
+    create_group,
+    parse_dtype,
+    route_address,
+)
 
 HEARTBEAT_S = 0.5  # between two liveness exchanges of rank 0 with the others
 PEER_TIMEOUT_S = 10.0  # one exchange: a rank silent this long is taken for dead

@@ -16,7 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 from rollout.cpu_engine.node_link import HEARTBEAT_S, PEER_TIMEOUT_S
-from tests.rollout.cpu_engine_helpers import EngineProcess, free_port, make_tiny_model, wait_until
+from tests.rollout.cpu_engine_helpers import (
+    EngineProcess,
+    free_port,
+    make_tiny_model,
+    wait_until,
+)
 from trainer.publish import WeightPublisher
 
 # A rank's death is seen within one exchange (PEER_TIMEOUT_S) after the next heartbeat; the rest
