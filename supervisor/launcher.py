@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from jobs.spec import JobSpec
 from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
 from supervisor import layout as layouts
+from supervisor import node_rank
 from supervisor.context import JobContext
 from supervisor.engines import HEALTHY, STARTING, Engine
 from jobs.contract import JOB_DIR_ENV
@@ -91,9 +92,13 @@ class StepLauncher:
 
     def launch_engine(self, engine: Engine) -> Step:
         place, r = engine.place, self.job.spec.rollout
-        step = self.launch(engine.name, "engine", _with_key(engine_command(self.job.spec, place, self.python)),
-                           place.nodes, place.het_group, gpus_per_node=place.gpus_per_node,
-                           cpus_per_task=r.cpus_per_engine)
+        argv, env = engine_command(self.job.spec, place, self.python), None
+        if len(place.nodes) > 1:  # one task per node, each with its node rank (supervisor/node_rank.py)
+            argv = node_rank.wrapped(argv)
+            env = node_rank.step_env(place.nodes, tuple(self.job.layout.addresses[n] for n in place.nodes))
+        step = self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
+                           ntasks=len(place.nodes), gpus_per_node=place.gpus_per_node,
+                           cpus_per_task=r.cpus_per_engine, env=env)
         engine.state, engine.version, engine.in_router = STARTING, None, False
         return step
 
@@ -111,10 +116,13 @@ class StepLauncher:
 
 
 def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
-    """The command line of the engine at `place` (the job's key joins it inside the step: _with_key)."""
+    """The command line of the engine at `place`, as its node-rank 0 runs it (the job's key joins it
+    inside the step: _with_key). An engine over several nodes is one tensor-parallel group over all
+    of them (SGLang's --tp-size counts every node's GPUs; the cpu engine has one rank per node)."""
     r = spec.rollout
-    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port, tp=max(1, place.gpus_per_node),
-                          sglang_args=passthrough(r.sglang_args, "sglang"))
+    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port,
+                          tp=max(1, place.gpus_per_node) * len(place.nodes), nnodes=len(place.nodes),
+                          dist_init_addr=place.dist_init_addr, sglang_args=passthrough(r.sglang_args, "sglang"))
     return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
 
 
