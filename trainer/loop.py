@@ -229,6 +229,7 @@ class Loop:
 
     def train(self, samples: list[TrainSample], rollout_id: int) -> dict[str, Any]:
         args, ids = self.args, list(range(len(samples)))
+        began = time.monotonic()
         need_entropy = args.entropy_coef != 0
         old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
         for i, s in enumerate(samples):
@@ -251,6 +252,8 @@ class Loop:
                 s.values = values[i]
         rl_step.compute_advantages(args, samples)
         out["entropy"] = _masked_token_mean([old[i][1] for i in ids], samples)
+        # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
+        out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
         totals: dict[str, float] = {}
         steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
         for step_id, batch in enumerate(steps):
@@ -302,7 +305,9 @@ class Loop:
             if not publish:
                 self.eval_owed = rollout_id  # the engines are a version behind: the resumed run evaluates
             elif self.driver:
+                began = time.monotonic()
                 metrics.update(self.driver.evaluate(rollout_id))
+                metrics[Metric.EVAL_SECONDS] = time.monotonic() - began
         if rollout_id == 0:
             metrics.update(self.eval_before_train)
         last = rollout_id == self.args.num_rollout - 1
