@@ -74,7 +74,8 @@ class Membership:
                 engine.version = reported
                 return False
             if not engine.in_router:
-                self.router.add_worker(engine.url, api_key=self.api_key)
+                self.router.add_worker(engine.url, api_key=self.api_key, worker_type=engine.place.role,
+                                       bootstrap_port=engine.place.bootstrap_port)
                 self.router.wait_listed(engine.url, timeout_s=self.listed_timeout_s)
                 engine.in_router = True
             engine.state = HEALTHY
