@@ -116,6 +116,13 @@ class Membership:
                     self.admit(engine)
 
 
+def roles_missing(engines: list[Engine]) -> list[str]:
+    """With prefill/decode engines: the roles no live engine has left (a PD router needs a prefill
+    and a decode engine for every request, so the job cannot go on without one of each)."""
+    wanted = {e.place.role for e in engines} - {"regular"}
+    return sorted(wanted - {e.place.role for e in engines if e.state != FAILED})
+
+
 def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive: Callable[[], bool]) -> None:
     """Until the engine answers /health_generate, its step dies, or the deadline passes."""
     end = time.monotonic() + deadline_s
