@@ -8,8 +8,9 @@ The router sends each request to one prefill and one decode engine at once, both
   (`--disaggregation-bootstrap-port`), and answers the router with that one-token result;
 - the decode engine fetches the room from bootstrap_host:bootstrap_port (waiting at most
   BOOTSTRAP_WAIT_S), then decodes the rest after that first token; its answer is the request's.
-  SGLang moves the prompt's KV cache; the CPU engine moves the first token and recomputes the KV
-  (as it does when an aborted request is continued).
+  SGLang moves the prompt's KV cache; the CPU engine moves the first token and the sampler's
+  state, and recomputes the KV (as it does when an aborted request is continued), so a request
+  decodes exactly as on one regular engine.
 A decode engine whose prefill engine is gone, answered an abort, or was at another weight version
 fails the request (5xx, or finish_reason abort): the rollout side retries or continues it whole.
 """
@@ -17,6 +18,7 @@ fails the request (5xx, or finish_reason abort): the rollout side retries or con
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import threading
@@ -27,6 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
+import torch
 
 from rollout.cpu_engine.sequence import Sequence
 
@@ -128,7 +131,9 @@ def room_payload(seq: Sequence) -> dict[str, Any]:
     return {"weight_version": seq.weight_version, "aborted": aborted,
             "message": seq.finish_reason.get("message", ""),
             "token": None if aborted else seq.output_ids[0],
-            "logprob": seq.output_logprobs[0] if seq.output_logprobs else None}
+            "logprob": seq.output_logprobs[0] if seq.output_logprobs else None,
+            # the sampler's state after the first draw: decode samples on as one engine would have
+            "generator": base64.b64encode(seq.generator.get_state().numpy().tobytes()).decode()}
 
 
 async def fetch_room(http: aiohttp.ClientSession, host: str, port: int, room: int) -> dict[str, Any]:
@@ -156,6 +161,7 @@ def continue_from(seq: Sequence, payload: dict[str, Any], weight_version: str) -
     if payload["weight_version"] != weight_version:
         raise DisaggError(f"the prefill engine ran the prompt at weight version {payload['weight_version']}, "
                           f"this decode engine is at {weight_version}")
+    seq.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(payload["generator"])), dtype=torch.uint8))
     seq.output_ids.append(payload["token"])
     if seq.return_logprob:
         seq.output_logprobs.append(payload["logprob"])

@@ -16,7 +16,7 @@ import requests
 from rollout.generate import _UPSTREAM
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
-from tests.rollout.servers import API_KEY, Server, pd_engines_behind_router
+from tests.rollout.servers import API_KEY, Server, engine, pd_engines_behind_router
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SERVED = re.compile(r"cpu_engine served rid=(\S+) weight_version=\S+ prompt_tokens=(\d+) completion_tokens=(\d+)")
@@ -70,10 +70,19 @@ def test_a_request_runs_prefill_then_decode(pd) -> None:
     assert all(_served(d) for d in decodes), "round robin over both decode engines"
 
 
-def test_the_first_token_is_the_prefill_engines(pd, model: Path) -> None:
-    """Same seed: the prefill engine's one-token answer is the start of the decoded output."""
+def test_the_first_token_is_the_prefill_engines(pd, model: Path, tmp_path: Path) -> None:
+    """Same seed: the prefill engine's one-token answer is the start of the decoded output, and the
+    whole output is what one regular engine samples."""
     router, prefills, _ = pd
     full = _generate(router.url, "whole").json()
+    regular = engine(model, tmp_path / "regular.log")
+    try:
+        alone_regular = _generate(regular.url, "regular").json()
+    finally:
+        regular.stop()
+    assert alone_regular["output_ids"] == full["output_ids"]
+    assert [lp for lp, _, _ in alone_regular["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in full["meta_info"]["output_token_logprobs"]], abs=1e-5)
     # Straight to the prefill engine with a room nobody fetches: its own one-token answer.
     alone = _generate(prefills[0].url, "alone", bootstrap_host="127.0.0.1", bootstrap_port=1,
                       bootstrap_room=424242).json()
