@@ -123,3 +123,13 @@ def test_the_cpu_engine_counts_engines_not_gpus(tmp_path: Path) -> None:
     assert [role for role, _ in engine_groups.engine_roles(spec)] == ["prefill", "decode"]
     problems = _problems(tmp_path, "--rollout-num-engines", "3", "--sglang-config", config)
     assert len(problems) == 1 and "they make 2 engines, the job has 3 (--rollout-num-engines)" in problems[0]
+
+
+def test_a_regular_config_gives_its_groups_their_own_flags(tmp_path: Path) -> None:
+    config = _config(tmp_path, "sglang:\n  - name: default\n    server_groups:\n"
+                               "      - {worker_type: regular, num_gpus: 4, overrides: {mem_fraction_static: 0.6}}\n"
+                               "      - {worker_type: regular, num_gpus: 4}\n")
+    spec = prepare(None, job_flags(tmp_path, "regular") + [*GPU, "--sglang-config", config], partitions=False)
+    assert not engine_groups.is_pd(spec)
+    assert engine_groups.engine_roles(spec) == [("regular", ("--mem-fraction-static", "0.6"))] * 2 + \
+        [("regular", ())] * 2

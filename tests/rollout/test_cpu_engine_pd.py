@@ -121,3 +121,13 @@ def test_a_dead_prefill_engine_fails_the_request_for_a_whole_retry(pd) -> None:
         assert _UPSTREAM.search(answer.text).group(1) == prefills[0].url
     else:
         assert answer.status_code == 500 and f"bootstrap server 127.0.0.1:{info_port} is gone" in answer.text
+
+
+def test_the_rollout_side_reads_the_engine_from_pd_router_errors() -> None:
+    """sglang-router 0.3.2's PD errors, as measured (rollout/router_client.py): each names the engine."""
+    prefill = ('{"error":{"type":"Bad Gateway","code":"prefill_server_error","message":"Prefill server error: error '
+               'sending request for url (http://10.0.0.5:20310/generate). This will cause decode timeout."}}')
+    decode = ('{"error":{"type":"Bad Gateway","code":"decode_server_error","message":"Decode server error: error '
+              'sending request for url (http://10.0.0.6:20311/generate)"}}')
+    assert _UPSTREAM.search(prefill).group(1) == "http://10.0.0.5:20310"
+    assert _UPSTREAM.search(decode).group(1) == "http://10.0.0.6:20311"
