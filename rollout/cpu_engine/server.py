@@ -55,7 +55,7 @@ def build_app(engine: Engine) -> FastAPI:
     if engine.args.api_key:
         app.add_middleware(BearerAuth, api_key=engine.args.api_key)
     scheduler = engine.scheduler
-    pd_mode, rooms, pd_http = engine.args.disaggregation_mode, disagg.Rooms(), []
+    pd_mode, rooms = engine.args.disaggregation_mode, disagg.Rooms()
     if pd_mode == disagg.PREFILL:
         disagg.BootstrapServer(engine.args.host, engine.args.disaggregation_bootstrap_port, rooms,
                                engine.args.api_key).start()
@@ -70,9 +70,8 @@ def build_app(engine: Engine) -> FastAPI:
             for seq, (_, _, room) in zip(seqs, where):
                 rooms.put(room, disagg.room_payload(seq))
             return
-        if not pd_http:
-            pd_http.append(disagg.client_session(engine.args.api_key))
-        payloads = await asyncio.gather(*(disagg.fetch_room(pd_http[0], *w) for w in where))
+        async with disagg.client_session(engine.args.api_key) as http:  # per request: nothing left open
+            payloads = await asyncio.gather(*(disagg.fetch_room(http, *w) for w in where))
         for seq, payload in zip(seqs, payloads):
             disagg.continue_from(seq, payload, scheduler.weight_version)  # DisaggError: a 500
         scheduler.submit(seqs)
