@@ -8,7 +8,8 @@ from supervisor.layout import EnginePlace
 
 
 def _engine(k: int, role: str, state: str = HEALTHY) -> Engine:
-    return Engine(EnginePlace(f"engine-{k}", k, ("n1",), "127.0.0.1", 20010 + k, 1, 0, role), state=state)
+    return Engine(EnginePlace(f"engine-{k}", k, ("n1",), "127.0.0.1", 20010 + k, 1, 0, role=role,
+                              bootstrap_port=20020 + k if role == "prefill" else None), state=state)
 
 
 def test_regular_engines_have_no_roles_to_miss() -> None:
@@ -22,8 +23,3 @@ def test_a_role_is_missing_once_its_last_engine_is_given_up() -> None:
     assert roles_missing(engines) == ["prefill"]
     engines[1].state = FAILED
     assert roles_missing(engines) == ["decode", "prefill"]
-
-
-def test_a_prefill_place_has_a_bootstrap_port_in_the_jobs_block() -> None:
-    prefill, decode = _engine(0, "prefill").place, _engine(1, "decode").place
-    assert prefill.bootstrap_port == prefill.port + 50 and decode.bootstrap_port is None
