@@ -16,6 +16,7 @@ import requests
 from rollout.generate import _UPSTREAM
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
+from tests.rollout.cpu_engine_helpers import wait_until
 from tests.rollout.servers import API_KEY, Server, engine, pd_engines_behind_router
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -64,6 +65,9 @@ def test_a_request_runs_prefill_then_decode(pd) -> None:
         assert len(body["output_ids"]) == 6 and body["meta_info"]["finish_reason"]["type"] == "length"
         assert [t for _, t, _ in body["meta_info"]["output_token_logprobs"]] == body["output_ids"]
         # the prefill engine ran the prompt for the first token only; a decode engine did the rest
+        # (an engine logs a request just after answering it: wait for the lines)
+        wait_until(lambda: f"pd-{k}" in _served(prefills[0]) and any(f"pd-{k}" in _served(d) for d in decodes),
+                   timeout=10, what=f"pd-{k} in the engines' logs")
         assert _served(prefills[0])[f"pd-{k}"] == (4, 1)
         decoded = [_served(d).get(f"pd-{k}") for d in decodes]
         assert sorted(decoded, key=str) == sorted([(4, 6), None], key=str)
