@@ -117,6 +117,10 @@ class RolloutSpec:
     sglang_router_ip: str | None = None
     sglang_router_port: int | None = None
     colocate: bool = False
+    prefill_num_servers: int | None = None  # slime's: this many prefill engines, the rest decode
+    sglang_config: str | None = None  # slime's SGLang config YAML (engine groups), read at submission
+    # resolved groups, `ROLE COUNT [FLAGS]` each (jobs/engine_groups.py); empty: all regular
+    engine_groups: list[str] = field(default_factory=list, metadata={"flag": None})
     sglang_args: list[str] = field(default_factory=list, metadata={"flag": None})
     router_args: list[str] = field(default_factory=list, metadata={"flag": None})
 

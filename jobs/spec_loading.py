@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from jobs import engine_groups
 from jobs.contract import JobDir
 from jobs.spec import (
     PATH_FLAGS,
@@ -126,12 +127,6 @@ _OFFLOAD = ("offloading the trainer or the engines between phases is not support
             "share the trainer's GPUs as they are); drop it")
 _REFUSED = {
     "--offload": _OFFLOAD, "--offload-train": _OFFLOAD, "--offload-rollout": _OFFLOAD,
-    "--prefill-num-servers": "prefill/decode disaggregation is not supported yet; drop it (every engine "
-                             "serves whole requests)",
-    # slime's, not SGLang's: it must not reach sglang.launch_server
-    "--sglang-config": "engine groups from a deployment YAML (disaggregation, per-group overrides) are not "
-                      "supported yet; size the engines with --rollout-num-gpus and --rollout-num-gpus-per-engine "
-                      "and give engine flags as --sglang-*",
 }
 _AS_SLURMRL_DOES = ("--no-offload-train", "--no-offload-rollout")  # slurmrl never offloads: nothing to do
 _ROUTED = {"--sglang-router-request-timeout-secs": "the router's --request-timeout-secs (slime's default 14400)",
@@ -203,6 +198,11 @@ def route_slime_sglang_flags(spec: JobSpec) -> list[str]:
                 problems.append(f"{' '.join(group)}: needs one whole number of seconds above 0")
             else:
                 r.router_args = [*r.router_args, "--router-request-timeout-secs", number]
+        elif name == "--sglang-config":  # slime's engine groups YAML, not an SGLang flag (jobs/engine_groups.py)
+            if len(values) != 1:
+                problems.append(f"{name}: takes one value (the YAML file), got {len(values)}")
+            else:
+                r.sglang_config = values[0]
         elif name == "--sglang-server-concurrency":  # slime: requests in flight per engine
             if flag_value(spec.trainer.train_args, "--rollout-concurrency") is not None:
                 problems.append(f"{name}: --rollout-concurrency (requests in flight over all engines) is given "
@@ -300,6 +300,11 @@ def finalize(spec: JobSpec) -> JobSpec:
     if not flag_value(args, "--load"):
         args = set_flag(args, "--load", save)
     out.trainer.train_args = args
+    if out.rollout.sglang_config:
+        out.rollout.sglang_config = str(Path(out.rollout.sglang_config).expanduser().resolve())
+    problems = engine_groups.resolve(out)  # the config is read here, once: a requeue keeps the groups
+    if problems:
+        raise SpecError(problems)
     return out
 
 

@@ -4,6 +4,7 @@ is one line naming the field and the fix; all of them are collected, none raised
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import re
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobs import engine_groups
 from jobs.contract import Phase
 from jobs.hetjob import het_groups
 from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, group_flags
@@ -148,6 +150,8 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
                                                                                                 "router")))
     except LaunchError as err:
         problems.append(f"rollout: {err}")
+    if not problems:
+        problems += _engine_group_problems(spec)
     if r.colocate and r.spare_nodes:
         problems.append("rollout.spare_nodes: colocated engines run on the trainer's nodes, which have no spares; "
                         "drop --rollout-spare-nodes or --colocate")
@@ -175,6 +179,27 @@ def _cpu_topology_problems(r: RolloutSpec) -> list[str]:
     return []
 
 
+def _engine_group_problems(spec: JobSpec) -> list[str]:
+    """--prefill-num-servers / --sglang-config, resolved on a copy (finalize does it for real)."""
+    from rollout.launch import EngineLaunch, LaunchError
+
+    probe = dataclasses.replace(spec, rollout=dataclasses.replace(spec.rollout))
+    problems = engine_groups.resolve(probe)
+    if problems:
+        return problems
+    try:
+        found = engine_groups.groups(probe)
+    except ValueError as err:
+        return [str(err)]
+    for group in found:
+        try:
+            EngineLaunch("m", "h", 1, sglang_args=list(group.flags)).flags()
+        except LaunchError as err:
+            return [f"rollout.sglang_config: the {group.role} group's overrides: "
+                    f"{str(err).replace('--sglang-', '--')}"]
+    return []
+
+
 def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     """The engine command line the supervisor builds, parsed by SGLang's own ServerArgs parser
     (jobs/sglang_args.py): a passthrough SGLang rejects is refused with SGLang's reason."""
@@ -184,21 +209,30 @@ def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     from supervisor.node_rank import node_argv
 
     r = spec.rollout
-    if not r.sglang_args or not spec.trainer.hf_checkpoint:
+    spec = dataclasses.replace(spec, rollout=dataclasses.replace(r))
+    engine_groups.resolve(spec)  # no problems: _engine_group_problems ran
+    found = engine_groups.groups(spec)
+    if (not r.sglang_args and all(g.role == "regular" and not g.flags for g in found)) \
+            or not spec.trainer.hf_checkpoint:
         return []  # only slurmrl's own flags: tests/jobs/test_sglang_args.py parses those
     gpus = 0 if r.engine == "cpu" else min(r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node)
     nodes = tuple(f"node{k}" for k in range(r.nodes_per_engine))
-    place = EnginePlace("engine-0", 0, nodes, "127.0.0.1", 30000, spec.rollout_group, gpus, 30001)
+    firsts = [sum(g.count for g in found[:i]) for i in range(len(found))]  # the first engine of each group
+    places = [EnginePlace(f"engine-{k}", k, nodes, "127.0.0.1", 30000, spec.rollout_group, gpus, 30001, g.role,
+                          30002 if g.role == "prefill" else None) for k, g in zip(firsts, found) if g.count]
     # the flags after `-m MODULE`, and the key supervisor.with_key adds inside the step; every node rank's
-    argv = engine_command(spec, place, "python")[3:] + ["--api-key=KEY"]
+    argvs, roles = [], []
+    for place in places:
+        argv = engine_command(spec, place, "python")[3:] + ["--api-key=KEY"]
+        argvs += [node_argv(argv, rank, "127.0.0.1") if rank else argv for rank in range(len(nodes))]
+        roles += [place.role] * len(nodes)
     try:
-        error = next(filter(None, parse_errors([node_argv(argv, rank, "127.0.0.1") if rank else argv
-                                                for rank in range(len(nodes))])), None)
+        errors = parse_errors(argvs)
     except ParserUnavailable as err:
         notes.append(f"the engine flags were not checked by SGLang's own parser: {err}")
         return []
-    return [] if error is None else [f"rollout.sglang_args: SGLang refuses the engine command line: {error}; "
-                                     "fix or drop that --sglang-* flag"]
+    return [f"rollout.sglang_args: SGLang refuses the {'' if role == 'regular' else role + ' '}engine "
+            f"command line: {error}; fix or drop that --sglang-* flag" for role, error in zip(roles, errors) if error][:1]
 
 
 _WAITS = ("router_start_timeout", "engine_start_timeout", "engine_admit_timeout", "weight_load_timeout",

@@ -34,7 +34,8 @@ from rollout.remote_rm import RemoteRewardModel
 from rollout.router_client import RouterClient
 from rollout.sample import Sample, Status
 
-_UPSTREAM = re.compile(r"URL: (https?://[^/\s]+)")
+# the engine a router error names: "URL: http://h:p" (regular), "for url (http://h:p/generate)" (PD mode)
+_UPSTREAM = re.compile(r"(?:URL: |for url \()(https?://[^/\s)]+)")
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 # Flags slurmrl sets itself: a passthrough may not override them.
 _ENGINE_OWNED = {"model-path", "host", "port", "tp-size", "nnodes", "node-rank", "dist-init-addr", "base-gpu-id",
-                 "api-key", "weight-version"}
+                 "api-key", "weight-version", "disaggregation-mode", "disaggregation-bootstrap-port"}
 _ROUTER_OWNED = {"host", "port", "api-key", "prometheus-port", "prometheus-host", "disable-health-check",
-                 "disable-retries", "disable-circuit-breaker", "worker-urls"}
+                 "disable-retries", "disable-circuit-breaker", "worker-urls", "pd-disaggregation", "prefill", "decode"}
+# An engine's part in prefill/decode disaggregation (SGLang's --disaggregation-mode; "regular": whole requests)
+ROLES = ("regular", "prefill", "decode")
 SECRET_FLAGS = ("--api-key",)
 # slime's --sglang-router-request-timeout-secs default: one generate request through the router
 ROUTER_REQUEST_TIMEOUT_S = 14400
@@ -58,6 +60,8 @@ class EngineLaunch:
     api_key: str | None = None
     weight_version: str | None = None
     sglang_args: list[str] = field(default_factory=list)  # already stripped of --sglang-
+    role: str = "regular"  # one of ROLES
+    bootstrap_port: int | None = None  # a prefill engine's KV bootstrap server (decode engines fetch there)
 
     def flags(self) -> list[str]:
         _check_owned(self.sglang_args, _ENGINE_OWNED, "sglang")
@@ -72,7 +76,20 @@ class EngineLaunch:
             argv += ["--api-key", self.api_key]
         if self.weight_version:
             argv += ["--weight-version", self.weight_version]
-        return argv + list(self.sglang_args)
+        return argv + self._role_flags() + list(self.sglang_args)
+
+    def _role_flags(self) -> list[str]:
+        """slime's: prefill engines serve KV on a bootstrap port; decode engines balance over
+        prefill ranks round robin (the transfer backend stays SGLang's default, or --sglang-*)."""
+        if self.role not in ROLES:
+            raise LaunchError(f"engine role {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.role == "prefill":
+            if self.bootstrap_port is None:
+                raise LaunchError("a prefill engine needs its bootstrap_port")
+            return ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        if self.role == "decode":
+            return ["--disaggregation-mode", "decode", "--prefill-round-robin-balance"]
+        return []
 
 
 def sglang_command(engine: EngineLaunch, python: str = sys.executable) -> list[str]:
@@ -91,6 +108,7 @@ class RouterLaunch:
     prometheus_port: int  # the router binds 0.0.0.0:29000 by default: every router needs its own
     api_key: str | None = None
     policy: str = "cache_aware"
+    pd_disaggregation: bool = False  # PD mode: workers join with worker_type prefill/decode (POST /workers)
     router_args: list[str] = field(default_factory=list)  # already stripped of --router-
 
 
@@ -105,6 +123,8 @@ def router_command(router: RouterLaunch, python: str = sys.executable) -> list[s
             "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
             # info logs every request (thousands of lines a rollout); --router-log-level info brings them back
             "--log-level", "warn"]  # a passthrough, later, overrides these
+    if router.pd_disaggregation:
+        argv.append("--pd-disaggregation")  # no --prefill/--decode: the supervisor adds each at runtime
     if router.api_key:
         argv += ["--api-key", router.api_key]
     return argv + list(router.router_args)

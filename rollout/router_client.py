@@ -1,7 +1,20 @@
 """Client for sglang-router's worker API (0.3.x: POST/GET /workers, DELETE /workers/{id}).
 
 A worker added with POST is pending until the router has read its /health, /server_info and
-/model_info; only then is it listed and routed to. Deleting takes the worker id, not its url."""
+/model_info; only then is it listed and routed to. Deleting takes the worker id, not its url.
+
+PD mode (`launch_router --pd-disaggregation` with no --prefill/--decode), as measured on the
+installed 0.3.2 wheel: it starts with no workers; `POST /workers {"url", "worker_type": "prefill",
+"bootstrap_port": P}` or `{"url", "worker_type": "decode"}` adds one (202-style "accepted"), and
+`GET /workers` lists each with its `worker_type` (and `bootstrap_port`) plus counts under
+`stats.prefill_count/decode_count`; DELETE /workers/{id} removes either kind. A /generate goes to
+one prefill and one decode worker at once, both bodies carrying `bootstrap_host` (the prefill
+worker's host), `bootstrap_port` and a random `bootstrap_room` (lists of them for a batch); the
+answer is the decode worker's, with the prefill's `meta_info.input_token_logprobs` put in front
+of the decode's when `return_logprob` is set. The caller's Authorization header is forwarded to
+both (a worker's own api_key is not, unlike regular mode). A prefill worker that cannot be reached
+gives 502 `prefill_server_error` ("... for url (http://HOST:PORT/generate) ..."), a decode one 502
+`decode_server_error`; a decode worker's own 5xx is passed through."""
 
 from __future__ import annotations
 
@@ -45,8 +58,14 @@ class RouterClient:
         """url -> worker id, for every worker the router routes to."""
         return {w["url"]: w["id"] for w in self._call("GET", "/workers").json()["workers"]}
 
-    def add_worker(self, url: str, api_key: str | None = None) -> str:
+    def add_worker(self, url: str, api_key: str | None = None, worker_type: str = "regular",
+                   bootstrap_port: int | None = None) -> str:
+        """worker_type prefill/decode: a PD-mode router's worker (a prefill one with its bootstrap_port)."""
         body = {"url": url, **({"api_key": api_key} if api_key else {})}
+        if worker_type != "regular":
+            body["worker_type"] = worker_type
+        if bootstrap_port is not None:
+            body["bootstrap_port"] = bootstrap_port
         return self._call("POST", "/workers", json=body).json()["worker_id"]
 
     def remove_worker(self, url: str) -> bool:

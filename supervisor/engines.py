@@ -74,7 +74,8 @@ class Membership:
                 engine.version = reported
                 return False
             if not engine.in_router:
-                self.router.add_worker(engine.url, api_key=self.api_key)
+                self.router.add_worker(engine.url, api_key=self.api_key, worker_type=engine.place.role,
+                                       bootstrap_port=engine.place.bootstrap_port)
                 self.router.wait_listed(engine.url, timeout_s=self.listed_timeout_s)
                 engine.in_router = True
             engine.state = HEALTHY
@@ -113,6 +114,13 @@ class Membership:
                 engine.in_router = False
                 if engine.state == HEALTHY:
                     self.admit(engine)
+
+
+def roles_missing(engines: list[Engine]) -> list[str]:
+    """With prefill/decode engines: the roles no live engine has left (a PD router needs a prefill
+    and a decode engine for every request, so the job cannot go on without one of each)."""
+    wanted = {e.place.role for e in engines} - {"regular"}
+    return sorted(wanted - {e.place.role for e in engines if e.state != FAILED})
 
 
 def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive: Callable[[], bool]) -> None:

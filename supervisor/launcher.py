@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from jobs import engine_groups
 from jobs.spec import JobSpec
 from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
 from supervisor import layout as layouts
@@ -76,7 +77,7 @@ class StepLauncher:
         """The router, on the head node; returns once it answers (JobFailed if it does not)."""
         job = self.job
         launch = RouterLaunch(job.layout.head_address, self.router.port, self.router.metrics_port,
-                              policy="round_robin",
+                              policy="round_robin", pd_disaggregation=engine_groups.is_pd(job.spec),
                               router_args=passthrough(job.spec.rollout.router_args, "router"))
         # --overlap: the router shares the head node's CPUs with the trainer's tasks.
         step = self.launch(ROUTER, "router", _with_key(router_command(launch, self.python)), (job.layout.head,), 0,
@@ -120,9 +121,12 @@ def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
     inside the step: _with_key). An engine over several nodes is one tensor-parallel group over all
     of them (SGLang's --tp-size counts every node's GPUs; the cpu engine has one rank per node)."""
     r = spec.rollout
+    group_flags = engine_groups.engine_roles(spec)[place.index][1]  # the group's own, after the job's
     launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port,
                           tp=max(1, place.gpus_per_node) * len(place.nodes), nnodes=len(place.nodes),
-                          dist_init_addr=place.dist_init_addr, sglang_args=passthrough(r.sglang_args, "sglang"))
+                          dist_init_addr=place.dist_init_addr,
+                          sglang_args=passthrough(r.sglang_args, "sglang") + list(group_flags), role=place.role,
+                          bootstrap_port=place.bootstrap_port)
     return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
 
 

@@ -8,11 +8,13 @@ import socket
 import subprocess
 from dataclasses import dataclass, field, replace
 
+from jobs import engine_groups
 from jobs.spec import JobSpec
 
 # Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + 10 + k
-# (HTTP) and, spanning nodes, base + 10 + engines + k (--dist-init-addr on its node 0): no two ports
-# of a job meet, even on a cluster whose nodes share one address (the devcluster).
+# (HTTP) and, spanning nodes, base + 10 + engines + k (--dist-init-addr on its node 0), and a prefill
+# engine base + 10 + 2 x engines + k (its bootstrap server): no two ports of a job meet, even on a
+# cluster whose nodes share one address (the devcluster).
 # All below Linux's ephemeral range (32768 and up), where any outgoing connection may sit.
 _PORT_BASE, _PORT_SPAN, _PORTS_PER_JOB = 20000, 12000, 100
 
@@ -27,6 +29,8 @@ class EnginePlace:
     het_group: int
     gpus_per_node: int
     dist_init_port: int | None = None  # an engine of several nodes: its node 0's rendezvous port
+    role: str = "regular"  # regular, prefill or decode (jobs/engine_groups.py)
+    bootstrap_port: int | None = None  # a prefill engine's KV bootstrap server, on its node 0
 
     @property
     def url(self) -> str:
@@ -121,14 +125,15 @@ def from_environment(spec: JobSpec, timeout_s: float, env: dict[str, str] | None
         raise ValueError(f"{r.engine_count} engines of {span} nodes need {r.engine_count * span} rollout nodes "
                          f"besides the {r.spare_nodes} spare ones; the allocation has {len(rollout_nodes)}")
     engines = []
-    for k in range(r.engine_count):
+    for k, (role, _) in enumerate(engine_groups.engine_roles(spec)):
         if span > 1:  # whole nodes, its own: node 0 (the rendezvous and the HTTP port) first
             nodes = tuple(engine_nodes[k * span:(k + 1) * span])
             dist_port = base + 10 + r.engine_count + k
         else:
             nodes, dist_port = (engine_nodes[(k // r.engines_on_each_node) % len(engine_nodes)],), None
+        bootstrap_port = base + 10 + 2 * r.engine_count + k if role == "prefill" else None
         engines.append(EnginePlace(f"engine-{k}", k, nodes, addresses[nodes[0]], base + 10 + k, spec.rollout_group,
-                                   gpus, dist_port))
+                                   gpus, dist_port, role, bootstrap_port))
     head = trainer_nodes[0]
     return Layout(job_id=job_id, head=head, head_address=addresses[head], trainer_nodes=tuple(trainer_nodes),
                   rollout_nodes=tuple(rollout_nodes), router_port=base, router_metrics_port=base + 1,

@@ -13,7 +13,17 @@ from concurrent.futures import Executor
 
 from rollout.engine_client import EngineError, ProbeResult
 from supervisor.context import Ending, JobContext, restart_backoff
-from supervisor.engines import FAILED, HEALTHY, RESTARTING, WAITING, Engine, EngineStartError, newest_weights, wait_healthy
+from supervisor.engines import (
+    FAILED,
+    HEALTHY,
+    RESTARTING,
+    WAITING,
+    Engine,
+    EngineStartError,
+    newest_weights,
+    roles_missing,
+    wait_healthy,
+)
 from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
@@ -170,15 +180,17 @@ class EngineRecovery:
                   f"{engine.recent_restarts} restarts in a row, each within crash_window {ft.crash_window:.0f} s")
         job.events.emit("engine_given_up", engine.name, restarts=engine.restarts, reason=reason)
         live = sum(e.state != FAILED for e in job.engines.values())
-        if live >= ft.min_engines:
+        missing = roles_missing(list(job.engines.values()))
+        if live >= ft.min_engines and not missing:
             job.events.emit("engine_degraded", engine.name, engines=live, min_engines=ft.min_engines)
             return
+        short = (f"no {' or '.join(missing)} engine left" if missing
+                 else f"{live} engines left, below min_engines {ft.min_engines}")
         if lost_node:
             # The preemption path (Requeue.check): the trainer saves now, the job requeues.
-            self.requeue.without_node(lost_node, f"node {lost_node} is lost: {live} engines left, below "
-                                                 f"min_engines {ft.min_engines}; requeue without it")
+            self.requeue.without_node(lost_node, f"node {lost_node} is lost: {short}; requeue without it")
         else:
-            self.ending.fail(f"only {live} engines left (min_engines {ft.min_engines}): {engine.name} kept failing")
+            self.ending.fail(f"{short}: {engine.name} kept failing")
         job.wake_monitor(engine.name)
 
     # ------------------------------------------------------------------ starting and syncing
@@ -206,7 +218,8 @@ class EngineRecovery:
             job.engines[name].state = FAILED
             job.store.update_step(name, state=FAILED, last_failure=problem)
         alive = len(job.engines) - len(problems)
-        if problems and (not ft.use_fault_tolerance or alive < ft.min_engines):
+        if problems and (not ft.use_fault_tolerance or alive < ft.min_engines
+                         or roles_missing(list(job.engines.values()))):
             raise JobFailed(f"{len(problems)} of {len(job.engines)} engines did not start: "
                             f"{'; '.join(problems.values())}")
 

@@ -17,6 +17,10 @@ _IGNORED_FLAGS: tuple[tuple[str, type | None, Any], ...] = (
     ("--sampling-backend", str, None), ("--max-total-tokens", int, None), ("--schedule-policy", str, "fcfs"),
     ("--watchdog-timeout", float, 300.0),
     ("--load-format", str, "auto"),
+    # prefill/decode: the KV moves over the bootstrap server's HTTP (rollout/cpu_engine/disagg.py)
+    ("--disaggregation-transfer-backend", str, "mooncake"),
+    ("--prefill-round-robin-balance", None, False),
+    ("--load-balance-method", str, "round_robin"),
 )
 
 
@@ -40,6 +44,8 @@ class ServerArgs:
     nnodes: int = 1  # an engine over several nodes (rollout/cpu_engine/node_link.py): one process per node
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT where node-rank 0 gathers the engine's ranks
+    disaggregation_mode: str = "null"  # SGLang's: null (whole requests), prefill or decode
+    disaggregation_bootstrap_port: int = 8998
     ignored: dict[str, Any] = field(default_factory=dict)
 
     def public(self) -> dict[str, Any]:
@@ -82,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-rank", type=int, default=0, help="this process's node (default %(default)s)")
     parser.add_argument("--dist-init-addr", help="HOST:PORT of node rank 0, where the engine's ranks meet "
                         "(required with --nnodes above 1)")
+    parser.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"],
+                        help="prefill: run prompts and serve their first token on the bootstrap port; decode: "
+                             "continue requests from a prefill engine's bootstrap server (default %(default)s)")
+    parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                        help="a prefill engine's bootstrap server port (default %(default)s)")
     ignored = parser.add_argument_group("accepted for sglang compatibility, no effect on CPU")
     for flag, kind, default in _IGNORED_FLAGS:
         if kind is None:
@@ -118,5 +129,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         weight_update_group_timeout=ns.weight_update_group_timeout,
         enable_deterministic_inference=ns.enable_deterministic_inference,
         nnodes=ns.nnodes, node_rank=ns.node_rank, dist_init_addr=ns.dist_init_addr,
+        disaggregation_mode=ns.disaggregation_mode, disaggregation_bootstrap_port=ns.disaggregation_bootstrap_port,
         ignored={name: getattr(ns, name) for name in sorted(ignored_names)},
     )

@@ -184,6 +184,8 @@ class Scheduler:
                 kept.append(seq)
             elif seq.params.max_new_tokens == 0:
                 self._finish(seq, {"type": "length", "length": 0})
+            elif seq.output_ids and (reason := seq.check_finished(self.codec.eos_ids, self.codec)):
+                self._finish(seq, reason)  # a decode engine's request, done with its prefill engine's token
             else:
                 self._running.append(seq)
         self._waiting = kept

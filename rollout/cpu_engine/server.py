@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from rollout.cpu_engine import disagg
 from rollout.cpu_engine.engine import SHUTTING_DOWN, STARTING, UNHEALTHY, UP, Engine
 from rollout.cpu_engine.generate_io import GenerateError, parse_generate, render
 from rollout.cpu_engine.http_util import add_error_handlers, error, read_json, run_on_scheduler
@@ -54,6 +55,27 @@ def build_app(engine: Engine) -> FastAPI:
     if engine.args.api_key:
         app.add_middleware(BearerAuth, api_key=engine.args.api_key)
     scheduler = engine.scheduler
+    pd_mode, rooms = engine.args.disaggregation_mode, disagg.Rooms()
+    if pd_mode == disagg.PREFILL:
+        disagg.BootstrapServer(engine.args.host, engine.args.disaggregation_bootstrap_port, rooms,
+                               engine.args.api_key).start()
+
+    async def disaggregated(body: dict[str, Any], seqs: list[Sequence]) -> None:
+        """A prefill engine keeps each first token under its room; a decode engine starts after it."""
+        where = disagg.bootstraps(body, len(seqs))  # ValueError: a 400
+        if pd_mode == disagg.PREFILL:
+            disagg.prefill_only(seqs)
+            scheduler.submit(seqs)
+            await asyncio.wait([asyncio.wrap_future(seq.done) for seq in seqs])
+            for seq, (_, _, room) in zip(seqs, where):
+                rooms.put(room, disagg.room_payload(seq))
+            return
+        async with disagg.client_session(engine.args.api_key) as http:  # per request: nothing left open
+            payloads = await asyncio.gather(*(disagg.fetch_room(http, *w) for w in where))
+        for seq, payload in zip(seqs, payloads):
+            disagg.continue_from(seq, payload, scheduler.weight_version)  # DisaggError: a 500
+        scheduler.submit(seqs)
+        await asyncio.wait([asyncio.wrap_future(seq.done) for seq in seqs])
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -88,8 +110,18 @@ def build_app(engine: Engine) -> FastAPI:
             parsed = parse_generate(body, engine.codec, engine.vocab_size, engine.context_len, engine.seeds)
         except GenerateError as err:
             return JSONResponse(err.body, status_code=400)
-        scheduler.submit(parsed.seqs)
-        await asyncio.wait([asyncio.wrap_future(seq.done) for seq in parsed.seqs])
+        if pd_mode != "null":
+            if parsed.seqs[0].params.n != 1:
+                return error("n > 1 is not supported by a disaggregated engine; send n copies of the prompt")
+            try:
+                await disaggregated(body, parsed.seqs)
+            except ValueError as err:
+                return error(str(err))
+            except disagg.DisaggError as err:
+                return error(str(err), status=500)
+        else:
+            scheduler.submit(parsed.seqs)
+            await asyncio.wait([asyncio.wrap_future(seq.done) for seq in parsed.seqs])
         outputs = [render(seq, engine.codec) for seq in parsed.seqs]
         return JSONResponse(outputs[0] if parsed.single else outputs)
 

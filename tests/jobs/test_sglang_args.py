@@ -110,10 +110,8 @@ def test_slimes_own_sglang_flags_get_their_effect_and_never_reach_the_engines(tm
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--sglang-config", "groups.yaml"], "--sglang-config groups.yaml: engine groups from a deployment YAML"),
     (["--offload"], "--offload: offloading the trainer or the engines between phases is not supported yet"),
     (["--offload-rollout"], "--offload-rollout: offloading the trainer or the engines"),
-    (["--prefill-num-servers", "2"], "--prefill-num-servers 2: prefill/decode disaggregation is not supported"),
     (["--sglang-server-concurrency", "many"], "--sglang-server-concurrency many: needs one whole number above 0"),
     (["--sglang-server-concurrency", "8", "--rollout-concurrency", "64"],
      "--sglang-server-concurrency: --rollout-concurrency (requests in flight over all engines) is given too"),
@@ -131,7 +129,31 @@ def test_slimes_flags_in_the_yaml_sglang_args_are_routed_too(tmp_path: Path) -> 
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("rollout:\n  sglang_args: [--sglang-config, x.yaml, --sglang-dtype, float32]\n")
     spec, problems = load_spec(spec_file, job_flags(tmp_path, "yaml"))
-    assert problems == ["--sglang-config x.yaml: engine groups from a deployment YAML (disaggregation, per-group "
-                        "overrides) are not supported yet; size the engines with --rollout-num-gpus and "
-                        "--rollout-num-gpus-per-engine and give engine flags as --sglang-*"]
+    assert problems == []
+    assert spec.rollout.sglang_config == "x.yaml"  # slime's file, read at submission (jobs/engine_groups.py)
     assert spec.rollout.sglang_args == ["--sglang-dtype", "float32"]
+
+
+@needs_parser
+def test_prefill_and_decode_engine_commands_parse_with_sglangs_own_parser(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--prefill-num-servers and an --sglang-config with per-group overrides, on the SGLang shapes."""
+    config = tmp_path / "pd.yaml"
+    config.write_text("sglang:\n  - name: actor\n    server_groups:\n"
+                      "      - {worker_type: prefill, num_gpus: 4, overrides: {chunked_prefill_size: 4096}}\n"
+                      "      - {worker_type: decode, num_gpus: 4, overrides: {mem_fraction_static: 0.8, "
+                      "disaggregation_transfer_backend: nixl}}\n")
+    specs = [_spec(None, job_flags(tmp_path, f"pd-{name}") + ["--rollout-engine", "sglang", *shape, *RECIPE_FLAGS,
+                                                               "--prefill-num-servers", "1"])
+             for name, shape in SGLANG_SHAPES.items()]
+    specs.append(_spec(None, job_flags(tmp_path, "config") + ["--rollout-engine", "sglang", *SGLANG_SHAPES["tp2"],
+                                                              "--sglang-config", str(config)]))
+    argvs = [argv for spec in specs for argv in _engine_argvs(spec, monkeypatch)]
+    modes = [flag_value(argv, "--disaggregation-mode") for argv in argvs]
+    assert modes.count("prefill") == 3 + 2 and modes.count("decode") == len(argvs) - 5
+    bootstrap_ports = [flag_value(argv, "--disaggregation-bootstrap-port") for argv in argvs]
+    assert all((port is not None) == (mode == "prefill") for port, mode in zip(bootstrap_ports, modes))
+    config_argvs = argvs[-4:]  # tp2 on 8 GPUs: 2 prefill engines, then 2 decode engines
+    assert [flag_value(a, "--chunked-prefill-size") for a in config_argvs] == ["4096", "4096", None, None]
+    assert [flag_value(a, "--mem-fraction-static") for a in config_argvs] == [None, None, "0.8", "0.8"]
+    assert parse_errors(argvs) == [None] * len(argvs)

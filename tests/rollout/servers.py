@@ -30,6 +30,7 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
+    bootstrap_port: int | None = None  # a prefill engine's
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -64,9 +65,11 @@ def start(argv: list[str], url: str, log: Path, ready: str) -> Server:
     return server
 
 
-def engine(model: Path, log: Path, deterministic: bool = False) -> Server:
+def engine(model: Path, log: Path, deterministic: bool = False, role: str = "regular",
+           bootstrap_port: int | None = None) -> Server:
     port = free_port()
-    argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1"))
+    argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1",
+                                           role=role, bootstrap_port=bootstrap_port))
     argv += ["--enable-deterministic-inference"] if deterministic else []
     return start(argv, f"http://127.0.0.1:{port}", log, "/health")
 
@@ -89,6 +92,38 @@ def engines_behind_router(model: Path, log_dir: Path, count: int = 2,
         for server in engines:
             router.wait_listed(server.url, timeout_s=60)
         yield router, engines
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@contextlib.contextmanager
+def pd_engines_behind_router(model: Path, log_dir: Path, prefill: int = 1,
+                             decode: int = 2) -> Iterator[tuple[RouterClient, list[Server], list[Server]]]:
+    """Prefill and decode CPU engines behind a real router in PD mode, all on loopback, all
+    stopped by PID at the end: (router, prefill engines, decode engines)."""
+    servers: list[Server] = []
+    try:
+        prefills = []
+        for i in range(prefill):
+            bootstrap_port = free_port()
+            prefills.append(engine(model, log_dir / f"prefill{i}.log", role="prefill", bootstrap_port=bootstrap_port))
+            prefills[-1].bootstrap_port = bootstrap_port
+        servers += prefills
+        decodes = [engine(model, log_dir / f"decode{i}.log", role="decode") for i in range(decode)]
+        servers += decodes
+        port = free_port()
+        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin",
+                                           pd_disaggregation=True))
+        servers.append(start(argv, f"http://127.0.0.1:{port}", log_dir / "router.log", "/liveness"))
+        router = RouterClient(servers[-1].url, API_KEY, timeout_s=10)
+        for server in prefills:
+            router.add_worker(server.url, api_key=API_KEY, worker_type="prefill", bootstrap_port=server.bootstrap_port)
+        for server in decodes:
+            router.add_worker(server.url, api_key=API_KEY, worker_type="decode")
+        for server in prefills + decodes:
+            router.wait_listed(server.url, timeout_s=60)
+        yield router, prefills, decodes
     finally:
         for server in servers:
             server.stop()

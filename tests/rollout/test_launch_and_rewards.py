@@ -64,6 +64,26 @@ def test_router_command_turns_off_what_the_supervisor_owns_and_parses_with_the_r
     assert parsed.port == 30100 and parsed.policy == "round_robin" and parsed.disable_retries
 
 
+def test_pd_router_and_engine_roles() -> None:
+    """PD mode: the router starts with no workers (the supervisor adds each with its type); a
+    prefill engine needs its bootstrap port; a role slurmrl does not know is refused."""
+    from sglang_router.launch_router import parse_router_args
+    parsed = parse_router_args(router_command(RouterLaunch("127.0.0.1", 30100, 30101, pd_disaggregation=True))[3:])
+    assert parsed.pd_disaggregation and parsed.prefill_urls == [] and parsed.decode_urls == []
+    with pytest.raises(LaunchError, match="--router-pd-disaggregation is set by slurmrl itself"):
+        router_command(RouterLaunch("127.0.0.1", 1, 2, router_args=["--pd-disaggregation"]))
+    prefill = EngineLaunch("/m", "h", 1, role="prefill", bootstrap_port=2).flags()
+    assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill"
+    assert prefill[prefill.index("--disaggregation-bootstrap-port") + 1] == "2"
+    assert "--prefill-round-robin-balance" in EngineLaunch("/m", "h", 1, role="decode").flags()
+    with pytest.raises(LaunchError, match="needs its bootstrap_port"):
+        EngineLaunch("/m", "h", 1, role="prefill").flags()
+    with pytest.raises(LaunchError, match="engine role 'encoder' is not one of regular, prefill, decode"):
+        EngineLaunch("/m", "h", 1, role="encoder").flags()
+    with pytest.raises(LaunchError, match="--sglang-disaggregation-mode is set by slurmrl itself"):
+        EngineLaunch("/m", "h", 1, sglang_args=["--disaggregation-mode", "decode"]).flags()
+
+
 def test_redacted_hides_keys() -> None:
     assert redacted(["x", "--api-key", "s3cret", "--api-key=abc", "--port", "1"]) == [
         "x", "--api-key", "***", "--api-key=***", "--port", "1"]

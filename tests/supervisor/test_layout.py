@@ -133,3 +133,22 @@ def test_each_task_of_the_step_runs_as_its_own_node_rank() -> None:
     assert node_rank.node_argv(["--node-rank=0"], 1, "h") == ["--node-rank=1", "--host", "h"]
     assert node_rank.wrapped(["py", "-m", "rollout.cpu_engine", "--a"]) == [
         "py", "-m", "supervisor.node_rank", "rollout.cpu_engine", "--a"]
+
+
+def test_prefill_and_decode_engines_take_their_roles_and_ports_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--prefill-num-servers 1 over two engines of two nodes: engine-0 prefill (its bootstrap server
+    on its node 0, a port no other of the job's), engine-1 decode; their command lines say so."""
+    rollout = sglang(32, 16, 8)
+    rollout.prefill_num_servers = 1
+    lay = place(rollout, 4, monkeypatch)
+    assert [(p.role, p.nodes) for p in lay.engines] == [("prefill", ("r1", "r2")), ("decode", ("r3", "r4"))]
+    assert lay.engines[0].bootstrap_port is not None and lay.engines[1].bootstrap_port is None
+    ports = [lay.router_port, lay.router_metrics_port, lay.trainer_master_port, lay.engines[0].bootstrap_port,
+             *(p.port for p in lay.engines), *(p.dist_init_port for p in lay.engines)]
+    assert len(set(ports)) == len(ports), ports
+    spec = JobSpec(rollout=rollout)
+    prefill, decode = (engine_command(spec, p, "python") for p in lay.engines)
+    assert prefill[prefill.index("--disaggregation-bootstrap-port") + 1] == str(lay.engines[0].bootstrap_port)
+    assert decode[decode.index("--disaggregation-mode") + 1] == "decode" and "--nnodes" in decode
+    moved = lay.moved(lay.engines[0], {"r2": "r9"})  # a lost node swapped: the role and ports stay
+    assert (moved.role, moved.bootstrap_port) == ("prefill", lay.engines[0].bootstrap_port)
