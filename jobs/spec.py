@@ -30,6 +30,8 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       sglang_args: [--sglang-mem-fraction-static, "0.8"]
       router_args: []
       colocate: false
+      offload_train: null           # null: as colocate (slime's default)
+      offload_rollout: null
     fault_tolerance:
       use_fault_tolerance: true
       ...                           # see FaultToleranceSpec: every wait of the job is one of its fields
@@ -111,6 +113,9 @@ class RolloutSpec:
     sglang_router_ip: str | None = None
     sglang_router_port: int | None = None
     colocate: bool = False
+    # slime's: None follows --colocate (on with it, off without); --offload sets both
+    offload_train: bool | None = None
+    offload_rollout: bool | None = None
     sglang_args: list[str] = field(default_factory=list, metadata={"flag": None})
     router_args: list[str] = field(default_factory=list, metadata={"flag": None})
 
@@ -140,6 +145,16 @@ class RolloutSpec:
         if self.engine == "cpu":
             return -(-max(1, self.engine_count) // self.engines_on_each_node)
         return -(-max(1, self.rollout_num_gpus) // max(1, self.rollout_num_gpus_per_node))
+
+    @property
+    def offloads_train(self) -> bool:
+        """The trainer moves weights, grads and optimizer state to the host around rollouts."""
+        return self.colocate if self.offload_train is None else self.offload_train
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """The engines release their memory (weights, KV cache) around training."""
+        return self.colocate if self.offload_rollout is None else self.offload_rollout
 
     @property
     def external_router(self) -> bool:

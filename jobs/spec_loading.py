@@ -122,10 +122,7 @@ def spec_from_dict(data: dict[str, Any]) -> tuple[JobSpec, list[str]]:
 
 # slime's rollout placement flags that are not the spec's own names, and those slurmrl does not do
 _ALIASES = {"--num-gpus-per-node": "--rollout-num-gpus-per-node"}
-_OFFLOAD = ("offloading the trainer or the engines between phases is not supported yet (colocated engines "
-            "share the trainer's GPUs as they are); drop it")
 _REFUSED = {
-    "--offload": _OFFLOAD, "--offload-train": _OFFLOAD, "--offload-rollout": _OFFLOAD,
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet; drop it (every engine "
                              "serves whole requests)",
     # slime's, not SGLang's: it must not reach sglang.launch_server
@@ -133,7 +130,9 @@ _REFUSED = {
                       "supported yet; size the engines with --rollout-num-gpus and --rollout-num-gpus-per-engine "
                       "and give engine flags as --sglang-*",
 }
-_AS_SLURMRL_DOES = ("--no-offload-train", "--no-offload-rollout")  # slurmrl never offloads: nothing to do
+# slime's --offload (both) and the BooleanOptionalAction negations: flag -> the spec fields it sets
+_SWITCHES = {"--offload": (("offload_train", True), ("offload_rollout", True)),
+             "--no-offload-train": (("offload_train", False),), "--no-offload-rollout": (("offload_rollout", False),)}
 _ROUTED = {"--sglang-router-request-timeout-secs": "the router's --request-timeout-secs (slime's default 14400)",
            "--sglang-server-concurrency": "--rollout-concurrency = N x the number of engines (slime's formula)"}
 
@@ -142,7 +141,8 @@ def slime_flag_routes() -> dict[str, tuple[str, str]]:
     """slime's flags that submit takes itself, not under their spec names: flag -> (refused or
     job spec, what happens). For the flag table (jobs/submit_flags.py)."""
     routes = {flag: ("job spec", f"as {alias}") for flag, alias in _ALIASES.items()}
-    routes.update({flag: ("job spec", "accepted: slurmrl never offloads") for flag in _AS_SLURMRL_DOES})
+    routes.update({flag: ("job spec", "sets " + ", ".join(f"rollout.{name}={value}" for name, value in fields))
+                   for flag, fields in _SWITCHES.items()})
     routes.update({flag: ("job spec", effect) for flag, effect in _ROUTED.items()})
     routes.update({flag: ("refused", reason) for flag, reason in _REFUSED.items()})
     return routes
@@ -162,8 +162,9 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
             problems.append(f"{name}: unexpected argument; flags start with -- (is the spec file first?)")
         elif name in _REFUSED:
             problems.append(f"{' '.join(group)}: {_REFUSED[name]}")
-        elif name in _AS_SLURMRL_DOES and not values:
-            continue
+        elif name in _SWITCHES and not values:
+            for field_name, value in _SWITCHES[name]:
+                setattr(spec.rollout, field_name, value)
         elif name in table:
             section, f = table[name]
             if str(f.type).startswith("bool") and not values:

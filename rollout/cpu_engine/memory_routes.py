@@ -99,6 +99,7 @@ def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
             if not saver.released:  # new requests wait from now until every tag is resumed
                 await run_on_scheduler(engine, lambda: scheduler.hold_admission(+1))
             await run_on_scheduler(engine, lambda: saver.release(tags), needs_idle=True)
+        print(f"cpu_engine memory released tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
         return JSONResponse(None)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -113,6 +114,7 @@ def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
             await run_on_scheduler(engine, lambda: saver.resume(tags))
             if not saver.released:
                 await run_on_scheduler(engine, lambda: scheduler.hold_admission(-1))
+        print(f"cpu_engine memory resumed tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
         return JSONResponse(None)
 
     return saver
