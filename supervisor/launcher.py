@@ -91,9 +91,12 @@ class StepLauncher:
 
     def launch_engine(self, engine: Engine) -> Step:
         place, r = engine.place, self.job.spec.rollout
+        # --colocate: the step shares the trainer's CPUs and GPUs (--overlap) and sees every GPU of
+        # the node the trainer sees; the engine takes its slice of them with --base-gpu-id.
+        gpus = self.job.spec.trainer.actor_num_gpus_per_node if r.colocate and place.gpus_per_node else place.gpus_per_node
         step = self.launch(engine.name, "engine", _with_key(engine_command(self.job.spec, place, self.python)),
-                           place.nodes, place.het_group, gpus_per_node=place.gpus_per_node,
-                           cpus_per_task=r.cpus_per_engine)
+                           place.nodes, place.het_group, gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine,
+                           overlap=r.colocate)
         engine.state, engine.version, engine.in_router = STARTING, None, False
         return step
 
@@ -103,6 +106,8 @@ class StepLauncher:
         argv = [self.python, "-m", "trainer", *t.train_args, "--job-dir", str(self.job.dir.root), "--supervised",
                 "--sglang-router-ip", host, "--sglang-router-port", port,
                 "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
+        r = self.job.spec.rollout
+        argv += ["--offload-train"] * r.offloads_train + ["--offload-rollout"] * r.offloads_rollout
         # The master by address: a node's name need not resolve (the devcluster's do not).
         return self.launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0,
                            ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
@@ -113,9 +118,22 @@ class StepLauncher:
 def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
     """The command line of the engine at `place` (the job's key joins it inside the step: _with_key)."""
     r = spec.rollout
-    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port, tp=max(1, place.gpus_per_node),
-                          sglang_args=passthrough(r.sglang_args, "sglang"))
+    tp = max(1, place.gpus_per_node)
+    sglang_args = passthrough(r.sglang_args, "sglang")
+    if r.offloads_rollout and "--enable-memory-saver" not in sglang_args:  # /release_memory_occupation needs it
+        sglang_args.append("--enable-memory-saver")
+    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port, tp=tp,
+                          base_gpu_id=colocated_base_gpu(spec, place), sglang_args=sglang_args)
     return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
+
+
+def colocated_base_gpu(spec: JobSpec, place: EnginePlace) -> int:
+    """--colocate: engine k's first GPU among the node's (it uses [k*tp, (k+1)*tp) of them, in the
+    order of the GPU list the node's steps all see); otherwise 0, the first of the step's own GPUs."""
+    r = spec.rollout
+    if not r.colocate or not place.gpus_per_node:
+        return 0
+    return (place.index % r.engines_on_each_node) * place.gpus_per_node
 
 
 @dataclass(frozen=True)
