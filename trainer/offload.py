@@ -69,13 +69,16 @@ class TrainerOffload:
             module.to(device)
 
     def _move_state(self, device: torch.device) -> None:
+        """Grads to `device`; optimizer state to the host, or (onload) back beside its parameter:
+        the host copies of --optimizer-cpu-offload keep theirs on the host."""
         with torch.no_grad():
             for param in self._params():
                 if param.grad is not None:
                     param.grad = param.grad.to(device, non_blocking=True)
             for optimizer in self.held.optimizers:
-                for state in optimizer.state.values():
+                for param, state in optimizer.state.items():
+                    where = HOST if device == HOST else param.device
                     for key, value in state.items():
                         # Adam's scalar step count stays on the host (torch keeps it there)
                         if torch.is_tensor(value) and value.dim() > 0:
-                            state[key] = value.to(device, non_blocking=True)
+                            state[key] = value.to(where, non_blocking=True)
