@@ -116,6 +116,7 @@ class ControlHandlers:
                     mine.append(engine.url)
                 except EngineError as err:  # its step is stopped (the memory with it) and restarted later
                     self.recovery.recover(engine, f"release of its memory failed: {err}")
+        job.gpus.released(released + mine)
         job.events.emit("gpus_to_trainer", released_by_trainer=len(released), released_by_supervisor=mine)
         return {"released": mine}
 

@@ -25,6 +25,7 @@ class GpuHolder:
         self._cond = threading.Condition()
         self._holder = ENGINES
         self._starting = 0
+        self._released: set[str] = set()  # engines released for the trainer's turn (their urls)
 
     @property
     def trainer_holds(self) -> bool:
@@ -38,10 +39,18 @@ class GpuHolder:
             self._holder = TRAINER
             return self._cond.wait_for(lambda: self._starting == 0, starts_timeout_s)
 
-    def to_engines(self) -> None:
+    def released(self, urls: list[str]) -> None:
+        with self._cond:
+            self._released.update(urls)
+
+    def to_engines(self) -> list[str]:
+        """Back to the engines; returns the engines released for the trainer's turn (a trainer
+        that died in it left them released: the caller resumes them)."""
         with self._cond:
             self._holder = ENGINES
+            released, self._released = sorted(self._released), set()
             self._cond.notify_all()
+            return released
 
     @contextmanager
     def engine_start(self, finished: threading.Event) -> Iterator[bool]:

@@ -148,3 +148,30 @@ def wait_until_quiet(probe, look_s: float):
     """probe()'s value after look_s: a bounded look that something does not happen."""
     threading.Event().wait(look_s)
     return probe()
+
+
+def test_a_real_engine_released_by_the_supervisor_and_taken_back_when_the_trainer_dies(colocated,
+                                                                                      tmp_path: Path) -> None:
+    """With a CPU engine: the supervisor releases an engine the trainer did not (and names it), and
+    a trainer that dies holding the GPUs leaves them to the engines, resumed, before its restart."""
+    from supervisor.trainer_watch import TrainerWatch
+    from tests.rollout.cpu_engine_helpers import EngineProcess, make_tiny_model
+
+    job, recovery, handlers, launched = colocated
+    proc = EngineProcess(make_tiny_model(tmp_path / "model"), tmp_path / "engine.log", api_key="key",
+                         extra=["--skip-server-warmup", "--enable-memory-saver"])
+    try:
+        proc.wait_ready()
+        live = Engine(EnginePlace("engine-1", 1, ("node1",), "127.0.0.1", proc.port, 0, 0), state=HEALTHY)
+        job.engines["engine-1"] = live
+        assert handlers.gpu_holder("trainer", [job.engines["engine-0"].url]) == {"released": [live.url]}
+        assert not job.client.healthy(live.url)  # released: no answer to the probe
+        watch = TrainerWatch(job, SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), Ending(user_stop=False),
+                             SimpleNamespace(), restarts=0)
+        watch._engines_take_back()  # what a trainer restart does first
+        assert not job.gpus.trainer_holds
+        wait_for(lambda: job.client.healthy(live.url), 30, "the engine serving again")
+        assert "memory resumed tags=weights" in proc.log_text() and "memory resumed tags=kv_cache" in proc.log_text()
+        assert ("gpus_to_engines", None) in _events(job) and launched == []
+    finally:
+        proc.stop()
