@@ -6,7 +6,8 @@ In one run: it completes with rewards rising; around every training phase the en
 their memory and take it back (their logs, and the supervisor's gpus_to_trainer/gpus_to_engines
 events); an engine SIGKILLed (by PID) while the trainer holds the GPUs is relaunched only after
 the trainer hands them back, then at the current weight version; no rollout is lost and no engine
-ever serves stale weights.
+ever serves stale weights. The trainer is held (SIGSTOP) in its turn while the engine dies, so
+that the kill lands there whatever the machine's load; it goes on once the restart is deferred.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import (
     assert_never_stale,
     events,
+    heartbeat,
     listening_pid,
     rollouts_done,
     status,
@@ -42,7 +44,7 @@ def test_colocated_job_offloads_around_training_and_survives_an_engine_kill(devc
     # Every rollout saves and takes several optimizer steps: the trainer holds the GPUs a while.
     job_id = submit(toy, job_dir, "--colocate", "--num-rollout", str(ROLLOUTS), "--save-interval", "1",
                     "--global-batch-size", "16")
-    killed = None
+    killed = frozen = None
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 3, 120, "the first rollouts")
         url = status(job_dir)["steps"]["engine-0"]["url"]
@@ -51,13 +53,21 @@ def test_colocated_job_offloads_around_training_and_survives_an_engine_kill(devc
         while len(events(job_dir, "gpus_to_trainer")) == seen:  # the next switch to the trainer
             assert time.monotonic() < deadline, "the trainer did not take the GPUs again"
             time.sleep(EVENT_POLL_S)
+        # Hold the trainer inside its turn (SIGSTOP rank 0, the only rank) while the engine dies,
+        # so that the kill lands there whatever the machine's load.
+        frozen = heartbeat(job_dir)["pid"]
+        os.kill(frozen, signal.SIGSTOP)
         killed = listening_pid(url)
         os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: events(job_dir, "engine_start_deferred", "engine-0"), 60, "the restart deferred")
+        os.kill(frozen, signal.SIGCONT)
         wait_job_gone(job_id, timeout_s=180)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
         if killed is not None and psutil.pid_exists(killed):
             os.kill(killed, signal.SIGKILL)
+        if frozen is not None and psutil.pid_exists(frozen):
+            os.kill(frozen, signal.SIGCONT)
     wait_sacct_states(job_id, {job_id: "COMPLETED"})
     assert len(sacct_rows(job_id, "JobID")) == 1, "one job, not a hetjob"
     state = status(job_dir)
