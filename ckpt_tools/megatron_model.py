@@ -1,7 +1,7 @@
 """Megatron-core GPTModel built from a Hugging Face config, torch_dist loading, and logits.
 
 Used by the checkpoint tools (verify) and their tests; runs on CPU (gloo) through
-`ckpt_tools.megatron_cpu`, and on GPU unchanged.
+`ckpt_tools.megatron_compat`, and on GPU unchanged.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ckpt_tools import megatron_cpu
+from ckpt_tools import megatron_compat
 from ckpt_tools.mapping import ModelShape
 
-megatron_cpu.apply()
+megatron_compat.apply()
 
 # Megatron-core hard-codes these Llama-3 RoPE scaling parameters; only the factor is configurable.
 _LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -107,9 +107,11 @@ class Metric:
 
     ROLLOUT_ID = "rollout_id"
     ROLLOUT_SECONDS = "rollout_seconds"  # generating the rollout
-    TRAIN_SECONDS = "train_seconds"
+    TRAIN_SECONDS = "train_seconds"  # log-probs and optimizer steps
+    LOG_PROBS_SECONDS = "log_probs_seconds"  # of which the forward passes before the first step
     PUBLISH_SECONDS = "publish_seconds"
     SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
+    EVAL_SECONDS = "eval_seconds"  # only on rollouts that evaluated
 
 
 def append_metrics(job_dir: JobDir, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -97,6 +97,8 @@ class ControlClient:
             except (FileNotFoundError, ConnectionRefusedError):
                 raise SupervisorUnreachable(f"no supervisor is running for {self.job_dir.root} "
                                             f"(no {path.name})") from None
+            except PermissionError:  # the socket is 0600: only the job's owner may steer it
+                raise ControlError(f"permission denied: you do not own the job in {self.job_dir.root}") from None
             sock.sendall(request.encode())
             line = sock.makefile("rb").readline(MAX_LINE)
         except TimeoutError:

@@ -4,7 +4,7 @@
 YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollout):
 
     name: toy                       # SLURM job name
-    job_dir: null                   # default ./slurmrl-jobs/<name>-<timestamp> (made absolute)
+    job_dir: null                   # default $SLURMRL_JOBS_DIR or ~/slurmrl-jobs, then /<name>-<timestamp>
     partition: dev
     account: null
     qos: null
@@ -27,6 +27,12 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       cpus_per_engine: 2            # cpu engine only
       engines_per_node: 2
       spare_nodes: 0                # extra rollout nodes: an engine whose node fails is relaunched on one
+      # An engine spans several nodes when rollout_num_gpus_per_engine > rollout_num_gpus_per_node
+      # (whole nodes: a multiple of it), e.g. 16 and 8 = engines of 2 nodes: one srun step per engine,
+      # one task per node, SGLang's --nnodes/--node-rank/--dist-init-addr; the router reaches node 0.
+      # The cpu engine takes its topology from the same flags (with no GPUs asked for): with
+      # engine: cpu, num_engines: 1, rollout_num_gpus_per_engine: 8, rollout_num_gpus_per_node: 4
+      # it is one engine of 2 nodes (engines_per_node must stay unset or 1).
       sglang_args: [--sglang-mem-fraction-static, "0.8"]
       router_args: []
       colocate: false
@@ -126,6 +132,13 @@ class RolloutSpec:
         return self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine)
 
     @property
+    def nodes_per_engine(self) -> int:
+        """Nodes one engine spans: more than 1 when an engine needs more GPUs than a node has (the
+        cpu engine takes its topology from the same flags)."""
+        per_engine, per_node = self.rollout_num_gpus_per_engine, max(1, self.rollout_num_gpus_per_node)
+        return max(1, per_engine // per_node) if per_engine > per_node else 1
+
+    @property
     def gpus_per_node(self) -> int:
         """GPUs asked for on each rollout node (0 for the CPU engine)."""
         if self.engine == "cpu":
@@ -135,13 +148,15 @@ class RolloutSpec:
     @property
     def engines_on_each_node(self) -> int:
         """Engines (or, for a multi-node engine, engine processes) per rollout node."""
-        if self.engine == "cpu":
+        if self.engine == "cpu" and self.nodes_per_engine == 1:
             return max(1, min(self.engines_per_node or self.engine_count, self.engine_count or 1))
         return max(1, self.gpus_per_node // max(1, self.rollout_num_gpus_per_engine))
 
     @property
     def num_nodes(self) -> int:
         """Nodes the engines are placed on (spare_nodes come on top)."""
+        if self.engine == "cpu" and self.nodes_per_engine > 1:
+            return max(1, self.engine_count) * self.nodes_per_engine
         if self.engine == "cpu":
             return -(-max(1, self.engine_count) // self.engines_on_each_node)
         return -(-max(1, self.rollout_num_gpus) // max(1, self.rollout_num_gpus_per_node))

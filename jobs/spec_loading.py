@@ -269,8 +269,17 @@ def spec_from_yaml(text_or_path: str | Path) -> JobSpec:
 
 
 # -- filling in what the user left out (at submission) -----------------------------------------
+JOBS_DIR_ENV = "SLURMRL_JOBS_DIR"
+
+
+def jobs_root() -> Path:
+    """Where job dirs go by default: $SLURMRL_JOBS_DIR, else ~/slurmrl-jobs (a shared home on a
+    cluster), never inside the working tree one happens to submit from."""
+    return Path(os.environ.get(JOBS_DIR_ENV) or Path.home() / "slurmrl-jobs").expanduser()
+
+
 def default_job_dir(name: str) -> Path:
-    return Path("slurmrl-jobs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    return (jobs_root() / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
 def finalize(spec: JobSpec) -> JobSpec:

@@ -45,8 +45,9 @@ def _trainer_actions() -> dict[str, argparse.Action]:
     return {option: action for action in build_parser()._actions for option in action.option_strings}
 
 
-def classify(flag: str, spec: dict, trainer: dict[str, argparse.Action]) -> tuple[str, str]:
-    if flag in (routes := slime_flag_routes()):
+def classify(flag: str, spec: dict, trainer: dict[str, argparse.Action],
+             routes: dict[str, tuple[str, str]]) -> tuple[str, str]:
+    if flag in routes:
         return routes[flag]
     if flag in spec:
         section, field = spec[flag]
@@ -66,8 +67,9 @@ def classify(flag: str, spec: dict, trainer: dict[str, argparse.Action]) -> tupl
 
 
 def flag_rows() -> list[FlagRow]:
-    spec, trainer = spec_flags(), _trainer_actions()
-    return [FlagRow(group, flag, default, *classify(flag, spec, trainer)) for group, flag, default in slime_flags()]
+    spec, trainer, routes = spec_flags(), _trainer_actions(), slime_flag_routes()
+    return [FlagRow(group, flag, default, *classify(flag, spec, trainer, routes))
+            for group, flag, default in slime_flags()]
 
 
 def markdown(rows: list[FlagRow]) -> str:

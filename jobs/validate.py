@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jobs.contract import Phase
 from jobs.hetjob import het_groups
-from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, flag_value, group_flags
+from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
 from jobs.spec_loading import spec_flags
 
 
@@ -130,8 +130,10 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
                             f"(rollout_num_gpus_per_node); give a multiple of {per_node}")
         elif (tp_ <= per_node and per_node % tp_) or (tp_ > per_node and tp_ % per_node):
             problems.append(f"rollout.rollout_num_gpus_per_engine: {tp_} does not tile nodes of {per_node} GPUs; "
-                            "an engine must fit a node evenly or span whole nodes")
+                            f"an engine must fit a node evenly or span whole nodes: give a divisor or a "
+                            f"multiple of {per_node}")
     else:
+        problems += _cpu_topology_problems(r)
         if not r.num_engines or r.num_engines < 1:
             problems.append("rollout.num_engines: the cpu engine needs --rollout-num-engines 1 or more")
         if r.cpus_per_engine < 1:
@@ -199,21 +201,40 @@ def colocation_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
+def _cpu_topology_problems(r: RolloutSpec) -> list[str]:
+    """The cpu engine spans nodes as SGLang's would (rollout_num_gpus_per_engine over
+    rollout_num_gpus_per_node, whole nodes), one engine per node then."""
+    per_engine, per_node = r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node
+    if per_engine <= per_node:
+        return []
+    if per_node < 1 or per_engine % per_node:
+        return [f"rollout.rollout_num_gpus_per_engine: {per_engine} does not span whole nodes of {per_node} GPUs "
+                f"(rollout_num_gpus_per_node); give a multiple of {max(1, per_node)}"]
+    if r.engines_per_node not in (None, 1):
+        return [f"rollout.engines_per_node: {r.engines_per_node}, but each engine spans {r.nodes_per_engine} whole "
+                "nodes; drop --rollout-engines-per-node"]
+    return []
+
+
 def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     """The engine command line the supervisor builds, parsed by SGLang's own ServerArgs parser
     (jobs/sglang_args.py): a passthrough SGLang rejects is refused with SGLang's reason."""
     from jobs.sglang_args import ParserUnavailable, parse_errors
     from supervisor.launcher import engine_command
     from supervisor.layout import EnginePlace
+    from supervisor.node_rank import node_argv
 
-    if not spec.rollout.sglang_args or not spec.trainer.hf_checkpoint:
+    r = spec.rollout
+    if not r.sglang_args or not spec.trainer.hf_checkpoint:
         return []  # only slurmrl's own flags: tests/jobs/test_sglang_args.py parses those
-    gpus = 0 if spec.rollout.engine == "cpu" else spec.rollout.rollout_num_gpus_per_engine
-    place = EnginePlace("engine-0", 0, ("node",), "127.0.0.1", 30000, spec.rollout_group, gpus)
-    # the flags after `-m MODULE`, and the key supervisor.with_key adds inside the step
+    gpus = 0 if r.engine == "cpu" else min(r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node)
+    nodes = tuple(f"node{k}" for k in range(r.nodes_per_engine))
+    place = EnginePlace("engine-0", 0, nodes, "127.0.0.1", 30000, spec.rollout_group, gpus, 30001)
+    # the flags after `-m MODULE`, and the key supervisor.with_key adds inside the step; every node rank's
     argv = engine_command(spec, place, "python")[3:] + ["--api-key=KEY"]
     try:
-        error = parse_errors([argv])[0]
+        error = next(filter(None, parse_errors([node_argv(argv, rank, "127.0.0.1") if rank else argv
+                                                for rank in range(len(nodes))])), None)
     except ParserUnavailable as err:
         notes.append(f"the engine flags were not checked by SGLang's own parser: {err}")
         return []

@@ -1,12 +1,10 @@
-"""Built-in dynamic-sampling filters (--dynamic-sampling-filter-path): keep a group or drop it."""
+"""Dynamic-sampling filters' verdicts (--dynamic-sampling-filter-path): keep a group or drop it. The
+built-in filters are slime's, in slime/rollout/filter_hub/dynamic_sampling_filters.py."""
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any
-
-from rollout.sample import Sample
 
 
 @dataclass
@@ -30,9 +28,3 @@ def filter_keeps(verdict: Any, candidates: int | None = None, target: int | None
         return True
     return bool(getattr(verdict, "keep_when_insufficient", False) and candidates is not None
                 and target is not None and candidates <= target)
-
-
-def nonzero_reward_std(args, group: list[Sample]) -> bool:
-    """Keep groups whose rewards differ: a group with one reward for all gives GRPO no signal."""
-    rewards = [s.get_reward_value(args) for s in group]
-    return len(rewards) > 1 and statistics.pstdev(rewards) > 0

@@ -102,7 +102,9 @@ def router_command(router: RouterLaunch, python: str = sys.executable) -> list[s
     argv = [python, "-m", "sglang_router.launch_router", "--host", router.host, "--port", str(router.port),
             "--prometheus-host", router.host, "--prometheus-port", str(router.prometheus_port),
             "--policy", router.policy, "--disable-health-check", "--disable-retries", "--disable-circuit-breaker",
-            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S)]  # a passthrough, later, overrides it
+            "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
+            # info logs every request (thousands of lines a rollout); --router-log-level info brings them back
+            "--log-level", "warn"]  # a passthrough, later, overrides these
     if router.api_key:
         argv += ["--api-key", router.api_key]
     return argv + list(router.router_args)

@@ -17,15 +17,15 @@ job_id=$(slurmrl submit examples/toy_job.yaml --json --job-dir "$job_dir" \
     --hf-checkpoint "$work/model" --prompt-data "$work/toy.jsonl" | python3 -c 'import json,sys; print(json.load(sys.stdin)["job_id"])')
 echo "submitted job $job_id; job directory $job_dir"
 while squeue -h -j "$job_id" -o %i | grep -q .; do
-    sleep 5
     [ -f "$job_dir/supervisor_state.json" ] && { echo; slurmrl status "$job_dir" || true; }
+    sleep 5
 done
 echo
-slurmrl status "$job_dir"
+slurmrl status "$job_dir"  # the final table, once
 python3 - "$job_dir/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print("\nrollout  reward  weight version")
+print("\nrollout  reward  generated at weight version")
 for r in rows:
     print(f"{r['rollout_id']:7d}  {r['reward_mean']:6.3f}  {r['weight_version']:>6}  " + "#" * round(40 * r["reward_mean"]))
 PY

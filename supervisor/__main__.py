@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from jobs.spec import SpecError
 from jobs.spec_loading import read_job_spec
@@ -19,15 +20,17 @@ def main() -> int:
     if code is not None:
         return code
     # Imported in the child only: the watchdog stays small.
-    from supervisor.daemon import Daemon, JobFailed
+    from jobs.contract import JobDir
+    from supervisor.daemon import JobFailed, record_start_failure, start
 
     try:
         spec = read_job_spec(args.job_dir)
     except SpecError as err:
+        record_start_failure(JobDir(Path(args.job_dir)), f"the job spec cannot be read: {err}")
         print(f"python -m supervisor: error: {err}", file=sys.stderr)
         return 2
     try:
-        print(Daemon(spec).run())
+        print(start(spec).run())
     except JobFailed as err:
         print(f"python -m supervisor: the job failed: {err}", file=sys.stderr)
         return 1

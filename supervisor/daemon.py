@@ -71,7 +71,7 @@ from supervisor.trainer_watch import REQUEUE, TrainerWatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Daemon", "JobFailed", "Supervisor"]
+__all__ = ["Daemon", "JobFailed", "Supervisor", "record_start_failure", "start"]
 
 
 class Supervisor(submitit.helpers.Checkpointable):
@@ -81,7 +81,29 @@ class Supervisor(submitit.helpers.Checkpointable):
         self.spec = spec
 
     def __call__(self) -> str:
-        return Daemon(self.spec).run()
+        return start(self.spec).run()
+
+
+def start(spec: JobSpec) -> Daemon:
+    """The job's Daemon; if it cannot even start, the reason goes where `slurmrl status` and
+    `slurmrl events` show it (else only Submitit's log would say why the job ended)."""
+    try:
+        return Daemon(spec)
+    except Exception as err:
+        reason = f"the supervisor could not start: {err}"
+        record_start_failure(JobDir(Path(spec.job_dir)), reason)
+        raise JobFailed(reason) from err
+
+
+def record_start_failure(job_dir: JobDir, reason: str) -> None:
+    if not job_dir.root.is_dir():
+        return  # no job dir to write to: the caller's stderr is all there is
+    with StateStore(job_dir).update() as state:
+        state.job_id = os.environ.get("SLURM_JOB_ID", state.job_id)
+        state.stop_reason = f"failed: {reason}"
+    events = EventLog(job_dir.events)
+    events.emit("job_failed", reason=reason)
+    events.close()
 
 
 class Daemon:
@@ -265,8 +287,11 @@ class Daemon:
     def _stop_steps(self) -> None:
         job = self.job
         job.finished.set()
+        why = job.store.snapshot().stop_reason or "the supervisor is ending"
         for name, step in self.launcher.all().items():
             if step.returncode is None:
+                _note_in_log(job.dir.log(name), f"slurmrl: the supervisor stops this step ({why}); srun's "
+                                                "'Terminated' or 'Killed' lines after this one are that stop")
                 try:
                     self.steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)
                 except Exception:  # keep stopping the others
@@ -274,3 +299,11 @@ class Daemon:
             failed = name in job.engines and job.engines[name].state == FAILED
             job.store.update_step(name, state=FAILED if failed else "stopped")
 
+
+
+def _note_in_log(path: Path, line: str) -> None:
+    try:
+        with open(path, "a") as log:
+            log.write(line + "\n")
+    except OSError:  # a log we cannot write to must not keep a step running
+        pass

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Self
+from typing import IO, Self
 
 
 class EventLog:
@@ -79,10 +79,13 @@ def _follow(path: Path, offset: int, poll_s: float, stop: threading.Event) -> It
         # Started in the middle of a line being written: its rest is not an event of ours.
         skip_first = offset > 0 and f.read(1) != b"\n"
         pending = b""
-        while not stop.is_set():
+        while True:
             chunk = f.readline()
             if not chunk:
-                stop.wait(poll_s)
+                # At the end of what is written: a set stop ends here (so an already-set stop
+                # still yields the whole file), else wait for more.
+                if stop.is_set() or stop.wait(poll_s) and not _more(f):
+                    return
                 continue
             pending += chunk
             if pending.endswith(b"\n"):
@@ -91,3 +94,8 @@ def _follow(path: Path, offset: int, poll_s: float, stop: threading.Event) -> It
                     skip_first = False
                 elif line.strip():
                     yield json.loads(line)
+
+
+def _more(f: IO[bytes]) -> bool:
+    """Whether f has bytes past its position (what was appended while we waited)."""
+    return os.fstat(f.fileno()).st_size > f.tell()

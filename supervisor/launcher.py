@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from jobs.spec import JobSpec
 from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
 from supervisor import layout as layouts
+from supervisor import node_rank
 from supervisor.context import JobContext
 from supervisor.engines import HEALTHY, STARTING, Engine
 from jobs.contract import JOB_DIR_ENV
@@ -66,7 +67,7 @@ class StepLauncher:
         self.set_current(step)
         with job.store.update() as state:
             record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
-            record.state, record.slurm_step = STARTING, None
+            record.state, record.slurm_step, record.launched_at = STARTING, None, time.time()
             state.steps[name] = record
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
         return step
@@ -91,11 +92,15 @@ class StepLauncher:
 
     def launch_engine(self, engine: Engine) -> Step:
         place, r = engine.place, self.job.spec.rollout
+        argv, env = engine_command(self.job.spec, place, self.python), None
+        if len(place.nodes) > 1:  # one task per node, each with its node rank (supervisor/node_rank.py)
+            argv = node_rank.wrapped(argv)
+            env = node_rank.step_env(place.nodes, tuple(self.job.layout.addresses[n] for n in place.nodes))
         # --colocate: the step shares the trainer's CPUs and GPUs (--overlap) and sees every GPU of
         # the node the trainer sees; the engine takes its slice of them with --base-gpu-id.
         gpus = self.job.spec.trainer.actor_num_gpus_per_node if r.colocate and place.gpus_per_node else place.gpus_per_node
-        step = self.launch(engine.name, "engine", _with_key(engine_command(self.job.spec, place, self.python)),
-                           place.nodes, place.het_group, gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine,
+        step = self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
+                           ntasks=len(place.nodes), gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine, env=env,
                            overlap=r.colocate)
         engine.state, engine.version, engine.in_router = STARTING, None, False
         return step
@@ -116,14 +121,17 @@ class StepLauncher:
 
 
 def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
-    """The command line of the engine at `place` (the job's key joins it inside the step: _with_key)."""
+    """The command line of the engine at `place`, as its node-rank 0 runs it (the job's key joins it
+    inside the step: _with_key). An engine over several nodes is one tensor-parallel group over all
+    of them (SGLang's --tp-size counts every node's GPUs; the cpu engine has one rank per node)."""
     r = spec.rollout
-    tp = max(1, place.gpus_per_node)
     sglang_args = passthrough(r.sglang_args, "sglang")
     if r.offloads_rollout and "--enable-memory-saver" not in sglang_args:  # /release_memory_occupation needs it
         sglang_args.append("--enable-memory-saver")
-    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port, tp=tp,
-                          base_gpu_id=colocated_base_gpu(spec, place), sglang_args=sglang_args)
+    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port,
+                          tp=max(1, place.gpus_per_node) * len(place.nodes), nnodes=len(place.nodes),
+                          dist_init_addr=place.dist_init_addr, base_gpu_id=colocated_base_gpu(spec, place),
+                          sglang_args=sglang_args)
     return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
 
 

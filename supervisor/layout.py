@@ -10,7 +10,9 @@ from dataclasses import dataclass, field, replace
 
 from jobs.spec import JobSpec
 
-# Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + 10 + k.
+# Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + 10 + k
+# (HTTP) and, spanning nodes, base + 10 + engines + k (--dist-init-addr on its node 0): no two ports
+# of a job meet, even on a cluster whose nodes share one address (the devcluster).
 # All below Linux's ephemeral range (32768 and up), where any outgoing connection may sit.
 _PORT_BASE, _PORT_SPAN, _PORTS_PER_JOB = 20000, 12000, 100
 
@@ -24,10 +26,16 @@ class EnginePlace:
     port: int
     het_group: int
     gpus_per_node: int
+    dist_init_port: int | None = None  # an engine of several nodes: its node 0's rendezvous port
 
     @property
     def url(self) -> str:
         return f"http://{self.address}:{self.port}"
+
+    @property
+    def dist_init_addr(self) -> str | None:
+        """SGLang's --dist-init-addr (node-rank 0's HOST:PORT) of an engine that spans nodes."""
+        return f"{self.address}:{self.dist_init_port}" if len(self.nodes) > 1 else None
 
 
 @dataclass(frozen=True)
@@ -44,9 +52,11 @@ class Layout:
     spare_nodes: tuple[str, ...] = ()  # rollout nodes no engine starts on: where engines of a lost node go
     addresses: dict[str, str] = field(default_factory=dict)  # every node's address
 
-    def moved(self, place: EnginePlace, node: str) -> EnginePlace:
-        """`place` on another node of the allocation (same port: no other step of the job runs there)."""
-        return replace(place, nodes=(node,), address=self.addresses[node])
+    def moved(self, place: EnginePlace, swap: dict[str, str]) -> EnginePlace:
+        """`place` with each node of `swap` replaced by its value, another node of the allocation
+        (same ports: no other step of the job runs there); its node 0 stays its node 0."""
+        nodes = tuple(swap.get(node, node) for node in place.nodes)
+        return replace(place, nodes=nodes, address=self.addresses[nodes[0]])
 
 
 def port_free_here(address: str, preferred: int) -> int:
@@ -93,24 +103,32 @@ def _resolve(address: str) -> str:
 def from_environment(spec: JobSpec, timeout_s: float, env: dict[str, str] | None = None) -> Layout:
     """The layout of the job this process runs in; timeout_s bounds each scontrol call."""
     env = dict(os.environ if env is None else env)
-    job_id = env.get("SLURM_JOB_ID") or env["SLURM_JOBID"]
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job_id:
+        raise ValueError("SLURM_JOB_ID is not set: the supervisor runs as a SLURM job's batch step "
+                         "(slurmrl submit, or sbatch a template of slurm/templates)")
     groups = [hostnames(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}") or env["SLURM_JOB_NODELIST"], timeout_s)
               for g in range(spec.het_groups)]
     trainer_nodes = groups[0]
     rollout_nodes = groups[spec.rollout_group]
     addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)), timeout_s)
     base = _PORT_BASE + (int(job_id) * _PORTS_PER_JOB) % _PORT_SPAN
-    engines = []
     r = spec.rollout
-    if r.engine != "cpu" and r.rollout_num_gpus_per_engine > r.rollout_num_gpus_per_node:
-        raise ValueError("an engine spanning several nodes is not supported yet: keep "
-                         "--rollout-num-gpus-per-engine <= --rollout-num-gpus-per-node")
-    gpus = 0 if r.engine == "cpu" else r.rollout_num_gpus_per_engine
+    span = r.nodes_per_engine
+    gpus = 0 if r.engine == "cpu" else min(r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node)
     engine_nodes = rollout_nodes[:max(1, len(rollout_nodes) - r.spare_nodes)]
+    if span > 1 and len(engine_nodes) < r.engine_count * span:
+        raise ValueError(f"{r.engine_count} engines of {span} nodes need {r.engine_count * span} rollout nodes "
+                         f"besides the {r.spare_nodes} spare ones; the allocation has {len(rollout_nodes)}")
+    engines = []
     for k in range(r.engine_count):
-        node = engine_nodes[(k // r.engines_on_each_node) % len(engine_nodes)]
-        engines.append(EnginePlace(f"engine-{k}", k, (node,), addresses[node], base + 10 + k, spec.rollout_group,
-                                   gpus))
+        if span > 1:  # whole nodes, its own: node 0 (the rendezvous and the HTTP port) first
+            nodes = tuple(engine_nodes[k * span:(k + 1) * span])
+            dist_port = base + 10 + r.engine_count + k
+        else:
+            nodes, dist_port = (engine_nodes[(k // r.engines_on_each_node) % len(engine_nodes)],), None
+        engines.append(EnginePlace(f"engine-{k}", k, nodes, addresses[nodes[0]], base + 10 + k, spec.rollout_group,
+                                   gpus, dist_port))
     head = trainer_nodes[0]
     return Layout(job_id=job_id, head=head, head_address=addresses[head], trainer_nodes=tuple(trainer_nodes),
                   rollout_nodes=tuple(rollout_nodes), router_port=base, router_metrics_port=base + 1,

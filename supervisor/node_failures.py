@@ -46,22 +46,24 @@ class NodeFailures:
         return out
 
     def place_on_live_node(self, engine: Engine) -> str | None:
-        """Before a (re)launch: if the engine's node is lost, move the engine to a spare node (a fresh
-        start there: not part of a crash loop). Returns the lost node when no spare is left."""
+        """Before a (re)launch: if a node of the engine is lost, move the engine to the live ones and
+        a spare node for each lost one (a fresh start there: not part of a crash loop). Returns a
+        lost node when too few spares are left."""
         lost = self.tracker.check(engine.place.nodes)
         if not lost:
             return None
         for node, why in {**lost, **self.tracker.check(self.tracker.spares)}.items():
             self.node_lost(node, why)
-        spare = self.tracker.take_spare()
-        if spare is None:
+        spares = self.tracker.take_spares(len(lost))
+        if spares is None:
             return next(iter(lost))
         job, old = self.job, engine.place.nodes
         job.membership.expel(engine)  # under its old url, if it is still listed
-        engine.place = job.layout.moved(engine.place, spare)
+        engine.place = job.layout.moved(engine.place, dict(zip(lost, spares)))
         engine.recent_restarts = 0
-        job.store.update_step(engine.name, nodes=[spare], url=engine.url)
-        job.events.emit("engine_moved", engine.name, from_nodes=list(old), to_node=spare, url=engine.url)
+        job.store.update_step(engine.name, nodes=list(engine.place.nodes), url=engine.url)
+        job.events.emit("engine_moved", engine.name, from_nodes=list(old), to_node=spares[0],
+                        to_nodes=list(engine.place.nodes), url=engine.url)
         return None
 
     @contextmanager

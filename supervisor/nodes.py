@@ -104,10 +104,13 @@ class NodeTracker:
                 self._spares.remove(node)
             return True
 
-    def take_spare(self) -> str | None:
-        """A spare node, no longer spare from now on; None when none is left."""
+    def take_spares(self, count: int) -> list[str] | None:
+        """`count` spare nodes, no longer spare from now on; None (and none taken) when fewer are left."""
         with self._lock:
-            return self._spares.pop(0) if self._spares else None
+            if len(self._spares) < count:
+                return None
+            taken, self._spares = self._spares[:count], self._spares[count:]
+            return taken
 
     def release(self, node: str) -> str:
         """Take `node` out of the job's allocation before SLURM marks it DOWN; says what happened."""

@@ -36,6 +36,7 @@ class StepRecord:
     last_probe_latency_s: float | None = None
     last_probe_time: float | None = None
     last_failure: str | None = None
+    launched_at: float | None = None  # unix time of its latest launch (a heartbeat before it is a predecessor's)
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:

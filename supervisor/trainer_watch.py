@@ -8,9 +8,10 @@ import threading
 import time
 from concurrent.futures import Executor
 
-from jobs.contract import read_heartbeat
+from jobs.contract import Phase, read_heartbeat
 from rollout.engine_client import EngineError
 from supervisor.context import Ending, JobContext, restart_backoff
+from supervisor.engines import HEALTHY
 from supervisor.gpu_holder import RELEASED_TAGS
 from supervisor.launcher import TRAINER, JobFailed, StepLauncher
 from supervisor.requeue import Requeue
@@ -34,15 +35,16 @@ class TrainerWatch:
         self._lock = threading.Lock()
         self._launched = 0.0  # unix time of the step's (re)launch or adoption: its heartbeat counts from here
         self._ended_why: str | None = None  # why the supervisor ended the step, if it did
+        self._beating = False  # its heartbeat has left the start phase: the step is healthy
 
     def launch(self) -> None:
         with self._lock:
-            self._launched, self._ended_why = time.time(), None
+            self._launched, self._ended_why, self._beating = time.time(), None, False
         self.launcher.launch_trainer()
 
     def adopted(self) -> None:
         with self._lock:
-            self._launched = time.time()
+            self._launched, self._beating = time.time(), False
 
     def _end(self, why: str) -> bool:
         """Mark the running step as ended by the supervisor; False if it was already."""
@@ -72,6 +74,9 @@ class TrainerWatch:
         if ended:
             return
         beat = read_heartbeat(self.job.dir, launched)
+        if beat.phase is not Phase.START and not self._beating:
+            self._beating = True  # monitor thread only, like the reset in launch()
+            self.job.store.update_step(TRAINER, state=HEALTHY)
         age, timeout = time.time() - beat.time, self.job.ft.phase_timeout(beat.phase)
         if age <= timeout:
             return

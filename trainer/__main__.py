@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 from trainer import save_now
 from trainer.args import ArgsError, main_error, parse_args
@@ -14,6 +15,12 @@ from trainer.args import ArgsError, main_error, parse_args
 # for bit): no dynamic thread counts, and CNR mode, strict for gemm (no measurable cost here). Set
 # before torch is imported.
 REPRODUCIBLE_MKL = {"MKL_CBWR": "AUTO,STRICT", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+# What megatron-core and torch say at every start that asks nothing of the user: slurmrl's trainer
+# runs megatron-core without TransformerEngine and Apex on purpose (their torch fallbacks), and
+# torch_dist checkpoints go through APIs torch marks deprecated. One line in the log says so instead.
+_EXPECTED_WARNINGS = (r"(Transformer Engine and )?Apex (is|are) not installed", r"full scope is deprecated",
+                      r"`load_state_dict` is deprecated", r"Please use DTensor instead")
+_CHATTY_LOGGERS = ("megatron.core.distributed.fsdp",)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,10 +28,15 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(name, value)
     save_now.install()  # before anything slow: the supervisor's save-now signal must not kill a loading trainer
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for message in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         args = parse_args(argv)
     except ArgsError as err:
         main_error(err)
+    logging.getLogger("trainer").info("megatron-core runs without TransformerEngine and Apex (torch kernels)")
     from trainer import dist_env
     from trainer.setup import build
 

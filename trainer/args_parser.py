@@ -79,6 +79,18 @@ class _Parser(argparse.ArgumentParser):
         raise ArgsError(message)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag shows its default (build_parser gives each flag some help: argparse shows a
+    default only within a help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and not action.required and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Refused(argparse.Action):
     """A slime flag slurmrl does not implement: a value other than `allowed` (the one that is
     what slurmrl does anyway) is refused with `reason`, never accepted and ignored."""
@@ -118,7 +130,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m trainer", description="slurmrl's RL trainer (one process per GPU or CPU worker)",
-                allow_abbrev=False)
+                allow_abbrev=False, formatter_class=_HelpFormatter)
     add = p.add_argument
     # checkpoints and model
     add("--hf-checkpoint", required=True, help="HF model folder: config, tokenizer, initial weights")
@@ -416,4 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--master-port", type=int, help="torch.distributed port (default: from the SLURM job id)")
     for r in REFUSED:
         refused(p, r.flag, r.reason, allowed=r.allowed, type=r.type, switch=r.switch, nargs=r.nargs)
+    for action in p._actions:
+        action.help = action.help or "as in slime"
     return p

@@ -12,9 +12,13 @@ import os
 import socket
 import subprocess
 from collections.abc import MutableMapping
+from datetime import timedelta
 
 # Ports below this are the devcluster's and the usual services'; the job id spreads jobs apart.
 _PORT_BASE, _PORT_SPAN = 20000, 20000
+# Until every rank joined the rendezvous: torch's own default for it (ranks load models first).
+_RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+_LISTEN_BACKLOG = 1024  # ranks connecting at once
 
 
 def first_node(nodelist: str) -> str:
@@ -59,7 +63,21 @@ def init_process_group() -> None:
     if torch.cuda.is_available():
         # SLURM may already have narrowed CUDA_VISIBLE_DEVICES to this task's GPU.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend)  # torchrun's agent hosts the store already
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        # The rendezvous store on the master node's own address only: torch's env:// store would
+        # listen on every interface of the node.
+        listener = socket.create_server((address, port), backlog=_LISTEN_BACKLOG)
+        store = dist.TCPStore(address, port, world, True, timeout=_RENDEZVOUS_TIMEOUT,
+                              master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(address, port, world, False, timeout=_RENDEZVOUS_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def shutdown() -> None:

@@ -238,6 +238,7 @@ class Loop:
 
     def train(self, samples: list[TrainSample], rollout_id: int) -> dict[str, Any]:
         args, ids = self.args, list(range(len(samples)))
+        began = time.monotonic()
         need_entropy = args.entropy_coef != 0
         old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
         for i, s in enumerate(samples):
@@ -260,6 +261,8 @@ class Loop:
                 s.values = values[i]
         rl_step.compute_advantages(args, samples)
         out["entropy"] = _masked_token_mean([old[i][1] for i in ids], samples)
+        # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
+        out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
         totals: dict[str, float] = {}
         steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
         for step_id, batch in enumerate(steps):
@@ -301,6 +304,9 @@ class Loop:
                 "engines_fenced": len(result.fenced)}
 
     def publish_and_save(self, rollout_id: int, metrics: dict[str, Any], publish: bool = True) -> None:
+        # weight_version: the version the engines generated this rollout with; published_version:
+        # the one trained on it. Not published (save-now): the resumed trainer publishes it first thing.
+        metrics["weight_version"] = self.weight_version
         self.weight_version += 1
         self.next_rollout = rollout_id + 1
         last = rollout_id == self.args.num_rollout - 1
@@ -312,15 +318,16 @@ class Loop:
                 metrics[Metric.SAVE_SECONDS] = self.timed_save(rollout_id, eval_due(self.args, rollout_id))
                 save_due = False
             self.colocation.before_publish()
-        # Not published (save-now): the resumed trainer publishes this version first thing.
-        metrics.update(self.publish() if publish else {}, weight_version=self.weight_version)
+        metrics.update(self.publish() if publish else {}, published_version=self.weight_version)
         if self.colocation and publish:
             self.colocation.to_engines()
         if eval_due(self.args, rollout_id):
             if not publish:
                 self.eval_owed = rollout_id  # the engines are a version behind: the resumed run evaluates
             elif self.driver:
+                began = time.monotonic()
                 metrics.update(self.driver.evaluate(rollout_id))
+                metrics[Metric.EVAL_SECONDS] = time.monotonic() - began
         if rollout_id == 0:
             metrics.update(self.eval_before_train)
         if save_due:

@@ -1,7 +1,7 @@
 """The megatron backend: a megatron-core GPTModel (TP/SP/EP/DP), packed micro-batches, and a
 torch optimizer sharded over data-parallel ranks (trainer.megatron_optimizer).
 
-Runs on CPU through gloo (ckpt_tools.megatron_cpu) and on GPU through NCCL. Parameters are kept
+Runs on CPU through gloo (ckpt_tools.megatron_compat) and on GPU through NCCL. Parameters are kept
 in fp32; on GPU the forward runs under bf16 autocast (--bf16), so the optimizer always updates
 fp32 master weights without megatron's DDP; gradients are reduced here by hand.
 """

@@ -23,6 +23,7 @@ class Refusal:
 
 _MODELS = "slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models from --hf-checkpoint's config.json"
 _RAY = "slurmrl runs as one SLURM job with no Ray"
+_MLA = f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
 
 
@@ -36,12 +37,9 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
-    _switch("--multi-latent-attention", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
-    Refusal("--kv-lora-rank", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
-    Refusal("--q-lora-rank", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
-    Refusal("--qk-head-dim", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
-    Refusal("--qk-pos-emb-head-dim", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
-    Refusal("--v-head-dim", f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"),
+    _switch("--multi-latent-attention", _MLA),
+    *(Refusal(flag, _MLA) for flag in ("--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                                       "--v-head-dim")),
     Refusal("--mscale", f"YaRN rope scaling is not supported; {_MODELS}"),
     Refusal("--mscale-all-dim", f"YaRN rope scaling is not supported; {_MODELS}"),
     Refusal("--rotary-scaling-factor", f"rope scaling is not supported; {_MODELS}"),

@@ -18,11 +18,23 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.num_threads)
     _report_ignored(args)
+    link = None
+    if args.nnodes > 1:  # SGLang's multi-node engine: rank 0 serves, the others follow it
+        from rollout.cpu_engine import node_link
+
+        if args.node_rank > 0:
+            return node_link.follow(args)
+        try:
+            link = node_link.lead(args)
+        except node_link.NodeLinkError as err:
+            print(f"cpu_engine: error: {err}", file=sys.stderr)
+            return 1
     try:
         engine = load_engine(args)
     except EngineLoadError as err:
         print(f"cpu_engine: error: {err}", file=sys.stderr)
         return 1
+    engine.link = link
     engine.scheduler.start()
     server = EngineServer(engine)
     try:
@@ -36,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report_ignored(args: ServerArgs) -> None:
     defaults = parse_args(["--model-path", args.model_path]).ignored
-    changed = {k: v for k, v in args.ignored.items() if v != defaults[k]}
+    changed = {k: v for k, v in args.ignored.items() if v != defaults[k]
+               and not (k == "tp_size" and v == args.nnodes)}  # one rank per node: as many as it has
     if changed:
         shown = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in changed.items())
         print(f"cpu_engine: no effect on CPU, ignored: {shown}", flush=True)

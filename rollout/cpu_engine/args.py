@@ -10,8 +10,8 @@ from typing import Any
 # They are accepted (so the same command line works) and reported in /server_info.
 _IGNORED_FLAGS: tuple[tuple[str, type | None, Any], ...] = (
     ("--tp-size", int, 1), ("--dp-size", int, 1), ("--mem-fraction-static", float, None),
-    ("--base-gpu-id", int, 0), ("--gpu-id-step", int, 1), ("--nnodes", int, 1), ("--node-rank", int, 0),
-    ("--dist-init-addr", str, None), ("--enable-memory-saver", None, False), ("--trust-remote-code", None, False),
+    ("--base-gpu-id", int, 0), ("--gpu-id-step", int, 1), ("--enable-memory-saver", None, False),
+    ("--trust-remote-code", None, False),
     ("--log-level", str, "info"), ("--disable-radix-cache", None, False), ("--chunked-prefill-size", int, None),
     ("--cuda-graph-max-bs", int, None), ("--disable-cuda-graph", None, False), ("--attention-backend", str, None),
     ("--sampling-backend", str, None), ("--max-total-tokens", int, None), ("--schedule-policy", str, "fcfs"),
@@ -37,12 +37,17 @@ class ServerArgs:
     num_threads: int
     weight_update_group_timeout: float = 300.0
     enable_deterministic_inference: bool = False
+    nnodes: int = 1  # an engine over several nodes (rollout/cpu_engine/node_link.py): one process per node
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT where node-rank 0 gathers the engine's ranks
     ignored: dict[str, Any] = field(default_factory=dict)
 
     def public(self) -> dict[str, Any]:
-        """The resolved flags as /server_info shows them: flat, and without the API key."""
+        """The resolved flags as /server_info shows them: flat, and without the API key. tp_size is
+        the ranks this engine has (one per node), whatever --tp-size said: a trainer sizes its weight
+        update group from it, as from SGLang's (whose tp ranks span every node)."""
         shown = {k: v for k, v in self.__dict__.items() if k not in ("api_key", "ignored")}
-        return {**shown, **self.ignored}
+        return {**shown, **self.ignored, "tp_size": self.nnodes}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant results: every sequence runs its own forward pass, so its "
                              "logits never depend on what else is running (slower under load)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes the engine spans, one process each "
+                        "(default %(default)s); node rank 0 serves HTTP, the others follow it")
+    parser.add_argument("--node-rank", type=int, default=0, help="this process's node (default %(default)s)")
+    parser.add_argument("--dist-init-addr", help="HOST:PORT of node rank 0, where the engine's ranks meet "
+                        "(required with --nnodes above 1)")
     ignored = parser.add_argument_group("accepted for sglang compatibility, no effect on CPU")
     for flag, kind, default in _IGNORED_FLAGS:
         if kind is None:
@@ -92,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         value = getattr(ns, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {value}")
+    if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
+        parser.error(f"--node-rank must be 0..--nnodes - 1 and --nnodes 1 or more, got {ns.node_rank} "
+                     f"and {ns.nnodes}")
+    if ns.nnodes > 1 and not (ns.dist_init_addr and ns.dist_init_addr.rpartition(":")[2].isdigit()):
+        parser.error(f"--nnodes {ns.nnodes} needs --dist-init-addr HOST:PORT (node rank 0's), got "
+                     f"{ns.dist_init_addr!r}")
     ignored_names = {flag[2:].replace("-", "_") for flag, _, _ in _IGNORED_FLAGS}
     return ServerArgs(
         model_path=ns.model_path, tokenizer_path=ns.tokenizer_path or ns.model_path,
@@ -101,5 +117,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         random_seed=ns.random_seed, num_threads=ns.num_threads,
         weight_update_group_timeout=ns.weight_update_group_timeout,
         enable_deterministic_inference=ns.enable_deterministic_inference,
+        nnodes=ns.nnodes, node_rank=ns.node_rank, dist_init_addr=ns.dist_init_addr,
         ignored={name: getattr(ns, name) for name in sorted(ignored_names)},
     )

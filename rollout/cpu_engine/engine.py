@@ -6,6 +6,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from rollout.cpu_engine.args import ServerArgs
 from rollout.cpu_engine.codec import Codec
 from rollout.cpu_engine.scheduler import Scheduler
 from rollout.weight_group import UpdateGroup
+
+if TYPE_CHECKING:
+    from rollout.cpu_engine.node_link import NodeLink
 
 STARTING, UP, UNHEALTHY, SHUTTING_DOWN = "Starting", "Up", "UnHealthy", "ShuttingDown"
 
@@ -36,6 +40,12 @@ class Engine:
     weight_update_open: bool = False  # between /begin_weight_update and /end_weight_update
     groups: dict[str, UpdateGroup] = field(default_factory=dict)
     released: set[str] = field(default_factory=set)  # memory tags released (memory_routes.py)
+    link: NodeLink | None = None  # node rank 0 of an engine over several nodes: the other ranks
+
+    def tell_followers(self, op: str, **fields: object) -> None:
+        """Have the engine's other node ranks (if any) take their part in a weight-group operation."""
+        if self.link is not None:
+            self.link.send(op, **fields)
 
     @property
     def vocab_size(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import threading
 import time
 import uuid
@@ -160,6 +161,7 @@ def internal_sequence(engine: Engine, rid: str, prompt: list[int], max_new_token
 # a request the router sends on a connection the engine is just closing fails ("error sending
 # request"): any 5 s pause between rollouts (a supervisor restart, a slow save) fenced engines.
 KEEP_ALIVE_S = 75
+_ROUTER_GRPC_PROBE = "Invalid HTTP request received."
 
 
 class EngineServer(uvicorn.Server):
@@ -170,6 +172,9 @@ class EngineServer(uvicorn.Server):
         super().__init__(uvicorn.Config(build_app(engine), host=engine.args.host, port=engine.args.port,
                                         log_level="info", access_log=False, timeout_graceful_shutdown=5,
                                         timeout_keep_alive=KEEP_ALIVE_S))
+        # sglang-router probes each new worker over gRPC (an HTTP/2 preface) as well as HTTP; uvicorn
+        # would log that preface as "Invalid HTTP request received" at the top of every engine log.
+        logging.getLogger("uvicorn.error").addFilter(lambda record: record.getMessage() != _ROUTER_GRPC_PROBE)
         self.engine = engine
         self.warmup_failed = False
 

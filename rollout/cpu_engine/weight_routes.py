@@ -84,7 +84,9 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             if name in engine.groups:
                 return _result(False, f"group {name!r} already exists; destroy it first")
             try:
-                # One CPU process is tensor-parallel rank 0 of its engine.
+                # This process is rank 0 of its engine; node rank R joins as offset + R (node_link.py).
+                engine.tell_followers("join", master_address=address, master_port=port, rank_offset=offset,
+                                      world_size=world, group_name=name)
                 engine.groups[name] = await asyncio.to_thread(create_group, address, port, offset, world, name,
                                                               engine.args.weight_update_group_timeout)
             except WeightSyncError as err:
@@ -138,6 +140,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
                 return _result(False, f"no group {name!r}; call /init_weights_update_group first")
             try:
                 # Receive everything even if a name is wrong, so the trainer's broadcasts complete.
+                engine.tell_followers("receive", group_name=name, names=names, dtypes=dtypes, shapes=shapes)
                 tensors = await asyncio.to_thread(group.receive, names, torch_dtypes, shapes)
             except RuntimeError as err:
                 return _result(False, f"broadcast failed: {err}")
@@ -153,6 +156,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             if group is None:
                 return _result(False, f"no group {name!r}")
             group.close()
+            engine.tell_followers("destroy", group_name=name)
         return _result(True, f"Succeeded to destroy group {name!r}.")
 
     @app.post("/update_weight_version")

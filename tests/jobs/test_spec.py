@@ -70,10 +70,11 @@ def test_yaml_then_flags_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_yaml_round_trip_and_finalize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURMRL_TEST_MODEL", str(tmp_path / "model"))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURMRL_JOBS_DIR", str(tmp_path / "jobs"))
     (tmp_path / "aime.jsonl").write_text('{"input": "1+1", "label": "2"}\n')
     spec = prepare(_write(tmp_path), ["--prompt-data", "toy.jsonl", "--eval-prompt-data", "aime", "aime.jsonl",
                                       "gsm", "toy.jsonl"], partitions=DEV)
-    assert Path(spec.job_dir).is_absolute() and Path(spec.job_dir).parent == tmp_path / "slurmrl-jobs"
+    assert Path(spec.job_dir).is_absolute() and Path(spec.job_dir).parent == tmp_path / "jobs"
     assert re.fullmatch(r"toy-\d{8}-\d{6}", Path(spec.job_dir).name)
     assert not Path(spec.job_dir).exists(), "prepare wrote something"
     args = spec.trainer.train_args

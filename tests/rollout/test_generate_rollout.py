@@ -102,7 +102,7 @@ def test_partial_rollout_keeps_unfinished_groups_for_the_next_round(cluster, mod
     router, _ = cluster
     # 12 groups start; the round needs 8, so 4 are still running (or just done) when it ends.
     args = replace(_args(model, router), rollout_batch_size=8, over_sampling_batch_size=12, partial_rollout=True,
-                   dynamic_sampling_filter_path="rollout.filters.nonzero_reward_std", rollout_max_response_len=32,
+                   dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std", rollout_max_response_len=32,
                    rm_type="toy", custom_rm_path=f"{__name__}.reward_by_index")
     buffer = _buffer(tmp_path)
     first = generate_rollout(args, 0, buffer)
@@ -117,7 +117,7 @@ def test_partial_rollout_keeps_unfinished_groups_for_the_next_round(cluster, mod
 
 
 def reward_by_index(args, sample) -> float:
-    """Rewards that differ within every group, so nonzero_reward_std keeps all of them."""
+    """Rewards that differ within every group, so check_reward_nonzero_std keeps all of them."""
     return float(sample.index % 2)
 
 
@@ -126,7 +126,7 @@ def test_partial_rollout_continues_aborted_samples_where_they_stopped(cluster, m
     # Few requests in flight and long responses: when 4 groups are done, others are mid-generation.
     args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=12, partial_rollout=True,
                    rollout_concurrency=8, rollout_max_response_len=48, rollout_temperature=1.0,
-                   dynamic_sampling_filter_path="rollout.filters.nonzero_reward_std",
+                   dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
                    custom_rm_path=f"{__name__}.reward_by_index")
     buffer = _buffer(tmp_path)
     generate_rollout(args, 0, buffer)

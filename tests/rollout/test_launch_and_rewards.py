@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.filters import nonzero_reward_std
+from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from rollout.launch import (
     EngineLaunch,
     LaunchError,
@@ -84,11 +84,11 @@ def test_load_function_errors_name_the_flag() -> None:
         load_function("rollout.rewards.nope", "--custom-rm-path")
 
 
-def test_nonzero_reward_std_filter() -> None:
+def test_check_reward_nonzero_std_filter() -> None:
     def group(*rewards):
         return [Sample(index=i, group_index=0, prompt="p", reward=r) for i, r in enumerate(rewards)]
-    assert nonzero_reward_std(None, group(0.0, 1.0, 1.0))
-    assert not nonzero_reward_std(None, group(1.0, 1.0, 1.0))
+    assert check_reward_nonzero_std(None, group(0.0, 1.0, 1.0)).keep
+    assert not check_reward_nonzero_std(None, group(1.0, 1.0, 1.0)).keep
 
 
 def test_engine_command_parses_with_sglangs_own_parser() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
-from rollout.filters import nonzero_reward_std
+from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from rollout.generate import RolloutArgs, RolloutError, generate_rollout
 from rollout.tiny_model import write_tiny_model
 from tests.rollout import reward_plugins
@@ -89,7 +89,7 @@ def test_a_reward_the_generate_set_is_kept_and_dict_rewards_take_reward_key(mode
     samples = [s for g in groups for s in g]
     assert [TrainSample.from_sample(s, "score").reward for s in samples] == [float(s.index) for s in samples]
     assert [s.get_reward_value(args) for s in samples] == [float(s.index) for s in samples]
-    assert nonzero_reward_std(args, groups[0])  # slime's filters read the same value
+    assert check_reward_nonzero_std(args, groups[0]).keep  # slime's filters read the same value
     with pytest.raises(ValueError, match="--reward-key nope: sample 0's reward has only the keys score, length"):
         TrainSample.from_sample(samples[0], "nope")
 

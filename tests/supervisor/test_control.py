@@ -124,6 +124,26 @@ def test_socket_is_0600_and_another_uid_cannot_connect(server: ControlServer, jo
     assert ask_as(NOBODY, sock) == {"error": "PermissionError"}
 
 
+def test_another_uids_cli_is_told_it_does_not_own_the_job(server: ControlServer, job_dir: JobDir) -> None:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child, as nobody: what the CLI's client raises
+        try:
+            os.close(read_fd)
+            os.setuid(NOBODY)
+            ControlClient(job_dir, timeout_s=10).call(Call.STOP)
+            said = "not refused"
+        except Exception as err:  # noqa: BLE001 - the test reports whatever came out
+            said = f"{type(err).__name__}: {err}"
+        os.write(write_fd, said.encode())
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as r:
+        said = r.read()
+    os.waitpid(pid, 0)
+    assert said == f"ControlError: permission denied: you do not own the job in {job_dir.root}"
+
+
 def test_peer_uid_is_checked_even_if_the_socket_mode_is_loosened(server: ControlServer, job_dir: JobDir) -> None:
     sock = job_dir.control_socket
     sock.chmod(0o666)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import pytest
 from jobs.contract import API_KEY_ENV as ENV_VAR
 from jobs.contract import JobDir
 from supervisor.keys import create_key, load_key, redact, step_env
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_key_file_is_0600_and_the_same_key_comes_back(tmp_path: Path) -> None:
@@ -40,3 +44,11 @@ def test_redact_hides_the_key_and_credential_shapes() -> None:
     for secret in ("s3cret-A", "tok-B", "val-C", "val-D", "secret-E"):
         assert secret not in out
     assert out.startswith("launch --api-key *** now") and "plain *** here" in out
+
+
+def test_the_router_log_loses_its_colour_codes() -> None:
+    code = ("import os; from supervisor.with_key import plain_output; pump = plain_output(); "
+            "os.write(1, b'\\x1b[2m2026\\x1b[0m \\x1b[32m INFO\\x1b[0m started\\n'); os.write(2, b'\\x1b[33mWARN\\x1b[0m x\\n'); "
+            "os.close(1); os.close(2); pump.wait(10)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, cwd=ROOT)
+    assert done.stdout == b"2026  INFO started\nWARN x\n", done

@@ -3,6 +3,7 @@ becomes torch.distributed's; --true-on-policy-mode's check."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, parse_args
 from trainer.batch import TrainSample
 from trainer.loop import OffPolicyError, logp_mismatch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +210,24 @@ def test_deterministic_mode_turns_on_deterministic_algorithms() -> None:
             "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["True", "True", "False", ":4096:8"]
+
+
+def test_help_shows_every_flags_default() -> None:
+    from trainer.args import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--adam-beta2 ADAM_BETA2 Megatron's default, as in slime (default: 0.999)" in text
+    assert "--seed SEED as in slime (default: 1234)" in text
+    assert "--train-backend {megatron,fsdp} as in slime (default: megatron)" in text
+
+
+def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:
+    code = ("import os, psutil; from trainer import dist_env; "
+            "dist_env.setup(); "
+            "dist_env.init_process_group(); port = int(os.environ['MASTER_PORT']); "
+            "print(sorted({c.laddr.ip for c in psutil.net_connections('tcp') if c.pid == os.getpid() "
+            "and c.status == psutil.CONN_LISTEN and c.laddr.port == port})); dist_env.shutdown()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC", "MASTER_", "RANK", "WORLD_SIZE"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['127.0.0.1']"

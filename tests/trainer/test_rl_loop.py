@@ -84,6 +84,9 @@ def test_reward_rises_and_engines_follow_the_weights(files, cluster, tmp_path: P
     # --log-passrate: pass@1 is the mean reward of 0/1 rewards; pass@k grows with k
     assert all(m["passrate/pass@1"] == pytest.approx(m["reward_mean"]) for m in metrics(tmp_path / "job"))
     assert all(m["passrate/pass@1"] <= m["passrate/pass@2"] <= m["passrate/pass@4"] for m in metrics(tmp_path / "job"))
+    # per-phase timings every rollout (metrics.jsonl and TensorBoard): where the time goes
+    assert all(0 < m["log_probs_seconds"] < m["train_seconds"] and m["rollout_seconds"] > 0 and m["publish_seconds"] > 0
+               for m in metrics(tmp_path / "job"))
     assert rewards[0] < 0.2, rewards
     assert sum(rewards[-8:]) / 8 > 0.6, f"the reward did not rise: {rewards}"
     for engine in engines:
@@ -142,9 +145,10 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
         assert {k: v for k, v in a.items() if "eval/" in k} == {k: v for k, v in b.items() if "eval/" in k}
     evaluated = [m["rollout_id"] for m in whole if "eval/toy" in m]
     assert evaluated == [1, 3, 5] and "before_train/eval/toy" in whole[0], "slime's eval schedule"
+    assert [m["rollout_id"] for m in whole if m.get("eval_seconds", 0) > 0] == evaluated
     assert {"eval/toy-pass@1", "eval/toy-pass@2", "eval/toy-truncated_ratio"} <= set(whole[1])
     scalars = EventAccumulator(str(tmp_path / "whole/tensorboard")).Reload().Tags()["scalars"]
-    assert {"eval/toy", "eval/toy-pass@2", "before_train/eval/toy"} <= set(scalars)
+    assert {"eval/toy", "eval/toy-pass@2", "before_train/eval/toy", "eval_seconds", "log_probs_seconds"} <= set(scalars)
 
 
 def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Lets megatron-core 0.16.1 run on a CPU-only torch (gloo process groups).
+"""Lets megatron-core 0.16.1 run without TransformerEngine: on a CPU-only torch (gloo process groups),
+and on a GPU where 0.16.1 leaves a TE-only symbol undefined.
 
 megatron-core assumes CUDA in a few places that are reached even on CPU (RNG tracker, rotary
 embedding, dist_checkpointing's barriers, TP gathers). `apply()` redirects exactly those to

@@ -1,0 +1,92 @@
+"""What SLURM itself says about a job, for `slurmrl status`: its state while queued or running
+(squeue), after it ended (sacct), and which job dir a job id belongs to."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.contract import JobDir
+from jobs.spec_loading import jobs_root
+
+
+class JobNotFound(ValueError):
+    pass
+
+
+class SlurmUnavailable(RuntimeError):
+    """SLURM did not answer (no client, no controller, no SLURM_CONF): unknown, not gone."""
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: str
+    state: str  # PENDING, RUNNING, COMPLETED, CANCELLED, FAILED, TIMEOUT, ...
+    reason: str = ""  # squeue's reason of a pending job (JobHeldUser, BeginTime, Resources, ...)
+
+    @property
+    def queued(self) -> bool:
+        return self.state in ("PENDING", "RUNNING", "SUSPENDED", "REQUEUED", "CONFIGURING", "COMPLETING",
+                              "REQUEUE_HOLD", "RESIZING", "STOPPED")
+
+
+def job_state(job_id: str, timeout_s: float) -> SlurmJob | None:
+    """The job as squeue lists it, else as sacct recorded its end; None if neither knows it."""
+    queued = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout_s, unknown_job_ok=True)
+    rows = [line.split("|") for line in queued.splitlines() if "|" in line]
+    if rows:
+        state, reason = rows[0][:2]
+        return SlurmJob(job_id, state, "" if reason == "None" else reason)
+    ended = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], timeout_s)
+    states = [line.split()[0] for line in ended.splitlines() if line.strip()]
+    return SlurmJob(job_id, states[-1]) if states else None
+
+
+def job_dir_of(job: str, timeout_s: float) -> JobDir:
+    """A job dir as given, or the one a SLURM job id's Submitit log lives in (JOB_DIR/submitit/...),
+    or, for a job SLURM has forgotten, the one under the default jobs folder with that id."""
+    given = JobDir(Path(job).resolve())
+    if given.spec.is_file():
+        return given
+    if not job.isdigit():
+        raise JobNotFound(f"{job}: neither a job directory (no spec.yaml) nor a SLURM job id")
+    try:
+        shown = _run(["scontrol", "show", "job", job], timeout_s, unknown_job_ok=True)
+    except SlurmUnavailable as err:
+        raise JobNotFound(f"job {job}: SLURM did not answer: {err}; or give its job directory") from None
+    for field in shown.split():
+        if field.startswith("StdOut="):
+            candidate = JobDir(Path(field.split("=", 1)[1]).parent.parent)
+            if candidate.spec.is_file():
+                return candidate
+    found = job_dir_by_id(job)
+    if found is None:
+        raise JobNotFound(f"job {job}: not a slurmrl job SLURM still knows, nor one under {jobs_root()}; "
+                          "give its job directory")
+    return found
+
+
+def job_dir_by_id(job_id: str) -> JobDir | None:
+    """The job dir under the default jobs folder ($SLURMRL_JOBS_DIR or ~/slurmrl-jobs) whose
+    slurm_job_id is job_id: how a job SLURM has forgotten is still found by its id."""
+    root = jobs_root()
+    for marker in root.glob("*/slurm_job_id") if root.is_dir() else ():
+        if marker.read_text().strip() == job_id:
+            return JobDir(marker.parent)
+    return None
+
+
+def _run(argv: list[str], timeout_s: float, unknown_job_ok: bool = False) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(f"{argv[0]} did not answer within {timeout_s:.0f} s") from None
+    except FileNotFoundError:
+        raise SlurmUnavailable(f"there is no {argv[0]} here (no SLURM client)") from None
+    if done.returncode != 0:
+        if unknown_job_ok and "invalid job id" in done.stderr.lower():
+            return ""
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SlurmUnavailable(f"{said} (is SLURM_CONF set?)")
+    return done.stdout
