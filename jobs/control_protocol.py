@@ -27,6 +27,7 @@ class Call(str, Enum):
     PUBLISHED = "published"          # trainer: a version went out (to `updated`; `fenced` failed)
     ENGINE_FAILED = "engine_failed"  # trainer: a request to an engine failed
     TRAINER_POLL = "trainer_poll"    # trainer, between rollouts: -> {"stop": bool}
+    GPU_HOLDER = "gpu_holder"        # trainer, --colocate: who holds the shared GPUs -> {"released": [url]}
 
 
 # Each call's arguments and their JSON types (what a handler receives as keyword arguments).
@@ -38,6 +39,7 @@ ARGUMENTS: dict[Call, dict[str, type]] = {
     Call.PUBLISHED: {"version": int, "updated": list, "fenced": dict},
     Call.ENGINE_FAILED: {"url": str, "reason": str},
     Call.TRAINER_POLL: {"rollout_id": int},
+    Call.GPU_HOLDER: {"holder": str, "released": list},
 }
 
 

@@ -36,6 +36,8 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       sglang_args: [--sglang-mem-fraction-static, "0.8"]
       router_args: []
       colocate: false
+      offload_train: null           # null: as colocate (slime's default)
+      offload_rollout: null
     fault_tolerance:
       use_fault_tolerance: true
       ...                           # see FaultToleranceSpec: every wait of the job is one of its fields
@@ -121,6 +123,9 @@ class RolloutSpec:
     sglang_config: str | None = None  # slime's SGLang config YAML (engine groups), read at submission
     # resolved groups, `ROLE COUNT [FLAGS]` each (jobs/engine_groups.py); empty: all regular
     engine_groups: list[str] = field(default_factory=list, metadata={"flag": None})
+    # slime's: None follows --colocate (on with it, off without); --offload sets both
+    offload_train: bool | None = None
+    offload_rollout: bool | None = None
     sglang_args: list[str] = field(default_factory=list, metadata={"flag": None})
     router_args: list[str] = field(default_factory=list, metadata={"flag": None})
 
@@ -159,6 +164,16 @@ class RolloutSpec:
         if self.engine == "cpu":
             return -(-max(1, self.engine_count) // self.engines_on_each_node)
         return -(-max(1, self.rollout_num_gpus) // max(1, self.rollout_num_gpus_per_node))
+
+    @property
+    def offloads_train(self) -> bool:
+        """The trainer moves weights, grads and optimizer state to the host around rollouts."""
+        return self.colocate if self.offload_train is None else self.offload_train
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """The engines release their memory (weights, KV cache) around training."""
+        return self.colocate if self.offload_rollout is None else self.offload_rollout
 
     @property
     def external_router(self) -> bool:

@@ -121,14 +121,11 @@ def spec_from_dict(data: dict[str, Any]) -> tuple[JobSpec, list[str]]:
     return spec, problems
 
 
-# slime's rollout placement flags that are not the spec's own names, and those slurmrl does not do
+# slime's rollout placement flags that are not the spec's own names
 _ALIASES = {"--num-gpus-per-node": "--rollout-num-gpus-per-node"}
-_OFFLOAD = ("offloading the trainer or the engines between phases is not supported yet (colocated engines "
-            "share the trainer's GPUs as they are); drop it")
-_REFUSED = {
-    "--offload": _OFFLOAD, "--offload-train": _OFFLOAD, "--offload-rollout": _OFFLOAD,
-}
-_AS_SLURMRL_DOES = ("--no-offload-train", "--no-offload-rollout")  # slurmrl never offloads: nothing to do
+# slime's --offload (both) and the BooleanOptionalAction negations: flag -> the spec fields it sets
+_SWITCHES = {"--offload": (("offload_train", True), ("offload_rollout", True)),
+             "--no-offload-train": (("offload_train", False),), "--no-offload-rollout": (("offload_rollout", False),)}
 _ROUTED = {"--sglang-router-request-timeout-secs": "the router's --request-timeout-secs (slime's default 14400)",
            "--sglang-server-concurrency": "--rollout-concurrency = N x the number of engines (slime's formula)"}
 
@@ -137,9 +134,9 @@ def slime_flag_routes() -> dict[str, tuple[str, str]]:
     """slime's flags that submit takes itself, not under their spec names: flag -> (refused or
     job spec, what happens). For the flag table (jobs/submit_flags.py)."""
     routes = {flag: ("job spec", f"as {alias}") for flag, alias in _ALIASES.items()}
-    routes.update({flag: ("job spec", "accepted: slurmrl never offloads") for flag in _AS_SLURMRL_DOES})
+    routes.update({flag: ("job spec", "sets " + ", ".join(f"rollout.{name}={value}" for name, value in fields))
+                   for flag, fields in _SWITCHES.items()})
     routes.update({flag: ("job spec", effect) for flag, effect in _ROUTED.items()})
-    routes.update({flag: ("refused", reason) for flag, reason in _REFUSED.items()})
     return routes
 
 
@@ -155,10 +152,9 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
         values = ([group[0].split("=", 1)[1]] if "=" in group[0] else []) + group[1:]
         if not name.startswith("--"):
             problems.append(f"{name}: unexpected argument; flags start with -- (is the spec file first?)")
-        elif name in _REFUSED:
-            problems.append(f"{' '.join(group)}: {_REFUSED[name]}")
-        elif name in _AS_SLURMRL_DOES and not values:
-            continue
+        elif name in _SWITCHES and not values:
+            for field_name, value in _SWITCHES[name]:
+                setattr(spec.rollout, field_name, value)
         elif name in table:
             section, f = table[name]
             if str(f.type).startswith("bool") and not values:
@@ -212,8 +208,6 @@ def route_slime_sglang_flags(spec: JobSpec) -> list[str]:
             else:
                 total = int(number) * max(1, r.engine_count)
                 spec.trainer.train_args = [*spec.trainer.train_args, "--rollout-concurrency", str(total)]
-        elif name in _REFUSED:
-            problems.append(f"{' '.join(group)}: {_REFUSED[name]}")
         else:
             kept += group
     r.sglang_args = kept

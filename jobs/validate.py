@@ -15,7 +15,7 @@ from pathlib import Path
 from jobs import engine_groups
 from jobs.contract import Phase
 from jobs.hetjob import het_groups
-from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, group_flags
+from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
 from jobs.spec_loading import spec_flags
 
 
@@ -161,6 +161,47 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
             problems.append(f"rollout.colocate: rollout_num_gpus {r.rollout_num_gpus} != actor_num_nodes x "
                             f"actor_num_gpus_per_node = {trainer_gpus}; colocated engines share the trainer's "
                             f"GPUs: give --rollout-num-gpus {trainer_gpus}")
+        else:
+            problems += colocation_problems(spec)
+    return problems
+
+
+# --colocate: the engines' static pool (weights + KV cache) at most this fraction of each GPU: the
+# trainer keeps its CUDA context and communication buffers there while offloaded, and the engines
+# need room beyond their pool for activations.
+COLOCATE_MAX_MEM_FRACTION = 0.9
+# ... and at most this one when the trainer's weights, grads and optimizer state stay on the GPUs
+COLOCATE_RESIDENT_MAX_MEM_FRACTION = 0.5
+
+
+def colocation_problems(spec: JobSpec) -> list[str]:
+    """Colocated engines and trainer must both fit on the trainer's GPUs."""
+    r, t = spec.rollout, spec.trainer
+    if r.engine != "sglang":
+        return []
+    problems = []
+    if r.rollout_num_gpus_per_node != t.actor_num_gpus_per_node:
+        problems.append(f"rollout.rollout_num_gpus_per_node: {r.rollout_num_gpus_per_node} != actor_num_gpus_per_node "
+                        f"{t.actor_num_gpus_per_node}; colocated engines use the trainer's GPUs of each node: give "
+                        f"--rollout-num-gpus-per-node {t.actor_num_gpus_per_node}")
+    if r.rollout_num_gpus_per_engine > t.actor_num_gpus_per_node:
+        problems.append(f"rollout.rollout_num_gpus_per_engine: {r.rollout_num_gpus_per_engine} GPUs per engine, but "
+                        f"the trainer holds {t.actor_num_gpus_per_node} per node; colocated engines stay within a "
+                        f"node: give --rollout-num-gpus-per-engine {t.actor_num_gpus_per_node} or less")
+    raw = flag_value(r.sglang_args, "--sglang-mem-fraction-static")
+    limit = COLOCATE_MAX_MEM_FRACTION if r.offloads_train else COLOCATE_RESIDENT_MAX_MEM_FRACTION
+    try:
+        fraction = float(raw) if raw is not None else None
+    except ValueError:
+        fraction = None  # SGLang's own parser reports it
+    if fraction is None and not r.offloads_train:
+        problems.append(f"rollout.sglang_args: --colocate without --offload-train keeps the trainer's state on the "
+                        f"GPUs while the engines generate; give --sglang-mem-fraction-static {limit} or less")
+    elif fraction is not None and fraction > limit:
+        why = ("the trainer keeps its CUDA context and buffers there while offloaded" if r.offloads_train
+               else "without --offload-train the trainer's state stays on the GPUs")
+        problems.append(f"rollout.sglang_args: --sglang-mem-fraction-static {raw} leaves no room for the colocated "
+                        f"trainer ({why}); give {limit} or less")
     return problems
 
 

@@ -143,6 +143,23 @@ class EngineClient:
         if not answer.get("success"):
             raise EngineError(f"{url}/update_weights_from_disk of {folder} did not succeed: {answer}")
 
+    def release_memory(self, url: str, tags: list[str], timeout_s: float | None = None) -> None:
+        """POST /release_memory_occupation (SGLang answers 200 with no body; an error is 400)."""
+        self._memory(url, "/release_memory_occupation", tags, timeout_s)
+
+    def resume_memory(self, url: str, tags: list[str], timeout_s: float | None = None) -> None:
+        self._memory(url, "/resume_memory_occupation", tags, timeout_s)
+
+    def _memory(self, url: str, route: str, tags: list[str], timeout_s: float | None) -> None:
+        where = url.rstrip("/") + route
+        try:
+            response = requests.post(where, json={"tags": tags}, headers=self._headers,
+                                     timeout=self.timeout_s if timeout_s is None else timeout_s)
+        except requests.RequestException as err:
+            raise EngineError(f"{where} failed: {type(err).__name__}: {err}") from None
+        if response.status_code != 200:
+            raise EngineError(f"{where} {tags} answered {response.status_code}: {response.text[:300]}")
+
     # ---- life ----
 
     def close(self) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jobs.contract import JobDir
 from jobs.spec import FaultToleranceSpec, JobSpec
 from rollout.engine_client import EngineClient
 from supervisor.engines import Engine, Membership
 from supervisor.events import EventLog
+from supervisor.gpu_holder import GpuHolder
 from supervisor.layout import Layout
 from supervisor.state import StateStore
 from supervisor.steps import Step
@@ -29,6 +30,7 @@ class JobContext:
     client: EngineClient
     finished: threading.Event  # set when the supervisor shuts down: every wait of every part ends
     inbox: queue.Queue[Step]  # the monitor's: steps that exited, and wake-ups (Step(name, None))
+    gpus: GpuHolder = field(default_factory=GpuHolder)  # --colocate: the trainer or the engines hold the GPUs
 
     @property
     def ft(self) -> FaultToleranceSpec:

@@ -10,7 +10,10 @@ from typing import Any
 
 from jobs.control_protocol import Call
 from supervisor.context import Ending, JobContext
+from rollout.engine_client import EngineError
 from supervisor.control import Handler
+from supervisor.engines import HEALTHY, WAITING
+from supervisor.gpu_holder import ENGINES, RELEASED_TAGS
 from supervisor.launcher import ROUTER, TRAINER, StepLauncher
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
@@ -35,7 +38,8 @@ class ControlHandlers:
     def table(self) -> dict[Call, Handler]:
         return {Call.STATUS: self.status, Call.RESTART: self.restart, Call.STOP: self.stop,
                 Call.READY_ENGINES: self.ready_engines, Call.PUBLISHED: self.published,
-                Call.ENGINE_FAILED: self.engine_failed, Call.TRAINER_POLL: self.trainer_poll}
+                Call.ENGINE_FAILED: self.engine_failed, Call.TRAINER_POLL: self.trainer_poll,
+                Call.GPU_HOLDER: self.gpu_holder}
 
     # ------------------------------------------------------------------ the CLI's calls
     def status(self) -> dict[str, Any]:
@@ -92,6 +96,29 @@ class ControlHandlers:
         if engine is not None and not self.recovery.is_recovering(engine.name):
             self.pool.submit(self.recovery.check_reported, engine, reason)
         return {}
+
+    def gpu_holder(self, holder: str, released: list[str]) -> dict[str, Any]:
+        """--colocate (supervisor/gpu_holder.py). To the trainer: once no engine start is under way,
+        release every live engine the trainer did not (one that came up meanwhile) and name them."""
+        job = self.job
+        if holder == ENGINES:
+            job.gpus.to_engines()
+            job.events.emit("gpus_to_engines")
+            return {"released": []}
+        if holder != TRAINER:
+            raise ValueError(f"holder must be {ENGINES} or {TRAINER}, got {holder!r}")
+        job.gpus.to_trainer(job.ft.engine_start_timeout)
+        mine = []
+        for engine in job.engines.values():
+            if engine.state in (WAITING, HEALTHY) and engine.url not in released:
+                try:
+                    job.client.release_memory(engine.url, RELEASED_TAGS)
+                    mine.append(engine.url)
+                except EngineError as err:  # its step is stopped (the memory with it) and restarted later
+                    self.recovery.recover(engine, f"release of its memory failed: {err}")
+        job.gpus.released(released + mine)
+        job.events.emit("gpus_to_trainer", released_by_trainer=len(released), released_by_supervisor=mine)
+        return {"released": mine}
 
     def trainer_poll(self, rollout_id: int) -> dict[str, Any]:
         return {"stop": self.ending.stop_requested}

@@ -230,7 +230,7 @@ class Daemon:
     def _probe_cycle(self) -> None:
         job = self.job
         targets = {name: e.url for name, e in self.recovery.serving().items()}
-        if not targets:
+        if not targets or job.gpus.trainer_holds:  # colocated engines released their memory: no answer
             return
         results = job.client.probe_all(targets)
         now = time.time()

@@ -97,9 +97,12 @@ class StepLauncher:
         if len(place.nodes) > 1:  # one task per node, each with its node rank (supervisor/node_rank.py)
             argv = node_rank.wrapped(argv)
             env = node_rank.step_env(place.nodes, tuple(self.job.layout.addresses[n] for n in place.nodes))
+        # --colocate: the step shares the trainer's CPUs and GPUs (--overlap) and sees every GPU of
+        # the node the trainer sees; the engine takes its slice of them with --base-gpu-id.
+        gpus = self.job.spec.trainer.actor_num_gpus_per_node if r.colocate and place.gpus_per_node else place.gpus_per_node
         step = self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
-                           ntasks=len(place.nodes), gpus_per_node=place.gpus_per_node,
-                           cpus_per_task=r.cpus_per_engine, env=env)
+                           ntasks=len(place.nodes), gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine, env=env,
+                           overlap=r.colocate)
         engine.state, engine.version, engine.in_router = STARTING, None, False
         return step
 
@@ -109,6 +112,8 @@ class StepLauncher:
         argv = [self.python, "-m", "trainer", *t.train_args, "--job-dir", str(self.job.dir.root), "--supervised",
                 "--sglang-router-ip", host, "--sglang-router-port", port,
                 "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
+        r = self.job.spec.rollout
+        argv += ["--offload-train"] * r.offloads_train + ["--offload-rollout"] * r.offloads_rollout
         # The master by address: a node's name need not resolve (the devcluster's do not).
         return self.launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0,
                            ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
@@ -122,12 +127,23 @@ def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
     of them (SGLang's --tp-size counts every node's GPUs; the cpu engine has one rank per node)."""
     r = spec.rollout
     group_flags = engine_groups.engine_roles(spec)[place.index][1]  # the group's own, after the job's
+    sglang_args = passthrough(r.sglang_args, "sglang") + list(group_flags)
+    if r.offloads_rollout and "--enable-memory-saver" not in sglang_args:  # /release_memory_occupation needs it
+        sglang_args.append("--enable-memory-saver")
     launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port,
                           tp=max(1, place.gpus_per_node) * len(place.nodes), nnodes=len(place.nodes),
-                          dist_init_addr=place.dist_init_addr,
-                          sglang_args=passthrough(r.sglang_args, "sglang") + list(group_flags), role=place.role,
-                          bootstrap_port=place.bootstrap_port)
+                          dist_init_addr=place.dist_init_addr, base_gpu_id=colocated_base_gpu(spec, place),
+                          sglang_args=sglang_args, role=place.role, bootstrap_port=place.bootstrap_port)
     return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
+
+
+def colocated_base_gpu(spec: JobSpec, place: EnginePlace) -> int:
+    """--colocate: engine k's first GPU among the node's (it uses [k*tp, (k+1)*tp) of them, in the
+    order of the GPU list the node's steps all see); otherwise 0, the first of the step's own GPUs."""
+    r = spec.rollout
+    if not r.colocate or not place.gpus_per_node:
+        return 0
+    return (place.index % r.engines_on_each_node) * place.gpus_per_node
 
 
 @dataclass(frozen=True)

@@ -139,18 +139,24 @@ class EngineRecovery:
                 return False
             if self.job.finished.wait(restart_backoff(ft, engine.recent_restarts)):
                 return False
-            engine.restarts += 1
-            engine.recent_restarts += 1
-            engine.last_restart = time.time()
-            step = self.launch(engine)
-            try:
-                with self.nodes.watching(engine, step):
-                    self.await_engine(engine, step)
-                return True
-            except (EngineStartError, EngineError) as err:
-                self.job.events.emit("engine_restart_failed", engine.name, reason=str(err), attempt=engine.restarts)
-                if step.returncode is None:
-                    self._stop_step(engine, step)
+            if self.job.gpus.trainer_holds:
+                self.job.events.emit("engine_start_deferred", engine.name, reason="the trainer holds the GPUs")
+            with self.job.gpus.engine_start(self.job.finished) as go:  # colocated: never beside a training trainer
+                if not go:
+                    return False
+                engine.restarts += 1
+                engine.recent_restarts += 1
+                engine.last_restart = time.time()
+                step = self.launch(engine)
+                try:
+                    with self.nodes.watching(engine, step):
+                        self.await_engine(engine, step)
+                    return True
+                except (EngineStartError, EngineError) as err:
+                    self.job.events.emit("engine_restart_failed", engine.name, reason=str(err),
+                                         attempt=engine.restarts)
+                    if step.returncode is None:
+                        self._stop_step(engine, step)
 
     def _finish(self, engine: Engine) -> None:
         with self._lock:

@@ -3,16 +3,21 @@ exit (the job's outcome, or a restart from the latest checkpoint), and restarts 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Executor
 
 from jobs.contract import Phase, read_heartbeat
+from rollout.engine_client import EngineError
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engines import HEALTHY
+from supervisor.gpu_holder import RELEASED_TAGS
 from supervisor.launcher import TRAINER, JobFailed, StepLauncher
 from supervisor.requeue import Requeue
 from supervisor.steps import Step, StepController
+
+log = logging.getLogger(__name__)
 
 REQUEUE = "preempted: saved, then requeued"
 
@@ -104,6 +109,21 @@ class TrainerWatch:
         self._restart(reason)
         return None
 
+    def _engines_take_back(self) -> None:
+        """--colocate: a trainer that died holding the GPUs left the engines released; they take
+        their memory back (each tag alone: the trainer may have resumed some) before the new
+        trainer starts, which publishes to them at once."""
+        if not self.job.gpus.trainer_holds:
+            return
+        urls = self.job.gpus.to_engines()
+        for url in urls:
+            for tag in RELEASED_TAGS:
+                try:
+                    self.job.client.resume_memory(url, [tag])
+                except EngineError as err:  # not released (resumed already), or the engine is gone
+                    log.info("resuming %s of %s: %s", tag, url, err)
+        self.job.events.emit("gpus_to_engines", reason="the trainer died holding them", resumed=urls)
+
     def _restart(self, reason: str) -> None:
         ft = self.job.ft
         if self.requeue.slurm_job.ending():
@@ -113,6 +133,7 @@ class TrainerWatch:
         if self.job.finished.wait(restart_backoff(ft, self.restarts)):
             return
         self.restarts += 1
+        self._engines_take_back()
         self.launch()  # it resumes from the latest checkpoint and republishes its weights
         self.job.store.update_step(TRAINER, restarts=self.restarts)
         self.job.events.emit("trainer_restarted", TRAINER, restarts=self.restarts)

@@ -212,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--optimizer-cpu-offload", action="store_true", help="keep optimizer state and fp32 weights on the host")
     add("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
         help="with --optimizer-cpu-offload: asynchronous gradient and weight copies")
+    # colocation (trainer.colocation); supervised, the job spec's rollout.offload_* set them
+    add("--offload-train", action="store_true",
+        help="move weights, grads and optimizer state to the host while the engines generate")
+    add("--offload-rollout", action="store_true",
+        help="have the engines release their memory (weights, KV cache) while the trainer trains")
     add("--use-precision-aware-optimizer", action="store_true",
         help="accepted: the optimizer updates fp32 weights with fp32 gradients and moments, what slurmrl always does")
     add("--global-batch-size", type=int, help="samples per optimizer step (default: the whole rollout)")

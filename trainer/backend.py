@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from trainer.batch import Pack, TrainSample
+from trainer.offload import Offloadable
 
 # (pack, per-sample log-probs [R] with grad, per-sample entropies [R] or None) -> (loss, metrics)
 # The loss is already scaled so that summing it over every micro-batch of every data-parallel
@@ -75,6 +76,11 @@ class Backend(ABC):
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         """Read what save() wrote (weights_only: only the model, e.g. --ref-load or a converted
         HF checkpoint) and return `common` ({} when weights_only). Collective."""
+
+    def offloadable(self) -> Offloadable:
+        """Its models and optimizers, for --offload-train (trainer.offload)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot offload: --offload-train needs the megatron "
+                                  "or fsdp backend")
 
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's obj on every rank (over a CPU group, whatever the training backend)."""

@@ -43,6 +43,7 @@ from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slic
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.loop import seed_everything
 from trainer.lr_schedule import lr_lambda
+from trainer.offload import Offloadable
 from trainer.numerics import attention_kernels, check_attention_backend
 
 Result = tuple[Tensor, Tensor | None]  # per-token log-probs [R], entropies [R] or None
@@ -151,6 +152,10 @@ class FSDPBackend(Backend):
         gathered: list[dict[int, Result]] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(gathered, mine, group=self.cpu_group)
         return {i: result for part in gathered for i, result in part.items()}
+
+    def offloadable(self) -> Offloadable:
+        models = [m for m in (self.model, self.ref_model) if m is not None]
+        return Offloadable(models, [self.optimizer], self.device)
 
     def _model(self, name: str) -> nn.Module:
         if name == "actor":

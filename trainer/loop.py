@@ -30,9 +30,11 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.eval import Evaluator, pass_at_k
 from rollout.generate import RolloutArgs, generate_rollout
+from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from trainer import checkpoint, rl_step, save_now
 from trainer.backend import Backend
+from trainer.colocation import Colocation, EngineSide
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
 from trainer.wandb_log import WandbRun
@@ -150,6 +152,7 @@ class Loop:
         self.eval_before_train: dict[str, float] = {}  # reported in rollout 0's line
         self.save_now = save_now.install()
         self.loss_cfg = rl_step.loss_config(args)
+        self.colocation = colocation(args, backend, self.driver)
 
     # ---------------------------------------------------------------- start
     def start(self, initial_weights: Path | None, load_reference: Callable[[], None] | None) -> None:
@@ -170,6 +173,8 @@ class Loop:
         if load_reference is not None:
             load_reference()
         self.publish()  # the engines serve exactly the trainer's weights from the first rollout on
+        if self.colocation:
+            self.colocation.to_engines()
         if self.driver and self.driver.evaluator:
             if resume is None and not args.skip_eval_before_train:
                 self.eval_before_train = before_train(self.driver.evaluate(0))
@@ -205,6 +210,8 @@ class Loop:
 
     def save_before_stop(self, rollout_id: int) -> None:
         if self.args.save and rollout_id >= 0 and self.last_saved != rollout_id:
+            if self.colocation:
+                self.colocation.to_trainer()
             self.save(rollout_id)
 
     def step(self, rollout_id: int) -> dict[str, Any] | None:
@@ -218,6 +225,8 @@ class Loop:
         if samples is None:
             return None
         rolled = time.monotonic()
+        if self.colocation:
+            self.colocation.to_trainer()
         metrics = self.train(samples, rollout_id)
         metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rolled - began, Metric.TRAIN_SECONDS: time.monotonic() - rolled})
@@ -300,7 +309,18 @@ class Loop:
         metrics["weight_version"] = self.weight_version
         self.weight_version += 1
         self.next_rollout = rollout_id + 1
+        last = rollout_id == self.args.num_rollout - 1
+        save_due = self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0))
+        if self.colocation and publish:
+            # Colocated, the trainer saves while it holds the GPUs, before it publishes; the eval
+            # that follows is owed in that checkpoint, as after a save-now.
+            if save_due:
+                metrics[Metric.SAVE_SECONDS] = self.timed_save(rollout_id, eval_due(self.args, rollout_id))
+                save_due = False
+            self.colocation.before_publish()
         metrics.update(self.publish() if publish else {}, published_version=self.weight_version)
+        if self.colocation and publish:
+            self.colocation.to_engines()
         if eval_due(self.args, rollout_id):
             if not publish:
                 self.eval_owed = rollout_id  # the engines are a version behind: the resumed run evaluates
@@ -310,13 +330,17 @@ class Loop:
                 metrics[Metric.EVAL_SECONDS] = time.monotonic() - began
         if rollout_id == 0:
             metrics.update(self.eval_before_train)
-        last = rollout_id == self.args.num_rollout - 1
-        if self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0)):
-            began = time.monotonic()
-            self.save(rollout_id)
-            metrics[Metric.SAVE_SECONDS] = time.monotonic() - began
+        if save_due:
+            metrics[Metric.SAVE_SECONDS] = self.timed_save(rollout_id)
         if self.driver:
             self.driver.reporter.rollout(rollout_id, metrics)
+
+    def timed_save(self, rollout_id: int, eval_owed: bool = False) -> float:
+        began = time.monotonic()
+        owed, self.eval_owed = self.eval_owed, rollout_id if eval_owed else self.eval_owed
+        self.save(rollout_id)
+        self.eval_owed = owed
+        return time.monotonic() - began
 
     def save(self, rollout_id: int) -> None:
         if self.driver:
@@ -327,6 +351,17 @@ class Loop:
         checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
                         keep=self.args.keep_checkpoints)
         self.last_saved = rollout_id
+
+
+def colocation(args: argparse.Namespace, backend: Backend, driver: Driver | None) -> Colocation | None:
+    """The phase order of --offload-train / --offload-rollout (trainer.colocation), or None."""
+    if not (args.offload_train or args.offload_rollout):
+        return None
+    engines = None
+    if driver and args.offload_rollout:
+        engines = EngineSide(EngineClient(args.api_key, args.update_weight_timeout), driver.engines, driver.fence,
+                             driver.supervisor)
+    return Colocation(backend, args.offload_train, engines)
 
 
 def eval_due(args: argparse.Namespace, rollout_id: int) -> bool:

@@ -34,6 +34,7 @@ from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slic
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_block_spec
 from trainer.megatron_optimizer import ShardedOptimizer
+from trainer.offload import Offloadable
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.token_stats import log_probs_and_entropy
 
@@ -106,6 +107,12 @@ class MegatronBackend(Backend):
             ("log_prob", args.custom_megatron_before_log_prob_hook_path, "--custom-megatron-before-log-prob-hook-path"),
             ("train_step", args.custom_megatron_before_train_step_hook_path,
              "--custom-megatron-before-train-step-hook-path")) if path}
+
+    def offloadable(self) -> Offloadable:
+        trainees = [t for t in (self.actor, self.critic) if t is not None]
+        models = [t.model for t in trainees] + [m for m in (self.ref_model, self.teacher_model) if m is not None]
+        # --optimizer-cpu-offload keeps its state on the host already: moving it changes nothing
+        return Offloadable(models, [t.optimizer.optimizer for t in trainees], self.device)
 
     # ---------------------------------------------------------------- model
     def _build_model(self, tied: bool | None = None) -> GPTModel:

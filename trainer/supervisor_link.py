@@ -49,6 +49,15 @@ class SupervisorLink:
         # Waited for: a restarted supervisor must learn the version the engines now serve.
         self._tell(self._call, Call.PUBLISHED, version=version, updated=updated, fenced=fenced)
 
+    def gpus_to_trainer(self, released: list[str]) -> list[str]:
+        """--colocate: the trainer takes the GPUs (it released `released`). The supervisor defers
+        engine restarts and probes, and answers once no engine is starting, with the engines it
+        released itself (those that came up meanwhile): the trainer resumes them with the rest."""
+        return list(self._call(Call.GPU_HOLDER, holder="trainer", released=released)["released"])
+
+    def gpus_to_engines(self) -> None:
+        self._call(Call.GPU_HOLDER, holder="engines", released=[])
+
     def stop_requested(self, rollout_id: int) -> bool:
         """Between rollouts: should the trainer save now and end? (Also the trainer's liveness.)"""
         return bool(self._call(Call.TRAINER_POLL, rollout_id=rollout_id).get("stop"))

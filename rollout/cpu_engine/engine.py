@@ -39,6 +39,7 @@ class Engine:
     paused: bool = False
     weight_update_open: bool = False  # between /begin_weight_update and /end_weight_update
     groups: dict[str, UpdateGroup] = field(default_factory=dict)
+    released: set[str] = field(default_factory=set)  # memory tags released (memory_routes.py)
     link: NodeLink | None = None  # node rank 0 of an engine over several nodes: the other ranks
 
     def tell_followers(self, op: str, **fields: object) -> None:

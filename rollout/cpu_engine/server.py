@@ -23,6 +23,7 @@ from rollout.cpu_engine.http_util import add_error_handlers, error, read_json, r
 from rollout.cpu_engine.sampling import SamplingParams
 from rollout.cpu_engine.scheduler import PAUSE_MODES
 from rollout.cpu_engine.sequence import Sequence
+from rollout.cpu_engine.memory_routes import add_memory_routes
 from rollout.cpu_engine.weight_routes import add_weight_routes
 
 VERSION = "0.1.0-slurmrl-cpu-engine"
@@ -82,8 +83,8 @@ def build_app(engine: Engine) -> FastAPI:
     async def health() -> Response:
         # SGLang's probe: a 1-token generation through the scheduler; healthy if any forward
         # pass ends within the timeout (another request's counts too).
-        if engine.status in (STARTING, SHUTTING_DOWN):
-            return Response(status_code=503)
+        if engine.status in (STARTING, SHUTTING_DOWN) or engine.released:
+            return Response(status_code=503)  # released memory: SGLang ignores the probe (503)
         probe = internal_sequence(engine, f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], max_new_tokens=1)
         progressed = asyncio.wrap_future(scheduler.output_after(time.monotonic()))
         scheduler.submit([probe])
@@ -179,6 +180,7 @@ def build_app(engine: Engine) -> FastAPI:
         return Response(status_code=200)
 
     add_weight_routes(app, engine)
+    add_memory_routes(app, engine)
     return app
 
 

@@ -102,7 +102,7 @@ def test_slimes_own_sglang_flags_get_their_effect_and_never_reach_the_engines(tm
     r = spec.rollout
     assert passthrough(r.sglang_args, "sglang") == ["--mem-fraction-static", "0.7"]
     assert flag_value(spec.trainer.train_args, "--rollout-concurrency") == "32"  # 16 per engine, 2 engines
-    assert r.rollout_num_gpus_per_node == 4
+    assert r.rollout_num_gpus_per_node == 4 and r.offload_train is False
     router = RouterLaunch("127.0.0.1", 1, 2, router_args=passthrough(r.router_args, "router"))
     assert parse_router_args(router_command(router)[3:]).request_timeout_secs == 600
     default = RouterLaunch("127.0.0.1", 1, 2)  # slime's default, 4 hours
@@ -110,8 +110,6 @@ def test_slimes_own_sglang_flags_get_their_effect_and_never_reach_the_engines(tm
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--offload"], "--offload: offloading the trainer or the engines between phases is not supported yet"),
-    (["--offload-rollout"], "--offload-rollout: offloading the trainer or the engines"),
     (["--sglang-server-concurrency", "many"], "--sglang-server-concurrency many: needs one whole number above 0"),
     (["--sglang-server-concurrency", "8", "--rollout-concurrency", "64"],
      "--sglang-server-concurrency: --rollout-concurrency (requests in flight over all engines) is given too"),

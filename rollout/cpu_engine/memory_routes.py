@@ -1,0 +1,120 @@
+"""SGLang's memory-saver routes (--colocate: engines and trainer share GPUs): POST
+/release_memory_occupation and /resume_memory_occupation, {"tags": null | ["weights", "kv_cache"]}.
+
+As SGLang 0.5 (scheduler_update_weights_mixin.py): no tags means every tag; releasing needs the
+engine idle (SGLang asserts it; here running requests finish first and new ones wait); resuming a
+tag that is not released is an error (SGLang's set.remove raises); while anything is released the
+engine's /health_generate probe is not answered with a 200 (SGLang's scheduler ignores health
+checks while `offload_tags` is not empty, so the probe times out with 503) and generate requests
+wait until every tag is resumed. Released weights are really freed: written to a host file and the
+model's tensors emptied; resuming reads that file back, so the engine serves the same weights and
+the same version as before (SGLang's --enable-weights-cpu-backup; without it SGLang's weights come
+back undefined and the trainer republishes, as slurmrl always does after a resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from safetensors.torch import load_file, save_file
+
+from rollout.cpu_engine.engine import Engine
+from rollout.cpu_engine.http_util import error, read_json, run_on_scheduler
+
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
+ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)  # SGLang's GPU_MEMORY_ALL_TYPES
+
+
+class MemorySaver:
+    """The engine's released tags and its weights while released (one per engine)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.released = engine.released
+        self._backup: Path | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="cpu-engine-weights-")
+
+    def release(self, tags: list[str]) -> None:
+        """On the scheduler thread, with no request running."""
+        if WEIGHTS in tags and WEIGHTS not in self.released:
+            model = self.engine.model
+            state = {name: t.detach().contiguous() for name, t in _unique_tensors(model).items()}
+            self._backup = Path(self._tmp.name) / "weights.safetensors"
+            save_file(state, str(self._backup))
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.data = torch.empty(0, dtype=param.dtype)  # freed: a forward now fails loudly
+        self.released.update(tags)
+
+    def resume(self, tags: list[str]) -> None:
+        """On the scheduler thread."""
+        if WEIGHTS in tags and self._backup is not None:
+            tensors = load_file(str(self._backup))
+            with torch.no_grad():
+                for name, param in self.engine.model.named_parameters():  # a tied weight is listed once
+                    param.data = tensors[name]
+            self._backup.unlink()
+            self._backup = None
+        self.released.difference_update(tags)
+
+
+def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter once (a tied lm_head is the embedding's tensor, saved under one name)."""
+    seen: set[int] = set()
+    out = {}
+    for name, param in model.named_parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            out[name] = param
+    return out
+
+
+def _tags(body: dict[str, Any]) -> list[str] | str:
+    """The body's tags (every tag if none), or the problem with them."""
+    tags = body.get("tags")
+    if tags is None or tags == []:
+        return list(ALL_TAGS)
+    if not isinstance(tags, list) or any(t not in ALL_TAGS for t in tags):
+        return f"tags must be a list of {', '.join(ALL_TAGS)}, got {tags!r}"
+    return list(dict.fromkeys(tags))
+
+
+def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
+    saver = MemorySaver(engine)
+    scheduler = engine.scheduler
+    lock = asyncio.Lock()  # one release or resume at a time
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request) -> Response:
+        tags = _tags(await read_json(request))
+        if isinstance(tags, str):
+            return error(tags)
+        async with lock:
+            if not saver.released:  # new requests wait from now until every tag is resumed
+                await run_on_scheduler(engine, lambda: scheduler.hold_admission(+1))
+            await run_on_scheduler(engine, lambda: saver.release(tags), needs_idle=True)
+        print(f"cpu_engine memory released tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request) -> Response:
+        tags = _tags(await read_json(request))
+        if isinstance(tags, str):
+            return error(tags)
+        async with lock:
+            missing = [t for t in tags if t not in saver.released]
+            if missing:
+                return error(f"{missing[0]} is not released (released: {sorted(saver.released) or 'none'})")
+            await run_on_scheduler(engine, lambda: saver.resume(tags))
+            if not saver.released:
+                await run_on_scheduler(engine, lambda: scheduler.hold_admission(-1))
+        print(f"cpu_engine memory resumed tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
+        return JSONResponse(None)
+
+    return saver
