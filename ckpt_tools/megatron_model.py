@@ -62,6 +62,7 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
 def transformer_config_from_hf(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, etp: int | None = None,
+    cp: int = 1,
 ) -> tuple[TransformerConfig, dict[str, Any]]:
     """TransformerConfig and GPTModel keyword arguments (besides config and layer spec).
 
@@ -91,6 +92,7 @@ def transformer_config_from_hf(
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp,
         "sequence_parallel": sequence_parallel,
+        "context_parallel_size": cp,
         "use_cpu_initialization": not torch.cuda.is_available(),
         "params_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
@@ -164,9 +166,9 @@ def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tenso
     return logits[..., : getattr(model, "hf_vocab_size", logits.shape[-1])]
 
 
-def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = None) -> None:
+def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = None, cp: int = 1) -> None:
     """Initialise torch.distributed (unless already up) and megatron's TP/EP (and expert-TP,
-    default tp) groups and RNG.
+    default tp) and CP groups and RNG.
 
     Uses env:// when WORLD_SIZE is set (torchrun, srun wrappers), else a lone process."""
     if not torch.distributed.is_initialized():
@@ -179,7 +181,7 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = 
         else:
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=etp)
+                                             expert_tensor_parallel_size=etp, context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

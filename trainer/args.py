@@ -45,8 +45,10 @@ def validate(args: argparse.Namespace) -> None:
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
     need(args.pipeline_model_parallel_size == 1,
          "--pipeline-model-parallel-size > 1 is not supported by slurmrl's trainer yet; use tensor and data parallel")
-    need(args.context_parallel_size == 1,
-         "--context-parallel-size > 1 is not supported yet; samples are packed, so long contexts need no CP split")
+    need(args.context_parallel_size >= 1, f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
+    need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
+         f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
+         "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
     _validate_megatron_parallel(args, need)
     need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
          "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
@@ -85,6 +87,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.train_backend == "fsdp":
         megatron_only = {"--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
                          "--sequence-parallel": args.sequence_parallel,
+                         "--context-parallel-size": args.context_parallel_size != 1,
                          "--expert-model-parallel-size": args.expert_model_parallel_size != 1,
                          "--recompute-granularity": args.recompute_granularity is not None,
                          "--recompute-method": args.recompute_method is not None,

@@ -9,6 +9,7 @@ fp32 master weights without megatron's DDP; gradients are reduced here by hand.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -27,10 +28,10 @@ from megatron.core.transformer.module import param_is_not_shared
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
-from trainer import megatron_state
+from trainer import context_parallel, megatron_state
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
-from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
+from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_block_spec
 from trainer.megatron_optimizer import ShardedOptimizer
@@ -81,11 +82,12 @@ class MegatronBackend(Backend):
     def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
         self.args = args
         init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed,
-                      args.expert_tensor_parallel_size)
+                      args.expert_tensor_parallel_size, args.context_parallel_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
         self.sequence_parallel = args.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
@@ -112,7 +114,7 @@ class MegatronBackend(Backend):
         args = self.args
         config, model_kwargs = transformer_config_from_hf(
             self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
-            sequence_parallel=self.sequence_parallel, etp=self.etp_size)
+            sequence_parallel=self.sequence_parallel, etp=self.etp_size, cp=self.cp_size)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -140,16 +142,19 @@ class MegatronBackend(Backend):
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
         def data_parallel_group(expert: bool) -> dist.ProcessGroup:
-            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         optimizer = ShardedOptimizer(named, self.args, lr, data_parallel_group, _is_expert)
         return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.args)))
 
-    def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
-        """This rank's vocab slice of the logits, [T, V / tp]."""
-        tokens, positions, cu = _pad_for_sequence_parallel(pack, self.tp_size if self.sequence_parallel else 1)
-        tokens, positions = tokens.to(self.device)[None], positions.to(self.device)[None]
+    def _layout(self, pack: Pack, samples: list[TrainSample]) -> context_parallel.RowLayout:
+        return context_parallel.layout(pack, samples, self.tp_size if self.sequence_parallel else 1,
+                                       ps.get_context_parallel_group() if self.cp_size > 1 else None)
+
+    def _forward(self, model: GPTModel, rows: context_parallel.RowLayout) -> torch.Tensor:
+        """This rank's vocab slice of the logits of its rows, [t, V / tp]."""
+        tokens, positions, cu = rows.tokens.to(self.device)[None], rows.positions.to(self.device)[None], rows.cu_seqlens
         inputs: dict[str, Any] = {}
         if self.args.attention_backend == "local":
             # Block-diagonal causal mask (True = masked): no sample sees another.
@@ -165,31 +170,32 @@ class MegatronBackend(Backend):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
                 attention_kernels(self.args.attention_kernels):
             logits = model(tokens, positions, **inputs)
-        return logits[0, :len(pack.tokens)]
+        return logits[0]
 
     def _token_stats(self, model: GPTModel, pack: Pack, samples: list[TrainSample],
                      with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        logits = self._forward(model, pack)
+        rows = self._layout(pack, samples)
+        logits = self._forward(model, rows)
         vocab_local = logits.shape[-1]
         start = self.tp_rank * vocab_local
         valid = max(0, min(vocab_local, self.shape.vocab_size - start))
-        slices = response_slices(pack, samples)
-        rows = torch.cat([torch.arange(s.start, s.stop) for s in slices]).to(self.device)
-        targets = pack.tokens.to(self.device)[rows + 1]
         group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        logp, ent = log_probs_and_entropy(logits[rows], targets, start, valid, group, with_entropy)
-        lengths = [s.stop - s.start for s in slices]
-        return list(logp.split(lengths)), (list(ent.split(lengths)) if ent is not None else None)
+        logp, ent = log_probs_and_entropy(logits[rows.rows.to(self.device)], rows.targets.to(self.device), start, valid,
+                                          group, with_entropy)
+        return rows.per_sample(logp), (rows.per_sample(ent) if ent is not None else None)
 
     def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
         batching = Batching.from_args(self.args, for_log_probs)
+        if batching.dynamic and self.cp_size > 1:  # as slime: each rank holds 1 / CP of a pack's tokens
+            batching = dataclasses.replace(batching, max_tokens=batching.max_tokens * self.cp_size)
         return rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
 
     # ---------------------------------------------------------------- Backend
     def _values(self, pack: Pack, samples: list[TrainSample]) -> list[torch.Tensor]:
         """The critic's value of the state before each response token, per sample."""
-        values = self._forward(self.critic.model, pack)[..., 0].float()
-        return [values[s] for s in response_slices(pack, samples)]
+        rows = self._layout(pack, samples)
+        values = self._forward(self.critic.model, rows)[..., 0].float()
+        return rows.per_sample(values[rows.rows.to(self.device)])
 
     def _gather_per_sample(self, mine: dict[int, Any]) -> dict[int, Any]:
         gathered: list[dict] = [{} for _ in range(self.world_size)]
@@ -254,14 +260,16 @@ class MegatronBackend(Backend):
         """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
         weights (each rank normalises only its own heads) and, under sequence parallelism, weights
         marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
-        then every replica over data-parallel ranks (the loss is already scaled for a sum);
+        then every replica over data-parallel x context-parallel ranks (the loss is already scaled
+        for a sum; each CP rank holds the gradient of its own rows);
         expert weights over the expert-DP group."""
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
         partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
         experts = [_is_expert(n) for n, _ in named]
-        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
+        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e],
+                        ps.get_data_parallel_group(with_context_parallel=True))
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
 
     def _grad_norm(self, model: GPTModel) -> float:
@@ -285,8 +293,8 @@ class MegatronBackend(Backend):
         names = sorted(self.broadcast_object(sorted(totals)))  # ranks with no samples still join
         values = torch.stack([torch.as_tensor(totals.get(n, 0.0), dtype=torch.float64) for n in names]) \
             if names else torch.zeros(0, dtype=torch.float64)
-        # One TP rank per data-parallel rank contributes, so each sample is counted once.
-        if self.tp_rank != 0:
+        # One TP and CP rank per data-parallel rank contributes, so each sample is counted once.
+        if self.tp_rank != 0 or self.cp_rank != 0:
             values.zero_()
         dist.all_reduce(values, group=self.cpu_group)
         return {n: float(v) for n, v in zip(names, values)}
@@ -388,19 +396,6 @@ def _is_expert(name: str) -> bool:
     allreduce=False only when EP > 1, but with --expert-tensor-parallel-size != TP their
     data-parallel group differs from the dense weights' at EP 1 too."""
     return ".mlp.experts." in name
-
-
-def _pad_for_sequence_parallel(pack: Pack, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens, position ids and cu_seqlens of `pack`, padded to a multiple of `multiple` tokens
-    (sequence parallelism splits the sequence evenly over TP ranks). The padding is a sequence of
-    its own at the end: causal attention keeps it out of every real token's view."""
-    pad = -len(pack.tokens) % multiple
-    if not pad:
-        return pack.tokens, pack.position_ids, pack.cu_seqlens
-    cu = pack.cu_seqlens
-    return (torch.cat([pack.tokens, pack.tokens.new_zeros(pad)]),
-            torch.cat([pack.position_ids, torch.arange(pad, dtype=pack.position_ids.dtype)]),
-            torch.cat([cu, cu[-1:] + pad]))
 
 
 def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:
