@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--expert-tensor-parallel-size", type=int, default=None,
         help="TP degree of MoE expert weights (default: --tensor-model-parallel-size)")
     add("--pipeline-model-parallel-size", type=int, default=1)
-    add("--context-parallel-size", type=int, default=1)
+    add("--context-parallel-size", type=int, default=1,
+        help="split every packed sample over this many ranks (megatron's zigzag chunks; attention gathers K/V); "
+             "needs a fused --attention-backend; --max-tokens-per-gpu is per rank, as slime's")
     add("--expert-model-parallel-size", type=int, default=1)
     add("--recompute-granularity", choices=("full", "selective"))
     add("--recompute-method", choices=("uniform", "block"))
