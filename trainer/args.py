@@ -43,8 +43,8 @@ def validate(args: argparse.Namespace) -> None:
     need(Path(args.hf_checkpoint, "config.json").is_file(),
          f"--hf-checkpoint {args.hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
-    need(args.pipeline_model_parallel_size == 1,
-         "--pipeline-model-parallel-size > 1 is not supported by slurmrl's trainer yet; use tensor and data parallel")
+    need(args.pipeline_model_parallel_size >= 1,
+         f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
     need(args.context_parallel_size >= 1, f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
     need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
          f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
@@ -88,6 +88,7 @@ def validate(args: argparse.Namespace) -> None:
         megatron_only = {"--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
                          "--sequence-parallel": args.sequence_parallel,
                          "--context-parallel-size": args.context_parallel_size != 1,
+                         "--pipeline-model-parallel-size": args.pipeline_model_parallel_size != 1,
                          "--expert-model-parallel-size": args.expert_model_parallel_size != 1,
                          "--recompute-granularity": args.recompute_granularity is not None,
                          "--recompute-method": args.recompute_method is not None,
@@ -205,7 +206,13 @@ def _validate_megatron_parallel(args: argparse.Namespace, need: Any) -> None:
     need(etp is None or (etp >= 1 and tp % etp == 0),
          f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
     config = read_hf_config(args.hf_checkpoint)
+    pp, layers = args.pipeline_model_parallel_size, config.get("num_hidden_layers")
+    need(pp == 1 or (isinstance(layers, int) and layers % pp == 0), f"--pipeline-model-parallel-size {pp} must "
+         f"divide the model's {layers} layers (slurmrl splits them evenly over the pipeline stages)")
     moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    need(not moe or pp == 1 or args.moe_token_dispatcher_type == "alltoall", f"--pipeline-model-parallel-size {pp} "
+         "with a MoE model needs --moe-token-dispatcher-type alltoall (GPU): megatron-core's allgather dispatcher "
+         "does not support the variable sequence lengths pipeline stages exchange")
     need(not moe or tp == 1 or args.sequence_parallel or args.train_backend != "megatron",
          f"--tensor-model-parallel-size {tp} with a MoE model needs --sequence-parallel (megatron-core's MoE layer "
          "requires it when training with TP > 1)")

@@ -30,7 +30,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from torch import Tensor
 
 from trainer.context_parallel import cp_attention
@@ -135,7 +139,8 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
 
 def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> ModuleSpec:
     """The whole decoder's spec: gpt_layer_spec for every layer and the final norm, which megatron
-    would otherwise build as WrappedTorchNorm (it refuses sequence parallelism)."""
+    would otherwise build as WrappedTorchNorm (it refuses sequence parallelism). Under pipeline
+    parallelism, this stage's layers only."""
     layer = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, attention)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * config.num_layers, layer_norm=HiddenStateNorm))
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=HiddenStateNorm))

@@ -24,11 +24,12 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
-from trainer import context_parallel, megatron_state
+from trainer import context_parallel, megatron_pipeline, megatron_state
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
@@ -82,12 +83,13 @@ class MegatronBackend(Backend):
     def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
         self.args = args
         init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed,
-                      args.expert_tensor_parallel_size, args.context_parallel_size)
+                      args.expert_tensor_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.etp_size = ps.get_expert_tensor_parallel_world_size()
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+        self.pp_size, self.last_stage = ps.get_pipeline_model_parallel_world_size(), ps.is_pipeline_last_stage()
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
         self.sequence_parallel = args.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
@@ -114,7 +116,7 @@ class MegatronBackend(Backend):
         args = self.args
         config, model_kwargs = transformer_config_from_hf(
             self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
-            sequence_parallel=self.sequence_parallel, etp=self.etp_size, cp=self.cp_size)
+            sequence_parallel=self.sequence_parallel, etp=self.etp_size, cp=self.cp_size, pp=self.pp_size)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -128,7 +130,8 @@ class MegatronBackend(Backend):
             config.moe_token_dispatcher_type = args.moe_token_dispatcher_type or "allgather"
             config.moe_router_dtype = args.moe_router_dtype
         spec = gpt_block_spec(config, args.attention_backend)
-        model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs).to(self.device)
+        model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=self.last_stage, **model_kwargs).to(self.device)
         if args.torch_compile:
             for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
                 layer.compile()
@@ -137,7 +140,8 @@ class MegatronBackend(Backend):
     def _build_critic(self) -> GPTModel:
         """The actor's architecture with a scalar value head instead of the vocabulary projection."""
         critic = self._build_model(tied=False)
-        critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
+        if self.last_stage:
+            critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
@@ -152,8 +156,9 @@ class MegatronBackend(Backend):
         return context_parallel.layout(pack, samples, self.tp_size if self.sequence_parallel else 1,
                                        ps.get_context_parallel_group() if self.cp_size > 1 else None)
 
-    def _forward(self, model: GPTModel, rows: context_parallel.RowLayout) -> torch.Tensor:
-        """This rank's vocab slice of the logits of its rows, [t, V / tp]."""
+    def _run_model(self, model: GPTModel, rows: context_parallel.RowLayout) -> torch.Tensor:
+        """The model's output for this rank's rows: on the last stage its vocab slice of the logits,
+        [1, t, V / tp]; on other pipeline stages the hidden states for the next."""
         tokens, positions, cu = rows.tokens.to(self.device)[None], rows.positions.to(self.device)[None], rows.cu_seqlens
         inputs: dict[str, Any] = {}
         if self.args.attention_backend == "local":
@@ -169,13 +174,11 @@ class MegatronBackend(Backend):
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
                 attention_kernels(self.args.attention_kernels):
-            logits = model(tokens, positions, **inputs)
-        return logits[0]
+            return model(tokens, positions, **inputs)
 
-    def _token_stats(self, model: GPTModel, pack: Pack, samples: list[TrainSample],
-                     with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        rows = self._layout(pack, samples)
-        logits = self._forward(model, rows)
+    def _stats(self, logits: torch.Tensor, rows: context_parallel.RowLayout,
+               with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sample response log-probs (and entropies) from this rank's logits of `rows`."""
         vocab_local = logits.shape[-1]
         start = self.tp_rank * vocab_local
         valid = max(0, min(vocab_local, self.shape.vocab_size - start))
@@ -184,6 +187,11 @@ class MegatronBackend(Backend):
                                           group, with_entropy)
         return rows.per_sample(logp), (rows.per_sample(ent) if ent is not None else None)
 
+    def _each_pack(self, model: GPTModel, samples: list[TrainSample], ids: list[int],
+                   step: megatron_pipeline.PackStep, train: bool) -> list[dict[str, torch.Tensor]]:
+        packs = [(pack, self._layout(pack, samples)) for pack in self._my_packs(samples, ids, not train)]
+        return megatron_pipeline.each_pack(model, packs, self._run_model, step, train)
+
     def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
         batching = Batching.from_args(self.args, for_log_probs)
         if batching.dynamic and self.cp_size > 1:  # as slime: each rank holds 1 / CP of a pack's tokens
@@ -191,11 +199,8 @@ class MegatronBackend(Backend):
         return rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
 
     # ---------------------------------------------------------------- Backend
-    def _values(self, pack: Pack, samples: list[TrainSample]) -> list[torch.Tensor]:
-        """The critic's value of the state before each response token, per sample."""
-        rows = self._layout(pack, samples)
-        values = self._forward(self.critic.model, rows)[..., 0].float()
-        return rows.per_sample(values[rows.rows.to(self.device)])
+    def _values_of(self, output: torch.Tensor, rows: context_parallel.RowLayout) -> list[torch.Tensor]:
+        return rows.per_sample(output[0, ..., 0].float()[rows.rows.to(self.device)])
 
     def _gather_per_sample(self, mine: dict[int, Any]) -> dict[int, Any]:
         gathered: list[dict] = [{} for _ in range(self.world_size)]
@@ -212,19 +217,26 @@ class MegatronBackend(Backend):
             self._hooks["log_prob"](self.args, [net], "" if model == "actor" else f"{model}_")
         net.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for pack in self._my_packs(samples, ids, for_log_probs=True):
-            logps, ents = self._token_stats(net, pack, samples, with_entropy)
+
+        def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
+            logps, ents = self._stats(output[0], rows, with_entropy)
             for k, i in enumerate(pack.sample_ids):
                 mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
+            return output.new_zeros(()), {}
+
+        self._each_pack(net, samples, ids, collect, train=False)
         return self._gather_per_sample(mine)
 
     @torch.no_grad()
     def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, torch.Tensor]:
         self.critic.model.eval()
         mine = {}
-        for pack in self._my_packs(samples, ids, for_log_probs=True):
-            for i, v in zip(pack.sample_ids, self._values(pack, samples)):
-                mine[i] = v.cpu()
+
+        def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
+            mine.update((i, v.cpu()) for i, v in zip(pack.sample_ids, self._values_of(output, rows)))
+            return output.new_zeros(()), {}
+
+        self._each_pack(self.critic.model, samples, ids, collect, train=False)
         return self._gather_per_sample(mine)
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
@@ -236,13 +248,13 @@ class MegatronBackend(Backend):
         trainee.model.train()
         trainee.optimizer.zero_grad()
         totals: dict[str, torch.Tensor] = {}
-        for pack in self._my_packs(samples, ids, for_log_probs=False):
+
+        def step(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
             if role == "critic":
-                value, metrics = loss(pack, self._values(pack, samples), None)
-            else:
-                logps, ents = self._token_stats(self.model, pack, samples, need_entropy)
-                value, metrics = loss(pack, logps, ents)
-            value.backward()
+                return loss(pack, self._values_of(output, rows), None)
+            return loss(pack, *self._stats(output[0], rows, need_entropy))
+
+        for metrics in self._each_pack(trainee.model, samples, ids, step, train=True):
             for name, m in metrics.items():
                 totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
         self._reduce_gradients(trainee.model)
@@ -263,6 +275,7 @@ class MegatronBackend(Backend):
         then every replica over data-parallel x context-parallel ranks (the loss is already scaled
         for a sum; each CP rank holds the gradient of its own rows);
         expert weights over the expert-DP group."""
+        megatron_pipeline.reduce_embedding_grads(model)
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
         partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
@@ -290,11 +303,14 @@ class MegatronBackend(Backend):
         return float(sum(squares).sqrt())
 
     def _sum_over_data_parallel(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
-        names = sorted(self.broadcast_object(sorted(totals)))  # ranks with no samples still join
+        # Ranks with no samples, and pipeline stages before the last, still join.
+        names = [None] * self.world_size
+        dist.all_gather_object(names, sorted(totals), group=self.cpu_group)
+        names = sorted(set().union(*names))
         values = torch.stack([torch.as_tensor(totals.get(n, 0.0), dtype=torch.float64) for n in names]) \
             if names else torch.zeros(0, dtype=torch.float64)
         # One TP and CP rank per data-parallel rank contributes, so each sample is counted once.
-        if self.tp_rank != 0 or self.cp_rank != 0:
+        if self.tp_rank != 0 or self.cp_rank != 0 or not self.last_stage:
             values.zero_()
         dist.all_reduce(values, group=self.cpu_group)
         return {n: float(v) for n, v in zip(names, values)}
@@ -303,13 +319,24 @@ class MegatronBackend(Backend):
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         rules = {rule.megatron: rule for rule in mapping.rules(self.shape)}
         dtype = getattr(torch, self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
+        if self.pp_size == 1:
+            yield from self._stage_hf_weights(rules, dtype)
+        else:
+            yield from megatron_pipeline.from_every_stage(self._stage_hf_weights(rules, dtype))
+
+    def _stage_hf_weights(self, rules: dict[str, mapping.Rule], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's weights, on its leader (global rank 0 without PP)."""
+        offset = get_transformer_layer_offset(self.model.config)
         for name, param in self.model.named_parameters():
+            if getattr(param, "shared", False):  # the last stage's copy of tied embeddings
+                continue
             key, layer, experts = self._checkpoint_key(name)
             for expert, full in self._gather(name, param, experts):
-                if self.rank != 0:
+                if not megatron_pipeline.is_stage_leader():
                     continue
                 rule = rules[key]
-                for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
+                layer_id = None if layer is None else layer + offset
+                for hf_name, tensor in zip(rule.hf_names(layer_id, expert), mapping.to_hf(rule, full, self.shape)):
                     yield hf_name, tensor.to(dtype).cpu()
 
     def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:

@@ -1,0 +1,106 @@
+"""Pipeline parallelism (--pipeline-model-parallel-size) on a tiny Qwen3 (2 layers, tied
+embeddings) in gloo processes, through megatron-core's schedules with variable-length packs:
+one RL step at PP=2 (with the fused attention and the PPO critic; and with the unfused one)
+gives the same log-probs, loss, grad norm and new weights as PP=1 (so the tied embedding's
+gradient is summed over the first and last stages, and log-probs computed on the last stage
+reach every rank), publishing gathers every stage's weights, and a checkpoint saved at PP=2
+resumes at PP=1 and one saved at PP=1 at PP=2, each with the step the uninterrupted run takes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.rollout.servers import free_port
+from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
+from tests.trainer.test_megatron_optimizer import _step
+from trainer.args import ArgsError, build_parser, validate
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
+    tmp = tmp_path_factory.mktemp("pp_runs")
+    ppo = ["--advantage-estimator", "ppo"]
+    layouts = (("pp1", 1, 1, "sdpa", ppo), ("pp2", 1, 2, "sdpa", PP2 + ppo), ("pp2_local", 1, 2, "local", PP2))
+    return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+
+
+def test_one_step_at_pp2_equals_pp1(results) -> None:
+    base = results["pp1"]
+    assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
+    for name in ("pp2", "pp2_local"):
+        other = results[name]
+        assert other["before"].keys() == base["before"].keys(), f"{name}: every stage's weights are published"
+        for i, (want, want_ent) in base["logps"].items():
+            assert (other["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs"
+            assert (other["logps"][i][1] - want_ent).abs().max() < ATOL, f"{name}: sample {i} entropies"
+        for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
+            assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
+        for hf_name, tensor in base["weights"].items():
+            assert not torch.equal(tensor, base["before"][hf_name]), f"{hf_name} must move to be a test"
+            assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
+
+
+def test_the_critic_at_pp2_equals_pp1(results) -> None:
+    base, other = results["pp1"]["critic"], results["pp2"]["critic"]
+    for key in ("value_loss", "grad_norm"):
+        assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), key
+    for i, values in base["values"].items():
+        assert values.abs().max() > 1e-3, "the critic step must move the values to be a test"
+        assert (other["values"][i] - values).abs().max() < ATOL, f"sample {i}: values after the critic step"
+
+
+def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ckpt: Path, out: Path) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from trainer import checkpoint, dist_env
+    from trainer.megatron_backend import MegatronBackend
+
+    args = build_parser().parse_args([
+        "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
+        "--load-debug-rollout-data", "unused/{rollout_id}", "--lr", "1e-2", "--adam-eps", "1",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--pipeline-model-parallel-size", str(world)])
+    validate(args)
+    backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
+    save = out / f"save_{phase.split('_')[-1]}"
+    if phase.startswith("uninterrupted"):
+        backend.load(ckpt, weights_only=True)
+        _step(backend)
+        checkpoint.save(save, 1, lambda tmp: backend.save(tmp, {"rollout_id": 1}))
+    else:
+        assert backend.load(checkpoint.find_loadable(save), weights_only=False) == {"rollout_id": 1}
+    result = {"metrics": _step(backend), "weights": dict(backend.hf_weights())}
+    if rank == 0:
+        torch.save(result, out / f"{phase}.pt")
+    dist_env.shutdown()
+
+
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_at_another_pipeline_size(tiny, tmp_path: Path, saved_at: int,  # noqa: F811
+                                                       resumed_at: int) -> None:
+    model, ckpt = tiny
+    for phase, world in ((f"uninterrupted_{saved_at}", saved_at), (f"resumed_{saved_at}", resumed_at)):
+        mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
+                           start_method="spawn")
+    before, resumed = (torch.load(tmp_path / f"{phase}_{saved_at}.pt") for phase in ("uninterrupted", "resumed"))
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert resumed["metrics"][key] == pytest.approx(before["metrics"][key], abs=ATOL), key
+    assert resumed["weights"].keys() == before["weights"].keys()
+    for name, tensor in before["weights"].items():
+        assert (resumed["weights"][name] - tensor).abs().max() < ATOL, f"{name} after the resumed step"
+
+
+def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny) -> None:  # noqa: F811
+    model, _ = tiny
+    args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
+                                      "--debug-train-only", "--load-debug-rollout-data", "x",
+                                      "--pipeline-model-parallel-size", "3"])
+    with pytest.raises(ArgsError, match="--pipeline-model-parallel-size 3 must divide the model's 2 layers"):
+        validate(args)
