@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="split norms, dropout and MoE routing over the TP ranks along the sequence (no effect at TP 1)")
     add("--expert-tensor-parallel-size", type=int, default=None,
         help="TP degree of MoE expert weights (default: --tensor-model-parallel-size)")
-    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1,
+        help="split the layers evenly over this many stages (megatron-core's 1F1B schedule over the packs)")
     add("--context-parallel-size", type=int, default=1,
         help="split every packed sample over this many ranks (megatron's zigzag chunks; attention gathers K/V); "
              "needs a fused --attention-backend; --max-tokens-per-gpu is per rank, as slime's")

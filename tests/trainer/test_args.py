@@ -32,7 +32,8 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("flags, message", [
     (["--lrr", "1e-6"], "unknown flag --lrr (did you mean --lr?)"),
     (["--global-batch-size", "3"], "--global-batch-size 3 must divide"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1 is not supported"),
+    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size must be 1 or more"),
+    (["--context-parallel-size", "0"], "--context-parallel-size must be 1 or more"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c must be > 1"),
     (["--n-samples-per-prompt", "1"], "--advantage-estimator grpo needs --n-samples-per-prompt >= 2"),
     (["--custom-rm-path", "nodots"], "--custom-rm-path must be module.function"),

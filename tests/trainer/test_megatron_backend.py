@@ -3,7 +3,8 @@ and with sequence parallelism over packs of odd length, padded to a multiple of 
 own micro-batching) on a tiny Qwen3 converted from HF:
 packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
 layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
-tensors under HF names."""
+tensors under HF names. dp2 runs the distributed optimizer (--use-distributed-optimizer, on by
+default: each rank updates its share and broadcasts it), so dp2 == tp1 is its equivalence test."""
 
 from __future__ import annotations
 
