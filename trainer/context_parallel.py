@@ -17,6 +17,7 @@ of the replicated weights are then summed over the data-parallel x CP group, as 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +68,12 @@ def layout(pack: Pack, samples: list[TrainSample], multiple: int, group: dist.Pr
     cp, me = dist.get_world_size(group), dist.get_rank(group)
     unit = 2 * cp * multiple
     bounds = pack.cu_seqlens.tolist()
-    padded = [-(-(b - a) // unit) * unit for a, b in zip(bounds, bounds[1:])]
+    padded = [-(-(b - a) // unit) * unit for a, b in itertools.pairwise(bounds)]
     cu = torch.tensor([0, *padded], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     tokens = torch.zeros(int(cu[-1]), dtype=torch.int64)
     targets = torch.zeros_like(tokens)
     response = torch.zeros_like(tokens, dtype=torch.bool)
-    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
         start = int(cu[k])
         tokens[start:start + b - a] = pack.tokens[a:b]
         targets[start:start + b - a - 1] = pack.tokens[a + 1:b]
@@ -89,7 +90,7 @@ def layout(pack: Pack, samples: list[TrainSample], multiple: int, group: dist.Pr
 def _zigzag_rows(cu: Tensor, cp: int, rank: int) -> Tensor:
     """The padded pack's rows CP rank `rank` holds: chunks rank and 2 * cp - 1 - rank of each sample."""
     parts = []
-    for start, end in zip(cu.tolist(), cu[1:].tolist()):
+    for start, end in itertools.pairwise(cu.tolist()):
         seg = (end - start) // (2 * cp)
         parts += [torch.arange(start + rank * seg, start + (rank + 1) * seg),
                   torch.arange(start + (2 * cp - 1 - rank) * seg, start + (2 * cp - rank) * seg)]
@@ -103,7 +104,7 @@ def cp_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, 
     cp, me = dist.get_world_size(group), dist.get_rank(group)
     kv = _GatherKV.apply(torch.stack([key, value], dim=1), group)  # [cp, t, 2, ng, hn]
     out = []
-    for start, end in zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist()):
+    for start, end in itertools.pairwise(cu_seqlens.tolist()):
         seg, local = (end - start) // (2 * cp), start // cp
         # Chunk j of the sample: on rank j (its first half) for j < cp, else on rank 2cp-1-j (second half).
         chunks = [kv[j, local:local + seg] if j < cp else kv[2 * cp - 1 - j, local + seg:local + 2 * seg]

@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.rollout.servers import free_port
+from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_parser, validate
@@ -33,28 +34,17 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
 
 
 def test_one_step_at_pp2_equals_pp1(results) -> None:
-    base = results["pp1"]
-    assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
     for name in ("pp2", "pp2_local"):
-        other = results[name]
-        assert other["before"].keys() == base["before"].keys(), f"{name}: every stage's weights are published"
-        for i, (want, want_ent) in base["logps"].items():
-            assert (other["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs"
-            assert (other["logps"][i][1] - want_ent).abs().max() < ATOL, f"{name}: sample {i} entropies"
-        for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
-            assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
-        for hf_name, tensor in base["weights"].items():
-            assert not torch.equal(tensor, base["before"][hf_name]), f"{hf_name} must move to be a test"
-            assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
+        assert_same_step(results["pp1"], results[name], name)
+
+
+def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny, results, tmp_path: Path) -> None:  # noqa: F811
+    assert_same_step(results["pp1"], _run(tiny, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"]),
+                     "tp2_sp_pp2")
 
 
 def test_the_critic_at_pp2_equals_pp1(results) -> None:
-    base, other = results["pp1"]["critic"], results["pp2"]["critic"]
-    for key in ("value_loss", "grad_norm"):
-        assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), key
-    for i, values in base["values"].items():
-        assert values.abs().max() > 1e-3, "the critic step must move the values to be a test"
-        assert (other["values"][i] - values).abs().max() < ATOL, f"sample {i}: values after the critic step"
+    assert_same_critic_step(results["pp1"], results["pp2"])
 
 
 def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ckpt: Path, out: Path) -> None:
