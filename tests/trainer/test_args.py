@@ -50,6 +50,8 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--train-backend", "fsdp", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size is the "
                                                                         "megatron backend's"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity is the megatron"),
+    (["--train-backend", "fsdp", "--context-parallel-size", "2"], "--context-parallel-size is the megatron"),
+    (["--train-backend", "fsdp", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size is the"),
     (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
     (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "not both"),
     (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
@@ -93,4 +94,12 @@ def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny) -> Non
                                       "--debug-train-only", "--load-debug-rollout-data", "x",
                                       "--pipeline-model-parallel-size", "3"])
     with pytest.raises(ArgsError, match="--pipeline-model-parallel-size 3 must divide the model's 2 layers"):
+        validate(args)
+
+
+def test_pipeline_parallel_moe_with_the_allgather_dispatcher_is_refused(tmp_path: Path) -> None:
+    model = make_tiny_hf("qwen3_moe", tmp_path / "model", tied=False)
+    args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
+                                      "--debug-train-only", "--load-debug-rollout-data", "x", *PP2])
+    with pytest.raises(ArgsError, match="needs --moe-token-dispatcher-type alltoall"):
         validate(args)
