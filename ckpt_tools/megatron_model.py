@@ -62,7 +62,7 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
 def transformer_config_from_hf(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, etp: int | None = None,
-    cp: int = 1, pp: int = 1,
+    cp: int = 1, pp: int = 1, pp_first: int | None = None, pp_last: int | None = None,
 ) -> tuple[TransformerConfig, dict[str, Any]]:
     """TransformerConfig and GPTModel keyword arguments (besides config and layer spec).
 
@@ -96,6 +96,8 @@ def transformer_config_from_hf(
         "pipeline_model_parallel_size": pp,
         # Stages exchange activations in the parameters' dtype.
         "pipeline_dtype": params_dtype if pp > 1 else None,
+        "num_layers_in_first_pipeline_stage": pp_first,
+        "num_layers_in_last_pipeline_stage": pp_last,
         "use_cpu_initialization": not torch.cuda.is_available(),
         "params_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,

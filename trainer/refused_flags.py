@@ -25,8 +25,6 @@ _MODELS = "slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models from --hf-che
 _RAY = "slurmrl runs as one SLURM job with no Ray"
 _MLA = f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
-_EVEN_PP = ("uneven pipeline stages are not implemented: the layers are split evenly over "
-            "--pipeline-model-parallel-size (which must divide them)")
 
 
 def _switch(flag: str, reason: str) -> Refusal:
@@ -89,9 +87,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--megatron-deepgemm-moe-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-moe-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     _switch("--enable-experimental", "megatron's experimental features are not used"),
-    # -- pipeline parallelism: even stages only
-    Refusal("--decoder-first-pipeline-num-layers", _EVEN_PP),
-    Refusal("--decoder-last-pipeline-num-layers", _EVEN_PP),
     _switch("--allgather-cp", "slurmrl's context parallelism always all-gathers K/V over the CP group, with "
             "megatron's load-balanced zigzag split; slime's --allgather-cp (a contiguous split, for DeepSeek sparse "
             f"attention) does not apply: {_MLA}"),

@@ -3,7 +3,8 @@ embeddings) in gloo processes, through megatron-core's schedules with variable-l
 one RL step at PP=2 (with the fused attention and the PPO critic; and with the unfused one)
 gives the same log-probs, loss, grad norm and new weights as PP=1 (so the tied embedding's
 gradient is summed over the first and last stages, and log-probs computed on the last stage
-reach every rank), publishing gathers every stage's weights, and a checkpoint saved at PP=2
+reach every rank), so does TP=2 + SP with PP=2, and 3 layers split 2 + 1 over two stages;
+publishing gathers every stage's weights, and a checkpoint saved at PP=2
 resumes at PP=1 and one saved at PP=1 at PP=2, each with the step the uninterrupted run takes."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
@@ -42,6 +44,15 @@ def test_one_step_at_pp2_equals_pp1(results) -> None:
 def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny, results, tmp_path: Path) -> None:  # noqa: F811
     assert_same_step(results["pp1"], _run(tiny, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"]),
                      "tp2_sp_pp2")
+
+
+def test_uneven_stages_equal_one_stage(tmp_path: Path) -> None:
+    """3 layers over 2 stages, the last with one (--decoder-last-pipeline-num-layers, as slime's recipes)."""
+    model = make_tiny_hf("qwen3", tmp_path / "model", tied=True, layers=3)
+    tiny3 = (model, hf_to_torch_dist(model, tmp_path / "torch_dist", iteration=None, progress=False))
+    assert_same_step(_run(tiny3, tmp_path, "pp1_3", 1, 1, "sdpa", []),
+                     _run(tiny3, tmp_path, "pp2_2_1", 1, 2, "sdpa", [*PP2, "--decoder-last-pipeline-num-layers", "1"]),
+                     "pp2_2_1")
 
 
 def test_the_critic_at_pp2_equals_pp1(results) -> None:
@@ -93,7 +104,12 @@ def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny) -> Non
     args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
                                       "--debug-train-only", "--load-debug-rollout-data", "x",
                                       "--pipeline-model-parallel-size", "3"])
-    with pytest.raises(ArgsError, match="--pipeline-model-parallel-size 3 must divide the model's 2 layers"):
+    with pytest.raises(ArgsError, match="--pipeline-model-parallel-size 3 cannot split the model's 2 layers"):
+        validate(args)
+    args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
+                                      "--debug-train-only", "--load-debug-rollout-data", "x",
+                                      "--decoder-last-pipeline-num-layers", "1"])
+    with pytest.raises(ArgsError, match="--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size > 1"):
         validate(args)
 
 
