@@ -44,3 +44,20 @@ def apply() -> None:
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # Pipeline parallelism: tied embeddings move the last stage's copy with .cuda() before their
+    # first all-reduce (a CPU-only torch cannot run .cuda() at all, so nothing else changes) ...
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # ... and the pipeline schedules count tokens in a tensor they create on "cuda" by name.
+    schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
+    schedules.torch = _TorchOnCpu()
+
+
+class _TorchOnCpu:
+    """torch, but zeros(..., device="cuda") is made on the CPU (for megatron's pipeline schedules)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)

@@ -62,6 +62,7 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
 def transformer_config_from_hf(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, etp: int | None = None,
+    cp: int = 1, pp: int = 1, pp_first: int | None = None, pp_last: int | None = None,
 ) -> tuple[TransformerConfig, dict[str, Any]]:
     """TransformerConfig and GPTModel keyword arguments (besides config and layer spec).
 
@@ -91,6 +92,12 @@ def transformer_config_from_hf(
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp,
         "sequence_parallel": sequence_parallel,
+        "context_parallel_size": cp,
+        "pipeline_model_parallel_size": pp,
+        # Stages exchange activations in the parameters' dtype.
+        "pipeline_dtype": params_dtype if pp > 1 else None,
+        "num_layers_in_first_pipeline_stage": pp_first,
+        "num_layers_in_last_pipeline_stage": pp_last,
         "use_cpu_initialization": not torch.cuda.is_available(),
         "params_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
@@ -164,9 +171,10 @@ def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tenso
     return logits[..., : getattr(model, "hf_vocab_size", logits.shape[-1])]
 
 
-def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = None) -> None:
+def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = None, cp: int = 1,
+                  pp: int = 1) -> None:
     """Initialise torch.distributed (unless already up) and megatron's TP/EP (and expert-TP,
-    default tp) groups and RNG.
+    default tp), CP and PP groups and RNG.
 
     Uses env:// when WORLD_SIZE is set (torchrun, srun wrappers), else a lone process."""
     if not torch.distributed.is_initialized():
@@ -179,7 +187,8 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = 
         else:
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=etp)
+                                             expert_tensor_parallel_size=etp, context_parallel_size=cp,
+                                             pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

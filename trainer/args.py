@@ -19,8 +19,17 @@ from rollout.data import PROMPT_SUFFIXES
 from rollout.rewards import DICT_REWARDS
 from trainer.args_parser import _MODEL_FLAGS, ArgsError, _Parser, build_parser, refused
 
-__all__ = ["ArgsError", "_Parser", "build_parser", "refused", "parse_args", "validate", "read_hf_config",
-           "check_model_flags", "main_error"]
+__all__ = [
+    "ArgsError",
+    "_Parser",
+    "build_parser",
+    "check_model_flags",
+    "main_error",
+    "parse_args",
+    "read_hf_config",
+    "refused",
+    "validate",
+]
 
 # slime's default --rollout-function-path: given explicitly, it means the built-in rollout.
 SLIME_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
@@ -43,10 +52,12 @@ def validate(args: argparse.Namespace) -> None:
     need(Path(args.hf_checkpoint, "config.json").is_file(),
          f"--hf-checkpoint {args.hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
-    need(args.pipeline_model_parallel_size == 1,
-         "--pipeline-model-parallel-size > 1 is not supported by slurmrl's trainer yet; use tensor and data parallel")
-    need(args.context_parallel_size == 1,
-         "--context-parallel-size > 1 is not supported yet; samples are packed, so long contexts need no CP split")
+    need(args.pipeline_model_parallel_size >= 1,
+         f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
+    need(args.context_parallel_size >= 1, f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
+    need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
+         f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
+         "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
     _validate_megatron_parallel(args, need)
     need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
          "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
@@ -85,6 +96,8 @@ def validate(args: argparse.Namespace) -> None:
     if args.train_backend == "fsdp":
         megatron_only = {"--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
                          "--sequence-parallel": args.sequence_parallel,
+                         "--context-parallel-size": args.context_parallel_size != 1,
+                         "--pipeline-model-parallel-size": args.pipeline_model_parallel_size != 1,
                          "--expert-model-parallel-size": args.expert_model_parallel_size != 1,
                          "--recompute-granularity": args.recompute_granularity is not None,
                          "--recompute-method": args.recompute_method is not None,
@@ -202,10 +215,32 @@ def _validate_megatron_parallel(args: argparse.Namespace, need: Any) -> None:
     need(etp is None or (etp >= 1 and tp % etp == 0),
          f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
     config = read_hf_config(args.hf_checkpoint)
+    _validate_pipeline_stages(args, config.get("num_hidden_layers"), need)
+    pp = args.pipeline_model_parallel_size
     moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    need(not moe or pp == 1 or args.moe_token_dispatcher_type == "alltoall", f"--pipeline-model-parallel-size {pp} "
+         "with a MoE model needs --moe-token-dispatcher-type alltoall (GPU): megatron-core's allgather dispatcher "
+         "does not support the variable sequence lengths pipeline stages exchange")
     need(not moe or tp == 1 or args.sequence_parallel or args.train_backend != "megatron",
          f"--tensor-model-parallel-size {tp} with a MoE model needs --sequence-parallel (megatron-core's MoE layer "
          "requires it when training with TP > 1)")
+
+
+def _validate_pipeline_stages(args: argparse.Namespace, layers: Any, need: Any) -> None:
+    """As megatron: the first and last stages take the layers given them, the stages between
+    share the rest evenly."""
+    pp, first, last = (args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers,
+                       args.decoder_last_pipeline_num_layers)
+    given = [f for f, n in (("--decoder-first-pipeline-num-layers", first),
+                            ("--decoder-last-pipeline-num-layers", last)) if n is not None]
+    need(not given or pp > 1, f"{given[0] if given else ''} needs --pipeline-model-parallel-size > 1")
+    if pp == 1:
+        return
+    need(all(n is None or n >= 1 for n in (first, last)), "--decoder-first/last-pipeline-num-layers must be 1 or more")
+    rest, middle = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    need(rest >= 0 and (rest % middle == 0 if middle else rest == 0), f"--pipeline-model-parallel-size {pp} "
+         f"cannot split the model's {layers} layers: with {first} in the first stage and {last} in the last "
+         "(none given: an even split), the other stages must share the rest evenly")
 
 
 def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient kerne
 Packed sequences (several samples concatenated into one row) come with megatron's
 `PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m,
 max_seqlen_kv=m)`: megatron's Attention then hands over q/k/v as [t, heads, head_dim] with RoPE
-already applied per sequence, and each sequence attends causally to itself only. Keep `cu` (int32)
+already applied per sequence, and each sequence attends causally to itself only. Under context
+parallelism q/k/v are this rank's chunks of each sequence (trainer.context_parallel). Keep `cu` (int32)
 on the CPU: megatron's per-sequence RoPE reads it with .tolist() twice a layer, a host sync each
 time were it on the GPU; SDPAttention copies it to the device itself.
 """
@@ -22,15 +23,21 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from torch import Tensor
 
+from trainer.context_parallel import cp_attention
 from trainer.megatron_norm import HeadNorm, HiddenStateNorm
 
 try:  # flash-attention varlen kernel (torch >= 2.10); CUDA with 16-bit inputs only
@@ -63,11 +70,11 @@ class SDPAttention(MegatronModule):
                  pg_collection=None) -> None:
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        # The kernels below run without dropout, softmax variants, windows or context parallelism:
+        # The kernels below run without dropout, softmax variants or windows:
         # refuse such configs rather than silently computing something else.
         unsupported = {
             "attention_dropout": dropout != 0.0, "softmax_type": config.softmax_type != "vanilla",
-            "window_size": config.window_size is not None, "context_parallel_size": config.context_parallel_size != 1,
+            "window_size": config.window_size is not None,
             "attn_mask_type": attn_mask_type != AttnMaskType.causal,
         }
         if any(unsupported.values()):
@@ -97,6 +104,8 @@ class SDPAttention(MegatronModule):
         others = (params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)
         if any(o is not None and o is not cu and not torch.equal(o, cu) for o in others):
             raise ValueError("SDPAttention needs self-attention packs without padding (cu_seqlens_q == kv)")
+        if self.config.context_parallel_size > 1:  # this rank's zigzag chunks of global cu_seqlens
+            return cp_attention(query, key, value, cu, self.softmax_scale, parallel_state.get_context_parallel_group())
         if varlen_attn is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
             max_len = int(params.max_seqlen_q)
             cu = cu.to(query.device, non_blocking=True)
@@ -130,7 +139,8 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
 
 def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> ModuleSpec:
     """The whole decoder's spec: gpt_layer_spec for every layer and the final norm, which megatron
-    would otherwise build as WrappedTorchNorm (it refuses sequence parallelism)."""
+    would otherwise build as WrappedTorchNorm (it refuses sequence parallelism). Under pipeline
+    parallelism, this stage's layers only."""
     layer = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, attention)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * config.num_layers, layer_norm=HiddenStateNorm))
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=HiddenStateNorm))

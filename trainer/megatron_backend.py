@@ -9,6 +9,7 @@ fp32 master weights without megatron's DDP; gradients are reduced here by hand.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -23,14 +24,15 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
-from trainer import megatron_state
+from trainer import context_parallel, megatron_pipeline, megatron_state
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
-from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
+from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_block_spec
 from trainer.megatron_optimizer import ShardedOptimizer
@@ -82,11 +84,13 @@ class MegatronBackend(Backend):
     def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
         self.args = args
         init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed,
-                      args.expert_tensor_parallel_size)
+                      args.expert_tensor_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+        self.pp_size, self.last_stage = ps.get_pipeline_model_parallel_world_size(), ps.is_pipeline_last_stage()
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
         self.sequence_parallel = args.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
@@ -119,7 +123,8 @@ class MegatronBackend(Backend):
         args = self.args
         config, model_kwargs = transformer_config_from_hf(
             self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
-            sequence_parallel=self.sequence_parallel, etp=self.etp_size)
+            sequence_parallel=self.sequence_parallel, etp=self.etp_size, cp=self.cp_size, pp=self.pp_size,
+            pp_first=args.decoder_first_pipeline_num_layers, pp_last=args.decoder_last_pipeline_num_layers)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -133,7 +138,8 @@ class MegatronBackend(Backend):
             config.moe_token_dispatcher_type = args.moe_token_dispatcher_type or "allgather"
             config.moe_router_dtype = args.moe_router_dtype
         spec = gpt_block_spec(config, args.attention_backend)
-        model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs).to(self.device)
+        model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=self.last_stage, **model_kwargs).to(self.device)
         if args.torch_compile:
             for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
                 layer.compile()
@@ -142,21 +148,26 @@ class MegatronBackend(Backend):
     def _build_critic(self) -> GPTModel:
         """The actor's architecture with a scalar value head instead of the vocabulary projection."""
         critic = self._build_model(tied=False)
-        critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
+        if self.last_stage:
+            critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
         def data_parallel_group(expert: bool) -> dist.ProcessGroup:
-            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         optimizer = ShardedOptimizer(named, self.args, lr, data_parallel_group, _is_expert)
         return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.args)))
 
-    def _forward(self, model: GPTModel, pack: Pack) -> torch.Tensor:
-        """This rank's vocab slice of the logits, [T, V / tp]."""
-        tokens, positions, cu = _pad_for_sequence_parallel(pack, self.tp_size if self.sequence_parallel else 1)
-        tokens, positions = tokens.to(self.device)[None], positions.to(self.device)[None]
+    def _layout(self, pack: Pack, samples: list[TrainSample]) -> context_parallel.RowLayout:
+        return context_parallel.layout(pack, samples, self.tp_size if self.sequence_parallel else 1,
+                                       ps.get_context_parallel_group() if self.cp_size > 1 else None)
+
+    def _run_model(self, model: GPTModel, rows: context_parallel.RowLayout) -> torch.Tensor:
+        """The model's output for this rank's rows: on the last stage its vocab slice of the logits,
+        [1, t, V / tp]; on other pipeline stages the hidden states for the next."""
+        tokens, positions, cu = rows.tokens.to(self.device)[None], rows.positions.to(self.device)[None], rows.cu_seqlens
         inputs: dict[str, Any] = {}
         if self.args.attention_backend == "local":
             # Block-diagonal causal mask (True = masked): no sample sees another.
@@ -171,32 +182,33 @@ class MegatronBackend(Backend):
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
                 attention_kernels(self.args.attention_kernels):
-            logits = model(tokens, positions, **inputs)
-        return logits[0, :len(pack.tokens)]
+            return model(tokens, positions, **inputs)
 
-    def _token_stats(self, model: GPTModel, pack: Pack, samples: list[TrainSample],
-                     with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        logits = self._forward(model, pack)
+    def _stats(self, logits: torch.Tensor, rows: context_parallel.RowLayout,
+               with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sample response log-probs (and entropies) from this rank's logits of `rows`."""
         vocab_local = logits.shape[-1]
         start = self.tp_rank * vocab_local
         valid = max(0, min(vocab_local, self.shape.vocab_size - start))
-        slices = response_slices(pack, samples)
-        rows = torch.cat([torch.arange(s.start, s.stop) for s in slices]).to(self.device)
-        targets = pack.tokens.to(self.device)[rows + 1]
         group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        logp, ent = log_probs_and_entropy(logits[rows], targets, start, valid, group, with_entropy)
-        lengths = [s.stop - s.start for s in slices]
-        return list(logp.split(lengths)), (list(ent.split(lengths)) if ent is not None else None)
+        logp, ent = log_probs_and_entropy(logits[rows.rows.to(self.device)], rows.targets.to(self.device), start, valid,
+                                          group, with_entropy)
+        return rows.per_sample(logp), (rows.per_sample(ent) if ent is not None else None)
+
+    def _each_pack(self, model: GPTModel, samples: list[TrainSample], ids: list[int],
+                   step: megatron_pipeline.PackStep, train: bool) -> list[dict[str, torch.Tensor]]:
+        packs = [(pack, self._layout(pack, samples)) for pack in self._my_packs(samples, ids, not train)]
+        return megatron_pipeline.each_pack(model, packs, self._run_model, step, train)
 
     def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
         batching = Batching.from_args(self.args, for_log_probs)
+        if batching.dynamic and self.cp_size > 1:  # as slime: each rank holds 1 / CP of a pack's tokens
+            batching = dataclasses.replace(batching, max_tokens=batching.max_tokens * self.cp_size)
         return rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
 
     # ---------------------------------------------------------------- Backend
-    def _values(self, pack: Pack, samples: list[TrainSample]) -> list[torch.Tensor]:
-        """The critic's value of the state before each response token, per sample."""
-        values = self._forward(self.critic.model, pack)[..., 0].float()
-        return [values[s] for s in response_slices(pack, samples)]
+    def _values_of(self, output: torch.Tensor, rows: context_parallel.RowLayout) -> list[torch.Tensor]:
+        return rows.per_sample(output[0, ..., 0].float()[rows.rows.to(self.device)])
 
     def _gather_per_sample(self, mine: dict[int, Any]) -> dict[int, Any]:
         gathered: list[dict] = [{} for _ in range(self.world_size)]
@@ -213,19 +225,26 @@ class MegatronBackend(Backend):
             self._hooks["log_prob"](self.args, [net], "" if model == "actor" else f"{model}_")
         net.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for pack in self._my_packs(samples, ids, for_log_probs=True):
-            logps, ents = self._token_stats(net, pack, samples, with_entropy)
+
+        def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
+            logps, ents = self._stats(output[0], rows, with_entropy)
             for k, i in enumerate(pack.sample_ids):
                 mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
+            return output.new_zeros(()), {}
+
+        self._each_pack(net, samples, ids, collect, train=False)
         return self._gather_per_sample(mine)
 
     @torch.no_grad()
     def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, torch.Tensor]:
         self.critic.model.eval()
         mine = {}
-        for pack in self._my_packs(samples, ids, for_log_probs=True):
-            for i, v in zip(pack.sample_ids, self._values(pack, samples)):
-                mine[i] = v.cpu()
+
+        def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
+            mine.update((i, v.cpu()) for i, v in zip(pack.sample_ids, self._values_of(output, rows)))
+            return output.new_zeros(()), {}
+
+        self._each_pack(self.critic.model, samples, ids, collect, train=False)
         return self._gather_per_sample(mine)
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
@@ -237,13 +256,13 @@ class MegatronBackend(Backend):
         trainee.model.train()
         trainee.optimizer.zero_grad()
         totals: dict[str, torch.Tensor] = {}
-        for pack in self._my_packs(samples, ids, for_log_probs=False):
+
+        def step(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
             if role == "critic":
-                value, metrics = loss(pack, self._values(pack, samples), None)
-            else:
-                logps, ents = self._token_stats(self.model, pack, samples, need_entropy)
-                value, metrics = loss(pack, logps, ents)
-            value.backward()
+                return loss(pack, self._values_of(output, rows), None)
+            return loss(pack, *self._stats(output[0], rows, need_entropy))
+
+        for metrics in self._each_pack(trainee.model, samples, ids, step, train=True):
             for name, m in metrics.items():
                 totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
         self._reduce_gradients(trainee.model)
@@ -261,14 +280,17 @@ class MegatronBackend(Backend):
         """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
         weights (each rank normalises only its own heads) and, under sequence parallelism, weights
         marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
-        then every replica over data-parallel ranks (the loss is already scaled for a sum);
+        then every replica over data-parallel x context-parallel ranks (the loss is already scaled
+        for a sum; each CP rank holds the gradient of its own rows);
         expert weights over the expert-DP group."""
+        megatron_pipeline.reduce_embedding_grads(model)
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
         partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
         experts = [_is_expert(n) for n, _ in named]
-        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e], ps.get_data_parallel_group())
+        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e],
+                        ps.get_data_parallel_group(with_context_parallel=True))
         _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
 
     def _grad_norm(self, model: GPTModel) -> float:
@@ -289,11 +311,14 @@ class MegatronBackend(Backend):
         return float(sum(squares).sqrt())
 
     def _sum_over_data_parallel(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
-        names = sorted(self.broadcast_object(sorted(totals)))  # ranks with no samples still join
+        # Ranks with no samples, and pipeline stages before the last, still join.
+        names = [None] * self.world_size
+        dist.all_gather_object(names, sorted(totals), group=self.cpu_group)
+        names = sorted(set().union(*names))
         values = torch.stack([torch.as_tensor(totals.get(n, 0.0), dtype=torch.float64) for n in names]) \
             if names else torch.zeros(0, dtype=torch.float64)
-        # One TP rank per data-parallel rank contributes, so each sample is counted once.
-        if self.tp_rank != 0:
+        # One TP and CP rank per data-parallel rank contributes, so each sample is counted once.
+        if self.tp_rank != 0 or self.cp_rank != 0 or not self.last_stage:
             values.zero_()
         dist.all_reduce(values, group=self.cpu_group)
         return {n: float(v) for n, v in zip(names, values)}
@@ -302,13 +327,24 @@ class MegatronBackend(Backend):
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         rules = {rule.megatron: rule for rule in mapping.rules(self.shape)}
         dtype = getattr(torch, self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
+        if self.pp_size == 1:
+            yield from self._stage_hf_weights(rules, dtype)
+        else:
+            yield from megatron_pipeline.from_every_stage(self._stage_hf_weights(rules, dtype))
+
+    def _stage_hf_weights(self, rules: dict[str, mapping.Rule], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's weights, on its leader (global rank 0 without PP)."""
+        offset = get_transformer_layer_offset(self.model.config)
         for name, param in self.model.named_parameters():
+            if getattr(param, "shared", False):  # the last stage's copy of tied embeddings
+                continue
             key, layer, experts = self._checkpoint_key(name)
             for expert, full in self._gather(name, param, experts):
-                if self.rank != 0:
+                if not megatron_pipeline.is_stage_leader():
                     continue
                 rule = rules[key]
-                for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
+                layer_id = None if layer is None else layer + offset
+                for hf_name, tensor in zip(rule.hf_names(layer_id, expert), mapping.to_hf(rule, full, self.shape)):
                     yield hf_name, tensor.to(dtype).cpu()
 
     def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:
@@ -395,19 +431,6 @@ def _is_expert(name: str) -> bool:
     allreduce=False only when EP > 1, but with --expert-tensor-parallel-size != TP their
     data-parallel group differs from the dense weights' at EP 1 too."""
     return ".mlp.experts." in name
-
-
-def _pad_for_sequence_parallel(pack: Pack, multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens, position ids and cu_seqlens of `pack`, padded to a multiple of `multiple` tokens
-    (sequence parallelism splits the sequence evenly over TP ranks). The padding is a sequence of
-    its own at the end: causal attention keeps it out of every real token's view."""
-    pad = -len(pack.tokens) % multiple
-    if not pad:
-        return pack.tokens, pack.position_ids, pack.cu_seqlens
-    cu = pack.cu_seqlens
-    return (torch.cat([pack.tokens, pack.tokens.new_zeros(pad)]),
-            torch.cat([pack.position_ids, torch.arange(pad, dtype=pack.position_ids.dtype)]),
-            torch.cat([cu, cu[-1:] + pad]))
 
 
 def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:

@@ -87,10 +87,9 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--megatron-deepgemm-moe-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-moe-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     _switch("--enable-experimental", "megatron's experimental features are not used"),
-    # -- pipeline parallelism (refused with --pipeline-model-parallel-size > 1)
-    Refusal("--decoder-first-pipeline-num-layers", "pipeline parallelism is not supported (PP = 1)"),
-    Refusal("--decoder-last-pipeline-num-layers", "pipeline parallelism is not supported (PP = 1)"),
-    _switch("--allgather-cp", "context parallelism is not supported (CP = 1): samples are packed"),
+    _switch("--allgather-cp", "slurmrl's context parallelism always all-gathers K/V over the CP group, with "
+            "megatron's load-balanced zigzag split; slime's --allgather-cp (a contiguous split, for DeepSeek sparse "
+            f"attention) does not apply: {_MLA}"),
     # -- weight sync: slurmrl publishes full versions over --update-weight-transport disk | nccl
     Refusal("--update-weight-mode", "weights are published in full each version", allowed="full"),
     Refusal("--update-weight-delta-encoding", "weights are published in full each version (no deltas)",

@@ -26,13 +26,13 @@ ARCHS = tuple(_ARCHS)
 
 
 def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Path:
+                 dtype: torch.dtype = torch.float32, layers: int = 2) -> Path:
     """Save a random tiny `arch` model (one of ARCHS) to out_dir with save_pretrained; returns out_dir.
 
     Every parameter is random, norm weights included (around 1), and large enough that a
     transposed, swapped or misplaced tensor changes the logits well beyond float32 noise."""
     config_cls, model_cls, extra = _ARCHS[arch]
-    config = config_cls(**_COMMON, **extra, tie_word_embeddings=tied)
+    config = config_cls(**{**_COMMON, "num_hidden_layers": layers}, **extra, tie_word_embeddings=tied)
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config)

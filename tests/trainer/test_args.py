@@ -35,7 +35,8 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("flags, message", [
     (["--lrr", "1e-6"], "unknown flag --lrr (did you mean --lr?)"),
     (["--global-batch-size", "3"], "--global-batch-size 3 must divide"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1 is not supported"),
+    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size must be 1 or more"),
+    (["--context-parallel-size", "0"], "--context-parallel-size must be 1 or more"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c must be > 1"),
     (["--n-samples-per-prompt", "1"], "--advantage-estimator grpo needs --n-samples-per-prompt >= 2"),
     (["--custom-rm-path", "nodots"], "--custom-rm-path must be module.function"),
@@ -52,6 +53,8 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--train-backend", "fsdp", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size is the "
                                                                         "megatron backend's"),
     (["--train-backend", "fsdp", "--recompute-granularity", "selective"], "--recompute-granularity is the megatron"),
+    (["--train-backend", "fsdp", "--context-parallel-size", "2"], "--context-parallel-size is the megatron"),
+    (["--train-backend", "fsdp", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size is the"),
     (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
     (["--lr-warmup-iters", "2", "--lr-warmup-fraction", "0.1"], "not both"),
     (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu"),

@@ -3,7 +3,8 @@ and with sequence parallelism over packs of odd length, padded to a multiple of 
 own micro-batching) on a tiny Qwen3 converted from HF:
 packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
 layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
-tensors under HF names."""
+tensors under HF names. dp2 runs the distributed optimizer (--use-distributed-optimizer, on by
+default: each rank updates its share and broadcasts it), so dp2 == tp1 is its equivalence test."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _samples(vocab: int) -> list[TrainSample]:
 # on it: slime's default (one sample per micro-batch) at TP=1, packs of at most 24 tokens at TP=2,
 # and at DP=2 those packs handed to the two ranks by Karmarkar-Karp.
 PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
-BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"]}
+BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"], (2, 4): PACKED}
 
 
 def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: list[str], name: str, model: Path,

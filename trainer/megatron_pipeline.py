@@ -1,0 +1,121 @@
+"""Pipeline parallelism (--pipeline-model-parallel-size) for the megatron backend.
+
+Each stage holds a contiguous run of layers (megatron's even split); the first also the embedding,
+the last the final norm and output layer (with tied embeddings a copy of the embedding, whose
+gradient is summed with the first stage's over megatron's embedding group). A rank's packed
+micro-batches go through megatron-core's schedules (1F1B when training, forward only for
+log-probs) with variable sequence lengths: stages exchange activation shapes before each
+micro-batch. Only the last stage sees logits: the loss, log-probs and metrics are computed there,
+and the backend's all-gathers over every rank hand them to the whole trainer. Weights for
+publishing come from every stage, passed to global rank 0 over its pipeline group.
+
+Without pipeline parallelism `each_pack` runs the same callbacks in a plain loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+from trainer.batch import Pack
+from trainer.context_parallel import RowLayout
+
+# (pack, its rows, the model's output on the last stage) -> (loss to backpropagate, metrics)
+PackStep = Callable[[Pack, RowLayout, Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+def each_pack(model: GPTModel, packs: list[tuple[Pack, RowLayout]], run_model: Callable[[GPTModel, RowLayout], Tensor],
+              step: PackStep, train: bool) -> list[dict[str, Tensor]]:
+    """Run every pack through `model` and `step` (and, when training, the backward of its loss);
+    returns the metrics of each pack where they were computed (the last stage), else []."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        out = []
+        for pack, rows in packs:
+            loss, metrics = step(pack, rows, run_model(model, rows))
+            if train:
+                loss.backward()
+            out.append(metrics)
+        return out
+    if not packs:  # every stage of this pipeline has the same (no) packs
+        return []
+    # Megatron's schedule scales nothing with per-token losses: `step`'s loss is already scaled.
+    model.config.calculate_per_token_loss = True
+    # Packs differ in length: stages send each activation's shape first. (Set here, not in the
+    # config's constructor, which refuses it with MoE's allgather dispatcher: args.py refuses that.)
+    model.config.variable_seq_lengths = True
+    data = iter(packs)
+
+    def forward_step(data_iterator: Iterator[tuple[Pack, RowLayout]], chunk: GPTModel):
+        pack, rows = next(data_iterator)
+        output = run_model(chunk, rows)
+
+        def loss_func(output: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+            loss, metrics = step(pack, rows, output)
+            return loss, torch.tensor(1, dtype=torch.int), metrics
+
+        return output, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=len(packs),
+        seq_length=max(len(rows.tokens) for _, rows in packs), micro_batch_size=1, forward_only=not train)
+
+
+def reduce_embedding_grads(model: GPTModel) -> None:
+    """With tied embeddings, the first stage's embedding and the last stage's output layer are one
+    weight: sum their gradients over the embedding group (megatron's finalize_model_grads does it)."""
+    if (ps.get_pipeline_model_parallel_world_size() == 1 or not model.share_embeddings_and_output_weights
+            or not ps.is_rank_in_embedding_group(ignore_virtual=True)):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight.grad is not None:
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+def is_stage_leader() -> bool:
+    """This rank speaks for its stage when weights are published: TP, CP and DP rank 0."""
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def from_every_stage(local: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """Every stage's (name, tensor) pairs, on global rank 0 (stage by stage, one tensor at a time);
+    nothing elsewhere. `local` is this stage's stream (a collective within the stage: every rank of
+    the stage runs it, in turn); its leaders pass it down their pipeline group to global rank 0."""
+    stages, me = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    leader = is_stage_leader()
+    group = ps.get_pipeline_model_parallel_group()
+    for stage in range(stages):
+        src = dist.get_global_rank(group, stage)
+        if stage == me:
+            for name, tensor in local:
+                if stage == 0 or not leader:
+                    if dist.get_rank() == 0:
+                        yield name, tensor
+                    continue
+                _broadcast_meta((name, tuple(tensor.shape), tensor.dtype), src, group)
+                dist.broadcast(tensor.to(_device()).contiguous(), src=src, group=group)
+            if stage and leader:
+                _broadcast_meta(None, src, group)
+        elif leader and stage:
+            while (meta := _broadcast_meta(None, src, group)) is not None:
+                name, shape, dtype = meta
+                tensor = torch.empty(shape, dtype=dtype, device=_device())
+                dist.broadcast(tensor, src=src, group=group)
+                if dist.get_rank() == 0:
+                    yield name, tensor.cpu()
+
+
+def _broadcast_meta(obj: Any, src: int, group) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
