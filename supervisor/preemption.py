@@ -37,8 +37,25 @@ class SlurmJob:
 
     def ending(self) -> bool:
         """SLURM is ending the job (scancel, time limit): its steps die with it."""
+        return self.ending_state() is not None
+
+    def ending_state(self) -> str | None:
+        """How SLURM is ending the job ("cancelled", "timeout", "completing"...), None while it runs."""
         states = set(self._squeue("%T") or ())
-        return bool(states) and "RUNNING" not in states
+        if not states or "RUNNING" in states:
+            return None
+        if states == {"COMPLETING"}:  # how it ends (cancelled, timeout...) is in the accounting by now
+            states = set(self._sacct_states()) or states
+        return "/".join(sorted(states)).lower()
+
+    def _sacct_states(self) -> list[str]:
+        try:
+            out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", self.job_id, "-o", "State"], capture_output=True,
+                                 text=True, timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            return []
+        # "CANCELLED by 0" -> CANCELLED; a hetjob has a line per component
+        return [line.split()[0] for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
     def time_left(self) -> str | None:
         words = self._squeue("%L")

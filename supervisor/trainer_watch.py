@@ -106,6 +106,9 @@ class TrainerWatch:
         self.job.events.emit("trainer_failed", TRAINER, reason=reason)
         if preempted:  # no restart now: the job requeues from its last checkpoint
             return REQUEUE
+        ending = self.requeue.slurm_job.ending_state()
+        if ending is not None:  # it died with the job: a restart would only race SLURM
+            return f"ended by SLURM ({ending}): {reason}"
         self._restart(reason)
         return None
 
@@ -126,8 +129,6 @@ class TrainerWatch:
 
     def _restart(self, reason: str) -> None:
         ft = self.job.ft
-        if self.requeue.slurm_job.ending():
-            raise JobFailed(f"{reason}; the job is ending (cancelled or out of time)")
         if not ft.use_fault_tolerance or self.restarts >= ft.max_trainer_restarts:
             raise JobFailed(reason)
         if self.job.finished.wait(restart_backoff(ft, self.restarts)):

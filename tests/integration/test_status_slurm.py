@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from jobs.contract import JobDir
 from slurm.devcluster import DevCluster
+from slurm.devcluster.daemons import wait_for
+from tests.integration.test_rl_job import events, rollouts_done, submit
 from tests.slurm_helpers import slurm, wait_job_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +55,21 @@ def test_status_by_id_says_when_slurm_does_not_answer() -> None:
     shown = _status("3", drop="SLURM_CONF")
     assert shown.returncode == 1
     assert "job 3: SLURM did not answer:" in shown.stderr and "is SLURM_CONF set?" in shown.stderr
+
+
+def test_a_cancelled_job_relaunches_nothing_and_says_cancelled(devcluster: DevCluster, toy, tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    job_id = submit(toy, job_dir, "--num-rollout", "50")
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
+        cancelled_at = time.time()
+        slurm("scancel", job_id)
+        wait_job_gone(job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    relaunched = [e for kind in ("step_launched", "engine_restarted", "router_relaunched", "trainer_restarted")
+                  for e in events(job_dir, kind) if e["time"] > cancelled_at]
+    assert not relaunched, f"relaunched while SLURM ended the job: {relaunched}"
+    shown = _status(str(job_dir))
+    assert "cancelled" in shown.stdout.lower(), shown.stdout + shown.stderr
+    assert "failed" not in shown.stdout, shown.stdout
