@@ -121,6 +121,8 @@ def build_gpt_model(
         qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
     )
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
+    if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
     return model
 
