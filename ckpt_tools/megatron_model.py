@@ -128,6 +128,8 @@ def build_gpt_model(
         qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
     )
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
+    if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
     return model
 
@@ -160,7 +162,8 @@ def load_torch_dist(model: GPTModel, ckpt_dir: str | os.PathLike) -> None:
 
 @torch.no_grad()
 def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tensor:
-    """Full-vocabulary logits [B, S, V] (gathered over TP, padding trimmed); call on every TP rank."""
+    """Full-vocabulary logits [B, S, V] (gathered over TP, padding trimmed), on the CPU wherever the
+    model runs, to compare with a reference there; call on every TP rank."""
     model.eval()
     input_ids = input_ids.to(next(model.parameters()).device)
     batch, seq = input_ids.shape
@@ -168,7 +171,7 @@ def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tenso
     # True = masked. Megatron's default causal mask would be allocated on "cuda".
     causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
     logits = model(input_ids, position_ids, causal_mask[None, None], runtime_gather_output=True)
-    return logits[..., : getattr(model, "hf_vocab_size", logits.shape[-1])]
+    return logits[..., : getattr(model, "hf_vocab_size", logits.shape[-1])].cpu()
 
 
 def init_parallel(tp: int = 1, ep: int = 1, seed: int = 1234, etp: int | None = None, cp: int = 1,

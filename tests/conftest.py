@@ -4,6 +4,7 @@ one that is already running) and points SLURM_CONF at it."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,11 +12,24 @@ from collections.abc import Iterator
 import pytest
 
 from slurm.devcluster import DevCluster
+from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.config import DEFAULT_ROOT
+from slurm.devcluster.daemons import DevclusterError
 
 
 @pytest.fixture(scope="session")
-def devcluster() -> Iterator[DevCluster]:
+def slurm_programs() -> None:
+    """SLURM, munge and MariaDB installed (apt-get, once), or the test skipped where they cannot be
+    (a GPU machine with no network)."""
+    try:
+        ensure_installed()
+    except DevclusterError as err:
+        missing = [p for p in REQUIRED_PROGRAMS if not shutil.which(p)]
+        pytest.skip(f"no SLURM here ({', '.join(missing)} missing, and could not be installed: {str(err)[:200]})")
+
+
+@pytest.fixture(scope="session")
+def devcluster(slurm_programs) -> Iterator[DevCluster]:
     cluster = DevCluster(DEFAULT_ROOT)
     was_running = all(d.is_running() for d in cluster.daemons())
     up = subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", "--dir", str(DEFAULT_ROOT)],

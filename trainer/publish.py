@@ -5,7 +5,8 @@ Two transports, named as slime names them:
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
   while the engine set is unchanged; tensors are broadcast bucket by bucket between
-  /begin_weight_update and /end_weight_update. Without a GPU it runs on gloo, as the CPU engine does.
+  /begin_weight_update and /end_weight_update. Without a GPU, or with a CPU engine in the group
+  (its /server_info says device cpu), it runs on gloo, as the CPU engine does.
 
 An engine whose update fails or times out is fenced: reported, handed to on_fence and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only
@@ -58,6 +59,7 @@ class _Group:
 
     layout: tuple[tuple[str, int], ...]
     group: UpdateGroup
+    backend: Backend
 
     @property
     def engines(self) -> list[str]:
@@ -115,8 +117,10 @@ class WeightPublisher:
         self._folders = WeightFolders(Path(job_dir) / "weights", Path(hf_checkpoint), bucket_bytes, keep_versions)
         self.timeout_s = timeout_s
         self.on_fence = on_fence or (lambda url, reason: None)
-        # NCCL needs the trainer's GPU; SGLang engines join with nccl, CPU engines with gloo.
+        # NCCL needs the trainer's GPU; SGLang engines join with nccl, CPU engines with gloo (a group
+        # with a CPU engine in it is gloo: a trainer on a GPU asking it for nccl would wait forever).
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self._on_cpu: dict[str, bool] = {}  # engine url -> its /server_info says device cpu
         self._engines = _Engines(api_key, timeout_s)
         self._group: _Group | None = None
         self._group_ids = itertools.count(1)
@@ -225,9 +229,11 @@ class WeightPublisher:
         return None
 
     def _tp_size(self, url: str) -> int:
-        size = self._engines.call(url, "/server_info").get("tp_size", 1)
+        info = self._engines.call(url, "/server_info")
+        size = info.get("tp_size", 1)
         if not isinstance(size, int) or size < 1:
             raise EngineError(f"{url}/server_info gives tp_size {size!r}")
+        self._on_cpu[url] = info.get("device") == "cpu"  # SGLang's --device, as its server_info shows it
         return size
 
     def _build_group(self, layout: tuple[tuple[str, int], ...], fenced: dict[str, str]) -> _Group | None:
@@ -239,19 +245,20 @@ class WeightPublisher:
         port = free_port(address)
         world_size = 1 + sum(tp for _, tp in layout)
         offsets = itertools.accumulate((tp for _, tp in layout[:-1]), initial=1)
+        backend = "gloo" if any(self._on_cpu.get(url) for url, _ in layout) else self.backend
         bodies = {url: {"master_address": address, "master_port": port, "rank_offset": offset,
-                        "world_size": world_size, "group_name": name, "backend": self.backend}
+                        "world_size": world_size, "group_name": name, "backend": backend}
                   for (url, _), offset in zip(layout, offsets)}
         futures = self._engines.start(list(bodies), lambda url: self._engines.call(
             url, "/init_weights_update_group", bodies[url]))
         group, error = None, None
         try:
-            group = create_group(address, port, 0, world_size, name, self.timeout_s, self.backend)
+            group = create_group(address, port, 0, world_size, name, self.timeout_s, backend)
         except WeightSyncError as err:
             error = err
         joined, failed = self._engines.settle(futures)
         if not failed and group is not None:
-            return _Group(layout, group)
+            return _Group(layout, group, backend)
         if group is not None:
             group.close()
         self._engines.on_all(list(joined), "/destroy_weights_update_group", {"group_name": name})
@@ -265,7 +272,7 @@ class WeightPublisher:
         """Broadcast bucket by bucket while every member receives it; returns the members that
         took every bucket and the bytes sent. The version (and cache flush) ride on the last."""
         members, nbytes, last = group.engines, 0, None
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
         for bucket, last in _buckets(weights, self.bucket_bytes):
             tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
             body = {"names": [name for name, _ in bucket],

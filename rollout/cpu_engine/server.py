@@ -139,7 +139,9 @@ def build_app(engine: Engine) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         # `internal_states` as SGLang nests scheduler state; forward_passes shows batching at work.
-        return {**engine.args.public(), "model_path": engine.model_path, "context_length": engine.context_len,
+        # device: SGLang's --device; a trainer on a GPU forms a gloo update group with a cpu engine.
+        return {**engine.args.public(), "device": "cpu", "model_path": engine.model_path,
+                "context_length": engine.context_len,
                 "weight_version": scheduler.weight_version, "internal_states": [scheduler.stats()],
                 "version": VERSION}
 

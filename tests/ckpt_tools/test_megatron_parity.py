@@ -1,8 +1,8 @@
-"""Megatron-core (CPU, gloo) reproduces HF logits from a torch_dist checkpoint.
+"""Megatron-core reproduces HF logits from a torch_dist checkpoint.
 
 The checkpoint is the converter's output (ckpt_tools.convert, plain DCP, no megatron involved
-in writing), read back at TP=1 in this process and at TP=2 (EP=2 for MoE) in two spawned gloo
-processes.
+in writing), read back at TP=1 in this process and at TP=2 (EP=2 for MoE) in two spawned
+processes (one GPU each where there are two, else gloo on CPU).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ckpt_tools.megatron_model import (
     transformer_config_from_hf,
 )
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import init_rank, rank_devices
 
 ATOL = 1e-5  # float32 end to end; TP only reorders sums
 CASES = {  # id: (arch, tied embeddings)
@@ -90,7 +91,7 @@ def test_tied_untied_mismatch_is_reported(case: Case) -> None:
 
 def _parallel_worker(rank: int, world: int, init_file: str, tp: int, ep: int, hf_config: dict,
                      ckpt_dir: Path, out_dir: Path) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_rank(rank, world, init_file)
     init_parallel(tp, ep)
     model = build_gpt_model(hf_config, tp, ep)
     load_torch_dist(model, ckpt_dir)
@@ -102,10 +103,11 @@ def test_parallel_load_matches_hf(case: Case, tmp_path: Path) -> None:
     # MoE with TP > 1 needs sequence parallel, which the torch norm refuses: split experts instead.
     tp, ep = (1, 2) if case.hf_config["architectures"] == ["Qwen3MoeForCausalLM"] else (2, 1)
     # start_processes uses mp.get_context("spawn") and stops the other rank if one fails.
-    mp.start_processes(
-        _parallel_worker, args=(2, str(tmp_path / "rendezvous"), tp, ep, case.hf_config, case.ckpt_dir, tmp_path),
-        nprocs=2, start_method="spawn",
-    )
+    with rank_devices(2):
+        mp.start_processes(
+            _parallel_worker, args=(2, str(tmp_path / "rendezvous"), tp, ep, case.hf_config, case.ckpt_dir, tmp_path),
+            nprocs=2, start_method="spawn",
+        )
     for rank in range(2):
         _assert_close(torch.load(tmp_path / f"logits_{rank}.pt"), case.hf_logits)
 

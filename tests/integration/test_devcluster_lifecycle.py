@@ -16,7 +16,7 @@ import pytest
 from slurm.devcluster import ClusterShape, DevCluster
 from slurm.devcluster.daemons import wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_programs")]
 PORT_BASE = 18800
 
 

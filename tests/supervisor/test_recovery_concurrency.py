@@ -13,6 +13,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from jobs.contract import JobDir
 from jobs.control_protocol import Call, ControlClient
 from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
@@ -36,6 +38,7 @@ from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import TrainerWatch
 
 CALLERS = 3
+pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery asks squeue and scancel
 
 
 def closed_port() -> int:

@@ -28,6 +28,7 @@ from ckpt_tools.megatron_model import (
 from ckpt_tools.torch_dist import Chunk, write_chunks, write_megatron_files
 from ckpt_tools.tracker import TRACKER
 from tests.ckpt_tools.tiny_hf import _COMMON, make_tiny_hf
+from tests.rank_devices import init_rank, rank_devices
 from trainer import checkpoint
 from trainer.checkpoint import MANIFEST, CheckpointError, find_loadable
 from trainer.megatron_state import _rng_states, load_megatron, save_megatron
@@ -57,10 +58,11 @@ def _new_run(seed: int, tp: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """One step on a batch drawn from python, numpy and torch RNGs (the same on every TP rank)."""
     ids = (torch.randint(0, VOCAB, (2, 9)) + random.randrange(VOCAB) + int(np.random.randint(VOCAB))) % VOCAB
+    ids = ids.to(next(model.parameters()).device)  # drawn on the CPU, run where the model is
     tokens, labels = ids[:, :-1], ids[:, 1:]
     seq = tokens.shape[1]
-    positions = torch.arange(seq).expand_as(tokens)
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    positions = torch.arange(seq, device=ids.device).expand_as(tokens)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ids.device), diagonal=1)[None, None]
     model.train()
     loss = model(tokens, positions, causal, labels=labels).float().mean()
     loss.backward()
@@ -178,7 +180,7 @@ def test_resume_is_exact_tp1(tmp_path: Path, lone_process_group) -> None:
 
 
 def _tp2_worker(rank: int, init_file: str, save_dir: Path) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    init_rank(rank, 2, init_file)
     init_parallel(tp=2)
     _resume_scenario(save_dir, tp=2)
     destroy_parallel()
@@ -186,8 +188,9 @@ def _tp2_worker(rank: int, init_file: str, save_dir: Path) -> None:
 
 def test_resume_is_exact_tp2(tmp_path: Path, lone_process_group, caplog) -> None:
     # start_processes stops the other rank and raises (with the traceback) if one fails.
-    mp.start_processes(_tp2_worker, args=(str(tmp_path / "rendezvous"), tmp_path / "save"),
-                       nprocs=2, start_method="spawn")
+    with rank_devices(2):
+        mp.start_processes(_tp2_worker, args=(str(tmp_path / "rendezvous"), tmp_path / "save"),
+                           nprocs=2, start_method="spawn")
     folder = tmp_path / "save" / "iter_0000002"
     assert {"__0_0.distcp", "__1_0.distcp"} <= json.loads((folder / MANIFEST).read_text())["files"].keys()
     # The TP=2 checkpoint resumes at TP=1: model and optimizer reshard, RNG states cannot.

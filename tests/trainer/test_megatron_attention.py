@@ -8,6 +8,7 @@ gets alone; TP=2 runs in two spawned gloo processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ckpt_tools.megatron_model import (
     load_torch_dist,
 )
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import init_rank, rank_devices
 from trainer.megatron_attention import gpt_layer_spec
 
 ATOL = 1e-5  # float32 throughout; only the order of sums differs
@@ -47,9 +49,16 @@ def _model(hf_config: dict, ckpt_dir: Path, attention: str, tp: int = 1) -> torc
 @torch.no_grad()
 def _logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             position_ids: torch.Tensor | None = None, packed: PackedSeqParams | None = None) -> torch.Tensor:
+    """On the model's device (the GPU where there is one); the logits come back on the CPU."""
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-    return model(input_ids, position_ids, attention_mask, packed_seq_params=packed, runtime_gather_output=True)
+    device = next(model.parameters()).device
+    if packed is not None:
+        packed = dataclasses.replace(packed, cu_seqlens_q=packed.cu_seqlens_q.to(device),
+                                     cu_seqlens_kv=packed.cu_seqlens_kv.to(device))
+    mask = None if attention_mask is None else attention_mask.to(device)
+    return model(input_ids.to(device), position_ids.to(device), mask, packed_seq_params=packed,
+                 runtime_gather_output=True).cpu()
 
 
 def _pack(samples: list[torch.Tensor], lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, PackedSeqParams]:
@@ -111,7 +120,7 @@ def test_packed_matches_each_sample_alone(models, alone) -> None:
 
 
 def _tp_worker(rank: int, init_file: str, hf_config: dict, ckpt_dir: Path, out_dir: Path) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    init_rank(rank, 2, init_file)
     init_parallel(tp=2)
     model = _model(hf_config, ckpt_dir, "sdpa", tp=2)
     ids, positions, params = _pack(SAMPLES, LENGTHS)
@@ -123,8 +132,9 @@ def _tp_worker(rank: int, init_file: str, hf_config: dict, ckpt_dir: Path, out_d
 def test_tensor_parallel_matches_local(checkpoint, models, alone, tmp_path: Path) -> None:
     """TP=2: each rank holds 2 of the 4 heads and 1 of the 2 query groups."""
     local, _ = models
-    mp.start_processes(_tp_worker, args=(str(tmp_path / "rendezvous"), *checkpoint, tmp_path),
-                       nprocs=2, start_method="spawn")
+    with rank_devices(2):
+        mp.start_processes(_tp_worker, args=(str(tmp_path / "rendezvous"), *checkpoint, tmp_path),
+                           nprocs=2, start_method="spawn")
     reference = _logits(local, BATCH, _causal(BATCH.shape[1]))
     for rank in range(2):
         got = torch.load(tmp_path / f"logits_{rank}.pt")

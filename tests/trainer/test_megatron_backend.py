@@ -1,6 +1,6 @@
 """The megatron backend at TP=1, TP=2 and DP=2 (gloo processes; TP=2 also with the fused SDPA attention,
 and with sequence parallelism over packs of odd length, padded to a multiple of TP; each layout with its
-own micro-batching) on a tiny Qwen3 converted from HF:
+own micro-batching; one GPU a rank where there are two, else on CPU) on a tiny Qwen3 converted from HF:
 packed log-probs equal HF's, one RL step gives the same loss and the same new weights in every
 layout (so gradients, their reduction and clipping are right), and hf_weights gives back HF
 tensors under HF names. dp2 runs the distributed optimizer (--use-distributed-optimizer, on by
@@ -19,6 +19,7 @@ import transformers
 
 from ckpt_tools.convert import hf_to_torch_dist
 from rollout.tiny_model import write_tiny_model
+from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from trainer.args import build_parser, validate
 from trainer.batch import TrainSample
@@ -106,7 +107,7 @@ def _run(tiny: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int
     model, ckpt = tiny
     mp.start_processes(_worker, args=(world, free_port(), tp, attention, extra, name, model, ckpt, tmp_path),
                        nprocs=world, start_method="spawn")
-    return torch.load(tmp_path / f"result_{name}.pt")
+    return torch.load(tmp_path / f"result_{name}.pt", map_location="cpu")
 
 
 def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -128,7 +129,8 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:
     layouts = (("tp1", 1, 1, "local", ppo), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
                ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp + ppo),
                ("tp1_sp", 1, 1, "local", sp))  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
-    return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+    with rank_devices(2):  # every layout on the same device
+        return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_packed_log_probs_equal_hf(tiny, results) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import rank_devices
 from tests.trainer.test_megatron_backend import ATOL, _run
 
 SP = ["--sequence-parallel"]
@@ -28,7 +29,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     model = make_tiny_hf("qwen3_moe", root / "model", tied=False)
     ckpt = hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
     runs = {"tp1": (1, 1, "local", [])} | LAYOUTS
-    return {name: _run((model, ckpt), root, name, *layout) for name, layout in runs.items()}
+    with rank_devices(2):  # every layout on the same device
+        return {name: _run((model, ckpt), root, name, *layout) for name, layout in runs.items()}
 
 
 def test_moe_tp2_with_sequence_parallel_matches_tp1(results) -> None:

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from ckpt_tools.convert import hf_to_torch_dist
 from rollout.tiny_model import write_tiny_model
+from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.test_megatron_backend import ATOL, _samples
 from trainer.args import build_parser, validate
@@ -76,7 +77,7 @@ def _run(tiny: tuple[Path, Path], out: Path, phase: str, world: int, extra: list
     model, ckpt = tiny
     mp.start_processes(_worker, args=(world, free_port(), phase, extra, model, ckpt, out), nprocs=world,
                        start_method="spawn")
-    return torch.load(out / f"{phase}.pt")
+    return torch.load(out / f"{phase}.pt", map_location="cpu")
 
 
 def _assert_same(resumed: dict, uninterrupted: dict, atol: float) -> None:
@@ -89,11 +90,13 @@ def _assert_same(resumed: dict, uninterrupted: dict, atol: float) -> None:
 @pytest.mark.parametrize("optimizer, resume_world", [("adam", 2), ("sgd", 1)])
 def test_distributed_optimizer_resumes_exactly(tiny, tmp_path: Path, optimizer: str, resume_world: int) -> None:
     extra = ["--optimizer", optimizer, "--use-distributed-optimizer"]
-    before = _run(tiny, tmp_path, "uninterrupted", 2, extra)
+    with rank_devices(2):
+        before = _run(tiny, tmp_path, "uninterrupted", 2, extra)
     # Each rank owns part of the parameters and keeps state for those only, together all of them.
     owned = [r["owned"] for r in before]
     assert all(0 < mine < total for mine, total in owned) and sum(m for m, _ in owned) == owned[0][1]
     per_param = 2 if optimizer == "adam" else 1  # exp_avg and exp_avg_sq; momentum_buffer
     assert sum(r["state_numel"] for r in before) == per_param * before[0]["param_numel"]
-    resumed = _run(tiny, tmp_path, "resumed", resume_world, extra)
+    with rank_devices(2):
+        resumed = _run(tiny, tmp_path, "resumed", resume_world, extra)
     _assert_same(resumed[0], before[0], 0.0 if resume_world == 2 else ATOL)

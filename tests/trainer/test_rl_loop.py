@@ -30,6 +30,7 @@ from rollout import debug_data
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
+from tests.rank_devices import hidden_gpus
 from tests.rollout.servers import API_KEY, Server, engines_behind_router, free_port
 
 TOY = ["--label-key", "label", "--rm-type", "toy", "--rollout-shuffle", "--rollout-max-response-len", "1",
@@ -53,8 +54,8 @@ def cluster(files, tmp_path_factory) -> Iterator[tuple[RouterClient, list[Server
 
 def trainer(files: tuple[Path, Path], router: RouterClient | None, job: Path, *flags: str,
             processes: int = 1, timeout_s: float = 600) -> str:
-    """Run `python -m trainer` (under torchrun with several processes) to its end; returns its
-    output (asserts exit 0)."""
+    """Run `python -m trainer` (under torchrun with several processes, on the CPU where there are
+    fewer GPUs than processes) to its end; returns its output (asserts exit 0)."""
     model, data = files
     launcher = [sys.executable, "-m", "trainer"] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
@@ -64,7 +65,8 @@ def trainer(files: tuple[Path, Path], router: RouterClient | None, job: Path, *f
     if router is not None:
         host, port = router.url.removeprefix("http://").split(":")
         argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
-    done = subprocess.run(argv, env={**os.environ, "SLURMRL_API_KEY": API_KEY}, capture_output=True, text=True,
+    env = {**os.environ, **hidden_gpus(processes), "SLURMRL_API_KEY": API_KEY}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True,
                           timeout=timeout_s, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, f"trainer failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout + done.stderr
