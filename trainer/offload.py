@@ -33,6 +33,7 @@ class TrainerOffload:
         self.held = held
         self.weights_on_host = False
         self.state_on_host = False  # grads and optimizer state
+        self._host_grads: dict[nn.Parameter, torch.Tensor] = {}  # offloaded grads, by parameter
 
     def offload(self, keep_weights: bool = False) -> None:
         if not self.state_on_host:
@@ -72,9 +73,18 @@ class TrainerOffload:
         """Grads to `device`; optimizer state to the host, or (onload) back beside its parameter:
         the host copies of --optimizer-cpu-offload keep theirs on the host."""
         with torch.no_grad():
-            for param in self._params():
-                if param.grad is not None:
-                    param.grad = param.grad.to(device, non_blocking=True)
+            # A grad must live on its parameter's device (torch refuses a host grad on a GPU
+            # parameter), and the weights may stay on the GPU to be published: host copies of the
+            # grads wait aside and come back beside their parameters.
+            if device == HOST:
+                for param in self._params():
+                    if param.grad is not None:
+                        self._host_grads[param] = param.grad.to(HOST, non_blocking=True)
+                        param.grad = None
+            else:
+                for param, grad in self._host_grads.items():
+                    param.grad = grad.to(param.device, non_blocking=True)
+                self._host_grads.clear()
             for optimizer in self.held.optimizers:
                 for param, state in optimizer.state.items():
                     where = HOST if device == HOST else param.device

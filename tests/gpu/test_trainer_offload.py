@@ -20,6 +20,9 @@ from tests.rollout.servers import free_port
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 NEAR_ZERO = 0.05  # of the memory held after a training step: what may stay on the GPU while offloaded
+# what the CUDA libraries keep whatever the model's size (cuBLAS's workspaces go through torch's
+# allocator): 64 MiB stayed under FSDP on an H100 with the tiny model
+LIBRARY_BYTES = 96 << 20
 
 
 def _samples(vocab: int):
@@ -107,7 +110,8 @@ def test_offloaded_trainer_frees_the_gpu_and_trains_as_if_it_never_left(tiny, tm
         runs[offload] = torch.load(tmp_path / f"{kind}-{offload}.pt")
     off = runs[True]
     assert off["devices"] == ["cpu"]
-    assert off["rollout_bytes"] <= NEAR_ZERO * off["trained_bytes"], (off["rollout_bytes"], off["trained_bytes"])
+    assert off["rollout_bytes"] <= NEAR_ZERO * off["trained_bytes"] + LIBRARY_BYTES, \
+        (off["rollout_bytes"], off["trained_bytes"])
     assert off["rollout_bytes"] < off["publish_bytes"] < off["trained_bytes"]
     assert off["published_equal"]
     assert runs[False]["first"] == off["first"]
