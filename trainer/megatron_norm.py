@@ -15,13 +15,26 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 
-def _rms_norm(config: TransformerConfig, hidden_size: int, eps: float) -> torch.nn.RMSNorm:
+def _rms_norm(config: TransformerConfig, hidden_size: int, eps: float,
+              kind: type[torch.nn.RMSNorm] = torch.nn.RMSNorm) -> torch.nn.RMSNorm:
     if config.normalization != "RMSNorm":
         raise ValueError(f"normalization {config.normalization!r} is not supported; slurmrl's models use RMSNorm")
     for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
         if getattr(config, flag):
             raise ValueError(f"{flag} needs TransformerEngine or Apex norms, which are not installed")
-    return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+    return kind(normalized_shape=hidden_size, eps=eps)
+
+
+class _AutocastRMSNorm(torch.nn.RMSNorm):
+    """An RMSNorm whose output is in autocast's dtype when autocast is on. Autocast runs norms in
+    fp32; the column-parallel linear after it, under SP, all-gathers its input in the forward and
+    reduce-scatters the input's gradient (autocast's dtype) into a buffer of the input's dtype in
+    the backward, which NCCL refuses when the two differ (fp32 vs bf16, --bf16 on a GPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        kind = out.device.type
+        return out.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else out
 
 
 class HiddenStateNorm:
@@ -29,7 +42,7 @@ class HiddenStateNorm:
     Takes WrappedTorchNorm's constructor arguments."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
-        norm = _rms_norm(config, hidden_size, eps)
+        norm = _rms_norm(config, hidden_size, eps, _AutocastRMSNorm)
         if config.sequence_parallel:
             norm.weight.sequence_parallel = True
         return norm

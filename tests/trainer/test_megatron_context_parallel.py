@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
@@ -28,7 +29,8 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
     tmp = tmp_path_factory.mktemp("cp_runs")
     ppo = ["--advantage-estimator", "ppo"]
     layouts = (("cp1", 1, 1, "sdpa", ppo), ("cp2", 1, 2, "sdpa", CP2 + ppo))
-    return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+    with rank_devices(2):  # every layout on the same device
+        return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_one_step_at_cp2_equals_cp1(results) -> None:
@@ -36,8 +38,9 @@ def test_one_step_at_cp2_equals_cp1(results) -> None:
 
 
 def test_one_step_at_tp2_sp_cp2_equals_cp1(tiny, results, tmp_path: Path) -> None:  # noqa: F811
-    assert_same_step(results["cp1"], _run(tiny, tmp_path, "tp2_sp_cp2", 2, 4, "sdpa", CP2 + ["--sequence-parallel"]),
-                     "tp2_sp_cp2")
+    with rank_devices(4):
+        tp2_sp_cp2 = _run(tiny, tmp_path, "tp2_sp_cp2", 2, 4, "sdpa", CP2 + ["--sequence-parallel"])
+    assert_same_step(results["cp1"], tp2_sp_cp2, "tp2_sp_cp2")
 
 
 def test_the_critic_at_cp2_equals_cp1(results) -> None:
@@ -71,8 +74,9 @@ def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ck
 def test_a_cp2_checkpoint_resumes_at_cp1(tiny, tmp_path: Path) -> None:  # noqa: F811
     model, ckpt = tiny
     for phase, world in (("uninterrupted", 2), ("resumed", 1)):
-        mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
-                           start_method="spawn")
+        with rank_devices(2):
+            mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
+                               start_method="spawn")
     before, resumed = (torch.load(tmp_path / f"{phase}.pt") for phase in ("uninterrupted", "resumed"))
     for key in ("loss", "pg_loss", "grad_norm"):
         assert resumed["metrics"][key] == pytest.approx(before["metrics"][key], abs=ATOL), key

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
@@ -33,7 +34,8 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
     tmp = tmp_path_factory.mktemp("pp_runs")
     ppo = ["--advantage-estimator", "ppo"]
     layouts = (("pp1", 1, 1, "sdpa", ppo), ("pp2", 1, 2, "sdpa", PP2 + ppo), ("pp2_local", 1, 2, "local", PP2))
-    return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+    with rank_devices(2):  # every layout on the same device
+        return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_one_step_at_pp2_equals_pp1(results) -> None:
@@ -42,17 +44,19 @@ def test_one_step_at_pp2_equals_pp1(results) -> None:
 
 
 def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny, results, tmp_path: Path) -> None:  # noqa: F811
-    assert_same_step(results["pp1"], _run(tiny, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"]),
-                     "tp2_sp_pp2")
+    with rank_devices(4):
+        tp2_sp_pp2 = _run(tiny, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"])
+    assert_same_step(results["pp1"], tp2_sp_pp2, "tp2_sp_pp2")
 
 
 def test_uneven_stages_equal_one_stage(tmp_path: Path) -> None:
     """3 layers over 2 stages, the last with one (--decoder-last-pipeline-num-layers, as slime's recipes)."""
     model = make_tiny_hf("qwen3", tmp_path / "model", tied=True, layers=3)
     tiny3 = (model, hf_to_torch_dist(model, tmp_path / "torch_dist", iteration=None, progress=False))
-    assert_same_step(_run(tiny3, tmp_path, "pp1_3", 1, 1, "sdpa", []),
-                     _run(tiny3, tmp_path, "pp2_2_1", 1, 2, "sdpa", [*PP2, "--decoder-last-pipeline-num-layers", "1"]),
-                     "pp2_2_1")
+    with rank_devices(2):
+        one = _run(tiny3, tmp_path, "pp1_3", 1, 1, "sdpa", [])
+        two = _run(tiny3, tmp_path, "pp2_2_1", 1, 2, "sdpa", [*PP2, "--decoder-last-pipeline-num-layers", "1"])
+    assert_same_step(one, two, "pp2_2_1")
 
 
 def test_the_critic_at_pp2_equals_pp1(results) -> None:
@@ -89,8 +93,9 @@ def test_a_checkpoint_resumes_at_another_pipeline_size(tiny, tmp_path: Path, sav
                                                        resumed_at: int) -> None:
     model, ckpt = tiny
     for phase, world in ((f"uninterrupted_{saved_at}", saved_at), (f"resumed_{saved_at}", resumed_at)):
-        mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
-                           start_method="spawn")
+        with rank_devices(2):
+            mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
+                               start_method="spawn")
     before, resumed = (torch.load(tmp_path / f"{phase}_{saved_at}.pt") for phase in ("uninterrupted", "resumed"))
     for key in ("loss", "pg_loss", "grad_norm"):
         assert resumed["metrics"][key] == pytest.approx(before["metrics"][key], abs=ATOL), key
