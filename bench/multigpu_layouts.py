@@ -1,0 +1,185 @@
+"""Part 1 of bench_multi_gpu: the megatron backend's parallel layouts on 2 GPUs (NCCL; gloo on the
+CPU), each in its own spawned processes, one rank a GPU:
+
+- equivalence and speed: TP=1 (one GPU), TP=2 + sequence parallelism, PP=2, and DP=2 with the
+  distributed optimizer take one RL step on the same batch from the same converted checkpoint;
+  log-probs, loss and grad norm against TP=1's, then the step time over more steps and MFU;
+- resharding: a checkpoint saved at TP=2 (torch_dist) resumes at TP=1 and at PP=2, and the resumed
+  step equals the step the uninterrupted TP=2 run takes (tiny model, fp32; the CPU tests' helpers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.bench_gpu_megatron import H200_BF16_PEAK, model_flops
+from bench.bench_trainer_step import make_samples
+from tests.rollout.servers import free_port
+from trainer.args import build_parser, read_hf_config, validate
+from trainer.losses import LossConfig
+from trainer.rl_step import make_pack_loss
+
+LAYOUTS = {  # name -> (ranks, flags)
+    "tp1": (1, []),
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "dp2_distopt": (2, ["--use-distributed-optimizer"]),
+}
+RESHARD = {"resume_tp1": (1, []), "resume_pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+SAVED_AT = (2, ["--tensor-model-parallel-size", "2"])
+# bf16 on the GPU: the reduction order differs by layout (TP=2 vs TP=1 log-probs differed by up to
+# 0.035 at this shape, bench/RESULTS.md). fp32 on the CPU: the CPU tests' 1e-5.
+TOLERANCE = {"bf16": {"logp_mean": 0.02, "loss": 0.02, "grad_norm_rel": 0.03},
+             "fp32": {"logp_mean": 1e-5, "loss": 1e-5, "grad_norm_rel": 1e-5}}
+# fp32 both ways; on the GPU the sharded GEMMs sum in another order than the whole ones (1e-4, as
+# tests/gpu/test_megatron_moe.py allows two GEMM orders), on the CPU the tests' 1e-5.
+RESHARD_ATOL = 1e-4 if torch.cuda.is_available() else 1e-5
+
+
+def _base_flags(model: Path) -> list[str]:
+    return ["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
+            "--load-debug-rollout-data", "unused/{rollout_id}"]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _backend(job: dict):
+    from trainer.megatron_backend import (
+        MegatronBackend,  # imports megatron: only in the workers
+    )
+
+    args = build_parser().parse_args(_base_flags(Path(job["model"])) + job["flags"])
+    validate(args)
+    return MegatronBackend(args, read_hf_config(job["model"]))
+
+
+def _layout_step(backend, job: dict) -> dict:
+    """One step on the batch (old log-probs off by +-0.3 so that clipping matters), then timed steps."""
+    samples = make_samples(job["samples"], job["min_len"], job["max_len"], backend.shape.vocab_size)
+    ids = list(range(len(samples)))
+    logps = backend.log_probs(samples, ids)
+    for i, s in enumerate(samples):
+        s.old_log_probs = logps[i][0].detach().cpu().float() + (0.3 if i % 2 else -0.3)
+    loss = make_pack_loss(LossConfig(), samples, ids)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    first = backend.train_step(samples, ids, loss, need_entropy=False)
+    times = []
+    for _ in range(job["repeats"] + 1):  # one more warm-up
+        _sync()
+        began = time.perf_counter()
+        backend.train_step(samples, ids, loss, need_entropy=False)
+        _sync()
+        times.append(time.perf_counter() - began)
+    return {"logps": {i: lp[0].detach().float().cpu() for i, lp in logps.items()}, "metrics": first,
+            "step_s": statistics.median(times[1:]), "lengths": [s.tokens.numel() for s in samples],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+
+
+def _reshard_step(backend, job: dict) -> dict:
+    from tests.trainer.test_megatron_optimizer import (
+        _step,  # the CPU tests' step: tiny LENGTHS, clipping
+    )
+    from trainer import checkpoint
+
+    save = Path(job["save"])
+    if job["phase"] == "save":
+        backend.load(Path(job["ckpt"]), weights_only=True)
+        _step(backend)
+        checkpoint.save(save, 1, lambda tmp: backend.save(tmp, {"rollout_id": 1}))
+    elif backend.load(checkpoint.find_loadable(save), weights_only=False) != {"rollout_id": 1}:
+        raise RuntimeError("the resumed checkpoint's common state is not the saved one")
+    metrics = _step(backend)
+    return {"metrics": metrics, "weights": {n: t.detach().float().cpu().clone() for n, t in backend.hf_weights()}}
+
+
+def _worker(rank: int, world: int, port: int, job: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from trainer import dist_env
+
+    backend = _backend(job)
+    if job["kind"] == "layout":
+        backend.load(Path(job["ckpt"]), weights_only=True)
+        result = _layout_step(backend, job)
+    else:
+        result = _reshard_step(backend, job)
+    if rank == 0:
+        torch.save(result, job["out"])
+    dist_env.shutdown()
+
+
+def _spawn(world: int, job: dict) -> dict:
+    mp.start_processes(_worker, args=(world, free_port(), job), nprocs=world, start_method="spawn")
+    return torch.load(job["out"])
+
+
+def _logp_diff(a: dict, b: dict) -> tuple[float, float]:
+    diffs = torch.cat([(a[i] - b[i]).abs() for i in a])
+    return float(diffs.max()), float(diffs.mean())
+
+
+def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, dtype: str,
+                max_tokens: int) -> list[dict]:
+    """Every layout's step against TP=1's; figures per layout (MFU against the H200 bf16 peak)."""
+    common = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--lr", "1e-6",
+              "--attention-backend", "sdpa", "--adam-eps", "1"] + (["--bf16"] if dtype == "bf16" else [])
+    tol, rows, base = TOLERANCE[dtype], [], None
+    for name, (world, flags) in LAYOUTS.items():
+        began = time.monotonic()
+        try:
+            got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt), "flags": common + flags,
+                                 "out": str(work / f"{name}.pt"), **batch})
+        except mp.ProcessRaisedException as err:  # one layout's failure is its row; the others still run
+            rows.append({"layout": name, "gpus": world, "error": str(err).strip().splitlines()[-1]})
+            print("RESULT " + json.dumps({"part": "layouts", **rows[-1]}), flush=True)
+            continue
+        base = base or got
+        flops = model_flops(SimpleNamespace(shape=shape), got["lengths"])
+        logp_max, logp_mean = _logp_diff(got["logps"], base["logps"])
+        m, b = got["metrics"], base["metrics"]
+        row = {"layout": name, "gpus": world, "tokens": sum(got["lengths"]), "loss": m["loss"],
+               "grad_norm": m["grad_norm"], "d_loss": abs(m["loss"] - b["loss"]),
+               "d_grad_norm_rel": abs(m["grad_norm"] - b["grad_norm"]) / max(b["grad_norm"], 1e-12),
+               "d_logp_max": logp_max, "d_logp_mean": logp_mean, "step_ms": got["step_s"] * 1e3, "speed_vs_tp1": base["step_s"] / got["step_s"],
+               "tokens_per_s": sum(got["lengths"]) / got["step_s"],
+               "tflops_per_gpu": flops / got["step_s"] / world / 1e12,
+               "mfu_vs_989": flops / got["step_s"] / world / H200_BF16_PEAK, "peak_gib": got["peak_gib"],
+               "process_s": time.monotonic() - began}
+        row["equal_to_tp1"] = (row["d_logp_mean"] <= tol["logp_mean"] and row["d_loss"] <= tol["loss"]
+                               and row["d_grad_norm_rel"] <= tol["grad_norm_rel"])
+        rows.append(row)
+        print("RESULT " + json.dumps({"part": "layouts", **row}), flush=True)
+    return rows
+
+
+def run_reshard(model: Path, ckpt: Path, work: Path) -> list[dict]:
+    """Save at TP=2 after one step; the next step, uninterrupted at TP=2 and resumed at TP=1 / PP=2."""
+    common = ["--lr", "1e-2", "--adam-eps", "1", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
+    save = work / "save_tp2"
+    job = {"kind": "reshard", "model": str(model), "ckpt": str(ckpt), "save": str(save)}
+    before = _spawn(SAVED_AT[0], {**job, "phase": "save", "flags": common + SAVED_AT[1], "out": str(work / "tp2.pt")})
+    rows = []
+    for name, (world, flags) in RESHARD.items():
+        got = _spawn(world, {**job, "phase": "resume", "flags": common + flags, "out": str(work / f"{name}.pt")})
+        d_weights = max(float((got["weights"][n] - t).abs().max()) for n, t in before["weights"].items())
+        row = {"saved_at": "tp2", "resumed_at": name.removeprefix("resume_"), "gpus": world,
+               "loss": got["metrics"]["loss"], "uninterrupted_loss": before["metrics"]["loss"],
+               "d_loss": abs(got["metrics"]["loss"] - before["metrics"]["loss"]),
+               "d_grad_norm": abs(got["metrics"]["grad_norm"] - before["metrics"]["grad_norm"]),
+               "d_weights_max": d_weights, "same_names": got["weights"].keys() == before["weights"].keys()}
+        row["equal"] = row["same_names"] and max(row["d_loss"], row["d_grad_norm"], d_weights) <= RESHARD_ATOL
+        rows.append(row)
+        print("RESULT " + json.dumps({"part": "reshard", **row}), flush=True)
+    return rows

@@ -1,0 +1,162 @@
+"""Part 2 of bench_multi_gpu: a weight update over NCCL from a one-rank trainer (this process, GPU 0)
+to an engine-side process (bench/multigpu_engine.py, GPU 1), through the real publisher
+(trainer/publish.py: /init_weights_update_group, /begin_weight_update, bucketed broadcasts with
+/update_weights_from_distributed, /end_weight_update, /model_info) and update group
+(rollout/weight_group.py); against a plain broadcast of the same bytes, as one flat buffer, over
+an update group of the same two processes, in the same run. On the CPU both sides use gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+from rollout.weight_group import create_group, free_port
+from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
+
+ENGINE_START_S = 120.0  # the engine process imports torch and allocates its parameters
+CALL_TIMEOUT_S = 300.0  # every engine call and broadcast of the bench
+
+
+def qwen3_params(shape: dict) -> dict[str, list[int]]:
+    """HF Qwen3 parameter names and shapes (tied embeddings: no lm_head)."""
+    h, hq = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"]
+    hkv, ffn, d = shape["num_key_value_heads"] * shape["head_dim"], shape["intermediate_size"], shape["head_dim"]
+    out = {"model.embed_tokens.weight": [shape["vocab_size"], h], "model.norm.weight": [h]}
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": [hq, h], p + "self_attn.k_proj.weight": [hkv, h],
+                    p + "self_attn.v_proj.weight": [hkv, h], p + "self_attn.o_proj.weight": [h, hq],
+                    p + "self_attn.q_norm.weight": [d], p + "self_attn.k_norm.weight": [d],
+                    p + "mlp.gate_proj.weight": [ffn, h], p + "mlp.up_proj.weight": [ffn, h],
+                    p + "mlp.down_proj.weight": [h, ffn], p + "input_layernorm.weight": [h],
+                    p + "post_attention_layernorm.weight": [h]})
+    return out
+
+
+def start_engine(port: int, args: list[str], gpu: int | None, log: Path) -> subprocess.Popen:
+    """The engine-side process on `gpu` (None: the CPU), once it answers /health."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.multigpu_engine", "--port", str(port), *args], env=env,
+                            stdout=log.open("a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + ENGINE_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine process exited ({proc.returncode}); see {log}")
+        try:
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=2).raise_for_status()
+            return proc
+        except requests.RequestException:
+            time.sleep(0.2)  # polling the condition (it answers), bounded by ENGINE_START_S
+    stop_engine(proc)
+    raise RuntimeError(f"the engine did not answer within {ENGINE_START_S:g} s; see {log}")
+
+
+def stop_engine(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def post(url: str, route: str, body: dict) -> dict:
+    answer = requests.post(url + route, json=body, timeout=CALL_TIMEOUT_S)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def plain_broadcast_seconds(url: str, backend: str, nbytes: int, repeats: int, device: torch.device) -> float:
+    """Mean seconds of one plain broadcast of nbytes (one flat buffer) over a fresh two-rank group."""
+    name, port = f"bench_plain_{os.getpid()}", free_port("127.0.0.1")
+    join = threading.Thread(target=post, args=(url, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": name}))
+    join.start()
+    group = create_group("127.0.0.1", port, 0, 2, name, CALL_TIMEOUT_S, backend)
+    join.join()
+    flat = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    try:
+        timings = []
+        for count in (1, repeats):  # a warm-up round, then the timed one
+            receiver = threading.Thread(target=post, args=(url, "/bench_broadcast", {
+                "group_name": name, "nbytes": nbytes, "repeats": count}))
+            receiver.start()
+            _sync()
+            began = time.perf_counter()
+            for _ in range(count):
+                group.broadcast(flat)
+            _sync()
+            timings.append((time.perf_counter() - began) / count)
+            receiver.join()
+        return timings[-1]
+    finally:
+        post(url, "/destroy_weights_update_group", {"group_name": name})
+        group.close()
+
+
+def bench_model(label: str, shape: dict, repeats: int, gpus: bool, work: Path) -> dict:
+    params = qwen3_params(shape)
+    shapes_file = work / f"{label}.json"
+    shapes_file.write_text(json.dumps({name: ["bfloat16", s] for name, s in params.items()}))
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = {name: torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) for name, s in params.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    port = free_port("127.0.0.1")
+    engine = start_engine(port, ["--param-shapes", str(shapes_file)], 1 if gpus else None, work / "engine.log")
+    url = f"http://127.0.0.1:{port}"
+    publisher = WeightPublisher("nccl", work / label, work / label, None, timeout_s=CALL_TIMEOUT_S)
+    try:
+        times = []
+        for i in range(repeats + 1):  # the first publish also forms the group
+            _sync()
+            result = publisher.publish(f"v{i + 1}", [url], iter(weights.items()))
+            if result.updated != [url]:
+                raise RuntimeError(f"the engine was fenced: {result.fenced}")
+            times.append(result.seconds)
+        checksum = post(url, "/bench_checksum", {})["checksum"]
+        want = sum(float(t.float().sum()) for t in weights.values())
+        publisher.close()
+        plain = plain_broadcast_seconds(url, publisher.backend, nbytes, repeats, device)
+    finally:
+        publisher.close()
+        stop_engine(engine)
+    steady = statistics.median(times[1:])
+    return {"model": label, "bytes": nbytes, "tensors": len(weights), "bucket_bytes": DEFAULT_BUCKET_BYTES,
+            "backend": publisher.backend, "first_publish_s": times[0], "publish_s": steady,
+            "publish_gbps": nbytes / steady / 1e9, "plain_broadcast_s": plain, "plain_gbps": nbytes / plain / 1e9,
+            "ratio_vs_plain": plain / steady, "checksum_equal": abs(checksum - want) <= 1e-3 * max(1.0, abs(want)),
+            "all_publish_s": times}
+
+
+def run(shapes: dict[str, dict], repeats: int, out: Path) -> list[dict]:
+    gpus = torch.cuda.is_available()
+    if gpus:
+        torch.cuda.set_device(0)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, shape in shapes.items():
+            results.append(bench_model(label, shape, repeats, gpus, Path(tmp)))
+            print("RESULT " + json.dumps({"part": "weights", **results[-1]}), flush=True)
+            if gpus:
+                torch.cuda.empty_cache()
+        (out / "engine_weights.log").write_text((Path(tmp) / "engine.log").read_text())
+    return results
