@@ -32,7 +32,7 @@ def nccl_process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def test_bf16_log_probs_equal_hfs_and_a_step_lowers_the_loss(models) -> None:
+def test_bf16_log_probs_equal_hfs_and_a_step_lowers_the_loss(models) -> None:  # noqa: F811
     samples, ids = _samples(), list(range(5))
     backend = FSDPBackend(models["actor"], lr=1e-2, batching=PACKED, dtype=torch.bfloat16)
     assert backend.device.type == "cuda" and backend.dtype == torch.bfloat16

@@ -22,7 +22,7 @@ TWO_DEVICES = 1e-4
 
 
 @pytest.mark.parametrize("backend, transport", [("megatron", "disk"), ("fsdp", "nccl")])
-def test_the_gpu_trainer_keeps_cpu_engines_on_policy(files, cluster, tmp_path: Path, backend: str,
+def test_the_gpu_trainer_keeps_cpu_engines_on_policy(files, cluster, tmp_path: Path, backend: str,  # noqa: F811
                                                      transport: str) -> None:
     router, _ = cluster
     trainer(files, router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8", "--lr", "1e-2",
