@@ -18,6 +18,9 @@ from jobs.contract import write_atomic
 
 SIDE_FOLDER = Path(__file__).resolve().parents[1] / ".sglang-args"
 CACHE = SIDE_FOLDER / "parse-cache"  # one JSON verdict per (pinned versions, argv)
+# The values of these flags are the job's own (slurmrl sets them, SGLang only checks their type).
+_PER_JOB = {"--model-path": "MODEL", "--host": "HOST", "--port": "1", "--dist-init-addr": "HOST:1",
+            "--api-key": "KEY", "--disaggregation-bootstrap-port": "1", "--weight-version": "V"}
 # Importing sglang.srt.server_args (torch, transformers) takes ~10 s on a loaded 2-core machine.
 PARSE_TIMEOUT_S = 180.0
 
@@ -58,14 +61,33 @@ def parse_errors(argvs: list[list[str]], timeout_s: float = PARSE_TIMEOUT_S) -> 
     seen before costs no import of SGLang."""
     if not (SIDE_FOLDER / "sglang").is_dir():
         raise ParserUnavailable(f"{SIDE_FOLDER} is missing; run scripts/install.sh")
+    argvs = [_placeheld(argv) for argv in argvs]
     keys = [_cache_key(argv) for argv in argvs]
     known = {key: json.loads(path.read_text()) for key in keys if (path := CACHE / f"{key}.json").is_file()}
-    todo = [(key, argv) for key, argv in zip(keys, argvs) if key not in known]
+    todo = {key: argv for key, argv in zip(keys, argvs) if key not in known}
     if todo:
-        for (key, _), verdict in zip(todo, _run_parser([argv for _, argv in todo], timeout_s)):
+        for key, verdict in zip(todo, _run_parser(list(todo.values()), timeout_s)):
             known[key] = verdict
             write_atomic(CACHE / f"{key}.json", json.dumps(verdict), durable=False)
     return [known[key] for key in keys]
+
+
+def _placeheld(argv: list[str]) -> list[str]:
+    """argv with the values slurmrl fills in per job (paths, addresses, ports, the key) replaced by
+    fixed ones of the same type: they cannot change SGLang's verdict, and a command line of another
+    job (or test) with the same flags then hits the cache."""
+    out, pending = [], None
+    for token in argv:
+        name, eq, _ = token.partition("=")
+        if pending is not None:
+            out.append(pending)
+            pending = None
+        elif eq and name in _PER_JOB:
+            out.append(f"{name}={_PER_JOB[name]}")
+        else:
+            out.append(token)
+            pending = _PER_JOB.get(token)
+    return out
 
 
 def _cache_key(argv: list[str]) -> str:
