@@ -7,7 +7,7 @@ import threading
 import time
 from concurrent.futures import Executor
 
-from jobs.contract import Phase, read_heartbeat
+from jobs.contract import Phase, read_heartbeat, read_trainer_fatal
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engines import HEALTHY
 from supervisor.launcher import TRAINER, JobFailed, StepLauncher
@@ -86,7 +86,7 @@ class TrainerWatch:
         """The trainer step ended: the job's outcome, or None once it is restarted."""
         rc = step.returncode
         with self._lock:
-            ended_why = self._ended_why
+            ended_why, launched = self._ended_why, self._launched
         preempted = self.requeue.preemption.reason is not None
         # A trainer the supervisor ended (hung, `slurmrl restart`) may still exit 0: it saves on SIGTERM.
         if rc == 0 and not ended_why:
@@ -97,8 +97,11 @@ class TrainerWatch:
                 return REQUEUE
             # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
             return "ended by SLURM after the trainer saved" if self.requeue.slurm_job.ending() else "completed"
-        reason = ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
-        self.job.events.emit("trainer_failed", TRAINER, reason=reason)
+        fatal = read_trainer_fatal(self.job.dir, launched) if rc else None
+        reason = fatal or ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
+        self.job.events.emit("trainer_failed", TRAINER, reason=reason, fatal=fatal is not None)
+        if fatal:  # a restart (or a requeue) would fail the same way
+            raise JobFailed(fatal)
         if preempted:  # no restart now: the job requeues from its last checkpoint
             return REQUEUE
         self._restart(reason)
