@@ -15,6 +15,7 @@ from supervisor.requeue import Requeue
 from supervisor.steps import Step, StepController
 
 REQUEUE = "preempted: saved, then requeued"
+ENDED_BY_SLURM = "ended by SLURM after the trainer saved"
 
 
 class TrainerWatch:
@@ -94,18 +95,23 @@ class TrainerWatch:
             if self.ending.by_user:
                 return "stopped by user"
             if preempted:
-                return REQUEUE
+                return self._after_preemption()
             # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
-            return "ended by SLURM after the trainer saved" if self.requeue.slurm_job.ending() else "completed"
+            return ENDED_BY_SLURM if self.requeue.slurm_job.ending() else "completed"
         fatal = read_trainer_fatal(self.job.dir, launched) if rc else None
         reason = fatal or ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
         self.job.events.emit("trainer_failed", TRAINER, reason=reason, fatal=fatal is not None)
         if fatal:  # a restart (or a requeue) would fail the same way
             raise JobFailed(fatal)
         if preempted:  # no restart now: the job requeues from its last checkpoint
-            return REQUEUE
+            return self._after_preemption()
         self._restart(reason)
         return None
+
+    def _after_preemption(self) -> str:
+        """As SLURM intends: a job it is ending (scancel, a preemption that requeues by itself) just
+        ends; one it keeps running (its warning, a SIGTERM to the batch step alone) is requeued."""
+        return ENDED_BY_SLURM if self.requeue.slurm_job.ending() else REQUEUE
 
     def _restart(self, reason: str) -> None:
         ft = self.job.ft
