@@ -20,6 +20,8 @@ MIB = 1024**2
 FULL_DISK_SLACK = 1 * MIB
 # Folders below the backend holding tensors; anything else (args, groups, the driver) is not walked.
 _WALK_DEPTH = 4
+# Backend attributes a checkpoint does not hold (frozen models loaded from elsewhere).
+_NOT_SAVED = frozenset({"ref_model", "teacher_model"})
 
 
 class NoSpaceLeft(Fatal):
@@ -58,8 +60,9 @@ def tensor_bytes(root: Any) -> int:
             for value in obj:
                 walk(value, depth + 1)
         elif type(obj).__module__.split(".")[0] in ("trainer", "megatron") and hasattr(obj, "__dict__"):
-            for value in vars(obj).values():
-                walk(value, depth + 1)
+            for name, value in vars(obj).items():
+                if name not in _NOT_SAVED:
+                    walk(value, depth + 1)
 
     walk(root, 0)
     return total

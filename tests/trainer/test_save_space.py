@@ -82,5 +82,6 @@ def test_the_estimate_counts_model_and_optimizer_state() -> None:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     holder = type("Backend", (), {"__module__": "trainer.fake"})()
     holder.model, holder.optimizer, holder.alias = model, optimizer, [model.weight]  # shared storage counted once
+    holder.ref_model = torch.nn.Linear(256, 128)  # not in the checkpoint
     estimate = tensor_bytes(holder)
     assert 3 * params <= estimate <= 3 * params + 64, (estimate, params)  # weights, exp_avg, exp_avg_sq, steps
