@@ -48,7 +48,7 @@ def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep:
          group: dist.ProcessGroup | None = None, needs_bytes: int = 0) -> Path:
     """Write checkpoint `iteration` under save_dir and make it the latest. Collective over `group`
     (every rank, or a lone process without torch.distributed): `write(tmp)` is called on every
-    rank to fill the temporary folder. Returns save_dir/iteration_XXXXXXX.
+    rank to fill the temporary folder. Returns save_dir/iter_XXXXXXX.
 
     keep: how many iter_* folders to keep (the newest by iteration, always the new one).
     needs_bytes: about what this rank writes (summed over ranks): a save the free space cannot
