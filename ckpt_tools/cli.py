@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ckpt_tools.shard_size import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 HELP = "Hugging Face <-> Megatron torch_dist conversion (CPU only)"
 
@@ -39,9 +41,12 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--ckpt-step", type=int, help="which iteration of the save folder (default: the tracker's)")
     to_hf.add_argument("--out", type=Path, required=True, help="new folder for the HF model")
     to_hf.add_argument("--hf-config", type=Path, required=True, help="folder with the model's config.json (and tokenizer)")
-    to_hf.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard (default %(default)s)")
+    to_hf.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                       help="largest safetensors shard, as HF's max_shard_size: bytes or a number with a unit "
+                            "(KB, MB, GB decimal; KiB, MiB, GiB binary); a larger tensor gets its own shard "
+                            "(default %(default)s)")
     _common(to_hf)
-    to_hf.add_argument("--threads", type=int, default=4, help="parallel reader threads (default %(default)s)")
+    to_hf.add_argument("--threads", type=int, default=4, help="parallel reader/writer threads (default %(default)s)")
 
     inspect = actions.add_parser("inspect", help="keys, shapes, dtypes, iteration and sizes of a checkpoint")
     inspect.add_argument("path", type=Path, help="an HF folder, a Megatron save folder or an iter_XXXXXXX folder")
@@ -81,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {folder}")
         elif args.action == "torch-dist-to-hf":
             _positive(args.prog, "--threads", args.threads)
+            shard_bytes = _shard_size(args.prog, args.max_shard_size)
             folder = torch_dist_to_hf(args.ckpt, args.out, args.hf_config, step=args.ckpt_step, threads=args.threads,
-                                      dtype=dtype, shard_bytes=int(args.shard_size_gb * 1024**3),
+                                      dtype=dtype, shard_bytes=shard_bytes,
                                       progress=not args.no_progress)
             print(f"wrote {folder}")
         elif args.action == "inspect":
@@ -110,4 +116,12 @@ def run(args: argparse.Namespace) -> int:
 def _positive(prog: str, flag: str, value: int) -> None:
     if value < 1:
         print(f"{prog}: error: {flag} must be 1 or more, got {value}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _shard_size(prog: str, text: str) -> int:
+    try:
+        return parse_shard_size(text)
+    except ValueError as err:
+        print(f"{prog}: error: --max-shard-size {err}", file=sys.stderr)
         sys.exit(1)

@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections import deque
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ from ckpt_tools.mapping import (
     to_megatron,
 )
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
+from ckpt_tools.shard_size import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from ckpt_tools.torch_dist import (
     Chunk,
     read_metadata,
@@ -41,7 +42,7 @@ from jobs.contract import fsync_dir
 EXTRA_STATE = "_extra_state"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
-DEFAULT_SHARD_BYTES = 5 * 1024**3
+DEFAULT_SHARD_BYTES = parse_shard_size(DEFAULT_MAX_SHARD_SIZE)
 
 
 def _extra_state_payload() -> bytes:
@@ -132,8 +133,9 @@ class _Slice:
 def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: int | None = None,
                      dtype: torch.dtype | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
                      threads: int = 4, progress: bool = True) -> Path:
-    """Convert a Megatron torch_dist checkpoint into an HF safetensors folder. Slices are read by
-    `threads` readers a few ahead of the (ordered) writer. Config and tokenizer come from --hf-config."""
+    """Convert a Megatron torch_dist checkpoint into an HF safetensors folder, sharded as HF does
+    (`shard_bytes` cap, index). `threads` workers each read, convert and write one slice at a time
+    straight into its shard. Config and tokenizer come from --hf-config."""
     config_path = Path(hf_config_dir) / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} not found: --hf-config must be a folder with the model's config.json")
@@ -159,15 +161,17 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
         writer = StreamingSafetensorsWriter(tmp, [o for item in slices for o in item.outputs], shard_bytes)
         with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="torch_dist -> hf",
                   disable=not progress) as bar, ThreadPoolExecutor(threads) as pool:
-            ahead = 2 * threads  # slices in memory at once, bounding peak RSS
-            pending = deque(pool.submit(load, item) for item in slices[:ahead])
-            for k, item in enumerate(slices):
-                tensors = pending.popleft().result()
-                if k + ahead < len(slices):
-                    pending.append(pool.submit(load, slices[k + ahead]))
-                for (name, _, _), tensor in zip(item.outputs, tensors):
+            lock = threading.Lock()
+
+            def convert(item: _Slice) -> None:
+                # Each thread reads, converts and writes its slice at its place: one slice in memory per thread.
+                for (name, _, _), tensor in zip(item.outputs, load(item)):
                     writer.write(name, tensor)
-                    bar.update(tensor.numel() * tensor.element_size())
+                    with lock:
+                        bar.update(tensor.numel() * tensor.element_size())
+
+            for _ in pool.map(convert, slices):
+                pass
         writer.close()
         for side in HF_SIDE_FILES:
             if (Path(hf_config_dir) / side).is_file():

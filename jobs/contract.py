@@ -9,6 +9,7 @@ job's directory and environment, in one place. Torch-free; imports nothing of sl
     JOB_DIR/supervisor_state.json     the supervisor's state store (what `slurmrl status` reads)
     JOB_DIR/events.jsonl              the supervisor's events, one JSON line each
     JOB_DIR/trainer_heartbeat.json    the trainer's phase and when it last moved (Heartbeat)
+    JOB_DIR/trainer_fatal.json        why the trainer ended in a way no restart can fix (e.g. a full disk)
     JOB_DIR/metrics.jsonl             the trainer's metrics, one line per rollout (Metric keys)
     JOB_DIR/weights/VERSION/          weights published to disk, one HF folder per version
     JOB_DIR/checkpoints/              the trainer's --save default
@@ -48,6 +49,7 @@ class JobDir:
     state = property(lambda self: self.root / "supervisor_state.json")
     events = property(lambda self: self.root / "events.jsonl")
     heartbeat = property(lambda self: self.root / "trainer_heartbeat.json")
+    trainer_fatal = property(lambda self: self.root / "trainer_fatal.json")
     metrics = property(lambda self: self.root / "metrics.jsonl")
     weights = property(lambda self: self.root / "weights")
     checkpoints = property(lambda self: self.root / "checkpoints")
@@ -99,6 +101,22 @@ def read_heartbeat(job_dir: JobDir, launched: float) -> Heartbeat:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not written yet, or a predecessor's
     return Heartbeat(Phase.START, launched, None)
+
+
+TRAINER_FATAL_EXIT = 3  # the trainer's exit code with a fatal reason written: no restart would help
+
+
+def write_trainer_fatal(job_dir: JobDir, reason: str) -> None:
+    write_atomic(job_dir.trainer_fatal, json.dumps({"reason": reason, "time": time.time(), "pid": os.getpid()}))
+
+
+def read_trainer_fatal(job_dir: JobDir, launched: float) -> str | None:
+    """The fatal reason the trainer launched at `launched` (unix time) left, if it left one."""
+    try:
+        fatal = json.loads(job_dir.trainer_fatal.read_text())
+        return str(fatal["reason"]) if float(fatal["time"]) >= launched else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # ------------------------------------------------------------------ the trainer's metrics

@@ -57,7 +57,7 @@ def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
     return infos
 
 
-def _train_args_problems(spec: JobSpec) -> list[str]:
+def _train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     from trainer.args import ArgsError, build_parser, check_model_flags, read_hf_config, validate
 
     problems: list[str] = []
@@ -103,7 +103,21 @@ def _train_args_problems(spec: JobSpec) -> list[str]:
             check_model_flags(check, read_hf_config(hf))
         except ArgsError as err:
             own.append(str(err))
+    if parsed.prompt_data and Path(parsed.prompt_data).is_file() and Path(hf, "config.json").is_file():
+        own += _prompt_data_problems(parsed, notes)
     return problems + [f"train_args: {p}" for p in own]
+
+
+def _prompt_data_problems(parsed: argparse.Namespace, notes: list[str]) -> list[str]:
+    """The prompt file read at submit by the trainer's own reader (bounded; see rollout/data_check.py)."""
+    from rollout.data_check import check_prompt_data
+
+    max_prompt_len = parsed.rollout_max_prompt_len
+    if max_prompt_len is None and parsed.rollout_max_context_len is not None:
+        max_prompt_len = parsed.rollout_max_context_len - 1  # the trainer's default, trainer/args.py
+    return check_prompt_data(Path(parsed.prompt_data), input_key=parsed.input_key, label_key=parsed.label_key,
+                             metadata_key=parsed.metadata_key, tool_key=parsed.tool_key,
+                             hf_checkpoint=parsed.hf_checkpoint, max_prompt_len=max_prompt_len, notes=notes)
 
 
 def _rollout_problems(spec: JobSpec) -> list[str]:
@@ -370,7 +384,7 @@ def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool =
     once; None or False skips the capacity checks; a dict is used as is (tests). notes: gets a
     line for each check that could not run here."""
     shape = _numbers(spec) + _rollout_problems(spec)
-    problems = _job_problems(spec) + shape + _train_args_problems(spec)
+    problems = _job_problems(spec) + shape + _train_args_problems(spec, [] if notes is None else notes)
     if not shape:  # the engine command line is well formed only then
         problems += _engine_flag_problems(spec, [] if notes is None else notes)
     if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then

@@ -20,14 +20,25 @@ PROMPT_SUFFIXES = (".jsonl", ".parquet")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    """Each line's JSON value, or the DataError saying why it is not JSON. A UTF-8 BOM is skipped."""
+    with open(path, encoding="utf-8-sig") as f:
+        number = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as err:
+                yield f"{path}:{number + 1}", DataError(f"{path}:{number + 1}: not UTF-8 ({err.reason}); "
+                                                        "save the file as UTF-8")
+                return
+            if not line:
+                return
+            number += 1
             if not line.strip():
                 continue
             try:
                 yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+                yield f"{path}:{number}", DataError(f"{path}:{number}: not valid JSON ({err.msg})")
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -40,27 +51,51 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path} row {number}", row
 
 
-def _read_rows(path: Path, input_key: str, label_key: str | None, metadata_key: str | None,
-               tool_key: str | None = None) -> list[dict[str, Any]]:
+def read_prompt_rows(path: Path, input_key: str, label_key: str | None, metadata_key: str | None,
+                     tool_key: str | None = None) -> Iterator[tuple[str, dict[str, Any] | DataError]]:
+    """Every row of a prompt file, streamed, as (where, the prompt row) or (where, what is wrong with
+    it): the one reader behind the trainer's data and the checks at submit (rollout/data_check.py)."""
     if not path.is_file():
         raise DataError(f"--prompt-data {path} does not exist")
     if path.suffix not in PROMPT_SUFFIXES:
         raise DataError(f"--prompt-data {path}: unsupported format; give a {' or '.join(PROMPT_SUFFIXES)} file")
-    rows = []
     for where, row in (_jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)):
-        if not isinstance(row, dict) or input_key not in row:
-            raise DataError(f"{where}: no {input_key!r} field (set --input-key to the prompt's field)")
-        prompt = row[input_key]
-        if not (isinstance(prompt, str) or _is_messages(prompt)):
-            raise DataError(f"{where}: {input_key!r} must be a string or a list of "
-                            "{'role', 'content'} messages")
-        if label_key and label_key not in row:
-            raise DataError(f"{where}: no {label_key!r} field (check --label-key)")
-        if metadata_key and not isinstance(row.get(metadata_key) or {}, dict):
-            raise DataError(f"{where}: {metadata_key!r} must be an object (check --metadata-key)")
-        rows.append({"prompt": prompt, "label": row.get(label_key) if label_key else None,
-                     "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {},
-                     "tools": row.get(tool_key) if tool_key else None})
+        if isinstance(row, DataError):
+            yield where, row
+            continue
+        try:
+            yield where, _prompt_row(where, row, input_key, label_key, metadata_key, tool_key)
+        except DataError as err:
+            yield where, err
+
+
+def _prompt_row(where: str, row: Any, input_key: str, label_key: str | None, metadata_key: str | None,
+                tool_key: str | None) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: not a JSON object (a {type(row).__name__}); each line must be an object "
+                        f"with an {input_key!r} field")
+    if input_key not in row:
+        raise DataError(f"{where}: no {input_key!r} field (set --input-key to the prompt's field)")
+    prompt = row[input_key]
+    if not (isinstance(prompt, str) or _is_messages(prompt)):
+        raise DataError(f"{where}: {input_key!r} must be a string or a list of "
+                        "{'role', 'content'} messages")
+    if label_key and label_key not in row:
+        raise DataError(f"{where}: no {label_key!r} field (check --label-key)")
+    if metadata_key and not isinstance(row.get(metadata_key) or {}, dict):
+        raise DataError(f"{where}: {metadata_key!r} must be an object (check --metadata-key)")
+    return {"prompt": prompt, "label": row.get(label_key) if label_key else None,
+            "metadata": dict(row.get(metadata_key) or {}) if metadata_key else {},
+            "tools": row.get(tool_key) if tool_key else None}
+
+
+def _read_rows(path: Path, input_key: str, label_key: str | None, metadata_key: str | None,
+               tool_key: str | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for _, row in read_prompt_rows(path, input_key, label_key, metadata_key, tool_key):
+        if isinstance(row, DataError):
+            raise row
+        rows.append(row)
     if not rows:
         raise DataError(f"{path} holds no prompts")
     return rows

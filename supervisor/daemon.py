@@ -157,6 +157,8 @@ class Daemon:
                                                       list(engine.place.nodes), url=engine.url)
         # SLURM's warning (--signal=B:USR1@preempt_grace, before a preemption or the time limit).
         signal.signal(signal.SIGUSR1, lambda signum, frame: self.requeue.preemption.warned())
+        # SIGTERM (scancel, a site's preemption): save now (Submitit's handler only logs "Bypassing signal").
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.requeue.preemption.terminated())
         job.events.emit("supervisor_started", job_id=job.layout.job_id, head=job.layout.head,
                         engines=len(job.engines), requeues=job.store.snapshot().requeues, pid=os.getpid(),
                         watchdog_restarts=int(os.environ.get(RESTARTS_ENV, "0")))

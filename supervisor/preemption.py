@@ -73,9 +73,16 @@ class Preemption:
         self.deadline: float | None = None  # when SLURM ends the job (unix time); None: now
         self.end_time = job.end_time()
         self._warned_at: float | None = None
+        self._terminated_at: float | None = None
 
     def warned(self) -> None:
         self._warned_at = self._warned_at or time.time()
+
+    def terminated(self) -> None:
+        """SIGTERM to the batch step (signal handler): `scancel JOB`, `scancel --signal=TERM --batch`
+        (how some sites preempt), a preemption's or time limit's SIGTERM before KillWait's SIGKILL.
+        The short-grace path: save now."""
+        self._terminated_at = self._terminated_at or time.time()
 
     def decide(self, reason: str) -> None:
         """The supervisor's own reason to save now and requeue (kept if one came first)."""
@@ -83,6 +90,9 @@ class Preemption:
 
     def check(self) -> str | None:
         """The reason the job must stop, once it must."""
+        if self._terminated_at and not self.reason:
+            self.reason = "SIGTERM to the batch step (scancel, or a preemption): saving now"
+            self.deadline = self._terminated_at
         if self._warned_at and not self.reason:
             self._read_warning()
         if self.end_time and not self.reason and self.end_time - time.time() < self.grace_s:

@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import Executor
 
-from jobs.contract import Phase, read_heartbeat
+from jobs.contract import Phase, read_heartbeat, read_trainer_fatal
 from rollout.engine_client import EngineError
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engines import HEALTHY
@@ -20,6 +20,7 @@ from supervisor.steps import Step, StepController
 log = logging.getLogger(__name__)
 
 REQUEUE = "preempted: saved, then requeued"
+ENDED_BY_SLURM = "ended by SLURM after the trainer saved"
 
 
 class TrainerWatch:
@@ -91,7 +92,7 @@ class TrainerWatch:
         """The trainer step ended: the job's outcome, or None once it is restarted."""
         rc = step.returncode
         with self._lock:
-            ended_why = self._ended_why
+            ended_why, launched = self._ended_why, self._launched
         preempted = self.requeue.preemption.reason is not None
         # A trainer the supervisor ended (hung, `slurmrl restart`) may still exit 0: it saves on SIGTERM.
         if rc == 0 and not ended_why:
@@ -99,18 +100,26 @@ class TrainerWatch:
             if self.ending.by_user:
                 return "stopped by user"
             if preempted:
-                return REQUEUE
+                return self._after_preemption()
             # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
-            return "ended by SLURM after the trainer saved" if self.requeue.slurm_job.ending() else "completed"
-        reason = ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
-        self.job.events.emit("trainer_failed", TRAINER, reason=reason)
+            return ENDED_BY_SLURM if self.requeue.slurm_job.ending() else "completed"
+        fatal = read_trainer_fatal(self.job.dir, launched) if rc else None
+        reason = fatal or ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
+        self.job.events.emit("trainer_failed", TRAINER, reason=reason, fatal=fatal is not None)
+        if fatal:  # a restart (or a requeue) would fail the same way
+            raise JobFailed(fatal)
         if preempted:  # no restart now: the job requeues from its last checkpoint
-            return REQUEUE
+            return self._after_preemption()
         ending = self.requeue.slurm_job.ending_state()
         if ending is not None:  # it died with the job: a restart would only race SLURM
             return f"ended by SLURM ({ending}): {reason}"
         self._restart(reason)
         return None
+
+    def _after_preemption(self) -> str:
+        """As SLURM intends: a job it is ending (scancel, a preemption that requeues by itself) just
+        ends; one it keeps running (its warning, a SIGTERM to the batch step alone) is requeued."""
+        return ENDED_BY_SLURM if self.requeue.slurm_job.ending() else REQUEUE
 
     def _engines_take_back(self) -> None:
         """--colocate: a trainer that died holding the GPUs left the engines released; they take

@@ -50,8 +50,13 @@ def main(argv: list[str] | None = None) -> None:
         loop, initial, load_reference = build(args)
     except ArgsError as err:
         main_error(err)
-    loop.start(initial, load_reference)
-    loop.run()
+    from trainer.fatal import Fatal, exit_fatal
+
+    try:
+        loop.start(initial, load_reference)
+        loop.run()
+    except Fatal as err:  # a restart would repeat it: the supervisor fails the job with this reason
+        exit_fatal(err, args.job_dir, loop.backend.rank)
     dist_env.shutdown()
 
 

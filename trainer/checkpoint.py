@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ckpt_tools.torch_dist import read_metadata
 from ckpt_tools.tracker import TRACKER, iteration_dirname, read_tracker, write_tracker
 from jobs.contract import fsync_dir, write_atomic
+from trainer.save_space import NoSpaceLeft, check_room, is_disk_full, no_space
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +45,40 @@ class CheckpointError(RuntimeError):
 # ---- saving ------------------------------------------------------------------------------------
 
 def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep: int | None = None,
-         group: dist.ProcessGroup | None = None) -> Path:
+         group: dist.ProcessGroup | None = None, needs_bytes: int = 0) -> Path:
     """Write checkpoint `iteration` under save_dir and make it the latest. Collective over `group`
     (every rank, or a lone process without torch.distributed): `write(tmp)` is called on every
     rank to fill the temporary folder. Returns save_dir/iter_XXXXXXX.
 
-    keep: how many iter_* folders to keep (the newest by iteration, always the new one)."""
+    keep: how many iter_* folders to keep (the newest by iteration, always the new one).
+    needs_bytes: about what this rank writes (summed over ranks): a save the free space cannot
+    hold is refused before anything is written. Either way, a full disk raises NoSpaceLeft with
+    the temporary folder removed and the previous checkpoint still the latest."""
     save_dir = Path(save_dir)
-    tmp = _broadcast(_fresh_tmp(save_dir, iteration) if _rank(group) == 0 else None, group)
-    write(tmp)
-    _barrier(group)  # every rank's files are written (and fsync'd by their writers)
+    needs = sum(_gather(needs_bytes, group))
+    began = _broadcast(_begin(save_dir, iteration, needs) if _rank(group) == 0 else None, group)
+    if isinstance(began, str):
+        raise NoSpaceLeft(began)
+    tmp = began
+    try:
+        write(tmp)
+        full = False
+    except Exception as err:
+        if not is_disk_full(err, save_dir):
+            raise
+        full = True
+    if any(_gather(full, group)):  # also the barrier: every rank's files are written (and fsync'd)
+        _abandon(tmp, save_dir, needs, group)
     final = save_dir / iteration_dirname(iteration)
     if _rank(group) == 0:
         previous = _tracker_iteration(save_dir)
-        _write_manifest(tmp, iteration)
-        _fsync_tree(tmp)
+        try:
+            _write_manifest(tmp, iteration)
+            _fsync_tree(tmp)
+        except OSError as err:
+            if not is_disk_full(err, save_dir):
+                raise
+            _abandon(tmp, save_dir, needs, None)
         _rename_into_place(tmp, final)
         fsync_dir(save_dir)
         write_tracker(save_dir, iteration)
@@ -66,6 +86,25 @@ def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep:
             _prune(save_dir, keep, iteration, previous)
     _barrier(group)  # no rank returns before the checkpoint is the latest
     return final
+
+
+def _begin(save_dir: Path, iteration: int, needs: int) -> Path | str:
+    """The temporary folder to write into, or why there is no room for the checkpoint."""
+    tmp = _fresh_tmp(save_dir, iteration)
+    try:
+        check_room(save_dir, needs)
+    except NoSpaceLeft as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return str(err)
+    return tmp
+
+
+def _abandon(tmp: Path, save_dir: Path, needs: int, group: dist.ProcessGroup | None) -> NoReturn:
+    """The disk filled mid-save: remove the partial folder (rank 0) and raise NoSpaceLeft on every rank."""
+    written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if _rank(group) == 0 else 0
+    if _rank(group) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise no_space(save_dir, max(needs, written))
 
 
 def _fresh_tmp(save_dir: Path, iteration: int) -> Path:
@@ -301,7 +340,16 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group)
 
 
-def _broadcast(obj: Path | None, group: dist.ProcessGroup | None) -> Path:
+def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's value, on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _broadcast(obj: Path | str | None, group: dist.ProcessGroup | None) -> Path | str:
     if not dist.is_initialized():
         return obj
     box = [obj]

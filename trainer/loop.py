@@ -37,6 +37,7 @@ from trainer.backend import Backend
 from trainer.colocation import Colocation, EngineSide
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
+from trainer.save_space import tensor_bytes
 from trainer.wandb_log import WandbRun
 from trainer.supervisor_link import SupervisorLink
 
@@ -349,7 +350,7 @@ class Loop:
                   **(self.driver.state() if self.driver else {})}
         common = self.backend.broadcast_object(common)
         checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
-                        keep=self.args.keep_checkpoints)
+                        keep=self.args.keep_checkpoints, needs_bytes=tensor_bytes(self.backend))
         self.last_saved = rollout_id
 
 

@@ -136,3 +136,46 @@ def test_cli_converts_inspects_and_verifies(tmp_path: Path) -> None:
     # The logits check can fail: no float32 pipeline is exact to zero.
     strict = subprocess.run([*cli, "verify", "--hf", str(hf), "--atol", "0"], capture_output=True, text=True)
     assert strict.returncode == 1 and "Megatron logits differ from HF by" in strict.stderr
+
+
+def test_cli_shards_as_hf_and_transformers_loads_the_shards(tmp_path: Path) -> None:
+    """--max-shard-size takes HF's spelling; the shards, their index and the weights match what
+    huggingface_hub's own splitter plans, and transformers loads the sharded folder."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = make_tiny_hf("qwen3", tmp_path / "hf", tied=False)
+    hf_to_torch_dist(hf, tmp_path / "td", progress=False)
+    subprocess.run([sys.executable, "-m", "ckpt_tools", "torch-dist-to-hf", "--ckpt", str(tmp_path / "td"),
+                    "--out", str(tmp_path / "back"), "--hf-config", str(hf), "--max-shard-size", "100KB",
+                    "--threads", "3", "--no-progress"], check=True, capture_output=True)
+    back = tmp_path / "back"
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    ours = {name: load_file(back / file)[name] for name, file in index["weight_map"].items()}
+    plan = split_torch_state_dict_into_shards(ours, max_shard_size="100KB")
+    assert len(plan.filename_to_tensors) > 2
+    assert index["weight_map"] == plan.tensor_to_filename
+    assert index["metadata"]["total_size"] == plan.metadata["total_size"]
+    assert sorted(p.name for p in back.glob("*.safetensors")) == sorted(plan.filename_to_tensors)
+    assert roundtrip_differences(hf, back) == []
+    original = AutoModelForCausalLM.from_pretrained(hf).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(back).state_dict()
+    assert loaded.keys() == original.keys()
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize(("text", "size"), [("5GB", 5 * 10**9), ("100KB", 100_000), ("2GiB", 2 * 2**30),
+                                            ("1.5MB", 1_500_000), ("123456", 123456), ("7 mib", 7 * 2**20)])
+def test_max_shard_size_takes_hf_units(text: str, size: int) -> None:
+    from ckpt_tools.shard_size import parse_shard_size
+    assert parse_shard_size(text) == size
+
+
+def test_bad_max_shard_size_is_one_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "ckpt_tools", "torch-dist-to-hf", "--ckpt", str(tmp_path),
+                             "--out", str(tmp_path / "o"), "--hf-config", str(tmp_path), "--max-shard-size", "5 gigs"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert "--max-shard-size '5 gigs' is not a size" in result.stderr
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,26 @@
+"""Errors that a restart of the trainer would only repeat (a full disk under --save...). The
+trainer ends with the error as its fatal reason in the job dir (jobs/contract.py) and a distinct
+exit code; the supervisor then fails the job with that reason instead of spending its restarts."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from jobs.contract import TRAINER_FATAL_EXIT, JobDir, write_trainer_fatal
+
+log = logging.getLogger(__name__)
+
+
+class Fatal(RuntimeError):
+    """An error no restart from the latest checkpoint can get past; the message says what to fix."""
+
+
+def exit_fatal(err: Fatal, job_dir: str | None, rank: int) -> NoReturn:
+    log.error("%s", err)
+    print(f"python -m trainer: fatal: {err}", file=sys.stderr)
+    if job_dir and rank == 0:
+        write_trainer_fatal(JobDir(Path(job_dir)), str(err))
+    raise SystemExit(TRAINER_FATAL_EXIT)
