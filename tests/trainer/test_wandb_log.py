@@ -10,11 +10,13 @@ import pytest
 
 from jobs.contract import JobDir
 from rollout.tiny_model import write_tiny_model
+from slurm.devcluster.daemons import wait_for
 from trainer.args import ArgsError, parse_args
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
+HISTORY_FLUSH_S = 30.0  # a closed run's file until it holds the rows logged to it
 _BLOCK, _HEADER = 32768, 7  # W&B's run file: a ":W&B" header, then LevelDB-log records
 
 
@@ -67,11 +69,14 @@ def test_each_rollout_reaches_one_run_and_a_resume_continues_it(flags: list[str]
     second.log(1, {"loss": 0.25, "reward_mean": 0.75})
     second.close()
 
-    runs = sorted(job_dir.root.glob("wandb/offline-run-*/run-*.wandb"))
-    rows = [row for run in runs for row in _history(run)]
-    assert [(r["_step"], r["loss"], r["reward_mean"], r["rollout/step"]) for r in rows] == [
+    def rows() -> list[dict[str, str]]:
+        return [row for run in sorted(job_dir.root.glob("wandb/offline-run-*/run-*.wandb")) for row in _history(run)]
+
+    # W&B's writer process may still be flushing the last run's file when finish() returns (seen in CI)
+    wait_for(lambda: len(rows()) >= 2, HISTORY_FLUSH_S, "both runs' history in their files")
+    assert [(r["_step"], r["loss"], r["reward_mean"], r["rollout/step"]) for r in rows()] == [
         ("2", "0.5", "0.25", "0"), ("4", "0.25", "0.75", "1")]  # 8 samples / 4 per step = 2 steps per rollout
-    assert all("note" not in r for r in rows)
+    assert all("note" not in r for r in rows())
 
 
 def test_wandb_flags_without_use_wandb_are_refused(flags: list[str]) -> None:
