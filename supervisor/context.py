@@ -57,6 +57,7 @@ class Ending:
         self._failure: str | None = None
         self._user_stop = user_stop
         self._stop = user_stop
+        self._by_slurm: str | None = None
 
     def fail(self, reason: str) -> None:
         """The job cannot go on (the first reason is kept)."""
@@ -70,6 +71,17 @@ class Ending:
             self._stop = True
             self._user_stop = self._user_stop or by_user
             return news
+
+    def slurm_ends(self, state: str) -> None:
+        """SLURM is ending the job (scancel, requeue, time limit): nothing is relaunched any more;
+        the trainer's exit (after its save on SIGTERM) decides the outcome."""
+        with self._lock:
+            self._by_slurm = self._by_slurm or state
+
+    @property
+    def by_slurm(self) -> str | None:
+        with self._lock:
+            return self._by_slurm
 
     @property
     def failure(self) -> str | None:

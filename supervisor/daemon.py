@@ -222,11 +222,13 @@ class Daemon:
             return None  # a step we replaced on purpose, or a wake-up
         if name == TRAINER:
             return self.trainer.on_exit(step)
-        # Steps die with a job SLURM ends (scancel, time limit): relaunching them would only race it.
+        # Steps die with a job SLURM ends (scancel, requeue, time limit): relaunching them would only
+        # race it, and the trainer may still be saving: its exit ends the job.
         ending = self.requeue.slurm_job.ending_state()
         if ending is not None:
             self.job.events.emit("job_ending", name, slurm_state=ending)
-            return f"ended by SLURM ({ending}): nothing relaunched"
+            self.ending.slurm_ends(ending)
+            return None
         if name == ROUTER:
             self.job.events.emit("router_failed", ROUTER, reason=f"exited with code {step.returncode}")
             self._relaunch_router()

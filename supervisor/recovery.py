@@ -68,6 +68,8 @@ class EngineRecovery:
     def recover(self, engine: Engine, reason: str) -> bool:
         """Take the engine out and bring it back, in a worker thread (the caller goes on). False
         when it is being recovered already or was given up."""
+        if self.ending.by_slurm:  # the job is ending: nothing is relaunched
+            return False
         with self._lock:
             if engine.name in self._recovering or engine.state == FAILED:
                 return False

@@ -20,7 +20,6 @@ from supervisor.steps import Step, StepController
 log = logging.getLogger(__name__)
 
 REQUEUE = "preempted: saved, then requeued"
-ENDED_BY_SLURM = "ended by SLURM after the trainer saved"
 
 
 class TrainerWatch:
@@ -102,7 +101,7 @@ class TrainerWatch:
             if preempted:
                 return self._after_preemption()
             # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
-            return ENDED_BY_SLURM if self.requeue.slurm_job.ending() else "completed"
+            return self._ended_by_slurm() or "completed"
         fatal = read_trainer_fatal(self.job.dir, launched) if rc else None
         reason = fatal or ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
         self.job.events.emit("trainer_failed", TRAINER, reason=reason, fatal=fatal is not None)
@@ -119,7 +118,11 @@ class TrainerWatch:
     def _after_preemption(self) -> str:
         """As SLURM intends: a job it is ending (scancel, a preemption that requeues by itself) just
         ends; one it keeps running (its warning, a SIGTERM to the batch step alone) is requeued."""
-        return ENDED_BY_SLURM if self.requeue.slurm_job.ending() else REQUEUE
+        return self._ended_by_slurm() or REQUEUE
+
+    def _ended_by_slurm(self) -> str | None:
+        state = self.requeue.slurm_job.ending_state()
+        return f"ended by SLURM ({state}) after the trainer saved" if state else None
 
     def _engines_take_back(self) -> None:
         """--colocate: a trainer that died holding the GPUs left the engines released; they take
