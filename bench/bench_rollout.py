@@ -20,10 +20,9 @@ import aiohttp
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
-from rollout.launch import RouterLaunch, router_command
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
-from tests.rollout.servers import API_KEY, engine, free_port, start
+from tests.rollout.servers import API_KEY, engine, router
 
 
 async def _throughput(url: str, concurrency: int, requests: int, tokens: int) -> float:
@@ -64,13 +63,11 @@ def main() -> None:
     servers = []
     try:
         servers.append(engine(model, work / "engine.log"))
-        port = free_port()
-        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
-        servers.append(start(argv, f"http://127.0.0.1:{port}", work / "router.log", "/liveness"))
+        servers.append(router(work / "router.log"))
         engine_url, router_url = servers[0].url, servers[1].url
-        router = RouterClient(router_url, API_KEY, timeout_s=10)
-        router.add_worker(engine_url, api_key=API_KEY)
-        router.wait_listed(engine_url, timeout_s=60)
+        client = RouterClient(router_url, API_KEY, timeout_s=10)
+        client.add_worker(engine_url, api_key=API_KEY)
+        client.wait_listed(engine_url, timeout_s=60)
 
         asyncio.run(_throughput(engine_url, 4, 8, 8))  # warm up
         one = asyncio.run(_throughput(engine_url, 1, args.requests // 4, args.tokens))

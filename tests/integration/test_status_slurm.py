@@ -5,11 +5,13 @@ under the default jobs folder."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from jobs.contract import JobDir
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
@@ -51,10 +53,17 @@ def test_status_before_the_supervisor_reads_slurm(devcluster: DevCluster, tmp_pa
     assert f"job {job_id} ended (CANCELLED" in ended.stdout + ended.stderr
 
 
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs a SLURM client that cannot find its cluster")
 def test_status_by_id_says_when_slurm_does_not_answer() -> None:
     shown = _status("3", drop="SLURM_CONF")
     assert shown.returncode == 1
     assert "job 3: SLURM did not answer:" in shown.stderr and "is SLURM_CONF set?" in shown.stderr
+
+
+def test_status_by_id_says_when_there_is_no_slurm_client() -> None:
+    shown = _status("3", env={"PATH": str(Path(sys.executable).parent)})  # python, and no scontrol
+    assert shown.returncode == 1
+    assert "job 3: SLURM did not answer: there is no scontrol here (no SLURM client)" in shown.stderr
 
 
 def test_a_cancelled_job_relaunches_nothing_and_says_cancelled(devcluster: DevCluster, toy, tmp_path: Path) -> None:

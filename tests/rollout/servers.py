@@ -4,9 +4,8 @@ stopped by its PID."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,14 +14,10 @@ import requests
 from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, router_command
 from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
+from tests.ports import free_port
 
 API_KEY = "test-job-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PORT_TRIES = 3  # another test process may bind a port between free_port() and the server's own bind
 
 
 @dataclass
@@ -65,13 +60,38 @@ def start(argv: list[str], url: str, log: Path, ready: str) -> Server:
     return server
 
 
-def engine(model: Path, log: Path, deterministic: bool = False, role: str = "regular",
-           bootstrap_port: int | None = None) -> Server:
-    port = free_port()
-    argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1",
-                                           role=role, bootstrap_port=bootstrap_port))
-    argv += ["--enable-deterministic-inference"] if deterministic else []
-    return start(argv, f"http://127.0.0.1:{port}", log, "/health")
+def start_on_free_ports(command: Callable[[int, int], list[str]], log: Path, ready: str) -> tuple[Server, int]:
+    """Starts `command(port, second_port)` on two free ports, again on fresh ones if it lost a
+    port to a race: (the server, its second port)."""
+    for attempt in range(PORT_TRIES):
+        port, second = free_port(), free_port()
+        try:
+            return start(command(port, second), f"http://127.0.0.1:{port}", log, ready), second
+        except AssertionError:
+            if attempt == PORT_TRIES - 1 or "address already in use" not in log.read_text():
+                raise
+    raise AssertionError("unreachable")
+
+
+def engine(model: Path, log: Path, deterministic: bool = False, role: str = "regular") -> Server:
+    """A CPU engine on loopback; a prefill engine's bootstrap port is kept on the server."""
+    def command(port: int, bootstrap_port: int) -> list[str]:
+        argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1",
+                                               role=role, bootstrap_port=bootstrap_port if role == "prefill" else None))
+        return argv + (["--enable-deterministic-inference"] if deterministic else [])
+
+    server, bootstrap_port = start_on_free_ports(command, log, "/health")
+    server.bootstrap_port = bootstrap_port if role == "prefill" else None
+    return server
+
+
+def router(log: Path, pd_disaggregation: bool = False) -> Server:
+    """A real sglang-router on loopback with no workers yet."""
+    def command(port: int, prometheus_port: int) -> list[str]:
+        return router_command(RouterLaunch("127.0.0.1", port, prometheus_port, api_key=API_KEY, policy="round_robin",
+                                           pd_disaggregation=pd_disaggregation))
+
+    return start_on_free_ports(command, log, "/liveness")[0]
 
 
 @contextlib.contextmanager
@@ -83,15 +103,13 @@ def engines_behind_router(model: Path, log_dir: Path, count: int = 2,
     try:
         engines = [engine(model, log_dir / f"engine{i}.log", deterministic) for i in range(count)]
         servers += engines
-        port = free_port()
-        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin"))
-        servers.append(start(argv, f"http://127.0.0.1:{port}", log_dir / "router.log", "/liveness"))
-        router = RouterClient(servers[-1].url, API_KEY, timeout_s=10)
+        servers.append(router(log_dir / "router.log"))
+        client = RouterClient(servers[-1].url, API_KEY, timeout_s=10)
         for server in engines:
-            router.add_worker(server.url, api_key=API_KEY)
+            client.add_worker(server.url, api_key=API_KEY)
         for server in engines:
-            router.wait_listed(server.url, timeout_s=60)
-        yield router, engines
+            client.wait_listed(server.url, timeout_s=60)
+        yield client, engines
     finally:
         for server in servers:
             server.stop()
@@ -104,26 +122,19 @@ def pd_engines_behind_router(model: Path, log_dir: Path, prefill: int = 1,
     stopped by PID at the end: (router, prefill engines, decode engines)."""
     servers: list[Server] = []
     try:
-        prefills = []
-        for i in range(prefill):
-            bootstrap_port = free_port()
-            prefills.append(engine(model, log_dir / f"prefill{i}.log", role="prefill", bootstrap_port=bootstrap_port))
-            prefills[-1].bootstrap_port = bootstrap_port
+        prefills = [engine(model, log_dir / f"prefill{i}.log", role="prefill") for i in range(prefill)]
         servers += prefills
         decodes = [engine(model, log_dir / f"decode{i}.log", role="decode") for i in range(decode)]
         servers += decodes
-        port = free_port()
-        argv = router_command(RouterLaunch("127.0.0.1", port, free_port(), api_key=API_KEY, policy="round_robin",
-                                           pd_disaggregation=True))
-        servers.append(start(argv, f"http://127.0.0.1:{port}", log_dir / "router.log", "/liveness"))
-        router = RouterClient(servers[-1].url, API_KEY, timeout_s=10)
+        servers.append(router(log_dir / "router.log", pd_disaggregation=True))
+        client = RouterClient(servers[-1].url, API_KEY, timeout_s=10)
         for server in prefills:
-            router.add_worker(server.url, api_key=API_KEY, worker_type="prefill", bootstrap_port=server.bootstrap_port)
+            client.add_worker(server.url, api_key=API_KEY, worker_type="prefill", bootstrap_port=server.bootstrap_port)
         for server in decodes:
-            router.add_worker(server.url, api_key=API_KEY, worker_type="decode")
+            client.add_worker(server.url, api_key=API_KEY, worker_type="decode")
         for server in prefills + decodes:
-            router.wait_listed(server.url, timeout_s=60)
-        yield router, prefills, decodes
+            client.wait_listed(server.url, timeout_s=60)
+        yield client, prefills, decodes
     finally:
         for server in servers:
             server.stop()

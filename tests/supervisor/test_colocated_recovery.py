@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -34,14 +33,9 @@ from supervisor.probe import HealthTracker
 from supervisor.recovery import EngineRecovery
 from supervisor.state import StateStore, StepRecord
 from supervisor.tensorboard import ScalarWriter
+from tests.ports import free_port
 
 QUIET_LOOK_S = 1.0  # how long a deferred start is watched not happening
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_no_engine_start_while_the_trainer_holds_and_the_switch_waits_out_starts() -> None:
@@ -81,12 +75,12 @@ def colocated(tmp_path: Path):
     spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2, colocate=True),
                    fault_tolerance=ft)
     job_dir = JobDir(tmp_path)
-    places = [EnginePlace(f"engine-{k}", k, ("node1",), "127.0.0.1", closed_port(), 0, 0) for k in range(2)]
+    places = [EnginePlace(f"engine-{k}", k, ("node1",), "127.0.0.1", free_port(), 0, 0) for k in range(2)]
     layout = Layout(job_id="999999", head="node1", head_address="127.0.0.1", trainer_nodes=("node1",),
                     rollout_nodes=("node1",), router_port=0, router_metrics_port=0, trainer_master_port=0,
                     engines=tuple(places))
     client = EngineClient("key", ft.rollout_health_check_timeout)
-    router = RouterPlace(f"http://127.0.0.1:{closed_port()}", 0, 0)
+    router = RouterPlace(f"http://127.0.0.1:{free_port()}", 0, 0)
     store = StateStore(job_dir)
     with store.update() as state:
         for place in places:

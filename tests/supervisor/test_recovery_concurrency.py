@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -36,15 +35,10 @@ from supervisor.state import StateStore, StepRecord
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import TrainerWatch
+from tests.ports import free_port
 
 CALLERS = 3
 pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery asks squeue and scancel
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again on return: a connection there is refused
 
 
 def test_three_callers_at_once_start_one_recovery(tmp_path: Path) -> None:
@@ -52,12 +46,12 @@ def test_three_callers_at_once_start_one_recovery(tmp_path: Path) -> None:
                             slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
     spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
     job_dir = JobDir(tmp_path)
-    places = [EnginePlace(f"engine-{k}", k, ("no-such-node",), "127.0.0.1", closed_port(), 1, 0) for k in range(2)]
+    places = [EnginePlace(f"engine-{k}", k, ("no-such-node",), "127.0.0.1", free_port(), 1, 0) for k in range(2)]
     layout = Layout(job_id="999999", head="no-such-head", head_address="127.0.0.1", trainer_nodes=("no-such-head",),
                     rollout_nodes=("no-such-node",), router_port=0, router_metrics_port=0, trainer_master_port=0,
                     engines=tuple(places))
     client = EngineClient("key", ft.rollout_health_check_timeout)
-    router = RouterPlace(f"http://127.0.0.1:{closed_port()}", 0, 0)
+    router = RouterPlace(f"http://127.0.0.1:{free_port()}", 0, 0)
     store = StateStore(job_dir)
     with store.update() as state:
         for place in places:
