@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec python3 -m pytest -ra -q --durations=15 "$@"
+# Two workers: the tests that use SLURM run in one (they share the devcluster), the rest in the other.
+exec python3 -m pytest -ra -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -1,5 +1,8 @@
 """Shared fixtures. `devcluster` brings the loopback SLURM cluster up once per session (or reuses
-one that is already running) and points SLURM_CONF at it."""
+one that is already running) and points SLURM_CONF at it.
+
+Under pytest-xdist (`--dist loadgroup`), every test that touches SLURM runs in one worker: one
+worker's session could otherwise take the cluster down under another's job."""
 
 from __future__ import annotations
 
@@ -15,6 +18,15 @@ from slurm.devcluster import DevCluster
 from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.config import DEFAULT_ROOT
 from slurm.devcluster.daemons import DevclusterError
+
+
+SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "slurm_programs" in item.fixturenames or item.path.parent.name in SLURM_DIRS:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")
