@@ -279,9 +279,9 @@ class MasterAdamW:
         torch._foreach_copy_([p.data for p in self.params], self.master)
 
 
-def model_flops(setup: Setup, lengths: list[int]) -> float:
-    """6 * matmul params * tokens (layers + LM head) + causal attention 12 * L * hq * sum(l^2) / 2."""
-    s = setup.shape
+def model_flops(s: dict, lengths: list[int]) -> float:
+    """For a model of HF config fields `s`: 6 * matmul params * tokens (layers + LM head) + causal
+    attention 12 * L * hq * sum(l^2) / 2."""
     h, hq, hkv = s["hidden_size"], s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
     per_layer = h * (hq + 2 * hkv) + hq * h + 3 * h * s["intermediate_size"]
     matmul_params = s["num_hidden_layers"] * per_layer + s["vocab_size"] * h
@@ -344,7 +344,7 @@ def bench_train(setup: Setup, variant: Variant, tp: int = 1, steps: int = 12, pr
         torch.cuda.reset_peak_memory_stats()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ms = time_ms(step, steps, warmup=2 * len(layouts))
-    flops = sum(model_flops(setup, lengths) for lengths in layouts) / len(layouts)
+    flops = sum(model_flops(setup.shape, lengths) for lengths in layouts) / len(layouts)
     report(setup, "train_step", variant=str(variant), tp=tp,
            layout=f"1x{tokens} thd, {[len(x) for x in layouts]} samples" if variant.packed else f"{setup.batch}x{setup.seq}",
            ms_per_step=round(ms, 1), tokens_per_s=round(tokens / ms * 1e3), model_tflop_per_step=round(flops / 1e12, 2),

@@ -7,7 +7,9 @@ work (forward, the same GRPO loss, backward, AdamW) on the same samples, in the 
 small: a Qwen3 of hidden 256, 4 layers, vocab 1024 (CPU). qwen3-0.6b: Qwen3-0.6B's shape (GPU;
 bf16 compute, fp32 master weights, for both). The megatron backend packs the samples into
 micro-batches of --max-tokens-per-gpu tokens; HF pads them into one batch. Both are timed per
-optimizer step (median of --repeats) after warm-up steps.
+optimizer step (median of --repeats) after warm-up steps. On a GPU each backend line also gives
+its model FLOP/s as a share of --peak-tflops (MFU, bench_gpu_megatron's FLOP formula) and its
+log-probs pass (forward only, as the trainer runs it before training) in tokens/s against the step's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import transformers
 
 from trainer.args import build_parser, read_hf_config, validate
-from trainer.batch import TrainSample
+from bench.bench_gpu_megatron import model_flops
+from trainer.batch import Batching, TrainSample, rank_packs
 from trainer.losses import LossConfig, total_loss
 from trainer.rl_step import make_pack_loss, padded
 
@@ -55,6 +58,13 @@ def make_samples(count: int, min_len: int, max_len: int, vocab: int) -> list[Tra
         s.old_log_probs = torch.full((response,), -7.0)
         out.append(s)
     return out
+
+
+def packs(samples: list[TrainSample], max_tokens: int) -> list[list[int]]:
+    """The sample lengths of each micro-batch, as the backend packs them (for the FLOP count)."""
+    batching = Batching(dynamic=True, max_tokens=max_tokens, micro_batch_size=1)
+    return [[samples[i].tokens.numel() for i in pack.sample_ids]
+            for pack in rank_packs(samples, list(range(len(samples))), 1, 0, batching)]
 
 
 def time_steps(step, repeats: int) -> float:
@@ -102,6 +112,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--max-tokens-per-gpu", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100/H200 SXM: 989)")
     opts = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
@@ -131,6 +142,12 @@ def main() -> None:
             name = f"megatron backend, {attention} attention{' compiled' if extra else ''}:"
             print(f"  {name:39s} {seconds * 1e3:8.1f} ms/step  {tokens / seconds:8.0f} tokens/s  "
                   f"{baseline / seconds:.2f}x")
+            if device == "cuda":
+                flops = sum(model_flops(SHAPES[opts.shape], pack) for pack in packs(samples, opts.max_tokens_per_gpu))
+                forward = time_steps(partial(backend.log_probs, samples, ids), opts.repeats)
+                print(f"    {flops / seconds / 1e12:6.1f} TFLOP/s = {flops / seconds / 1e12 / opts.peak_tflops:.1%} MFU; "
+                      f"log-probs pass {forward * 1e3:.1f} ms, {tokens / forward:.0f} tokens/s = "
+                      f"{seconds / forward:.2f}x the step's")
             del backend
             # one backend per process in megatron's global state: tear it down before the next
             from megatron.core import parallel_state

@@ -15,7 +15,6 @@ import os
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as mp
@@ -146,7 +145,7 @@ def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, d
             print("RESULT " + json.dumps({"part": "layouts", **rows[-1]}), flush=True)
             continue
         base = base or got
-        flops = model_flops(SimpleNamespace(shape=shape), got["lengths"])
+        flops = model_flops(shape, got["lengths"])
         logp_max, logp_mean = _logp_diff(got["logps"], base["logps"])
         m, b = got["metrics"], base["metrics"]
         row = {"layout": name, "gpus": world, "tokens": sum(got["lengths"]), "loss": m["loss"],

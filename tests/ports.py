@@ -3,13 +3,16 @@
 A port the kernel hands out for port 0 comes from its ephemeral range, which every outgoing
 connection of every test process also draws from: between free_port() and the server's own bind,
 another worker's HTTP client can take it (EADDRINUSE seen at -n 10). So each pytest-xdist worker
-gets its own block of ports below the ephemeral range, and walks it."""
+gets its own block of ports below the ephemeral range, and walks it from a random place (two
+pytest sessions on one machine, each with its gw0, then rarely meet)."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 FIRST_PORT = 20000  # above the devcluster's daemons (17800 + a few)
@@ -30,7 +33,13 @@ def _worker_block() -> range:
     return range(start, start + PORTS_PER_WORKER)
 
 
-_candidates = itertools.cycle(_worker_block())
+def _walk() -> Iterator[int]:
+    block = _worker_block()
+    start = random.randrange(len(block))
+    return itertools.cycle([*block[start:], *block[:start]])
+
+
+_candidates = _walk()
 
 
 def _bindable(port: int) -> bool:

@@ -36,6 +36,7 @@ from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_block_spec
 from trainer.megatron_optimizer import ShardedOptimizer
+from trainer.megatron_rope import PackedRope
 from trainer.offload import Offloadable
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.token_stats import log_probs_and_entropy
@@ -140,6 +141,8 @@ class MegatronBackend(Backend):
         spec = gpt_block_spec(config, args.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                          post_process=self.last_stage, **model_kwargs).to(self.device)
+        if args.attention_backend != "local" and self.cp_size == 1:
+            model.packed_rope = PackedRope(model)
         if args.torch_compile:
             for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
                 layer.compile()
@@ -180,9 +183,16 @@ class MegatronBackend(Backend):
             inputs["attention_mask"] = None
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
-                attention_kernels(self.args.attention_kernels):
-            return model(tokens, positions, **inputs)
+        rope: PackedRope | None = getattr(model, "packed_rope", None)
+        if rope is not None:
+            rope.positions = positions[0]
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
+                    attention_kernels(self.args.attention_kernels):
+                return model(tokens, positions, **inputs)
+        finally:
+            if rope is not None:
+                rope.positions = None
 
     def _stats(self, logits: torch.Tensor, rows: context_parallel.RowLayout,
                with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
