@@ -10,7 +10,7 @@ from jobs import submit_cli
 from rollout import cli as rollout_cli
 from slurm.devcluster import cli as cluster_cli
 from supervisor import cli as supervisor_cli
-from supervisor import profile_cli
+from supervisor import profile_cli, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit_cli.add_parser(subparsers)
     supervisor_cli.add_parsers(subparsers)
     profile_cli.add_parser(subparsers)
+    report.add_parser(subparsers)
     return parser
 
 

@@ -140,6 +140,16 @@ PHASE_TIMES = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time
                "publish": "perf/update_weights_time", "save": "perf/save_model_time", "eval": "perf/eval_time"}
 
 
+def phase_times(metrics: dict[str, Any]) -> dict[str, float]:
+    """PHASE_TIMES of a rollout's metrics line, from the seconds the loop measured (Metric's)."""
+    log_probs = float(metrics.get(Metric.LOG_PROBS_SECONDS, 0.0))
+    seconds = {"rollout": metrics.get(Metric.ROLLOUT_SECONDS, 0.0), "log_probs": log_probs,
+               "train": float(metrics.get(Metric.TRAIN_SECONDS, 0.0)) - log_probs,
+               "publish": metrics.get(Metric.PUBLISH_SECONDS, 0.0), "save": metrics.get(Metric.SAVE_SECONDS, 0.0),
+               "eval": metrics.get(Metric.EVAL_SECONDS, 0.0)}
+    return {PHASE_TIMES[phase]: float(value) for phase, value in seconds.items()}
+
+
 def append_metrics(job_dir: JobDir, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:
     line = {Metric.ROLLOUT_ID: rollout_id, **metrics}
     with open(job_dir.metrics, "a") as f:

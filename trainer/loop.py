@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from jobs.contract import JobDir, Metric, Phase
+from jobs.contract import JobDir, Metric, Phase, phase_times
 from jobs.spec import FaultToleranceSpec
 from jobs.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
@@ -36,7 +36,7 @@ from trainer import checkpoint, rl_step, save_now
 from trainer.backend import Backend
 from trainer.colocation import Colocation, EngineSide
 from trainer.batch import TrainSample
-from trainer.metrics import Reporter, phase_times
+from trainer.metrics import Reporter
 from trainer.profiling import TrainProfiler
 from trainer.save_space import tensor_bytes
 from trainer.wandb_log import WandbRun

@@ -7,18 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobs.contract import PHASE_TIMES, JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
+from jobs.contract import JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
 from trainer.wandb_log import WandbRun
-
-
-def phase_times(metrics: dict[str, Any]) -> dict[str, float]:
-    """PHASE_TIMES of a rollout's metrics, from the seconds the loop measured."""
-    log_probs = float(metrics.get(Metric.LOG_PROBS_SECONDS, 0.0))
-    seconds = {"rollout": metrics.get(Metric.ROLLOUT_SECONDS, 0.0), "log_probs": log_probs,
-               "train": float(metrics.get(Metric.TRAIN_SECONDS, 0.0)) - log_probs,
-               "publish": metrics.get(Metric.PUBLISH_SECONDS, 0.0), "save": metrics.get(Metric.SAVE_SECONDS, 0.0),
-               "eval": metrics.get(Metric.EVAL_SECONDS, 0.0)}
-    return {PHASE_TIMES[phase]: float(value) for phase, value in seconds.items()}
 
 
 class Reporter:
