@@ -10,6 +10,7 @@ from jobs import submit_cli
 from rollout import cli as rollout_cli
 from slurm.devcluster import cli as cluster_cli
 from supervisor import cli as supervisor_cli
+from supervisor import profile_cli, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollout_cli.add_parser(subparsers)
     submit_cli.add_parser(subparsers)
     supervisor_cli.add_parsers(subparsers)
+    profile_cli.add_parser(subparsers)
+    report.add_parser(subparsers)
     return parser
 
 

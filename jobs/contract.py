@@ -55,6 +55,7 @@ class JobDir:
     checkpoints = property(lambda self: self.root / "checkpoints")
     logs = property(lambda self: self.root / "logs")
     tensorboard = property(lambda self: self.root / "tensorboard")
+    profiles = property(lambda self: self.root / "profiles")  # slurmrl profile's traces
     supervisor_tensorboard = property(lambda self: self.root / "tensorboard" / "supervisor")
     wandb_run = property(lambda self: self.root / "wandb_run.json")  # --use-wandb: the run a resume continues
 
@@ -130,6 +131,23 @@ class Metric:
     PUBLISH_SECONDS = "publish_seconds"
     SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
     EVAL_SECONDS = "eval_seconds"  # only on rollouts that evaluated
+
+
+# Each rollout's time by phase, on every metrics line (0 for a phase that did not run), under
+# slime's perf/*_time names; disjoint, so they add up to the rollout's wall time (slurmrl report
+# stacks them): log-probs are the forward passes before the first optimizer step, train the steps.
+PHASE_TIMES = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time", "train": "perf/actor_train_time",
+               "publish": "perf/update_weights_time", "save": "perf/save_model_time", "eval": "perf/eval_time"}
+
+
+def phase_times(metrics: dict[str, Any]) -> dict[str, float]:
+    """PHASE_TIMES of a rollout's metrics line, from the seconds the loop measured (Metric's)."""
+    log_probs = float(metrics.get(Metric.LOG_PROBS_SECONDS, 0.0))
+    seconds = {"rollout": metrics.get(Metric.ROLLOUT_SECONDS, 0.0), "log_probs": log_probs,
+               "train": float(metrics.get(Metric.TRAIN_SECONDS, 0.0)) - log_probs,
+               "publish": metrics.get(Metric.PUBLISH_SECONDS, 0.0), "save": metrics.get(Metric.SAVE_SECONDS, 0.0),
+               "eval": metrics.get(Metric.EVAL_SECONDS, 0.0)}
+    return {PHASE_TIMES[phase]: float(value) for phase, value in seconds.items()}
 
 
 def append_metrics(job_dir: JobDir, rollout_id: int, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -150,15 +150,23 @@ class EngineClient:
     def resume_memory(self, url: str, tags: list[str], timeout_s: float | None = None) -> None:
         self._memory(url, "/resume_memory_occupation", tags, timeout_s)
 
+    def start_profile(self, url: str, body: dict[str, Any]) -> None:
+        """POST /start_profile with SGLang's ProfileReqInput (it answers 200 with plain text)."""
+        self._post_ok(url, "/start_profile", body, None)
+
     def _memory(self, url: str, route: str, tags: list[str], timeout_s: float | None) -> None:
+        self._post_ok(url, route, {"tags": tags}, timeout_s, f" {tags}")
+
+    def _post_ok(self, url: str, route: str, body: dict[str, Any], timeout_s: float | None, what: str = "") -> None:
+        """POST body; EngineError unless the engine answers 200 (whatever the answer's body)."""
         where = url.rstrip("/") + route
         try:
-            response = requests.post(where, json={"tags": tags}, headers=self._headers,
+            response = requests.post(where, json=body, headers=self._headers,
                                      timeout=self.timeout_s if timeout_s is None else timeout_s)
         except requests.RequestException as err:
             raise EngineError(f"{where} failed: {type(err).__name__}: {err}") from None
         if response.status_code != 200:
-            raise EngineError(f"{where} {tags} answered {response.status_code}: {response.text[:300]}")
+            raise EngineError(f"{where}{what} answered {response.status_code}: {response.text[:300]}")
 
     # ---- life ----
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: install, bring up the loopback SLURM devcluster, make the tiny model and the toy
 # task's prompts, submit the toy RL job (supervisor, router, 2 CPU engines, trainer as steps of
-# one heterogeneous job), show its status while it runs, and the reward per rollout at the end.
+# one heterogeneous job), show its status while it runs, and the reward per rollout at the end,
+# then write the job's plots (slurmrl report) and print where they are.
 # Idempotent; the devcluster stays up (`slurmrl cluster down`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +30,8 @@ print("\nrollout  reward  generated at weight version")
 for r in rows:
     print(f"{r['rollout_id']:7d}  {r['reward_mean']:6.3f}  {r['weight_version']:>6}  " + "#" * round(40 * r["reward_mean"]))
 PY
+echo
+echo "plots (slurmrl report): reward and eval per rollout, time per phase, failures on the time axis:"
+slurmrl report "$job_dir"
 state=$(slurmrl status "$job_dir" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["stop_reason"])')
 [ "$state" = completed ] || { echo "the job did not complete: $state"; exit 1; }

@@ -15,6 +15,7 @@ from supervisor.control import Handler
 from supervisor.engines import HEALTHY, WAITING
 from supervisor.gpu_holder import ENGINES, RELEASED_TAGS
 from supervisor.launcher import ROUTER, TRAINER, StepLauncher
+from supervisor.profiling import Profiling
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
 from supervisor.steps import StepController
@@ -34,12 +35,13 @@ class ControlHandlers:
         self.ending = ending
         self.pool = pool
         self.last_checkpoint = last_checkpoint
+        self.profiling = Profiling(job, recovery.serving)
 
     def table(self) -> dict[Call, Handler]:
         return {Call.STATUS: self.status, Call.RESTART: self.restart, Call.STOP: self.stop,
                 Call.READY_ENGINES: self.ready_engines, Call.PUBLISHED: self.published,
                 Call.ENGINE_FAILED: self.engine_failed, Call.TRAINER_POLL: self.trainer_poll,
-                Call.GPU_HOLDER: self.gpu_holder}
+                Call.GPU_HOLDER: self.gpu_holder, Call.PROFILE: self.profile}
 
     # ------------------------------------------------------------------ the CLI's calls
     def status(self) -> dict[str, Any]:
@@ -63,6 +65,9 @@ class ControlHandlers:
         else:
             raise ValueError(f"unknown step {target!r}; one of: {', '.join([*job.engines, ROUTER, TRAINER])}")
         return {"restarting": target}
+
+    def profile(self, target: str, steps: int) -> dict[str, Any]:
+        return self.profiling.start(target, steps)
 
     def stop(self) -> dict[str, Any]:
         with self.job.store.update() as state:
@@ -121,4 +126,4 @@ class ControlHandlers:
         return {"released": mine}
 
     def trainer_poll(self, rollout_id: int) -> dict[str, Any]:
-        return {"stop": self.ending.stop_requested}
+        return {"stop": self.ending.stop_requested, "profile": self.profiling.take_train_request()}

@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tb-project-name", help="TensorBoard folder JOB_DIR/tensorboard_log/PROJECT/EXPERIMENT")
     add("--tb-experiment-name", help="with --tb-project-name (default: the job dir's name, stable across resumes)")
     add("--use-wandb", action="store_true", help="log each rollout's metrics to one W&B run (resumes continue it)")
-    add("--wandb-mode", choices=("online", "offline", "disabled"), help="default: WANDB_MODE, else online")
+    add("--wandb-mode", choices=("online", "offline", "disabled"), help="default: WANDB_MODE, else online, or offline "
+        "when the W&B server cannot be reached (wandb sync uploads it later)")
     add("--wandb-dir", help="where W&B keeps its files (default: the job dir)")
     add("--wandb-key", help="W&B API key for online mode (or WANDB_API_KEY)")
     add("--wandb-host", help="W&B server for the login")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from jobs.contract import JobDir, Metric, Phase
+from jobs.contract import JobDir, Metric, Phase, phase_times
 from jobs.spec import FaultToleranceSpec
 from jobs.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
@@ -37,6 +37,7 @@ from trainer.backend import Backend
 from trainer.colocation import Colocation, EngineSide
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
+from trainer.profiling import TrainProfiler
 from trainer.save_space import tensor_bytes
 from trainer.wandb_log import WandbRun
 from trainer.supervisor_link import SupervisorLink
@@ -154,6 +155,7 @@ class Loop:
         self.save_now = save_now.install()
         self.loss_cfg = rl_step.loss_config(args)
         self.colocation = colocation(args, backend, self.driver)
+        self.profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
 
     # ---------------------------------------------------------------- start
     def start(self, initial_weights: Path | None, load_reference: Callable[[], None] | None) -> None:
@@ -201,13 +203,18 @@ class Loop:
                 log.warning("saving after rollout %d without publishing it, as the supervisor asked", rollout_id)
                 self.save_before_stop(rollout_id)
                 break
+        self.profiler.close()
         if self.driver:
             self.driver.reporter.close()
 
     def stop_requested(self, rollout_id: int) -> bool:
-        stop = self.save_now.requested or bool(
-            self.driver and self.driver.supervisor and self.driver.supervisor.stop_requested(rollout_id))
-        return bool(self.backend.broadcast_object(stop))
+        stop, profile = self.save_now.requested, None
+        if not stop and self.driver and self.driver.supervisor:
+            stop, profile = self.driver.supervisor.poll(rollout_id)
+        stop, profile = self.backend.broadcast_object((stop, profile))
+        if profile:
+            self.profiler.arm(profile)
+        return bool(stop)
 
     def save_before_stop(self, rollout_id: int) -> None:
         if self.args.save and rollout_id >= 0 and self.last_saved != rollout_id:
@@ -269,13 +276,16 @@ class Loop:
         for step_id, batch in enumerate(steps):
             if self.driver:
                 self.driver.reporter.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
-            step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss_cfg, samples, batch),
-                                                   need_entropy, rollout_id=rollout_id, step_id=step_id)
+            with self.profiler.step(f"rollout={rollout_id} step={step_id}"):
+                step_metrics = self.backend.train_step(samples, batch,
+                                                       rl_step.make_pack_loss(self.loss_cfg, samples, batch),
+                                                       need_entropy, rollout_id=rollout_id, step_id=step_id)
             if args.advantage_estimator == "ppo":
                 critic_loss = rl_step.make_value_pack_loss(args.value_clip, args.calculate_per_token_loss, samples, batch)
                 critic_metrics = self.backend.train_step(samples, batch, critic_loss, False, role="critic")
                 step_metrics.update(value_loss=critic_metrics["value_loss"], value_clipfrac=critic_metrics["value_clipfrac"],
                                     critic_grad_norm=critic_metrics["grad_norm"])
+            self.profiler.after_step()
             for name, value in step_metrics.items():
                 totals[name] = totals.get(name, 0.0) + value / len(steps)
         out.update(totals)
@@ -333,6 +343,7 @@ class Loop:
             metrics.update(self.eval_before_train)
         if save_due:
             metrics[Metric.SAVE_SECONDS] = self.timed_save(rollout_id)
+        metrics.update(phase_times(metrics))
         if self.driver:
             self.driver.reporter.rollout(rollout_id, metrics)
 

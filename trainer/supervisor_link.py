@@ -60,7 +60,12 @@ class SupervisorLink:
 
     def stop_requested(self, rollout_id: int) -> bool:
         """Between rollouts: should the trainer save now and end? (Also the trainer's liveness.)"""
-        return bool(self._call(Call.TRAINER_POLL, rollout_id=rollout_id).get("stop"))
+        return self.poll(rollout_id)[0]
+
+    def poll(self, rollout_id: int) -> tuple[bool, dict[str, Any] | None]:
+        """stop_requested, and a `slurmrl profile --train` request ({"dir", "steps"}) if one waits."""
+        answer = self._call(Call.TRAINER_POLL, rollout_id=rollout_id)
+        return bool(answer.get("stop")), answer.get("profile")
 
     def _call(self, name: Call, **args: object) -> dict[str, Any]:
         """The call, asked again while no supervisor answers, for up to gap_s."""

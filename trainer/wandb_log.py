@@ -3,6 +3,10 @@
 The run's id and group are kept in the job dir (JobDir.wandb_run), so a restarted or requeued
 trainer goes on logging into the same run. A resumed run redoes the rollouts after its checkpoint;
 W&B ignores steps it already has, and an exact resume logs the same values for them anyway.
+
+Compute nodes often have no way out: when neither --wandb-mode nor WANDB_MODE chose a mode and
+the W&B server cannot be reached, the run is kept offline in the job dir (slime would wait out
+W&B's init timeout and fail); `wandb sync` uploads it later, as the log line says.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import json
 import logging
 import os
 import secrets
+import socket
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from jobs.contract import JobDir, write_atomic
 
@@ -21,10 +27,35 @@ log = logging.getLogger(__name__)
 
 # Never sent to W&B as the run's config: secrets.
 _SECRETS = ("api_key", "wandb_key")
+WANDB_SERVER = "https://api.wandb.ai"  # W&B's own default
+SERVER_PROBE_TIMEOUT_S = 5.0  # a TCP connect to the W&B server, to choose online or offline
 
 
 class WandbError(RuntimeError):
     pass
+
+
+def reachable(url: str, timeout_s: float = SERVER_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the server of `url` opens within timeout_s."""
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)),
+                                      timeout=timeout_s):
+            return True
+    except OSError:  # no route, refused, no DNS, timeout
+        return False
+
+
+def _mode(args: argparse.Namespace, directory: str) -> str:
+    chosen = args.wandb_mode or os.environ.get("WANDB_MODE")
+    if chosen:
+        return chosen
+    server = args.wandb_host or os.environ.get("WANDB_BASE_URL") or WANDB_SERVER
+    if reachable(server):
+        return "online"
+    log.warning("W&B server %s cannot be reached from this node: the run is kept offline under %s; upload it "
+                "later with `wandb sync %s/wandb/offline-run-*`", server, directory, directory)
+    return "offline"
 
 
 def _run_identity(args: argparse.Namespace, job_dir: JobDir, new_id: Callable[[], str]) -> dict[str, str]:
@@ -47,13 +78,13 @@ class WandbRun:
             import wandb
         except ImportError:
             raise WandbError("--use-wandb needs the wandb package on the trainer's nodes: pip install wandb") from None
-        mode = args.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+        directory = args.wandb_dir or str(job_dir.root)
+        mode = _mode(args, directory)
         if mode == "online" and args.wandb_key:
             wandb.login(key=args.wandb_key, host=args.wandb_host)
         identity = _run_identity(args, job_dir, lambda: secrets.token_hex(4))
         self.steps_per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
         self.use_train_step = args.wandb_always_use_train_step
-        directory = args.wandb_dir or str(job_dir.root)
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(id=identity["id"], resume="allow", entity=args.wandb_team, project=args.wandb_project,
                               group=identity["group"], name=identity["group"], dir=directory, mode=mode,

@@ -26,6 +26,7 @@ from rollout.cpu_engine.sampling import sample_next
 from rollout.cpu_engine.sequence import Sequence
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+FORWARD_STEP = "cpu_engine.forward_step"
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Scheduler:
         self._idle_commands: deque[_Command] = deque()
         self._paused = False
         self._holds = 0  # open /begin_weight_update windows: no new requests start
+        self.on_step: Callable[[], None] | None = None  # after each forward step (the profiler's count)
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
 
     # ---- called from other threads ----
@@ -193,7 +195,8 @@ class Scheduler:
     def _step(self) -> None:
         batch = self._running
         try:
-            logits, caches = self._forward(batch)
+            with torch.profiler.record_function(FORWARD_STEP):  # one range per step in a profile's trace
+                logits, caches = self._forward(batch)
             still_running = []
             for seq, row, cache in zip(batch, logits, caches):
                 seq.kv = cache
@@ -219,6 +222,8 @@ class Scheduler:
             for _, future in self._output_waiters:
                 resolve(future, True)
             self._output_waiters.clear()
+        if self.on_step is not None:
+            self.on_step()
 
     def _forward(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[list[LayerKV]]]:
         """Next-token logits and grown caches of `batch`. A batched pass pads every sequence to the

@@ -24,6 +24,7 @@ from rollout.cpu_engine.sampling import SamplingParams
 from rollout.cpu_engine.scheduler import PAUSE_MODES
 from rollout.cpu_engine.sequence import Sequence
 from rollout.cpu_engine.memory_routes import add_memory_routes
+from rollout.cpu_engine.profile_routes import add_profile_routes
 from rollout.cpu_engine.weight_routes import add_weight_routes
 
 VERSION = "0.1.0-slurmrl-cpu-engine"
@@ -183,6 +184,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     add_weight_routes(app, engine)
     add_memory_routes(app, engine)
+    add_profile_routes(app, engine)
     return app
 
 

@@ -2,6 +2,9 @@
 engines and the real trainer as steps of one heterogeneous job, no mocks.
 
 - It runs to completion: one hetjob in sacct, every step in `slurmrl status`, rewards rising.
+  On the way, `slurmrl profile --rollout` and `--train` leave Chrome traces of exactly the asked
+  steps (each engine's forward steps, the trainer's optimizer steps) under JOB_DIR/profiles/, every
+  metrics line has each phase's time, and `slurmrl report` plots the finished job.
 - While one runs: report a healthy engine as failed (one probe keeps it in), SIGKILL an engine, SIGSTOP one (a hang), make one answer 503, kill the router,
   `slurmrl restart` an engine. Each time the engine (or router) comes back at the current weight
   version, events.jsonl shows detection and recovery with their times, and no engine ever served
@@ -11,6 +14,7 @@ engines and the real trainer as steps of one heterogeneous job, no mocks.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -24,9 +28,11 @@ import psutil
 import requests
 
 from slurm.devcluster.daemons import wait_for
-from jobs.contract import JobDir
+from jobs.contract import PHASE_TIMES, JobDir
 from jobs.control_protocol import Call, ControlClient, ControlError
+from rollout.cpu_engine.scheduler import FORWARD_STEP
 from supervisor.keys import load_key
+from trainer.profiling import TRAIN_STEP
 from tests.slurm_helpers import sacct_rows, wait_job_gone, wait_sacct_states
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,10 +114,27 @@ def listening_pid(url: str) -> int:
     return pids.pop()
 
 
+def traced_steps(trace: Path, name: str) -> int:
+    """How many `name` ranges a Chrome trace (.json.gz) holds."""
+    with gzip.open(trace, "rt") as f:
+        return sum(1 for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith(name) and e.get("ph") == "X")
+
+
 def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, "--num-rollout", "12")
+    wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
+    rollout = slurmrl("profile", str(job_dir), "--rollout", "--steps", "3").stdout
+    train = slurmrl("profile", job_id, "--train", "--steps", "1").stdout
     wait_job_gone(job_id, timeout_s=600)
+    [rollout_dir] = (job_dir / "profiles").glob("rollout-*")
+    [train_dir] = (job_dir / "profiles").glob("train-*")
+    assert str(rollout_dir) in rollout and "engine-0, engine-1" in rollout and str(train_dir) in train
+    for engine in ("engine-0", "engine-1"):  # SGLang's num_steps: the engine stopped by itself
+        [trace] = (rollout_dir / engine).glob(f"{engine}-*-TP-0.trace.json.gz")
+        assert traced_steps(trace, FORWARD_STEP) == 3
+    assert traced_steps(train_dir / "rank0.trace.json.gz", TRAIN_STEP) == 1
+    assert events(job_dir, "profile_started")[0]["engines"] == ["engine-0", "engine-1"]
     wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
     assert len(sacct_rows(job_id, "JobID")) == 2, "one heterogeneous job of two components"
     state = status(job_dir)
@@ -124,6 +147,12 @@ def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
     assert_never_stale(job_dir)
     table = slurmrl("status", job_id).stdout  # by SLURM job id too, as a table
     assert "engine-0" in table and "trainer" in table and "stopped: completed" in table
+    lines = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m[key] >= 0 for m in lines for key in PHASE_TIMES.values())
+    assert all(m["perf/rollout_time"] > 0 and m["perf/actor_train_time"] > 0 for m in lines)
+    plots = slurmrl("report", job_id).stdout.split()
+    assert [Path(p).name for p in plots] == ["reward.png", "phases.png", "events.png"]
+    assert all(Path(p).parent == job_dir / "report" and Path(p).stat().st_size > 5000 for p in plots)
 
 
 def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path: Path) -> None:

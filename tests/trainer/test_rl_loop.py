@@ -26,6 +26,7 @@ import pytest
 import requests
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from jobs.contract import PHASE_TIMES
 from rollout import debug_data
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
@@ -149,8 +150,16 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
     assert evaluated == [1, 3, 5] and "before_train/eval/toy" in whole[0], "slime's eval schedule"
     assert [m["rollout_id"] for m in whole if m.get("eval_seconds", 0) > 0] == evaluated
     assert {"eval/toy-pass@1", "eval/toy-pass@2", "eval/toy-truncated_ratio"} <= set(whole[1])
+    # every phase's time on every line (slime's perf/*_time), disjoint: they match the loop's own seconds
+    for m in whole:
+        assert m["perf/rollout_time"] == m["rollout_seconds"] > 0 and m["perf/update_weights_time"] > 0
+        assert m["perf/log_probs_time"] + m["perf/actor_train_time"] == pytest.approx(m["train_seconds"])
+        assert m["perf/log_probs_time"] > 0 and m["perf/actor_train_time"] > 0
+        assert (m["perf/eval_time"] > 0) == (m["rollout_id"] in evaluated)
+        assert (m["perf/save_model_time"] > 0) == (m["rollout_id"] % 2 == 1)  # --save-interval 2
     scalars = EventAccumulator(str(tmp_path / "whole/tensorboard")).Reload().Tags()["scalars"]
     assert {"eval/toy", "eval/toy-pass@2", "before_train/eval/toy", "eval_seconds", "log_probs_seconds"} <= set(scalars)
+    assert set(PHASE_TIMES.values()) <= set(scalars)
 
 
 def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path: Path) -> None:

@@ -91,3 +91,27 @@ def test_tb_project_and_experiment_name_the_tensorboard_folder(flags: list[str],
     assert args.tensorboard_dir == str(tmp_path / "job" / "tensorboard_log" / "proj" / "exp")
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     assert parse_args(flags + ["--use-tensorboard"]).tensorboard_dir == str(tmp_path / "tb")
+
+
+def test_without_a_mode_and_without_network_the_run_is_kept_offline(flags: list[str], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Neither --wandb-mode nor WANDB_MODE, and the W&B server (here a closed port on 127.0.0.1)
+    cannot be reached: the run is written offline in the job dir, and the log says how to sync it."""
+    from tests.ports import free_port
+    from trainer.wandb_log import WandbRun, reachable
+
+    server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert not reachable(server)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", server)
+    args = parse_args(flags + ["--use-wandb", "--wandb-project", "p"])
+    job_dir = JobDir(Path(args.job_dir))
+    with caplog.at_level("WARNING", logger="trainer.wandb_log"):
+        run = WandbRun(args, job_dir)
+    run.log(0, {"loss": 0.5})
+    run.close()
+    assert run.run.settings.mode == "offline"
+    assert f"wandb sync {job_dir.root}/wandb/offline-run-*" in caplog.text and server in caplog.text
+    wait_for(lambda: [r for f in job_dir.root.glob("wandb/offline-run-*/run-*.wandb") for r in _history(f)],
+             HISTORY_FLUSH_S, "the offline run's history")
