@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import time
 
+from supervisor.slurm_jobs import SlurmUnavailable, sacct_states
+
 # "the signal may be sent up to 60 seconds earlier than specified" (sbatch --signal)
 SLURM_SIGNAL_EARLY_S = 65.0
 
@@ -50,12 +52,9 @@ class SlurmJob:
 
     def _sacct_states(self) -> list[str]:
         try:
-            out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", self.job_id, "-o", "State"], capture_output=True,
-                                 text=True, timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
+            return sacct_states(self.job_id, self.timeout_s)
+        except SlurmUnavailable:
             return []
-        # "CANCELLED by 0" -> CANCELLED; a hetjob has a line per component
-        return [line.split()[0] for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
     def time_left(self) -> str | None:
         words = self._squeue("%L")

@@ -38,9 +38,15 @@ def job_state(job_id: str, timeout_s: float) -> SlurmJob | None:
     if rows:
         state, reason = rows[0][:2]
         return SlurmJob(job_id, state, "" if reason == "None" else reason)
-    ended = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], timeout_s)
-    states = [line.split()[0] for line in ended.splitlines() if line.strip()]
+    states = sacct_states(job_id, timeout_s)
     return SlurmJob(job_id, states[-1]) if states else None
+
+
+def sacct_states(job_id: str, timeout_s: float) -> list[str]:
+    """The job's states as the accounting recorded them, a line per hetjob component
+    ("CANCELLED by 0" -> CANCELLED); SlurmUnavailable if sacct does not answer."""
+    ended = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], timeout_s)
+    return [line.split()[0] for line in ended.splitlines() if line.strip()]
 
 
 def job_dir_of(job: str, timeout_s: float) -> JobDir:
