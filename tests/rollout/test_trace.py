@@ -6,7 +6,6 @@ error, drawing one bar per span in the dump."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -14,22 +13,39 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from jobs import cli
 from rollout import debug_data, trace
 from rollout.generate import generate_rollout
+from rollout.router_client import RouterClient
 from rollout.sample import Sample, Status
+from rollout.tiny_model import write_tiny_model
 from slurm.devcluster.daemons import wait_for
 from supervisor.events import EventLog
-from tests.rollout.test_generate_rollout import _args, _buffer, cluster, model  # noqa: F401 - fixtures
+from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.rollout.test_generate_rollout import _args, _buffer
 
 BROWSER_TIMEOUT_S = 60  # one headless page load; far more than the few hundred ms it takes
 DONE = ("stop", "length")
+ABORT_EVERY_S = 0.05  # aborts sent to the engines during a round (~1 s): several land mid-generation
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture
+def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Server]]]:
+    with engines_behind_router(model, tmp_path) as pair:
+        yield pair
 
 
 def _spans(sample: Sample, kind: str) -> list[dict]:
@@ -37,7 +53,7 @@ def _spans(sample: Sample, kind: str) -> list[dict]:
 
 
 def test_spans_show_queue_retries_on_another_engine_and_reward(cluster, model: Path, tmp_path: Path) -> None:
-    router, (victim, survivor) = cluster
+    router, (victim, _) = cluster
     dump_template, events_path = str(tmp_path / "dump_{rollout_id}.pt"), tmp_path / "events.jsonl"
     args = replace(_args(model, router), rollout_concurrency=8, save_debug_rollout_data=dump_template)
     result: dict = {}
@@ -79,27 +95,43 @@ def test_spans_show_queue_retries_on_another_engine_and_reward(cluster, model: P
 
 
 def test_filter_abort_and_resume_marks_of_a_partial_rollout(cluster, model: Path, tmp_path: Path) -> None:
-    router, _ = cluster
-    # Few requests in flight and long responses: when 4 groups pass, others are mid-generation.
+    router, engines = cluster
     args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=12, partial_rollout=True,
                    rollout_concurrency=8, rollout_max_response_len=48,
                    dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters."
                                                 "check_reward_nonzero_std",
                    custom_rm_path="tests.rollout.test_generate_rollout.reward_by_index")
-    buffer = _buffer(tmp_path)
-    first = [s for g in generate_rollout(args, 0, buffer) for s in g]
+    buffer, stop = _buffer(tmp_path), threading.Event()
+
+    def abort_now_and_then() -> None:  # what a weight update's pause does to the requests running
+        while not stop.wait(ABORT_EVERY_S):
+            for engine in engines:
+                requests.post(engine.url + "/abort_request", json={"abort_all": True}, timeout=5,
+                              headers={"Authorization": f"Bearer {API_KEY}"})
+
+    aborter = threading.Thread(target=abort_now_and_then)
+    aborter.start()
+    try:
+        first = [s for g in generate_rollout(args, 0, buffer) for s in g]
+    finally:
+        stop.set()
+        aborter.join()
     assert all(len(_spans(s, "filter")) == 1 and _spans(s, "filter")[0]["kept"] for s in first)
-    aborted = {s.index: s for g in buffer.pending for s in g if s.status is Status.ABORTED and s.response_length}
-    assert aborted, "no sample was aborted mid-generation"
-    for s in aborted.values():
-        assert _spans(s, "abort") and _spans(s, "generate")[-1]["outcome"] == "abort"
-    attempts = {i: len(_spans(s, "generate")) for i, s in aborted.items()}
+    resumed = [s for s in first if _spans(s, "resume")]
+    assert resumed, "no sample was aborted and continued"
+    for s in resumed:
+        generate = _spans(s, "generate")
+        assert _spans(s, "abort")[0]["start"] <= _spans(s, "resume")[0]["start"]
+        assert _spans(s, "resume")[0]["rollout_id"] == 0 and "abort" in [g["outcome"] for g in generate]
+        assert [g["attempt"] for g in generate] == list(range(len(generate))) and generate[-1]["outcome"] in DONE
+    # The round's end aborts what still runs; a partial rollout continues those in the next round.
+    carried = {s.index: len(_spans(s, "generate")) for g in buffer.pending for s in g if s.status is Status.ABORTED}
     second = {s.index: s for g in generate_rollout(replace(args, rollout_batch_size=8), 1, buffer) for s in g}
-    for index in aborted:
-        resume = _spans(second[index], "resume")
-        assert resume and resume[-1]["rollout_id"] == 1, "a continued sample has no resume mark"
-        later = [g for g in _spans(second[index], "generate") if g["start"] >= resume[-1]["start"]]
-        assert later and later[0]["attempt"] == attempts[index], "attempts are not counted over rounds"
+    for index, attempts in carried.items():
+        resume = [r for r in _spans(second[index], "resume") if r["rollout_id"] == 1]
+        assert resume, f"sample {index} was continued without a resume mark"
+        later = [g for g in _spans(second[index], "generate") if g["start"] >= resume[0]["start"]]
+        assert later and later[0]["attempt"] == attempts, "attempts are not counted over rounds"
 
 
 def test_an_older_dump_without_spans_still_loads_and_renders(tmp_path: Path, capsys) -> None:
