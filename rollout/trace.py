@@ -22,6 +22,7 @@ from typing import Any
 from rollout.sample import Sample
 
 KINDS = ("queued", "generate", "retry_wait", "abort", "resume", "reward", "filter")
+_OF_THE_RESPONSE = ("reward", "filter")  # spans about the finished response: its weight version is theirs
 
 
 def add(sample: Sample, kind: str, start: float, end: float | None = None, *, engine: str | None = None,
@@ -29,6 +30,8 @@ def add(sample: Sample, kind: str, start: float, end: float | None = None, *, en
     """Record one span (end None: a mark at `start`) and return it, for fields known later."""
     if kind not in KINDS:
         raise ValueError(f"span kind {kind!r}: one of {', '.join(KINDS)}")
+    if weight_version is None and kind in _OF_THE_RESPONSE:
+        weight_version = sample.weight_version
     span = {"kind": kind, "start": start, "end": start if end is None else end, "engine": engine,
             "weight_version": weight_version, "attempt": attempt, **fields}
     sample.spans.append(span)

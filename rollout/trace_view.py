@@ -130,10 +130,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>slurmrl trace</title>
 <style>
-body{font:12px sans-serif;margin:12px;color:#222}
+body{font:12px sans-serif;margin:12px;color:#222;overflow-x:hidden}
 #legend span{display:inline-block;margin-right:10px}
 #legend i{display:inline-block;width:12px;height:10px;margin-right:3px;vertical-align:middle}
-#chart{position:relative;border-top:1px solid #ccc}
+#chart{position:relative;border-top:1px solid #ccc;margin-top:16px}
 .row{position:relative;height:14px;border-bottom:1px solid #f2f2f2}
 .row.tail{background:#fff4e0}
 .label{position:absolute;left:0;width:150px;overflow:hidden;white-space:nowrap;font-size:10px;line-height:14px}
@@ -141,6 +141,7 @@ body{font:12px sans-serif;margin:12px;color:#222}
 .span{position:absolute;top:2px;height:10px;min-width:1px;opacity:.9}
 .span.mark{width:2px;top:0;height:14px;min-width:2px}
 .event{position:absolute;top:0;width:2px;opacity:.7}
+.event-label{position:absolute;top:-14px;left:3px;font-size:10px;white-space:nowrap;background:#fffc}
 .event.failure{background:#d00}.event.recovery{background:#080}
 .k-queued{background:#bbb}.k-generate{background:#3b7dd8}.k-retry_wait{background:#f0a}.k-abort{background:#d00}
 .k-resume{background:#0a0}.k-reward{background:#e90}.k-filter{background:#7a3}
@@ -188,6 +189,7 @@ for (const e of data.events) {
   const m = el("div", "event " + e.class, chart);
   m.style.left = "calc(155px + (100% - 165px) * " + ((e.time - t0) / width) + ")";
   m.style.height = "100%";
+  el("span", "event-label", m).textContent = e.kind + (e.step ? " " + e.step : "");
   hover(m, describe(e));
 }
 document.body.dataset.rendered = String(document.querySelectorAll(".span").length);
