@@ -1,5 +1,6 @@
-"""`python -m rollout tiny-model DIR | toy-data FILE` (also `slurmrl tiny-model | toy-data`): the tiny
-model and the toy task's prompts that the CPU engine, the tests and the demo use."""
+"""`python -m rollout tiny-model DIR | toy-data FILE | trace DUMP` (also `slurmrl tiny-model | toy-data |
+trace`): the tiny model and the toy task's prompts that the CPU engine, the tests and the demo use, and
+the HTML timeline of a rollout dump (rollout.trace_view)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from rollout import trace_view
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout", description="the tiny model and the toy task's data")
+    parser = argparse.ArgumentParser(prog="python -m rollout", description="the tiny model, the toy task's data and rollout traces")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
@@ -27,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     toy.add_argument("--labels", default="0123", help="digits the prompts ask for (default %(default)s)")
     toy.add_argument("--seed", type=int, default=0, help="default %(default)s")
     toy.set_defaults(func=run_toy_data, prog=toy.prog)
+    trace_view.add_parser(subparsers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ slime loads here and one made here loads in slime (slime/observability/rollout_d
 
 `path` is the template formatted with rollout_id (for an eval, rollout_id="eval_<id>"); the
 samples are one flat list, a prompt's samples sharing group_index; each dict has slime's Sample
-field names (`weight_versions`, a list, where slurmrl keeps the last one as `weight_version`).
+field names (`weight_versions`, a list, where slurmrl keeps the last one as `weight_version`), and
+slurmrl's `spans` (rollout.trace: slime reads it as an extra attribute; a dump without it loads with none).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def from_slime_dict(d: dict[str, Any], where: str) -> Sample:
                   response_length=d.get("response_length", 0), label=d.get("label"), reward=d.get("reward"),
                   loss_mask=list(d.get("loss_mask") or []), status=status,
                   rollout_log_probs=list(d.get("rollout_log_probs") or []),
-                  weight_version=str(versions[-1]) if versions else None, metadata=dict(d.get("metadata") or {}))
+                  weight_version=str(versions[-1]) if versions else None, metadata=dict(d.get("metadata") or {}),
+                  spans=list(d.get("spans") or []))  # dumps older than rollout.trace have none
 
 
 def save(template: str, rollout_id: int, samples: list[Sample], evaluation: bool = False) -> Path:

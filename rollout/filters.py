@@ -3,8 +3,12 @@ built-in filters are slime's, in slime/rollout/filter_hub/dynamic_sampling_filte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from rollout import trace
+from rollout.sample import Sample
 
 
 @dataclass
@@ -28,3 +32,13 @@ def filter_keeps(verdict: Any, candidates: int | None = None, target: int | None
         return True
     return bool(getattr(verdict, "keep_when_insufficient", False) and candidates is not None
                 and target is not None and candidates <= target)
+
+
+def judge_group(keep: Callable[[Any, list[Sample]], Any], args: Any, group: list[Sample], candidates: int,
+                target: int) -> bool:
+    """A filter's verdict on a group by filter_keeps, recorded as a filter span on each of its samples."""
+    with trace.span(group, "filter") as span:
+        verdict = keep(args, group)
+        kept = filter_keeps(verdict, candidates, target)
+        span.update(kept=kept, reason=getattr(verdict, "reason", None))
+    return kept

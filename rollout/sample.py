@@ -32,6 +32,7 @@ class Sample:
     rollout_log_probs: list[float] = field(default_factory=list)
     weight_version: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    spans: list[dict[str, Any]] = field(default_factory=list)  # rollout.trace's record of what happened to it
 
     Status: ClassVar[type[Status]] = Status  # slime's spelling: Sample.Status.TRUNCATED
 

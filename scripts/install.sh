@@ -24,3 +24,7 @@ if [ "$(cat .sglang-args/PINS 2>/dev/null)" != "$SGLANG_ARGS_PINS" ]; then
     echo "$SGLANG_ARGS_PINS" > .sglang-args.tmp/PINS
     mv .sglang-args.tmp .sglang-args
 fi
+# Chromium (Debian's), for the test that loads `slurmrl trace`'s page in a real headless browser.
+if ! command -v chromium >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+fi

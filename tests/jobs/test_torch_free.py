@@ -28,6 +28,7 @@ def _imported(python_args: list[str]) -> set[str]:
     ["-m", "jobs.cli", "--help"],
     ["-m", "jobs.cli", "status", "--help"],
     ["-m", "jobs.cli", "submit", "--help"],
+    ["-m", "jobs.cli", "trace", "--help"],
     ["-m", "rollout", "--help"],
     ["-m", "ckpt_tools", "--help"],
     ["-m", "slurm.devcluster", "--help"],

@@ -121,8 +121,10 @@ def test_our_dump_loads_in_slime_with_its_fields(tmp_path: Path) -> None:
     written = debug_data.save(template, 5, ours)
     assert written == tmp_path / "5.pt"
     raw = torch.load(written, weights_only=False)
-    assert raw["rollout_id"] == 5 and set(raw["samples"][0]) == set(SlimeSample.__dataclass_fields__)
+    # slime's fields, and slurmrl's spans (rollout.trace), which slime's from_dict keeps as an attribute
+    assert raw["rollout_id"] == 5 and set(raw["samples"][0]) == set(SlimeSample.__dataclass_fields__) | {"spans"}
     theirs = slime_load(template, 5)
+    assert theirs[0].spans == []
     assert [s.index for s in theirs] == [0, 1] and all(isinstance(s, SlimeSample) for s in theirs)
     assert theirs[0].status is SlimeSample.Status.COMPLETED and theirs[0].weight_versions == ["7"]
     assert (theirs[1].tokens, theirs[1].reward, theirs[1].loss_mask, theirs[1].rollout_log_probs) == (
