@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -50,8 +51,10 @@ class RecordingSteps:
         return srun_argv("100", [s for s in self.specs if s.name == name][-1])
 
 
-def _launcher(tmp_path: Path, site: StepsSpec, rollout: RolloutSpec, places: list[EnginePlace],
-              nodes: tuple[str, ...]) -> tuple[StepLauncher, RecordingSteps, JobContext]:
+def site_launcher(tmp_path: Path, site: StepsSpec, rollout: RolloutSpec, places: list[EnginePlace],
+                  nodes: tuple[str, ...], steps: Any = None) -> tuple[StepLauncher, Any, JobContext]:
+    """A launcher of a job with `site` as its steps section, launching through `steps` (a
+    StepController; default a RecordingSteps); the caller closes job.events."""
     spec = JobSpec(job_dir=str(tmp_path), python=HOST_PYTHON, rollout=rollout, steps=site,
                    trainer=TrainerSpec(actor_num_gpus_per_node=0, train_args=["--hf-checkpoint", "/m"]))
     layout = Layout(job_id="100", head="node0", head_address="127.0.0.1", trainer_nodes=("node0",),
@@ -63,7 +66,7 @@ def _launcher(tmp_path: Path, site: StepsSpec, rollout: RolloutSpec, places: lis
                      engines={p.name: Engine(p) for p in places},
                      membership=SimpleNamespace(router=SimpleNamespace(alive=lambda: True)), client=None,
                      finished=threading.Event(), inbox=queue.Queue())
-    steps = RecordingSteps()
+    steps = RecordingSteps() if steps is None else steps
     router = RouterPlace(f"http://127.0.0.1:{layout.router_port}", layout.router_port, layout.router_metrics_port)
     return StepLauncher(job, steps, "key", router), steps, job
 
@@ -71,7 +74,7 @@ def _launcher(tmp_path: Path, site: StepsSpec, rollout: RolloutSpec, places: lis
 @pytest.fixture
 def two_engines(tmp_path: Path) -> Iterator[tuple[StepLauncher, RecordingSteps, JobContext]]:
     places = [EnginePlace(f"engine-{k}", k, ("node1",), "127.0.0.1", 31000 + k, 1, 0) for k in range(2)]
-    launcher, steps, job = _launcher(tmp_path, SITE, RolloutSpec(engine="cpu", num_engines=2), places,
+    launcher, steps, job = site_launcher(tmp_path, SITE, RolloutSpec(engine="cpu", num_engines=2), places,
                                      ("node1", "node2"))
     yield launcher, steps, job
     job.events.close()
@@ -146,7 +149,7 @@ def test_an_engine_relaunched_by_its_recovery_keeps_its_options_once(
 def test_a_multinode_engine_wraps_its_node_rank_runner_in_the_setup(tmp_path: Path) -> None:
     rollout = RolloutSpec(engine="cpu", num_engines=1, rollout_num_gpus_per_engine=8, rollout_num_gpus_per_node=4)
     place = EnginePlace("engine-0", 0, ("node1", "node2"), "127.0.0.1", 31000, 1, 0, dist_init_port=31100)
-    launcher, steps, job = _launcher(tmp_path, SITE, rollout, [place], ("node1", "node2"))
+    launcher, steps, job = site_launcher(tmp_path, SITE, rollout, [place], ("node1", "node2"))
     try:
         launcher.launch_engine(job.engines["engine-0"])
     finally:
@@ -164,7 +167,7 @@ def test_only_the_roles_with_an_image_run_in_a_container(tmp_path: Path) -> None
     site = StepsSpec(engine_container_image="lmsysorg/sglang:v0.5.5", container_python="/opt/py/bin/python",
                      router_srun_args=["--cpu-bind=none"])
     places = [EnginePlace("engine-0", 0, ("node1",), "127.0.0.1", 31000, 1, 0)]
-    launcher, steps, job = _launcher(tmp_path, site, RolloutSpec(engine="cpu", num_engines=1), places, ("node1",))
+    launcher, steps, job = site_launcher(tmp_path, site, RolloutSpec(engine="cpu", num_engines=1), places, ("node1",))
     try:
         launcher.launch_router()
         launcher.launch_engine(job.engines["engine-0"])
@@ -184,7 +187,7 @@ def test_only_the_roles_with_an_image_run_in_a_container(tmp_path: Path) -> None
 
 def test_no_steps_section_leaves_every_command_line_as_it_was(tmp_path: Path) -> None:
     places = [EnginePlace("engine-0", 0, ("node1",), "127.0.0.1", 31000, 1, 0)]
-    launcher, steps, job = _launcher(tmp_path, StepsSpec(), RolloutSpec(engine="cpu", num_engines=1), places,
+    launcher, steps, job = site_launcher(tmp_path, StepsSpec(), RolloutSpec(engine="cpu", num_engines=1), places,
                                      ("node1",))
     try:
         launcher.launch_engine(job.engines["engine-0"])
