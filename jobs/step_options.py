@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+from pathlib import Path
 
-from jobs.spec import ROLES, StepsSpec
+from jobs.spec import PATH_FLAGS, ROLES, JobSpec, StepsSpec, flag_value
 
 # srun options slurmrl sets on every step itself (supervisor/steps.py srun_argv), or that would take
 # the step out of its hands: option -> what to do instead. Short forms map to their long names.
@@ -107,6 +108,22 @@ def problems(steps: StepsSpec) -> list[str]:
                 out.append(f"steps.setup/{role}_setup: bash cannot parse the {role} step's setup ({error}); "
                            "fix the quoting")
     return out
+
+
+def mount_notes(spec: JobSpec) -> list[str]:
+    """A finalized spec's job dir and trainer paths that no mount shows at the same path inside the
+    containers (slurmrl passes host paths): a note, not a problem, since the image or enroot's own
+    mounts may hold them; this machine cannot tell."""
+    if not any(spec.steps.image(role) for role in ROLES):
+        return []
+    same = [Path(m.split(":")[0]) for m in spec.steps.container_mounts if m.split(":")[0] == m.split(":")[1]]
+    paths = [spec.job_dir] + [flag_value(spec.trainer.train_args, flag) for flag in PATH_FLAGS]
+    unseen = [p for p in dict.fromkeys(paths) if p and not any(Path(p).is_relative_to(root) for root in same)]
+    if not unseen:
+        return []
+    top = "/" + Path(unseen[0]).parts[1]
+    return [f"steps.container_mounts: {', '.join(unseen)} under no SRC:DST mount with DST = SRC; the steps in "
+            f"containers see them only if the image or enroot's own mounts hold them (add e.g. {top}:{top})"]
 
 
 def refused_srun_options(args: list[str]) -> list[str]:

@@ -110,3 +110,24 @@ def test_the_setup_wrapper_runs_the_lines_then_the_command_with_its_arguments_in
     assert out.read_text() == "hello there|/|a b|$HOME\n"
     failing = step_options.with_setup(["false", f"touch {tmp_path}/ran"], ["true"])
     assert subprocess.run(failing, timeout=10).returncode == 1 and not (tmp_path / "ran").exists()
+
+
+def test_paths_no_mount_shows_in_the_containers_are_a_note_at_submit(tmp_path: Path) -> None:
+    from jobs.submit import prepare
+
+    job_dir = tmp_path / "job"
+    flags = job_flags(tmp_path, "mounts", job_dir) + ["--container-image", "img:1"]
+    notes: list[str] = []
+    prepare(None, flags + ["--container-mounts", "/elsewhere:/elsewhere"], partitions=False, notes=notes)
+    top = "/" + tmp_path.parts[1]
+    assert [n for n in notes if n.startswith("steps.")] == [
+        f"steps.container_mounts: {job_dir}, {tmp_path / 'model'}, {tmp_path / 'toy.jsonl'}, "
+        f"{job_dir / 'checkpoints'} under no SRC:DST mount with DST = SRC; the steps in containers see them only "
+        f"if the image or enroot's own mounts hold them (add e.g. {top}:{top})"], notes
+    notes.clear()
+    prepare(None, flags + ["--container-mounts", f"{tmp_path}:{tmp_path}"], partitions=False, notes=notes)
+    assert not [n for n in notes if n.startswith("steps.")], notes
+    notes.clear()
+    prepare(None, flags + ["--container-mounts", f"{tmp_path}:/data"], partitions=False, notes=notes)
+    assert [n for n in notes if n.startswith("steps.")], "a mount at another path inside does not show the host path"
+    assert not job_dir.exists()  # prepare writes nothing
