@@ -173,7 +173,10 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
             if str(f.type).startswith("bool") and not values:
                 values = ["true"]
             if len(values) != 1:
-                problems.append(f"{name}: takes one value, got {len(values)}")
+                # a list of options (steps.ROLE_srun_args): its tokens start with -- and would be flags of their own
+                options = str(f.type).startswith("list") and not f.metadata.get("items")
+                problems.append(f"{name}: takes one value, got {len(values)}"
+                                + (f"; give the options after '=': {name}='--cpu-bind=none --mem=0'" if options else ""))
                 continue
             value, problem = _convert(f, values[0], name)
             target = spec if section is None else getattr(spec, section)

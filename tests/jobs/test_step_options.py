@@ -33,6 +33,12 @@ def test_flags_fill_the_steps_section(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.setup_lines("trainer") == ["module load cuda/12.4", "export PATH=$HOME/bin:$PATH"]
 
 
+def test_srun_options_given_as_a_flag_without_equals_say_how() -> None:
+    _, problems = load_spec(None, ["--engine-srun-args", "--cpu-bind=none"])
+    assert problems[0] == ("--engine-srun-args: takes one value, got 0; give the options after '=': "
+                           "--engine-srun-args='--cpu-bind=none --mem=0'"), problems
+
+
 def test_yaml_steps_survive_spec_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STEP_ONLY_VAR", raising=False)
     path = tmp_path / "job.yaml"
