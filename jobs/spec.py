@@ -41,6 +41,14 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
     fault_tolerance:
       use_fault_tolerance: true
       ...                           # see FaultToleranceSpec: every wait of the job is one of its fields
+    steps:                          # how every srun step runs on the site (jobs/step_options.py)
+      container_image: null         # Pyxis image of every step; trainer_/engine_/router_container_image per role
+      container_mounts: [/lustre:/lustre, "/models:/models:ro"]   # SRC:DST[:FLAGS], with an image only
+      container_workdir: null       # the steps' working directory inside the container
+      container_python: python3     # a containerised step's interpreter (`python` stays the host's)
+      engine_srun_args: [--cpu-bind=none]   # extra srun options per role (trainer_, engine_, router_)
+      setup: ["module load cuda/12.4", "export NCCL_DEBUG=WARN"]   # shell lines before every step's
+                                    # command (trainer_setup, engine_setup, router_setup: one role's, after)
 
 Flags: every field has one (`--actor-num-nodes 2`, `--rollout-engine cpu`, `--colocate`, `--job-name`,
 `--time`); `--sglang-*` and `--router-*` pass through to the engines and the router; every other flag
@@ -229,6 +237,47 @@ class FaultToleranceSpec:
                 Phase.SAVE: self.trainer_save_timeout}[Phase(phase)]
 
 
+ROLES = ("trainer", "engine", "router")  # the kinds of srun step the supervisor launches
+
+
+def _lines(flag: str) -> dict[str, str]:
+    """Field metadata of a list of shell lines: each --flag gives one line, run by the step's shell
+    (so its $VARs are the step's, not expanded at submission)."""
+    return {"flag": flag, "items": "lines"}
+
+
+@dataclass
+class StepsSpec:
+    """How every srun step runs on the site: in a container through Pyxis (one image per role, the
+    default image for the roles without one), with extra srun options per role, after shell setup
+    lines (module loads, exports). Rendered and checked by jobs/step_options.py."""
+
+    container_image: str | None = None
+    trainer_container_image: str | None = None
+    engine_container_image: str | None = None
+    router_container_image: str | None = None
+    container_mounts: list[str] = field(default_factory=list, metadata={"items": "mounts"})  # SRC:DST[:FLAGS]
+    container_workdir: str | None = None
+    container_python: str = "python3"  # the interpreter of a step in a container (slurmrl installed there)
+    trainer_srun_args: list[str] = field(default_factory=list)
+    engine_srun_args: list[str] = field(default_factory=list)
+    router_srun_args: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list, metadata=_lines("--step-setup"))  # every step's
+    trainer_setup: list[str] = field(default_factory=list, metadata=_lines("--trainer-setup"))
+    engine_setup: list[str] = field(default_factory=list, metadata=_lines("--engine-setup"))
+    router_setup: list[str] = field(default_factory=list, metadata=_lines("--router-setup"))
+
+    def image(self, role: str) -> str | None:
+        own = getattr(self, f"{role}_container_image")
+        return self.container_image if own is None else own
+
+    def srun_args(self, role: str) -> list[str]:
+        return list(getattr(self, f"{role}_srun_args"))
+
+    def setup_lines(self, role: str) -> list[str]:
+        return [*self.setup, *getattr(self, f"{role}_setup")]
+
+
 @dataclass
 class JobSpec:
     name: str = field(default="slurmrl", metadata=_flag("--job-name"))
@@ -242,6 +291,7 @@ class JobSpec:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
+    steps: StepsSpec = field(default_factory=StepsSpec)
 
     # -- YAML (the job dir keeps spec.yaml; jobs/spec_loading.py reads it back) --
     def to_dict(self) -> dict[str, Any]:
@@ -267,7 +317,8 @@ class JobSpec:
         return 0 if self.rollout.colocate else 1
 
 
-SECTIONS = {"trainer": TrainerSpec, "rollout": RolloutSpec, "fault_tolerance": FaultToleranceSpec}
+SECTIONS = {"trainer": TrainerSpec, "rollout": RolloutSpec, "fault_tolerance": FaultToleranceSpec,
+            "steps": StepsSpec}
 
 
 # -- flag tokens --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from jobs import engine_groups
 from jobs.contract import JobDir
 from jobs.spec import (
     PATH_FLAGS,
+    ROLES,
     SECTIONS,
     JobSpec,
     SpecError,
@@ -62,6 +63,8 @@ def _convert(f: dataclasses.Field, raw: Any, where: str) -> tuple[Any, str | Non
             return int(raw), None
         if kind.startswith("float"):
             return float(raw), None
+        if kind.startswith("list") and f.metadata.get("items"):
+            return _as_items(raw, f.metadata["items"], where)
         if kind.startswith("list"):
             return _as_argv(raw, where)
         return os.path.expandvars(str(raw)), None
@@ -89,6 +92,15 @@ def _as_argv(raw: Any, where: str) -> tuple[list[str], str | None]:
                 out += [flag, str(value)]
         return out, None
     return [], f"{where}: must be a list of flags or a mapping of flag: value"
+
+
+def _as_items(raw: Any, items: str, where: str) -> tuple[list[str], str | None]:
+    """A list of strings: YAML's list, or one string (mounts: Pyxis's comma-separated list; lines: one line)."""
+    if isinstance(raw, list):
+        return [str(t) for t in raw], None
+    if isinstance(raw, str):
+        return ([m for m in raw.split(",") if m] if items == "mounts" else [raw]), None
+    return [], f"{where}: must be a list of strings"
 
 
 def spec_from_dict(data: dict[str, Any]) -> tuple[JobSpec, list[str]]:
@@ -147,6 +159,7 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
     problems: list[str] = []
     table = spec_flags()
     train, sglang, router = [], [], []
+    lines_given: set[str] = set()  # a repeated flag of shell lines adds a line (the first replaces the file's)
     for group in group_flags(argv):
         name = _ALIASES.get(flag_name(group[0]), flag_name(group[0]))
         values = ([group[0].split("=", 1)[1]] if "=" in group[0] else []) + group[1:]
@@ -160,13 +173,20 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
             if str(f.type).startswith("bool") and not values:
                 values = ["true"]
             if len(values) != 1:
-                problems.append(f"{name}: takes one value, got {len(values)}")
+                # a list of options (steps.ROLE_srun_args): its tokens start with -- and would be flags of their own
+                options = str(f.type).startswith("list") and not f.metadata.get("items")
+                problems.append(f"{name}: takes one value, got {len(values)}"
+                                + (f"; give the options after '=': {name}='--cpu-bind=none --mem=0'" if options else ""))
                 continue
             value, problem = _convert(f, values[0], name)
+            target = spec if section is None else getattr(spec, section)
             if problem:
                 problems.append(problem)
+            elif f.metadata.get("items") == "lines" and name in lines_given:
+                setattr(target, f.name, getattr(target, f.name) + value)
             else:
-                setattr(spec if section is None else getattr(spec, section), f.name, value)
+                lines_given.add(name)
+                setattr(target, f.name, value)
         elif name.startswith("--sglang-"):
             sglang += group
         elif name.startswith("--router-"):
@@ -228,7 +248,8 @@ def load_spec(yaml_path: Path | None, argv: list[str]) -> tuple[JobSpec, list[st
     spec, more = spec_from_dict(data)
     problems += more + apply_flags(spec, argv)
     # ${VAR} in train_args and passthrough lists; an unset variable is left as is and reported
-    for section, name in (("trainer", "train_args"), ("rollout", "sglang_args"), ("rollout", "router_args")):
+    for section, name in (("trainer", "train_args"), ("rollout", "sglang_args"), ("rollout", "router_args"),
+                          ("steps", "container_mounts"), *(("steps", f"{role}_srun_args") for role in ROLES)):
         tokens = [os.path.expandvars(t) for t in getattr(getattr(spec, section), name)]
         setattr(getattr(spec, section), name, tokens)
     for where, text in _strings(spec):
@@ -242,7 +263,7 @@ def _strings(spec: JobSpec) -> list[tuple[str, str]]:
     for section, cls in [(None, JobSpec), *SECTIONS.items()]:
         target = spec if section is None else getattr(spec, section)
         for f in dataclasses.fields(cls):
-            if f.name in SECTIONS:
+            if f.name in SECTIONS or f.metadata.get("items") == "lines":  # the step's shell expands those
                 continue
             value = getattr(target, f.name)
             where = f.name if section is None else f"{section}.{f.name}"
@@ -280,7 +301,8 @@ def finalize(spec: JobSpec) -> JobSpec:
     defaulting to JOB_DIR/checkpoints (so a requeued job resumes from its own saves)."""
     out = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer),
                               rollout=dataclasses.replace(spec.rollout),
-                              fault_tolerance=dataclasses.replace(spec.fault_tolerance))
+                              fault_tolerance=dataclasses.replace(spec.fault_tolerance),
+                              steps=dataclasses.replace(spec.steps))
     out.job_dir = str(Path(spec.job_dir).expanduser().resolve()) if spec.job_dir else str(default_job_dir(spec.name))
     out.python = spec.python or sys.executable
     args = list(spec.trainer.train_args)

@@ -18,6 +18,7 @@ import time
 import typing as tp
 from pathlib import Path
 
+from jobs import step_options
 from jobs.contract import JOB_DIR_ENV, JobDir, write_atomic
 from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
 from jobs.spec import JobSpec, SpecError
@@ -37,7 +38,10 @@ def prepare(yaml_path: Path | None, argv: list[str],
     problems += validate(spec, partitions, notes)
     if problems:
         raise SpecError(problems)
-    return finalize(spec)
+    final = finalize(spec)
+    if notes is not None:
+        notes += step_options.mount_notes(final)
+    return final
 
 
 def make_executor(spec: JobSpec, require_slurm: bool = True) -> HetSlurmExecutor:

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs import engine_groups
+from jobs import engine_groups, step_options
 from jobs.contract import Phase
 from jobs.hetjob import het_groups
 from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
@@ -384,7 +384,8 @@ def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool =
     once; None or False skips the capacity checks; a dict is used as is (tests). notes: gets a
     line for each check that could not run here."""
     shape = _numbers(spec) + _rollout_problems(spec)
-    problems = _job_problems(spec) + shape + _train_args_problems(spec, [] if notes is None else notes)
+    problems = (_job_problems(spec) + step_options.problems(spec.steps) + shape
+                + _train_args_problems(spec, [] if notes is None else notes))
     if not shape:  # the engine command line is well formed only then
         problems += _engine_flag_problems(spec, [] if notes is None else notes)
     if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then

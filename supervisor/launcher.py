@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from jobs import engine_groups
 from jobs.spec import JobSpec
+from jobs.step_options import srun_options, with_setup
 from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
 from supervisor import layout as layouts
 from supervisor import node_rank
@@ -57,8 +58,9 @@ class StepLauncher:
     def launch(self, name: str, kind: str, argv: list[str], nodes: tuple[str, ...], het_group: int, *,
                ntasks: int = 1, gpus_per_node: int = 0, cpus_per_task: int | None = None,
                overlap: bool = False, env: dict[str, str] | None = None) -> Step:
-        job = self.job
-        spec = StepSpec(name=name, argv=tuple(argv), nodes=nodes, log=job.dir.log(name),
+        job, site = self.job, self.job.spec.steps
+        spec = StepSpec(name=name, argv=tuple(with_setup(site.setup_lines(kind), argv)), nodes=nodes,
+                        log=job.dir.log(name), options=tuple(srun_options(site, kind)),
                         het_group=het_group if job.spec.het_groups > 1 else None, ntasks=ntasks,
                         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, overlap=overlap,
                         env={**self.env, **(env or {})},
@@ -73,6 +75,11 @@ class StepLauncher:
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
         return step
 
+    def python_of(self, role: str) -> str:
+        """The interpreter of a role's steps: the image's own (steps.container_python) in a container."""
+        site = self.job.spec.steps
+        return site.container_python if site.image(role) else self.python
+
     def launch_router(self) -> None:
         """The router, on the head node; returns once it answers (JobFailed if it does not)."""
         job = self.job
@@ -80,7 +87,7 @@ class StepLauncher:
                               policy="round_robin", pd_disaggregation=engine_groups.is_pd(job.spec),
                               router_args=passthrough(job.spec.rollout.router_args, "router"))
         # --overlap: the router shares the head node's CPUs with the trainer's tasks.
-        step = self.launch(ROUTER, "router", _with_key(router_command(launch, self.python)), (job.layout.head,), 0,
+        step = self.launch(ROUTER, "router", _with_key(router_command(launch, self.python_of(ROUTER))), (job.layout.head,), 0,
                            overlap=True)
         deadline = time.monotonic() + job.ft.router_start_timeout
         while not job.membership.router.alive():
@@ -93,7 +100,7 @@ class StepLauncher:
 
     def launch_engine(self, engine: Engine) -> Step:
         place, r = engine.place, self.job.spec.rollout
-        argv, env = engine_command(self.job.spec, place, self.python), None
+        argv, env = engine_command(self.job.spec, place, self.python_of("engine")), None
         if len(place.nodes) > 1:  # one task per node, each with its node rank (supervisor/node_rank.py)
             argv = node_rank.wrapped(argv)
             env = node_rank.step_env(place.nodes, tuple(self.job.layout.addresses[n] for n in place.nodes))
@@ -109,7 +116,7 @@ class StepLauncher:
     def launch_trainer(self) -> Step:
         t, layout = self.job.spec.trainer, self.job.layout
         host, port = self.router.url.split("//")[1].rsplit(":", 1)
-        argv = [self.python, "-m", "trainer", *t.train_args, "--job-dir", str(self.job.dir.root), "--supervised",
+        argv = [self.python_of(TRAINER), "-m", "trainer", *t.train_args, "--job-dir", str(self.job.dir.root), "--supervised",
                 "--sglang-router-ip", host, "--sglang-router-port", port,
                 "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
         r = self.job.spec.rollout

@@ -60,6 +60,7 @@ class StepSpec:
     overlap: bool = False  # share CPUs/GPUs already held by other steps (e.g. --colocate)
     workdir: str | None = None  # srun --chdir; default: the supervisor's
     env: Mapping[str, str] | None = None  # the step's whole environment; default: ours
+    options: tuple[str, ...] = ()  # more srun options: Pyxis's and the role's own (jobs/step_options.py)
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name) or self.name in _SLURM_OWN_STEPS:
@@ -85,7 +86,7 @@ def srun_argv(job_id: str, spec: StepSpec) -> list[str]:
         argv.append(f"--chdir={spec.workdir}")
     # Append: a relaunched step keeps its predecessor's last words in the same log.
     argv += [f"--job-name={spec.name}", f"--output={spec.log}", "--open-mode=append",
-             "--kill-on-bad-exit=1", *spec.argv]
+             "--kill-on-bad-exit=1", *spec.options, *spec.argv]
     return argv
 
 

@@ -44,6 +44,11 @@ CASES = {
                            "train_args: --supervised is set by slurmrl itself"),
     "bad-engine": (["--rollout-engine", "vllm"], "rollout.engine: 'vllm' is not one of sglang, cpu"),
     "bad-int": (["--actor-num-nodes", "two"], "--actor-num-nodes: 'two' is not a valid int"),
+    "bad-mount": (["--container-image", "img:1", "--container-mounts", "/data"],
+                  "steps.container_mounts: '/data' not SRC:DST[:FLAGS]"),
+    "empty-image": (["--engine-container-image", ""], "steps.engine_container_image: empty; give an image"),
+    "owned-srun-option": (["--trainer-srun-args=--cpu-bind=none --nodelist=node1 -N 1"],
+                          "steps.trainer_srun_args: --nodelist=node1, -N set by slurmrl itself"),
 }
 
 
@@ -66,7 +71,7 @@ def test_invalid_spec_is_refused_and_creates_nothing(case: str, devcluster: DevC
     name = f"bad-{uuid.uuid4().hex[:8]}"
     job_dir = tmp_path / "job"
     rc, out, err = _submit(job_flags(tmp_path, name, job_dir) + flags, capsys)
-    assert rc != 0
+    assert rc == 2
     assert message in err, err
     assert all(line.startswith("slurmrl submit: error: ") for line in err.splitlines()), err
     assert not job_dir.exists() and not (tmp_path / "slurmrl-jobs").exists()
