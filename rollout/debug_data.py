@@ -91,18 +91,27 @@ def save(template: str, rollout_id: int, samples: list[Sample], evaluation: bool
     return path
 
 
-def load(template: str, rollout_id: int) -> list[list[Sample]]:
-    """The rollout's samples, grouped by group_index in the dump's order."""
+def read_dump(path: Path) -> dict[str, Any]:
+    """A rollout dump as saved (slurmrl's or slime's): {"rollout_id", "samples": [dict], ...}."""
     import torch
 
-    path = path_of(template, rollout_id)
     if not path.is_file():
-        raise DebugDataError(f"--load-debug-rollout-data: {path} does not exist (was rollout {rollout_id} saved?)")
+        raise DebugDataError(f"{path} does not exist (was that rollout saved with --save-debug-rollout-data?)")
     try:
         data = torch.load(path, weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise DebugDataError(f"--load-debug-rollout-data: {path} is not a torch.save file ({err})") from None
+        raise DebugDataError(f"{path} is not a torch.save file ({str(err)[:120]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
-        raise DebugDataError(f"--load-debug-rollout-data: {path} holds no 'samples' list (not a slime rollout dump)")
+        raise DebugDataError(f"{path} holds no 'samples' list (not a slime rollout dump)")
+    return data
+
+
+def load(template: str, rollout_id: int) -> list[list[Sample]]:
+    """The rollout's samples, grouped by group_index in the dump's order."""
+    path = path_of(template, rollout_id)
+    try:
+        data = read_dump(path)
+    except DebugDataError as err:
+        raise DebugDataError(f"--load-debug-rollout-data: {err}") from None
     samples = [from_slime_dict(d, str(path)) for d in data["samples"]]
     return [list(group) for _, group in itertools.groupby(samples, key=lambda s: s.group_index)]

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollout import debug_data
 from rollout.trace import KINDS
 
 # Events the timeline draws, by what they mean for the round (the rest of events.jsonl is left out).
@@ -32,16 +33,10 @@ class TraceError(ValueError):
 
 def load_dump(path: Path) -> dict[str, Any]:
     """A rollout dump (rollout.debug_data's, or slime's) as {"rollout_id", "samples": [dict]}."""
-    if not path.is_file():
-        raise TraceError(f"{path} does not exist (give a rollout dump: --save-debug-rollout-data's file)")
-    import torch
-
     try:
-        data = torch.load(path, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise TraceError(f"{path} is not a rollout dump (not a torch.save file: {str(err)[:120]})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
-        raise TraceError(f"{path} is not a rollout dump (no 'samples' list)")
+        data = debug_data.read_dump(path)
+    except debug_data.DebugDataError as err:
+        raise TraceError(f"not a rollout dump: {err}") from None
     return data
 
 

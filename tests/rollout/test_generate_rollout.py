@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,22 +19,10 @@ from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.router_client import RouterClient
 from rollout.sample import Status
-from rollout.tiny_model import write_tiny_model
 from slurm.devcluster.daemons import wait_for
-from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.rollout.servers import API_KEY
 
 PROMPTS, N = 32, 4
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture
-def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Server]]]:
-    with engines_behind_router(model, tmp_path) as pair:
-        yield pair
 
 
 def _args(model: Path, router: RouterClient) -> RolloutArgs:

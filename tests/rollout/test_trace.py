@@ -13,7 +13,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,28 +23,15 @@ import torch
 from jobs import cli
 from rollout import debug_data, trace
 from rollout.generate import generate_rollout
-from rollout.router_client import RouterClient
 from rollout.sample import Sample, Status
-from rollout.tiny_model import write_tiny_model
 from slurm.devcluster.daemons import wait_for
 from supervisor.events import EventLog
-from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.rollout.servers import API_KEY
 from tests.rollout.test_generate_rollout import _args, _buffer
 
 BROWSER_TIMEOUT_S = 60  # one headless page load; far more than the few hundred ms it takes
 DONE = ("stop", "length")
 ABORT_EVERY_S = 0.05  # aborts sent to the engines during a round (~1 s): several land mid-generation
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture
-def cluster(model: Path, tmp_path: Path) -> Iterator[tuple[RouterClient, list[Server]]]:
-    with engines_behind_router(model, tmp_path) as pair:
-        yield pair
 
 
 def _spans(sample: Sample, kind: str) -> list[dict]:
