@@ -8,7 +8,6 @@ and named to the trainer, or, if that fails, replaced after training. The recove
 from __future__ import annotations
 
 import json
-import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -17,23 +16,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs.contract import JobDir
 from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
-from rollout.engine_client import EngineClient
-from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
 from supervisor.context import Ending, JobContext
 from supervisor.control_handlers import ControlHandlers
-from supervisor.engines import HEALTHY, Engine, Membership
-from supervisor.events import EventLog
+from supervisor.engines import HEALTHY, Engine
 from supervisor.gpu_holder import GpuHolder
-from supervisor.launcher import RouterPlace, StepLauncher
-from supervisor.layout import EnginePlace, Layout
+from supervisor.launcher import StepLauncher
+from supervisor.layout import EnginePlace
 from supervisor.probe import HealthTracker
 from supervisor.recovery import EngineRecovery
-from supervisor.state import StateStore, StepRecord
 from supervisor.tensorboard import ScalarWriter
-from tests.ports import free_port
+from tests.supervisor.job_context import two_engine_job
 
 QUIET_LOOK_S = 1.0  # how long a deferred start is watched not happening
 
@@ -74,26 +68,12 @@ def colocated(tmp_path: Path):
                             rollout_health_check_timeout=2.0, engine_start_timeout=5.0)
     spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2, colocate=True),
                    fault_tolerance=ft)
-    job_dir = JobDir(tmp_path)
-    places = [EnginePlace(f"engine-{k}", k, ("node1",), "127.0.0.1", free_port(), 0, 0) for k in range(2)]
-    layout = Layout(job_id="999999", head="node1", head_address="127.0.0.1", trainer_nodes=("node1",),
-                    rollout_nodes=("node1",), router_port=0, router_metrics_port=0, trainer_master_port=0,
-                    engines=tuple(places))
-    client = EngineClient("key", ft.rollout_health_check_timeout)
-    router = RouterPlace(f"http://127.0.0.1:{free_port()}", 0, 0)
-    store = StateStore(job_dir)
-    with store.update() as state:
-        for place in places:
-            state.steps[place.name] = StepRecord(place.name, "engine", 0, list(place.nodes), url=place.url)
-    job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=store,
-                     engines={p.name: Engine(p, state=HEALTHY) for p in places},
-                     membership=Membership(RouterClient(router.url, "key", 5.0), client, "key", listed_timeout_s=5.0),
-                     client=client, finished=threading.Event(), inbox=queue.Queue())
+    job, router = two_engine_job(spec, head="node1", node="node1", het_group=0)
     pool = ThreadPoolExecutor(max_workers=4)
     nodes = SimpleNamespace(place_on_live_node=lambda engine: None, watching=lambda engine, step: nullcontext())
     launcher = StepLauncher(job, SimpleNamespace(), "key", router)
     recovery = EngineRecovery(job, launcher, SimpleNamespace(), nodes, HealthTracker(3, 0.0), SimpleNamespace(),
-                              Ending(user_stop=False), pool, ScalarWriter(job_dir.supervisor_tensorboard))
+                              Ending(user_stop=False), pool, ScalarWriter(job.dir.supervisor_tensorboard))
     launched: list[tuple[str, bool]] = []  # (engine, did the trainer hold the GPUs at its launch)
     recovery.launch = lambda engine: launched.append((engine.name, job.gpus.trainer_holds)) or SimpleNamespace(
         returncode=None)
@@ -104,7 +84,7 @@ def colocated(tmp_path: Path):
     job.finished.set()
     pool.shutdown(wait=True)
     job.events.close()
-    client.close()
+    job.client.close()
 
 
 def _events(job: JobContext) -> list[tuple[str, str | None]]:

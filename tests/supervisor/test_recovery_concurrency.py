@@ -6,7 +6,6 @@ no step is launched; the engine is then given up once, and later reports change 
 from __future__ import annotations
 
 import json
-import queue
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -14,28 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import JobDir
 from jobs.control_protocol import Call, ControlClient
 from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
-from rollout.engine_client import EngineClient
-from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
-from supervisor.context import Ending, JobContext
+from supervisor.context import Ending
 from supervisor.control import ControlServer
 from supervisor.control_handlers import ControlHandlers
-from supervisor.engines import FAILED, HEALTHY, Engine, Membership
-from supervisor.events import EventLog
-from supervisor.launcher import RouterPlace, StepLauncher
-from supervisor.layout import EnginePlace, Layout
+from supervisor.engines import FAILED
+from supervisor.launcher import StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
-from supervisor.state import StateStore, StepRecord
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import TrainerWatch
-from tests.ports import free_port
+from tests.supervisor.job_context import two_engine_job
 
 CALLERS = 3
 pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery asks squeue and scancel
@@ -45,29 +38,15 @@ def test_three_callers_at_once_start_one_recovery(tmp_path: Path) -> None:
     ft = FaultToleranceSpec(use_fault_tolerance=True, max_engine_restarts=0, min_engines=0,
                             slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
     spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
-    job_dir = JobDir(tmp_path)
-    places = [EnginePlace(f"engine-{k}", k, ("no-such-node",), "127.0.0.1", free_port(), 1, 0) for k in range(2)]
-    layout = Layout(job_id="999999", head="no-such-head", head_address="127.0.0.1", trainer_nodes=("no-such-head",),
-                    rollout_nodes=("no-such-node",), router_port=0, router_metrics_port=0, trainer_master_port=0,
-                    engines=tuple(places))
-    client = EngineClient("key", ft.rollout_health_check_timeout)
-    router = RouterPlace(f"http://127.0.0.1:{free_port()}", 0, 0)
-    store = StateStore(job_dir)
-    with store.update() as state:
-        for place in places:
-            state.steps[place.name] = StepRecord(place.name, "engine", 1, list(place.nodes), url=place.url)
-    job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=store,
-                     engines={p.name: Engine(p, state=HEALTHY) for p in places},
-                     membership=Membership(RouterClient(router.url, "key", 5.0), client, "key", listed_timeout_s=5.0),
-                     client=client, finished=threading.Event(), inbox=queue.Queue())
-    steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait)
+    job, router = two_engine_job(spec, head="no-such-head", node="no-such-node", het_group=1)
+    steps = StepController(job.layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait)
     launcher = StepLauncher(job, steps, "key", router)
     ending = Ending(user_stop=False)
     pool = ThreadPoolExecutor(max_workers=4)
     nodes = NodeFailures(job)
     requeue = Requeue(job, launcher, nodes.tracker, ending)
     recovery = EngineRecovery(job, launcher, steps, nodes, HealthTracker(3, 0.0), requeue, ending, pool,
-                              ScalarWriter(job_dir.supervisor_tensorboard))
+                              ScalarWriter(job.dir.supervisor_tensorboard))
     trainer = TrainerWatch(job, launcher, steps, requeue, ending, pool, restarts=0)
     handlers = ControlHandlers(job, launcher, steps, recovery, trainer, requeue, ending, pool, lambda: None)
     engine = job.engines["engine-0"]
@@ -79,13 +58,13 @@ def test_three_callers_at_once_start_one_recovery(tmp_path: Path) -> None:
 
     def control_call() -> None:  # `slurmrl restart engine-0`
         start.wait()
-        ControlClient(job_dir, 10).call(Call.RESTART, target=engine.name)
+        ControlClient(job.dir, 10).call(Call.RESTART, target=engine.name)
 
     def trainer_report() -> None:  # the trainer's failed request: one probe, refused, then recover
         start.wait()
-        ControlClient(job_dir, 10).call(Call.ENGINE_FAILED, url=engine.url, reason="connection reset")
+        ControlClient(job.dir, 10).call(Call.ENGINE_FAILED, url=engine.url, reason="connection reset")
 
-    with ControlServer(job_dir, handlers.table()):
+    with ControlServer(job.dir, handlers.table()):
         threads = [threading.Thread(target=f) for f in (monitor, control_call, trainer_report)]
         for thread in threads:
             thread.start()
@@ -97,10 +76,10 @@ def test_three_callers_at_once_start_one_recovery(tmp_path: Path) -> None:
         assert recovery.recover(engine, "late report") is False
     job.events.close()
 
-    kinds = Counter((e["kind"], e["step"]) for e in map(json.loads, job_dir.events.read_text().splitlines()))
+    kinds = Counter((e["kind"], e["step"]) for e in map(json.loads, job.dir.events.read_text().splitlines()))
     assert kinds[("engine_failed", "engine-0")] == 1, kinds
     assert kinds[("engine_given_up", "engine-0")] == 1, kinds
     assert not any(step == "engine-1" for _, step in kinds), "the other engine was touched"
-    assert store.snapshot().steps["engine-0"].state == FAILED
+    assert job.store.snapshot().steps["engine-0"].state == FAILED
     assert ending.failure is None  # min_engines 0: the job goes on degraded
-    client.close()
+    job.client.close()

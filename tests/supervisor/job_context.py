@@ -1,0 +1,41 @@
+"""An in-process JobContext of two CPU-engine places on 127.0.0.1 (nothing listens on their ports:
+a connection is refused), for the supervisor's recovery tests."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+from jobs.contract import JobDir
+from jobs.spec import JobSpec
+from rollout.engine_client import EngineClient
+from rollout.router_client import RouterClient
+from supervisor.context import JobContext
+from supervisor.engines import HEALTHY, Engine, Membership
+from supervisor.events import EventLog
+from supervisor.launcher import RouterPlace
+from supervisor.layout import EnginePlace, Layout
+from supervisor.state import StateStore, StepRecord
+from tests.ports import free_port
+
+
+def two_engine_job(spec: JobSpec, head: str, node: str, het_group: int) -> tuple[JobContext, RouterPlace]:
+    """Engines engine-0 and engine-1 on `node` (hetjob component `het_group`), healthy and recorded
+    in the job's state; the router's place, where nothing listens."""
+    job_dir = JobDir(Path(spec.job_dir))
+    places = [EnginePlace(f"engine-{k}", k, (node,), "127.0.0.1", free_port(), het_group, 0) for k in range(2)]
+    layout = Layout(job_id="999999", head=head, head_address="127.0.0.1", trainer_nodes=(head,),
+                    rollout_nodes=(node,), router_port=0, router_metrics_port=0, trainer_master_port=0,
+                    engines=tuple(places))
+    client = EngineClient("key", spec.fault_tolerance.rollout_health_check_timeout)
+    router = RouterPlace(f"http://127.0.0.1:{free_port()}", 0, 0)
+    store = StateStore(job_dir)
+    with store.update() as state:
+        for place in places:
+            state.steps[place.name] = StepRecord(place.name, "engine", het_group, list(place.nodes), url=place.url)
+    job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=store,
+                     engines={p.name: Engine(p, state=HEALTHY) for p in places},
+                     membership=Membership(RouterClient(router.url, "key", 5.0), client, "key", listed_timeout_s=5.0),
+                     client=client, finished=threading.Event(), inbox=queue.Queue())
+    return job, router
