@@ -47,6 +47,9 @@ def adopt(job: JobContext, previous: JobState | None, steps: StepController, lau
         launcher.set_current(step)
         job.events.emit("step_ended_unseen", TRAINER, slurm_step=recorded[TRAINER], exit_code=step.proc.wait())
         adopted.add(TRAINER)
+    # --colocate: a trainer that held the GPUs still holds them (or, if it ended, the trainer's
+    # exit hands them back and resumes the released engines, as for a trainer seen ending).
+    job.gpus.restore(previous.gpu_holder, previous.gpus_released)
     _restore_engines(job, previous, adopted)
     return adopted
 

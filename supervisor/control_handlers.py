@@ -108,6 +108,7 @@ class ControlHandlers:
         job = self.job
         if holder == ENGINES:
             job.gpus.to_engines()
+            self._keep_gpu_holder(ENGINES, [])
             job.events.emit("gpus_to_engines")
             return {"released": []}
         if holder != TRAINER:
@@ -122,8 +123,13 @@ class ControlHandlers:
                 except EngineError as err:  # its step is stopped (the memory with it) and restarted later
                     self.recovery.recover(engine, f"release of its memory failed: {err}")
         job.gpus.released(released + mine)
+        self._keep_gpu_holder(TRAINER, released + mine)
         job.events.emit("gpus_to_trainer", released_by_trainer=len(released), released_by_supervisor=mine)
         return {"released": mine}
+
+    def _keep_gpu_holder(self, holder: str, released: list[str]) -> None:
+        with self.job.store.update() as state:
+            state.gpu_holder, state.gpus_released = holder, sorted(released)
 
     def trainer_poll(self, rollout_id: int) -> dict[str, Any]:
         return {"stop": self.ending.stop_requested, "profile": self.profiling.take_train_request()}

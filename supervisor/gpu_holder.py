@@ -6,7 +6,8 @@ trainer holds them, no engine step starts (a restart waits: a starting engine lo
 and allocates its KV cache, the peak the trainer must not meet) and the engines are not probed
 (released, SGLang does not answer /health_generate). The switch to the trainer waits out the
 engine starts already under way, so that the trainer onloads only once every live engine is
-released. GpuHolder owns that word and the count of starts, under its condition's lock.
+released. GpuHolder owns that word and the count of starts, under its condition's lock; the word and the
+released engines are also kept in supervisor_state.json, so a restarted supervisor keeps them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class GpuHolder:
         with self._cond:
             self._holder = TRAINER
             return self._cond.wait_for(lambda: self._starting == 0, starts_timeout_s)
+
+    def restore(self, holder: str, released: list[str]) -> None:
+        """A restarted supervisor takes over its predecessor's word (kept in supervisor_state.json)."""
+        with self._cond:
+            self._holder, self._released = holder, set(released)
+            self._cond.notify_all()
 
     def released(self, urls: list[str]) -> None:
         with self._cond:

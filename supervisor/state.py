@@ -55,6 +55,8 @@ class JobState:
     last_checkpoint: str | None = None
     stop_reason: str | None = None
     stop_asked: bool = False  # `slurmrl stop` was asked: kept over a supervisor crash and a requeue
+    gpu_holder: str = "engines"  # --colocate: "trainer" or "engines" (supervisor/gpu_holder.py)
+    gpus_released: list[str] = field(default_factory=list)  # engines released for the trainer's turn (urls)
     updated_at: float | None = None
     steps: dict[str, StepRecord] = field(default_factory=dict)
 

@@ -7,6 +7,7 @@ and named to the trainer, or, if that fails, replaced after training. The recove
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import pytest
 
 from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from slurm.devcluster.daemons import wait_for
+from supervisor import adoption
 from supervisor.context import Ending, JobContext
 from supervisor.control_handlers import ControlHandlers
 from supervisor.engines import HEALTHY, Engine
@@ -149,3 +151,17 @@ def test_a_real_engine_released_by_the_supervisor_and_taken_back_when_the_traine
         assert ("gpus_to_engines", None) in _events(job) and launched == []
     finally:
         proc.stop()
+
+
+def test_a_restarted_supervisor_keeps_who_holds_the_gpus(colocated) -> None:
+    job, _, handlers, _ = colocated
+    e0, e1 = job.engines["engine-0"], job.engines["engine-1"]
+    handlers.gpu_holder("trainer", [e1.url, e0.url])
+    previous = job.store.snapshot()  # what the crashed supervisor left in supervisor_state.json
+    successor = dataclasses.replace(job, gpus=GpuHolder())
+    nothing_running = SimpleNamespace(adopt=lambda recorded: [])
+    adoption.adopt(successor, previous, nothing_running, SimpleNamespace(), SimpleNamespace())
+    assert successor.gpus.trainer_holds, "a successor let engines start beside the training trainer"
+    assert successor.gpus.to_engines() == sorted([e0.url, e1.url]), "the released engines to resume"
+    handlers.gpu_holder("engines", [])
+    assert (job.store.snapshot().gpu_holder, job.store.snapshot().gpus_released) == ("engines", [])
