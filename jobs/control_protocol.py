@@ -26,6 +26,7 @@ class Call(str, Enum):
     READY_ENGINES = "ready_engines"  # trainer: engines that get the next version -> {"engines": [url]}
     PUBLISHED = "published"          # trainer: a version went out (to `updated`; `fenced` failed)
     ENGINE_FAILED = "engine_failed"  # trainer: a request to an engine failed
+    ENGINE_UNRESPONSIVE = "engine_unresponsive"  # trainer: requests time out or do not parse; probes may pass
     TRAINER_POLL = "trainer_poll"    # trainer, between rollouts: -> {"stop": bool, "profile": request | None}
     GPU_HOLDER = "gpu_holder"        # trainer, --colocate: who holds the shared GPUs -> {"released": [url]}
     PROFILE = "profile"              # CLI: profile rollout|train for N steps -> {"dir", "engines", "failed"}
@@ -39,6 +40,7 @@ ARGUMENTS: dict[Call, dict[str, type]] = {
     Call.READY_ENGINES: {},
     Call.PUBLISHED: {"version": int, "updated": list, "fenced": dict},
     Call.ENGINE_FAILED: {"url": str, "reason": str},
+    Call.ENGINE_UNRESPONSIVE: {"url": str, "reason": str},
     Call.TRAINER_POLL: {"rollout_id": int},
     Call.PROFILE: {"target": str, "steps": int},
     Call.GPU_HOLDER: {"holder": str, "released": list},

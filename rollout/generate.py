@@ -3,7 +3,9 @@
 Requests go through the router with bounded concurrency. A request whose engine fails is sent
 again (the router's 500 names the engine, which is reported once to a failure handler that takes
 it out of the router), so a round finishes while any engine lives, and every sample is returned
-exactly once. With dynamic sampling, groups are generated until enough pass the filter; groups
+exactly once. A request past its deadline (request_deadline.py) is aborted and sent again, and an
+answer that does not parse is sent again; either way the engines are checked (engine_check.py)
+and one that does not answer is reported as unresponsive, though its health probe may pass. With dynamic sampling, groups are generated until enough pass the filter; groups
 still running then are aborted on the engines and, with --partial-rollout, go back to the buffer
 with the tokens they have, to be continued in a later round.
 """
@@ -14,7 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
-import json
+import logging
 import random
 import re
 import time
@@ -28,14 +30,19 @@ import aiohttp
 
 from rollout import debug_data, rewards, trace
 from rollout.buffer import DataBuffer
+from rollout.engine_check import CHECK_TIMEOUT_S, BadAnswer, parse_answer, unanswering
 from rollout.filters import judge_group
 from rollout.plugins import load_function
 from rollout.remote_rm import RemoteRewardModel
-from rollout.router_client import RouterClient
+from rollout.request_deadline import ABORT_GRACE_S, DEADLINE_RECHECK_S, DecodeSpeed
+from rollout.router_client import RouterClient, RouterError
 from rollout.sample import Sample, Status
+
+log = logging.getLogger(__name__)
 
 # the engine a router error names: "URL: http://h:p" (regular), "for url (http://h:p/generate)" (PD mode)
 _UPSTREAM = re.compile(r"(?:URL: |for url \()(https?://[^/\s)]+)")
+_ROUTER_AWAY = "the router did not answer"
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
@@ -84,6 +91,11 @@ class RolloutArgs:
     router_timeout_s: float = 10.0  # one call to the router's worker API (the job's router_request_timeout)
     # Called with an engine url the router could not reach; default: remove it from the router.
     engine_failure_handler: Callable[[str], None] | None = field(default=None, repr=False)
+    # Called with (engine url, why) for an engine that holds requests past their deadline or answers
+    # what does not parse, while it may pass its probes; default: remove it from the router.
+    engine_unresponsive_handler: Callable[[str, str], None] | None = field(default=None, repr=False)
+    decode_speed: DecodeSpeed = field(default_factory=DecodeSpeed, repr=False)  # kept across rounds
+    engine_check_timeout_s: float = CHECK_TIMEOUT_S  # one engine's 1-token check (engine_check.py)
     # What plug-ins get as `args`: the trainer's whole parsed flags, by slime's names (its
     # sglang_router_ip/port, hf_checkpoint...); None: this object.
     plugin_args: Any = field(default=None, repr=False)
@@ -132,6 +144,7 @@ class _Round:
         self.tokenizer = _tokenizer(args.hf_checkpoint)
         self.router = RouterClient(args.router_url, args.api_key, args.router_timeout_s)
         self.reported: set[str] = set()
+        self.checking: asyncio.Task | None = None  # one engine check at a time, shared by the requests that wait
         self.done = False  # enough groups: stop continuing aborted samples
         self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
                                 if args.custom_generate_function_path else None)
@@ -277,28 +290,32 @@ class _Round:
     async def _post(self, sample: Sample) -> dict[str, Any] | None:
         """The engine's answer; None if the round ended while this request waited its turn."""
         kind = "e" if self.evaluation else "r"
-        payload = {"rid": f"{kind}{self.rollout_id}-s{sample.index}-t{sample.response_length}", "input_ids": sample.tokens,
-                   "sampling_params": self._sampling_params(sample), "return_logprob": True}
-        deadline, backoff = time.monotonic() + self.args.retry_timeout_s, 0.2
+        rid = f"{kind}{self.rollout_id}-s{sample.index}-t{sample.response_length}"
+        params = self._sampling_params(sample)
+        deadline, backoff, attempt = time.monotonic() + self.args.retry_timeout_s, 0.2, 0
         while True:
             queued = time.time()
             async with self.gate:
                 trace.add(sample, "queued", queued, time.time())
                 if self.done:
                     return None  # enough groups: nothing new starts once engines were told to abort
-                attempt, started = trace.generate_attempts(sample), time.time()
-                try:
-                    async with self.http.post(self.args.router_url + "/generate", json=payload) as response:
-                        status, text = response.status, await response.text()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                    status, text = None, str(err)  # the router itself is away: it will be relaunched
-            span = trace.add(sample, "generate", started, time.time(), attempt=attempt, rid=payload["rid"])
+                attempt += 1
+                payload = {"rid": rid if attempt == 1 else f"{rid}-a{attempt}", "input_ids": sample.tokens,
+                           "sampling_params": params, "return_logprob": True}
+                spans, started, began = trace.generate_attempts(sample), time.monotonic(), time.time()
+                status, text = await self._within_deadline(payload, params["max_new_tokens"])
+            span = trace.add(sample, "generate", began, time.time(), attempt=spans, rid=payload["rid"])
             if status == 200:
-                body = _parse(text)
-                meta = body.get("meta_info") or {}
-                span.update(weight_version=meta.get("weight_version"),
-                            outcome=(meta.get("finish_reason") or {}).get("type"))
-                return body
+                try:
+                    body = parse_answer(text)
+                except BadAnswer as err:
+                    status, text = None, f"an answer that does not parse: {err}"
+                else:
+                    self.args.decode_speed.observe(len(body["output_ids"]), time.monotonic() - started)
+                    meta = body.get("meta_info") or {}
+                    span.update(weight_version=meta.get("weight_version"),
+                                outcome=(meta.get("finish_reason") or {}).get("type"))
+                    return body
             url = _UPSTREAM.search(text)
             # The engine is known only when the router's error names it: its answers do not.
             span.update(engine=url and url.group(1), outcome=f"HTTP {status}" if status else "no answer",
@@ -308,12 +325,88 @@ class _Round:
             if url and url.group(1) not in self.reported:
                 self.reported.add(url.group(1))
                 await asyncio.to_thread(self._report_failure, url.group(1))
+            lost = status is None and not text.startswith(_ROUTER_AWAY)  # past its deadline, or unparseable
+            if lost:  # the router does not say which engine it was: ask each
+                log.warning("sample %d: %s (attempt %d); checking the engines and sending it again",
+                            sample.index, text[:300], attempt)
+                await self._check_engines(text)
             if time.monotonic() > deadline:
                 raise RolloutError(f"sample {sample.index}: no engine answered for {self.args.retry_timeout_s:.0f} s "
                                    f"(last: {status} {text[:200]})")
-            with trace.span(sample, "retry_wait", attempt=attempt):
+            if lost:
+                continue  # at once: the check took its time, and the engine at fault is out
+            with trace.span(sample, "retry_wait", attempt=spans):
                 await asyncio.sleep(backoff * (1 + random.random()))  # backoff, jittered so retries spread out
             backoff = min(backoff * 2, 5.0)
+
+    async def _within_deadline(self, payload: dict[str, Any], max_new_tokens: int) -> tuple[int | None, str]:
+        """(status, text) of the router's answer; (None, why) when it is away or past the deadline,
+        which is computed again as speeds are seen. Past it, the engines are told to abort the
+        request: a live one answers with the tokens it has (the sample continues from them)."""
+        started = time.monotonic()
+        request = asyncio.create_task(self._send(payload))
+        limit = self.args.decode_speed.deadline_s(max_new_tokens)
+        while not request.done() and (left := started + limit - time.monotonic()) > 0:
+            await asyncio.wait({request}, timeout=min(left, DEADLINE_RECHECK_S))
+            limit = self.args.decode_speed.deadline_s(max_new_tokens)
+        if not request.done():
+            await self._abort_everywhere(payload["rid"])
+            await asyncio.wait({request}, timeout=ABORT_GRACE_S)
+        if request.done():
+            return request.result()
+        request.cancel()
+        return None, (f"no answer within its deadline of {limit:.0f} s "
+                      f"({max_new_tokens} tokens at most), nor {ABORT_GRACE_S:g} s after an abort")
+
+    async def _send(self, payload: dict[str, Any]) -> tuple[int | None, str]:
+        try:
+            async with self.http.post(self.args.router_url + "/generate", json=payload) as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            return None, f"{_ROUTER_AWAY}: {err}"  # it will be relaunched
+
+    async def _abort_everywhere(self, rid: str) -> None:
+        """SGLang's /abort_request for one rid, to every engine (the router does not forward it)."""
+        async def abort(url: str) -> None:
+            try:
+                async with asyncio.timeout(ABORT_GRACE_S):
+                    async with self.http.post(url + "/abort_request", json={"rid": rid}):
+                        pass
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # a wedged or dead engine: the check names it
+        try:
+            urls = await asyncio.to_thread(lambda: list(self.router.workers()))
+        except RouterError:
+            return  # the router is away: so is the request it held
+        await asyncio.gather(*(abort(url) for url in urls))
+
+    async def _check_engines(self, why: str) -> None:
+        """Check every engine the router lists (one check at a time; a request that fails meanwhile
+        waits for the running one) and report each that does not answer, once a round."""
+        if self.checking is None or self.checking.done():
+            self.checking = asyncio.create_task(self._check_once(why))
+        await asyncio.shield(self.checking)
+
+    async def _check_once(self, why: str) -> None:
+        try:
+            urls = await asyncio.to_thread(lambda: [u for u in self.router.workers() if u not in self.reported])
+        except RouterError as err:
+            log.warning("could not list the engines to check them: %s", err)
+            return
+        for url, failure in (await unanswering(self.http, urls, self.args.engine_check_timeout_s)).items():
+            self.reported.add(url)
+            reason = f"{why}; then {failure}"
+            log.warning("engine %s does not answer: %s", url, reason)
+            try:
+                await asyncio.to_thread(self._report_unresponsive, url, reason)
+            except RouterError as err:  # the router is away (relaunched with the ready engines only)
+                log.warning("could not take %s out of the router: %s", url, err)
+
+    def _report_unresponsive(self, url: str, reason: str) -> None:
+        if self.args.engine_unresponsive_handler:
+            self.args.engine_unresponsive_handler(url, reason)
+        else:
+            self.router.remove_worker(url)
 
     def _report_failure(self, url: str) -> None:
         if self.args.engine_failure_handler:
@@ -332,8 +425,3 @@ class _Round:
         sample.rollout_log_probs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
         sample.weight_version = meta.get("weight_version")
         sample.status = _FINISH[meta["finish_reason"]["type"]]
-
-
-def _parse(text: str) -> dict[str, Any]:
-    body = json.loads(text)
-    return body[0] if isinstance(body, list) else body

@@ -40,8 +40,8 @@ class ControlHandlers:
     def table(self) -> dict[Call, Handler]:
         return {Call.STATUS: self.status, Call.RESTART: self.restart, Call.STOP: self.stop,
                 Call.READY_ENGINES: self.ready_engines, Call.PUBLISHED: self.published,
-                Call.ENGINE_FAILED: self.engine_failed, Call.TRAINER_POLL: self.trainer_poll,
-                Call.GPU_HOLDER: self.gpu_holder, Call.PROFILE: self.profile}
+                Call.ENGINE_FAILED: self.engine_failed, Call.ENGINE_UNRESPONSIVE: self.engine_unresponsive,
+                Call.TRAINER_POLL: self.trainer_poll, Call.GPU_HOLDER: self.gpu_holder, Call.PROFILE: self.profile}
 
     # ------------------------------------------------------------------ the CLI's calls
     def status(self) -> dict[str, Any]:
@@ -100,6 +100,14 @@ class ControlHandlers:
         engine = self.job.engine_by_url(url)
         if engine is not None and not self.recovery.is_recovering(engine.name):
             self.pool.submit(self.recovery.check_reported, engine, reason)
+        return {}
+
+    def engine_unresponsive(self, url: str, reason: str) -> dict[str, Any]:
+        """Its requests time out or come back unparseable (the trainer checked it with a request of
+        its own): a probe that passes proves nothing here, so it is replaced as a failed engine is."""
+        engine = self.job.engine_by_url(url)
+        if engine is not None:
+            self.pool.submit(self.recovery.recover, engine, f"reported by the trainer: {reason}")
         return {}
 
     def gpu_holder(self, holder: str, released: list[str]) -> dict[str, Any]:

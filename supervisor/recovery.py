@@ -28,6 +28,7 @@ from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
 from supervisor.requeue import Requeue
+from supervisor.slurm_contact import retry_delays
 from supervisor.steps import Step, StepController
 from supervisor.tensorboard import ScalarWriter
 
@@ -103,9 +104,15 @@ class EngineRecovery:
     def _restart(self, engine: Engine, detected: float) -> None:
         job = self.job
         try:
-            step = self.launcher.current(engine.name)
-            if step is not None and step.returncode is None:
-                self._stop_step(engine, step)
+            while True:
+                try:
+                    step = self.launcher.current(engine.name)
+                    if step is not None and step.returncode is None:
+                        self._stop_step(engine, step)
+                    break
+                except (subprocess.TimeoutExpired, TimeoutError) as err:  # scancel or squeue did not answer
+                    if not self._wait_for_slurm(engine, f"stopping its step: {err}"):
+                        raise
             if time.time() - engine.last_restart > job.ft.crash_window:
                 engine.recent_restarts = 0
             if not self._relaunch_until_up(engine):
@@ -124,7 +131,7 @@ class EngineRecovery:
         except Exception as err:  # a recovery that breaks must not leave the engine half-handled
             log.exception("recovering %s failed", engine.name)
             job.events.emit("engine_restart_failed", engine.name, reason=repr(err))
-            self.give_up(engine)
+            self.give_up(engine, cause=f"its recovery failed: {err!r}")
         finally:
             self._finish(engine)
 
@@ -149,6 +156,7 @@ class EngineRecovery:
                 engine.restarts += 1
                 engine.recent_restarts += 1
                 engine.last_restart = time.time()
+                launched = time.monotonic()
                 step = self.launch(engine)
                 try:
                     with self.nodes.watching(engine, step):
@@ -159,6 +167,28 @@ class EngineRecovery:
                                          attempt=engine.restarts)
                     if step.returncode is None:
                         self._stop_step(engine, step)
+                    self.steps.query()  # a fresh look: whether SLURM answers now
+                    if self.steps.contact.failed_since(launched):
+                        # SLURM did not answer meanwhile (srun gives up on a silent slurmctld): not
+                        # the engine's failure, so not a restart of its crash loop.
+                        engine.recent_restarts -= 1
+                        if not self._wait_for_slurm(engine, f"its relaunch: {err}"):
+                            return False
+
+    def _wait_for_slurm(self, engine: Engine, during: str) -> bool:
+        """Ask SLURM again, with backoff, until it answers: True then; False if the job ends first
+        or SLURM stays silent past SLURM_OUTAGE_LIMIT_S."""
+        began = time.monotonic()
+        self.job.events.emit("slurm_unanswered", engine.name, call=during)
+        for delay in retry_delays():
+            if self.job.finished.wait(delay):
+                return False
+            asked = time.monotonic()
+            self.steps.query()
+            if not self.steps.contact.failed_since(asked):
+                self.job.events.emit("slurm_answers", engine.name, waited_s=round(time.monotonic() - began, 3))
+                return True
+        return False
 
     def _finish(self, engine: Engine) -> None:
         with self._lock:
@@ -178,13 +208,13 @@ class EngineRecovery:
                 if not lost.is_set():
                     raise
 
-    def give_up(self, engine: Engine, lost_node: str | None = None) -> None:
+    def give_up(self, engine: Engine, lost_node: str | None = None, cause: str | None = None) -> None:
         """No more restarts: after a crash loop, or when its node is lost and no spare is left (no
         fault of the engine's). The job goes on with the engines left while min_engines are; below
         that, a crash loop fails the job and a lost node requeues it without that node."""
         job, ft = self.job, self.job.ft
         engine.state = FAILED
-        reason = (f"node {lost_node} is lost and no spare node is left" if lost_node else
+        reason = (f"node {lost_node} is lost and no spare node is left" if lost_node else cause or
                   f"{engine.recent_restarts} restarts in a row, each within crash_window {ft.crash_window:.0f} s")
         job.events.emit("engine_given_up", engine.name, restarts=engine.restarts, reason=reason)
         live = sum(e.state != FAILED for e in job.engines.values())

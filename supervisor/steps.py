@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from supervisor.slurm_contact import SlurmContact, slurm_answered
+
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SLURM_OWN_STEPS = ("batch", "extern")
@@ -166,6 +168,7 @@ class StepController:
         self._component_ids: list[str] | None = None
         self._claimed: set[str] = set()  # step ids already tied to a Step object
         self._watcher = _ExitWatcher(on_exit) if on_exit is not None else None
+        self.contact = SlurmContact()  # whether SLURM answered of late (squeue, scancel)
 
     def launch(self, spec: StepSpec) -> Step:
         spec.log.parent.mkdir(parents=True, exist_ok=True)
@@ -268,8 +271,13 @@ class StepController:
         srun with a deadline, then SIGTERM and SIGKILL srun's own process group. An adopted step:
         wait until SLURM no longer lists it, then let its stand-in exit."""
         if step.slurm_step is not None:
-            subprocess.run(["scancel", step.slurm_step], capture_output=True, timeout=self.query_timeout_s,
-                           check=False)
+            try:
+                done = subprocess.run(["scancel", step.slurm_step], capture_output=True,
+                                      timeout=self.query_timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                self.contact.record(answered=False)
+                raise
+            self.contact.record(slurm_answered(done.returncode, done.stderr))
         if step.adopted:
             self._wait_gone(step, timeout_s)
             _release(step, CANCELLED_EXIT)
@@ -352,7 +360,9 @@ class StepController:
             result = subprocess.run(["squeue", "-h", *args], capture_output=True, text=True,
                                     timeout=self.query_timeout_s, check=False)
         except subprocess.TimeoutExpired:
+            self.contact.record(answered=False)
             return None
+        self.contact.record(slurm_answered(result.returncode, result.stderr))
         return result.stdout if result.returncode == 0 else None
 
 

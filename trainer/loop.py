@@ -50,11 +50,14 @@ class OffPolicyError(RuntimeError):
 
 
 def rollout_args(args: argparse.Namespace, router_url: str, router_timeout_s: float,
-                 on_engine_failure: Callable[[str], None] | None) -> RolloutArgs:
+                 on_engine_failure: Callable[[str], None] | None,
+                 on_engine_unresponsive: Callable[[str, str], None] | None = None) -> RolloutArgs:
     names = set(RolloutArgs.__dataclass_fields__) - {"router_url", "router_timeout_s", "api_key",
-                                                     "engine_failure_handler", "plugin_args"}
+                                                     "engine_failure_handler", "engine_unresponsive_handler",
+                                                     "decode_speed", "engine_check_timeout_s", "plugin_args"}
     return RolloutArgs(router_url=router_url, router_timeout_s=router_timeout_s, api_key=args.api_key,
-                       engine_failure_handler=on_engine_failure, plugin_args=args,
+                       engine_failure_handler=on_engine_failure, engine_unresponsive_handler=on_engine_unresponsive,
+                       plugin_args=args,
                        **{name: getattr(args, name) for name in names})
 
 
@@ -81,7 +84,8 @@ class Driver:
             max_prompt_len=args.rollout_max_prompt_len, shuffle=args.rollout_shuffle,
             seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
         self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
-                                    (lambda url: self.fence(url, "a request to it failed")) if self.router else None)
+                                    (lambda url: self.fence(url, "a request to it failed")) if self.router else None,
+                                    self.unresponsive if self.router else None)
         self.reporter = Reporter(job_dir, args.tensorboard_dir, WandbRun(args, job_dir) if args.use_wandb else None)
         self.evaluator = Evaluator(
             self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
@@ -110,6 +114,15 @@ class Driver:
         log.warning("fencing engine %s: %s", url, reason)
         if self.supervisor:
             self.supervisor.engine_failed(url, reason)
+        elif self.router:
+            self.router.remove_worker(url)
+
+    def unresponsive(self, url: str, reason: str) -> None:
+        """An engine that holds requests past their deadline or answers what does not parse, while
+        its probes may pass: the supervisor replaces it; without one it leaves the router."""
+        log.warning("engine %s does not answer requests: %s", url, reason)
+        if self.supervisor:
+            self.supervisor.engine_unresponsive(url, reason)
         elif self.router:
             self.router.remove_worker(url)
 

@@ -45,6 +45,10 @@ class SupervisorLink:
         # Not waited for (the rollout goes on meanwhile): a restarted supervisor probes the engine itself.
         self._tell(self.client.call, Call.ENGINE_FAILED, url=url, reason=reason)
 
+    def engine_unresponsive(self, url: str, reason: str) -> None:
+        # Its requests time out or come back unparseable while its probes may pass: replaced, not probed.
+        self._tell(self.client.call, Call.ENGINE_UNRESPONSIVE, url=url, reason=reason)
+
     def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> None:
         # Waited for: a restarted supervisor must learn the version the engines now serve.
         self._tell(self._call, Call.PUBLISHED, version=version, updated=updated, fenced=fenced)

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollout.cpu_engine import disagg
+from rollout.cpu_engine.faults import Faults
 from rollout.cpu_engine.engine import SHUTTING_DOWN, STARTING, UNHEALTHY, UP, Engine
 from rollout.cpu_engine.generate_io import GenerateError, parse_generate, render
 from rollout.cpu_engine.http_util import add_error_handlers, error, read_json, run_on_scheduler
@@ -57,6 +58,8 @@ def build_app(engine: Engine) -> FastAPI:
     if engine.args.api_key:
         app.add_middleware(BearerAuth, api_key=engine.args.api_key)
     scheduler = engine.scheduler
+    faults = Faults()  # test-only: POST /slurmrl_fault
+    faults.add_route(app)
     pd_mode, rooms = engine.args.disaggregation_mode, disagg.Rooms()
     if pd_mode == disagg.PREFILL:
         disagg.BootstrapServer(engine.args.host, engine.args.disaggregation_bootstrap_port, rooms,
@@ -107,6 +110,8 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        if (instead := await faults.before_generate()) is not None:
+            return instead
         body = await read_json(request)
         try:
             parsed = parse_generate(body, engine.codec, engine.vocab_size, engine.context_len, engine.seeds)
