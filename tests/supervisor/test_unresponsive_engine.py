@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,19 +17,10 @@ import pytest
 from jobs.control_protocol import Call, ControlClient
 from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from slurm.devcluster.daemons import wait_for
-from supervisor.context import Ending
 from supervisor.control import ControlServer
-from supervisor.control_handlers import ControlHandlers
 from supervisor.engines import FAILED, HEALTHY
-from supervisor.launcher import StepLauncher
-from supervisor.node_failures import NodeFailures
-from supervisor.probe import HealthTracker
-from supervisor.recovery import EngineRecovery
-from supervisor.requeue import Requeue
-from supervisor.steps import StepController
-from supervisor.tensorboard import ScalarWriter
-from supervisor.trainer_watch import TrainerWatch
 from tests.supervisor.job_context import two_engine_job
+from tests.supervisor.recovery_wiring import wire_recovery
 
 pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery asks squeue
 WHY = "no answer within its deadline of 30 s (8 tokens at most); then a 1-token /generate got no answer"
@@ -51,16 +41,8 @@ def test_an_engine_reported_unresponsive_is_replaced_though_its_probe_passes(tmp
                             slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
     spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
     job, router = two_engine_job(spec, head="no-such-head", node="no-such-node", het_group=1)
-    steps = StepController(job.layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait)
-    launcher = StepLauncher(job, steps, "key", router)
-    ending = Ending(user_stop=False)
-    pool = ThreadPoolExecutor(max_workers=4)
-    nodes = NodeFailures(job)
-    requeue = Requeue(job, launcher, nodes.tracker, ending)
-    recovery = EngineRecovery(job, launcher, steps, nodes, HealthTracker(3, 0.0), requeue, ending, pool,
-                              ScalarWriter(job.dir.supervisor_tensorboard))
-    trainer = TrainerWatch(job, launcher, steps, requeue, ending, pool, restarts=0)
-    handlers = ControlHandlers(job, launcher, steps, recovery, trainer, requeue, ending, pool, lambda: None)
+    wiring = wire_recovery(job, router)
+    recovery, handlers, pool = wiring.recovery, wiring.handlers, wiring.pool
     engine = job.engines["engine-0"]
     control = ControlClient(job.dir, 10)
     stand_in = ThreadingHTTPServer(("127.0.0.1", engine.place.port), _Healthy)

@@ -1,0 +1,41 @@
+"""The supervisor's recovery and control handlers wired in process over a test JobContext
+(tests/supervisor/job_context.py), as the daemon wires them, for the recovery tests."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from supervisor.context import Ending, JobContext
+from supervisor.control_handlers import ControlHandlers
+from supervisor.launcher import RouterPlace, StepLauncher
+from supervisor.node_failures import NodeFailures
+from supervisor.probe import HealthTracker
+from supervisor.recovery import EngineRecovery
+from supervisor.requeue import Requeue
+from supervisor.steps import StepController
+from supervisor.tensorboard import ScalarWriter
+from supervisor.trainer_watch import TrainerWatch
+
+
+@dataclass
+class Wiring:
+    recovery: EngineRecovery
+    handlers: ControlHandlers
+    ending: Ending
+    pool: ThreadPoolExecutor
+
+
+def wire_recovery(job: JobContext, router: RouterPlace) -> Wiring:
+    ft = job.ft
+    steps = StepController(job.layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait)
+    launcher = StepLauncher(job, steps, "key", router)
+    ending = Ending(user_stop=False)
+    pool = ThreadPoolExecutor(max_workers=4)
+    nodes = NodeFailures(job)
+    requeue = Requeue(job, launcher, nodes.tracker, ending)
+    recovery = EngineRecovery(job, launcher, steps, nodes, HealthTracker(3, 0.0), requeue, ending, pool,
+                              ScalarWriter(job.dir.supervisor_tensorboard))
+    trainer = TrainerWatch(job, launcher, steps, requeue, ending, pool, restarts=0)
+    handlers = ControlHandlers(job, launcher, steps, recovery, trainer, requeue, ending, pool, lambda: None)
+    return Wiring(recovery, handlers, ending, pool)
