@@ -21,9 +21,9 @@ TOY_PLATEAU = 0.69  # where the toy job's reward stalls (bench/RESULTS.md "Demo 
 NOT_LEARNING = ("hf-checkpoint", "prompt-data", "save-interval")
 
 
-def demo_flags() -> list[str]:
-    """examples/demo_job.yaml's train_args as trainer flags."""
-    train_args = yaml.safe_load((ROOT / "examples/demo_job.yaml").read_text())["trainer"]["train_args"]
+def job_flags(job: str = "demo_job.yaml") -> list[str]:
+    """The train_args of examples/JOB as trainer flags (less the job's files and checkpoints)."""
+    train_args = yaml.safe_load((ROOT / "examples" / job).read_text())["trainer"]["train_args"]
     flags: list[str] = []
     for key, value in train_args.items():
         if key not in NOT_LEARNING:
@@ -32,7 +32,7 @@ def demo_flags() -> list[str]:
 
 
 def test_the_demo_job_learns_past_the_toy_plateau(tmp_path: Path) -> None:
-    flags = demo_flags()
+    flags = job_flags()
     rollouts = int(flags[flags.index("--num-rollout") + 1])
     assert rollouts <= 60, "the demo should show its curve within 60 rollouts"
     files = write_tiny_model(tmp_path / "model", seed=0), write_toy_data(tmp_path / "demo.jsonl", labels=DEMO_LABELS)
