@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: install, bring up the loopback SLURM devcluster, make the tiny model and the toy
-# task's prompts, submit the toy RL job (supervisor, router, 2 CPU engines, trainer as steps of
-# one heterogeneous job), show its status while it runs, and the reward per rollout at the end,
+# The main job: install, bring up the loopback SLURM devcluster, make the tiny model and the demo
+# task's prompts (the toy task over all ten digits), submit the demo RL job (examples/demo_job.yaml:
+# supervisor, router, 2 CPU engines, trainer as steps of one heterogeneous job; its reward climbs
+# for its 60 rollouts), show its status while it runs, and the reward per rollout at the end,
 # then write the job's plots (slurmrl report) and print where they are.
 # Idempotent; the devcluster stays up (`slurmrl cluster down`).
 set -euo pipefail
@@ -12,10 +13,10 @@ eval "$(slurmrl cluster status | grep '^  export SLURM_CONF=')"
 work=${SLURMRL_DEMO_DIR:-/tmp/slurmrl-demo}
 mkdir -p "$work"
 [ -f "$work/model/config.json" ] || slurmrl tiny-model "$work/model"
-[ -f "$work/toy.jsonl" ] || slurmrl toy-data "$work/toy.jsonl"
+[ -f "$work/demo.jsonl" ] || slurmrl toy-data "$work/demo.jsonl" --labels 0123456789
 job_dir="$work/job-$(date +%Y%m%d-%H%M%S)"
-job_id=$(slurmrl submit examples/toy_job.yaml --json --job-dir "$job_dir" \
-    --hf-checkpoint "$work/model" --prompt-data "$work/toy.jsonl" | python3 -c 'import json,sys; print(json.load(sys.stdin)["job_id"])')
+job_id=$(slurmrl submit examples/demo_job.yaml --json --job-dir "$job_dir" \
+    --hf-checkpoint "$work/model" --prompt-data "$work/demo.jsonl" | python3 -c 'import json,sys; print(json.load(sys.stdin)["job_id"])')
 echo "submitted job $job_id; job directory $job_dir"
 while squeue -h -j "$job_id" -o %i | grep -q .; do
     [ -f "$job_dir/supervisor_state.json" ] && { echo; slurmrl status "$job_dir" || true; }

@@ -54,7 +54,8 @@ def test_every_engine_command_of_the_example_jobs_parses_with_sglangs_own_parser
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURMRL_TINY_MODEL", str(tmp_path / "model"))
     monkeypatch.setenv("SLURMRL_TOY_DATA", str(tmp_path / "toy.jsonl"))
-    specs = [_spec(ROOT / "examples" / "toy_job.yaml", ["--job-dir", str(tmp_path / "toy")])]
+    monkeypatch.setenv("SLURMRL_DEMO_DATA", str(tmp_path / "demo.jsonl"))
+    specs = [_spec(ROOT / "examples" / f"{name}_job.yaml", ["--job-dir", str(tmp_path / name)]) for name in ("toy", "demo")]
     specs += [_spec(None, job_flags(tmp_path, name) + ["--rollout-engine", "sglang", *shape, *RECIPE_FLAGS])
               for name, shape in SGLANG_SHAPES.items()]
     argvs = [argv for spec in specs for argv in _engine_argvs(spec, monkeypatch)]
