@@ -82,8 +82,9 @@ class DevCluster:
         return self._daemon("slurmctld", ["slurmctld", "-D"])
 
     def slurmd(self, node: str) -> Daemon:
-        # `ip netns exec` execs slurmd in place: the PID recorded is slurmd's.
-        inside = ["ip", "netns", "exec", self.net.namespace(node)] if self.net else []
+        # nsenter enters only the network namespace (`ip netns exec` also remounts /sys, hiding the
+        # cgroup mount slurmd needs) and execs slurmd in place: the PID recorded is slurmd's.
+        inside = ["nsenter", f"--net={netns.NETNS_DIR / self.net.namespace(node)}"] if self.net else []
         return self._daemon(f"slurmd-{node}", [*inside, "slurmd", "-D", "-N", node])
 
     def daemons(self) -> list[Daemon]:

@@ -162,9 +162,10 @@ def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: in
     auth_info = f"socket={paths.munge_socket},cred_expire={CRED_EXPIRE_S}"
     gres = f" Gres=gpu:{shape.gpus_per_node}" if shape.gpus_per_node else ""
     hosts = {n: (n, node_addrs[n]) if node_addrs else ("localhost", "127.0.0.1") for n in shape.node_names}
-    # srun and sbatch on the host listen for the steps' connections: on any address when the steps
-    # are in namespaces (NoInAddrAny would bind them to what the host's name resolves to, 127.0.0.1).
-    communication = "NoCtldInAddrAny" if node_addrs else "NoCtldInAddrAny,NoInAddrAny"
+    # With namespaces, slurmctld and srun on the host listen on any address: NoCtldInAddrAny and
+    # NoInAddrAny bind them to what their host name ("localhost", the host's) resolves to, 127.0.0.1,
+    # which the nodes cannot reach; the bridge's address is the one the nodes use.
+    communication = "" if node_addrs else "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny"
     where = "each in its own network namespace" if node_addrs else "on loopback"
     nodes = "\n".join(
         f"NodeName={name} NodeHostname={hosts[name][0]} NodeAddr={hosts[name][1]} Port={shape.slurmd_port(k)} "
@@ -176,7 +177,7 @@ def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: in
 ClusterName={CLUSTER_NAME}
 SlurmctldHost=localhost({ctld_addr})
 SlurmctldPort={shape.slurmctld_port}
-CommunicationParameters={communication}
+{communication}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

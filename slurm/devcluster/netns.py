@@ -4,7 +4,8 @@ The bridge (srl-<port_base>) holds the host side's address; each node's namespac
 (srl-<port_base>-nodeK) has lo and one veth into the bridge with the node's own address. The
 subnet is a 10.x.0.0/16 that overlaps no route the machine has; no default route or NAT is
 added, so nothing in a namespace reaches past the bridge. Node names resolve through lines in
-/etc/hosts that carry this cluster's marker (`ip netns exec` keeps the host's /etc/hosts).
+/etc/hosts that carry this cluster's marker (slurmd enters only the network namespace, so
+its steps read the host's /etc/hosts).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from slurm.devcluster.daemons import DevclusterError
 
 HOSTS_FILE = Path("/etc/hosts")
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins each named namespace
 # Second octets tried for 10.x.0.0/16, high ones first: private setups tend to use the low ones.
 SUBNET_CANDIDATES = [*range(200, 255), *range(100, 200)]
 IP_TIMEOUT_S = 20  # one `ip` command
