@@ -152,7 +152,10 @@ def load_shape(paths: ClusterPaths) -> ClusterShape | None:
 
 
 def save_shape(paths: ClusterPaths, shape: ClusterShape) -> None:
-    paths.shape_file.write_text(json.dumps(asdict(shape), indent=2) + "\n")
+    fields = asdict(shape)
+    if not shape.isolated:  # today's file, byte for byte: code from before --isolated reads it too
+        del fields["isolated"]
+    paths.shape_file.write_text(json.dumps(fields, indent=2) + "\n")
 
 
 def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: int = 1,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from slurm.devcluster.config import MAX_NODES, ClusterShape
+from slurm.devcluster.config import MAX_NODES, ClusterPaths, ClusterShape, load_shape, save_shape
 
 
 def _cluster(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -70,3 +71,13 @@ def test_up_isolated_refuses_in_one_line_where_namespaces_are_not_allowed(tmp_pa
     assert not root.exists()
     leftovers = [subprocess.run(["ip", *argv], capture_output=True, text=True).stdout for argv in (["netns"], ["link"])]
     assert "srl-19150" not in "".join(leftovers) + Path("/etc/hosts").read_text()
+
+
+def test_shape_file_keeps_todays_keys_unless_isolated(tmp_path: Path) -> None:
+    # Worktrees on code from before --isolated share the default cluster's cluster.json.
+    paths = ClusterPaths(tmp_path)
+    save_shape(paths, ClusterShape())
+    assert set(json.loads(paths.shape_file.read_text())) == {"nodes", "gpus_per_node", "cpus_per_node",
+                                                             "memory_mb_per_node", "port_base"}
+    save_shape(paths, ClusterShape(nodes=2, isolated=True))
+    assert load_shape(paths) == ClusterShape(nodes=2, isolated=True)
