@@ -41,6 +41,11 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--gpus-per-node", type=int, help=f"fake GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
     up.add_argument("--cpus-per-node", type=int, help=f"CPUs each node declares (default {ClusterShape.cpus_per_node})")
     up.add_argument("--port-base", type=int, help=f"first of the ports the daemons use (default {DEFAULT_PORT_BASE})")
+    net = up.add_mutually_exclusive_group()
+    net.add_argument("--isolated", dest="isolated", action="store_const", const=True,
+                     help="each node in its own network namespace with its own address on a private bridge")
+    net.add_argument("--shared-loopback", dest="isolated", action="store_const", const=False,
+                     help="every node is 127.0.0.1, told apart by port (the default)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (default %(default)s)")
     actions.add_parser("down", help="cancel all jobs and stop the daemons that `up` started")
     actions.add_parser("status", help="daemons, nodes, partitions and the SLURM_CONF line to export")
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _requested_shape(args: argparse.Namespace) -> ClusterShape:
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "cpus_per_node": args.cpus_per_node,
-             "port_base": args.port_base}
+             "port_base": args.port_base, "isolated": args.isolated}
     base = load_shape(ClusterPaths(args.dir.resolve())) or ClusterShape()
     shape = replace(base, **{k: v for k, v in flags.items() if v is not None})
     try:

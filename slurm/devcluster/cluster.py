@@ -11,6 +11,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from slurm.devcluster import netns
 from slurm.devcluster.config import (
     ACCOUNTING_DB,
     CLUSTER_NAME,
@@ -50,6 +51,7 @@ class DevCluster:
         self.paths = ClusterPaths(Path(root).resolve())
         self.shape = shape or load_shape(self.paths) or ClusterShape()
         self.env = {"SLURM_CONF": str(self.paths.slurm_conf)}
+        self.net = netns.load_plan(self.paths.root) if self.shape.isolated else None
 
     # ---- daemons -------------------------------------------------------------------------
     def _daemon(self, name: str, argv: list[str]) -> Daemon:
@@ -80,7 +82,10 @@ class DevCluster:
         return self._daemon("slurmctld", ["slurmctld", "-D"])
 
     def slurmd(self, node: str) -> Daemon:
-        return self._daemon(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
+        # nsenter enters only the network namespace (`ip netns exec` also remounts /sys, hiding the
+        # cgroup mount slurmd needs) and execs slurmd in place: the PID recorded is slurmd's.
+        inside = ["nsenter", f"--net={netns.NETNS_DIR / self.net.namespace(node)}"] if self.net else []
+        return self._daemon(f"slurmd-{node}", [*inside, "slurmd", "-D", "-N", node])
 
     def daemons(self) -> list[Daemon]:
         """Every daemon, in start order."""
@@ -95,6 +100,8 @@ class DevCluster:
         self._refuse_reshape_while_running()
         if not self.running_daemons():
             self._check_ports_free()
+        if self.shape.isolated:  # first: a machine without namespaces is refused before anything starts
+            self.net = netns.set_up(self.paths.root, self.shape.port_base, self.shape.node_names)
         self._write_files()
         self._start_munge()
         self._start_mariadb(timeout_s)
@@ -147,7 +154,7 @@ class DevCluster:
             _write_private(p.munge_key, secrets.token_bytes(1024))
         if not p.db_password_file.exists():
             _write_private(p.db_password_file, secrets.token_hex(16).encode())
-        p.slurm_conf.write_text(render_slurm_conf(p, shape))
+        p.slurm_conf.write_text(self._slurm_conf())
         p.gres_conf.write_text(render_gres_conf(p, shape))
         _write_private(p.slurmdbd_conf, render_slurmdbd_conf(p, shape, self._db_password()).encode())
         save_shape(p, shape)
@@ -186,7 +193,7 @@ class DevCluster:
     def _start_slurmdbd(self, timeout_s: float) -> None:
         daemon = self.slurmdbd()
         daemon.start()
-        wait_for(lambda: _port_open(self.shape.slurmdbd_port) or not daemon.is_running(), timeout_s, "slurmdbd")
+        wait_for(lambda: _port_open("127.0.0.1", self.shape.slurmdbd_port) or not daemon.is_running(), timeout_s, "slurmdbd")
         daemon.check_alive()
         clusters = self._slurm(["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"], timeout_s)
         if CLUSTER_NAME not in clusters.split():
@@ -201,12 +208,19 @@ class DevCluster:
                        "reading the highest job id in the accounting",
                        stdin=f"SELECT COALESCE(MAX(id_job), 0) FROM {ACCOUNTING_DB}.`{CLUSTER_NAME}_job_table`;")
         first_job_id = int(highest.strip()) + 1
-        self.paths.slurm_conf.write_text(render_slurm_conf(self.paths, self.shape, first_job_id=first_job_id))
+        self.paths.slurm_conf.write_text(self._slurm_conf(first_job_id))
+
+    def _slurm_conf(self, first_job_id: int = 1) -> str:
+        if self.net is None:
+            return render_slurm_conf(self.paths, self.shape, first_job_id)
+        return render_slurm_conf(self.paths, self.shape, first_job_id, ctld_addr=self.net.host_addr,
+                                 node_addrs={n: self.net.node_addr(n) for n in self.shape.node_names})
 
     def _start_slurmctld(self, timeout_s: float) -> None:
         daemon = self.slurmctld()
         daemon.start()
-        wait_for(lambda: _port_open(self.shape.slurmctld_port) or not daemon.is_running(), timeout_s, "slurmctld")
+        addr = self.net.host_addr if self.net else "127.0.0.1"
+        wait_for(lambda: _port_open(addr, self.shape.slurmctld_port) or not daemon.is_running(), timeout_s, "slurmctld")
         daemon.check_alive()
 
     def wait_nodes_idle(self, timeout_s: float) -> None:
@@ -261,6 +275,9 @@ class DevCluster:
     def status(self) -> str:
         lines = [f"devcluster at {self.paths.root} ({self.shape.nodes} nodes, "
                  f"{self.shape.gpus_per_node} GPUs and {self.shape.cpus_per_node} CPUs each)", "", "daemons:"]
+        if self.net:
+            lines[1:1] = [f"isolated: bridge {self.net.bridge} at {self.net.host_addr}, "
+                          + ", ".join(f"{n} {self.net.node_addr(n)}" for n in self.shape.node_names)]
         for d in self.daemons():
             proc = d.process()
             lines.append(f"  {d.name:<16} {'running, pid ' + str(proc.pid) if proc else 'stopped'}")
@@ -273,7 +290,8 @@ class DevCluster:
         return "\n".join(lines)
 
     def down(self) -> list[str]:
-        """Cancel every job, then stop the daemons in reverse start order. Returns what was stopped."""
+        """Cancel every job, stop the daemons in reverse start order, then remove an isolated
+        cluster's network. Returns what was stopped."""
         if self.slurmctld().is_running():
             subprocess.run(["scancel", "--full", "--user", "root"], env={**os.environ, **self.env},
                            capture_output=True, timeout=30)
@@ -281,7 +299,8 @@ class DevCluster:
                 wait_for(lambda: not self._slurm(["squeue", "-h", "-o", "%i"], 30).strip(), 30, "jobs to end")
             except (TimeoutError, DevclusterError):
                 pass  # the daemons are stopped below either way
-        return [d.name for d in reversed(self.daemons()) if d.stop()]
+        stopped = [d.name for d in reversed(self.daemons()) if d.stop()]
+        return stopped + (["network namespaces"] if netns.tear_down(self.paths.root) else [])
 
     def _slurm(self, argv: list[str], timeout_s: float) -> str:
         result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=timeout_s)
@@ -305,7 +324,7 @@ def _run(argv: list[str], doing: str, stdin: str = "") -> str:
     return result.stdout
 
 
-def _port_open(port: int) -> bool:
+def _port_open(addr: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        return sock.connect_ex((addr, port)) == 0

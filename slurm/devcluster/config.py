@@ -32,6 +32,7 @@ class ClusterShape:
     cpus_per_node: int = 8
     memory_mb_per_node: int = 16384
     port_base: int = DEFAULT_PORT_BASE
+    isolated: bool = False  # one network namespace per node (netns.py); else every node is 127.0.0.1
 
     def validate(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -151,23 +152,35 @@ def load_shape(paths: ClusterPaths) -> ClusterShape | None:
 
 
 def save_shape(paths: ClusterPaths, shape: ClusterShape) -> None:
-    paths.shape_file.write_text(json.dumps(asdict(shape), indent=2) + "\n")
+    fields = asdict(shape)
+    if not shape.isolated:  # today's file, byte for byte: code from before --isolated reads it too
+        del fields["isolated"]
+    paths.shape_file.write_text(json.dumps(fields, indent=2) + "\n")
 
 
-def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: int = 1) -> str:
+def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: int = 1,
+                      ctld_addr: str = "127.0.0.1", node_addrs: dict[str, str] | None = None) -> str:
+    """`node_addrs` (node -> its namespace's address) makes the isolated shape: slurmctld listens
+    on `ctld_addr` (the bridge's), and each node is its name at its own address."""
     auth_info = f"socket={paths.munge_socket},cred_expire={CRED_EXPIRE_S}"
     gres = f" Gres=gpu:{shape.gpus_per_node}" if shape.gpus_per_node else ""
+    hosts = {n: (n, node_addrs[n]) if node_addrs else ("localhost", "127.0.0.1") for n in shape.node_names}
+    # With namespaces, slurmctld and srun on the host listen on any address: NoCtldInAddrAny and
+    # NoInAddrAny bind them to what their host name ("localhost", the host's) resolves to, 127.0.0.1,
+    # which the nodes cannot reach; the bridge's address is the one the nodes use.
+    communication = "" if node_addrs else "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny"
+    where = "each in its own network namespace" if node_addrs else "on loopback"
     nodes = "\n".join(
-        f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={shape.slurmd_port(k)} "
+        f"NodeName={name} NodeHostname={hosts[name][0]} NodeAddr={hosts[name][1]} Port={shape.slurmd_port(k)} "
         f"CPUs={shape.cpus_per_node} RealMemory={shape.memory_mb_per_node}{gres} State=UNKNOWN"
         for k, name in enumerate(shape.node_names, 1)
     )
     return f"""\
-# slurmrl devcluster: {shape.nodes} emulated nodes on loopback. Generated; edits are overwritten.
+# slurmrl devcluster: {shape.nodes} emulated nodes {where}. Generated; edits are overwritten.
 ClusterName={CLUSTER_NAME}
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost=localhost({ctld_addr})
 SlurmctldPort={shape.slurmctld_port}
-CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
+{communication}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

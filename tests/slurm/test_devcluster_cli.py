@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from slurm.devcluster.config import MAX_NODES, ClusterShape
+from slurm.devcluster.config import MAX_NODES, ClusterPaths, ClusterShape, load_shape, save_shape
 
 
 def _cluster(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -56,3 +57,27 @@ def test_every_daemon_gets_its_own_port_even_at_the_node_limit() -> None:
 def test_shapes_within_limits_validate() -> None:
     ClusterShape(nodes=1, gpus_per_node=0).validate()
     ClusterShape(nodes=MAX_NODES).validate()
+
+
+def test_up_isolated_refuses_in_one_line_where_namespaces_are_not_allowed(tmp_path: Path) -> None:
+    # Root without capabilities (an empty bounding set): `ip netns add` is refused by the kernel.
+    root = tmp_path / "dc"
+    up = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "slurm.devcluster",
+                         "up", "--isolated", "--dir", str(root), "--nodes", "2", "--port-base", "19150"],
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 1
+    assert up.stderr.count("\n") == 1 and "network namespaces are not allowed here" in up.stderr, up.stderr
+    assert "without --isolated" in up.stderr
+    assert not root.exists()
+    leftovers = [subprocess.run(["ip", *argv], capture_output=True, text=True).stdout for argv in (["netns"], ["link"])]
+    assert "srl-19150" not in "".join(leftovers) + Path("/etc/hosts").read_text()
+
+
+def test_shape_file_keeps_todays_keys_unless_isolated(tmp_path: Path) -> None:
+    # Worktrees on code from before --isolated share the default cluster's cluster.json.
+    paths = ClusterPaths(tmp_path)
+    save_shape(paths, ClusterShape())
+    assert set(json.loads(paths.shape_file.read_text())) == {"nodes", "gpus_per_node", "cpus_per_node",
+                                                             "memory_mb_per_node", "port_base"}
+    save_shape(paths, ClusterShape(nodes=2, isolated=True))
+    assert load_shape(paths) == ClusterShape(nodes=2, isolated=True)

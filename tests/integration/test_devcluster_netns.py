@@ -1,0 +1,103 @@
+"""`slurmrl cluster up --isolated`: each node in its own network namespace. Steps on two nodes see
+two addresses; a server on node2 is reached from node1 at node2's address and not through
+node1's loopback; `down` leaves no namespace, link or hosts line. Uses a cluster of its own
+(its own --dir and ports), brought up and down here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from slurm.devcluster import DevCluster
+from slurm.devcluster.daemons import wait_for
+from slurm.devcluster.netns import HOSTS_FILE
+from tests.ports import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_programs")]
+PORT_BASE = 19100  # clear of the shared devcluster's (17800) and the lifecycle test's (18800)
+PREFIX = f"srl-{PORT_BASE}"
+SERVER_UP_S = 30  # python's http.server starting in a step
+# From a step: GET url, print the status, or the error's class and errno.
+PROBE = ("import sys,urllib.request\ntry: print(urllib.request.urlopen(sys.argv[1],timeout=5).status)\n"
+         "except OSError as e: print(type(e.__dict__.get('reason',e)).__name__)")
+
+
+def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "slurm.devcluster", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+def _srun(env: dict[str, str], node: str, *argv: str) -> str:
+    return subprocess.run(["srun", "-w", node, "-N1", "-n1", *argv], env=env, capture_output=True, text=True,
+                          timeout=60, check=True).stdout.strip()
+
+
+def _network_leftovers() -> list[str]:
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    hosts = HOSTS_FILE.read_text()
+    return [line for text in (namespaces, links, hosts) for line in text.splitlines() if PREFIX in line]
+
+
+def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
+    root = tmp_path / "dc"
+    up = _cluster("up", "--isolated", "--dir", str(root), "--nodes", "2", "--gpus-per-node", "0",
+                  "--port-base", str(PORT_BASE))
+    server: subprocess.Popen[str] | None = None
+    pid_file = tmp_path / "server.pid"
+    try:
+        assert up.returncode == 0, up.stderr
+        cluster = DevCluster(root)
+        assert cluster.net is not None
+        env = {**os.environ, **cluster.env}
+        addr1, addr2 = cluster.net.node_addr("node1"), cluster.net.node_addr("node2")
+        assert _srun(env, "node1", "hostname", "-I") == addr1
+        assert _srun(env, "node2", "hostname", "-I") == addr2
+        assert addr1 != addr2
+        # Node names resolve to the nodes' addresses, in a step as on the host.
+        resolve = "import socket,sys;print(socket.gethostbyname(sys.argv[1]))"
+        assert _srun(env, "node1", sys.executable, "-c", resolve, "node2") == addr2
+
+        # A server on all of node2's addresses (its own and its loopback), its PID in a file.
+        port = free_port()
+        serve = f"import os,sys;open(sys.argv[1],'w').write(str(os.getpid()));os.execv(sys.executable,[sys.executable,'-m','http.server','{port}','--bind','0.0.0.0'])"
+        server = subprocess.Popen(["srun", "-w", "node2", "-N1", "-n1", sys.executable, "-c", serve, str(pid_file)],
+                                  env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: _answers(f"http://{addr2}:{port}/"), SERVER_UP_S, "the server in node2's step")
+        url = "http://{}:%d/" % port
+        assert _srun(env, "node2", sys.executable, "-c", PROBE, url.format("127.0.0.1")) == "200"  # node2's loopback
+        assert _srun(env, "node1", sys.executable, "-c", PROBE, url.format(addr2)) == "200"
+        assert _srun(env, "node1", sys.executable, "-c", PROBE, url.format("127.0.0.1")) == "ConnectionRefusedError"
+    finally:
+        if server is not None:
+            if pid_file.exists():
+                _stop(int(pid_file.read_text()))
+            server.terminate()
+            server.wait(timeout=30)
+        down = _cluster("down", "--dir", str(root))
+    assert down.returncode == 0, down.stderr
+    assert "network namespaces" in down.stdout
+    assert _network_leftovers() == []
+
+
+def _answers(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def _stop(pid: int) -> None:
+    try:
+        proc = psutil.Process(pid)
+        proc.terminate()
+        proc.wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
+
