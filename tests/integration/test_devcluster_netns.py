@@ -52,6 +52,8 @@ def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
     server: subprocess.Popen[str] | None = None
     pid_file = tmp_path / "server.pid"
     try:
+        if "network namespaces are not allowed here" in up.stderr:  # `up` left nothing behind (tested)
+            pytest.skip(up.stderr.strip())
         assert up.returncode == 0, up.stderr
         cluster = DevCluster(root)
         assert cluster.net is not None
