@@ -23,6 +23,7 @@ from slurm.devcluster.daemons import DevclusterError
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which groups by the markers it finds
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "slurm_programs" in item.fixturenames or item.path.parent.name in SLURM_DIRS:
