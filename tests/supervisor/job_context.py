@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from jobs.contract import JobDir
-from jobs.spec import JobSpec
+from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from supervisor.context import JobContext
@@ -39,3 +39,12 @@ def two_engine_job(spec: JobSpec, head: str, node: str, het_group: int) -> tuple
                      membership=Membership(RouterClient(router.url, "key", 5.0), client, "key", listed_timeout_s=5.0),
                      client=client, finished=threading.Event(), inbox=queue.Queue())
     return job, router
+
+
+def unplaced_job(job_dir: Path) -> tuple[JobContext, RouterPlace]:
+    """Two engines on a node SLURM does not know, that may not restart (max_engine_restarts 0): a
+    recovery asks SLURM (squeue, scancel; answered within 5 s) and then gives the engine up."""
+    ft = FaultToleranceSpec(use_fault_tolerance=True, max_engine_restarts=0, min_engines=0,
+                            slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
+    spec = JobSpec(job_dir=str(job_dir), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
+    return two_engine_job(spec, head="no-such-head", node="no-such-node", het_group=1)

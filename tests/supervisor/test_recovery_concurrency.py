@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from jobs.control_protocol import Call, ControlClient
-from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from slurm.devcluster.daemons import wait_for
 from supervisor.control import ControlServer
 from supervisor.engines import FAILED
-from tests.supervisor.job_context import two_engine_job
+from tests.supervisor.job_context import unplaced_job
 from tests.supervisor.recovery_wiring import wire_recovery
 
 CALLERS = 3
@@ -25,10 +24,7 @@ pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery asks sque
 
 
 def test_three_callers_at_once_start_one_recovery(tmp_path: Path) -> None:
-    ft = FaultToleranceSpec(use_fault_tolerance=True, max_engine_restarts=0, min_engines=0,
-                            slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
-    spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
-    job, router = two_engine_job(spec, head="no-such-head", node="no-such-node", het_group=1)
+    job, router = unplaced_job(tmp_path)
     wiring = wire_recovery(job, router)
     recovery, handlers, ending, pool = wiring.recovery, wiring.handlers, wiring.ending, wiring.pool
     engine = job.engines["engine-0"]

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 
 from jobs.control_protocol import Call, ControlClient
-from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from slurm.devcluster.daemons import wait_for
 from supervisor.control import ControlServer
 from supervisor.engines import FAILED, HEALTHY
-from tests.supervisor.job_context import two_engine_job
+from tests.supervisor.job_context import unplaced_job
 from tests.supervisor.recovery_wiring import wire_recovery
 
 pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery asks squeue
@@ -37,10 +36,7 @@ class _Healthy(BaseHTTPRequestHandler):
 
 
 def test_an_engine_reported_unresponsive_is_replaced_though_its_probe_passes(tmp_path: Path) -> None:
-    ft = FaultToleranceSpec(use_fault_tolerance=True, max_engine_restarts=0, min_engines=0,
-                            slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
-    spec = JobSpec(job_dir=str(tmp_path), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
-    job, router = two_engine_job(spec, head="no-such-head", node="no-such-node", het_group=1)
+    job, router = unplaced_job(tmp_path)
     wiring = wire_recovery(job, router)
     recovery, handlers, pool = wiring.recovery, wiring.handlers, wiring.pool
     engine = job.engines["engine-0"]
