@@ -40,6 +40,7 @@ FLAGS = ("--num-rollout", "14", "--save-interval", "100", "--rollout-batch-size"
          "--n-samples-per-eval-prompt", "2", "--eval-temperature", "0.7", "--adam-eps", "1")
 COMPARED = ("reward_mean", "loss", "grad_norm", "weight_version")
 EVAL_SET = "toy"
+CATCH_GENERATING_S = 300  # bound on catching the trainer mid-generation (see its use)
 
 
 def metrics(job_dir: Path) -> list[dict]:
@@ -157,7 +158,9 @@ def freeze_during_rollout(job_dir: Path, engines: list[int]) -> None:
             os.kill(pid, signal.SIGCONT)
         return False
 
-    wait_for(caught, 120, "the trainer generating a rollout", interval_s=0.002)
+    # Catching it mid-generation takes tries (each freezes the engines for 1 s): 120 s ran out once in CI
+    # under the second xdist worker's load.
+    wait_for(caught, CATCH_GENERATING_S, "the trainer generating a rollout", interval_s=0.002)
 
 
 def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Path) -> None:
