@@ -10,6 +10,8 @@ micro-batches of --max-tokens-per-gpu tokens; HF pads them into one batch. Both 
 optimizer step (median of --repeats) after warm-up steps. On a GPU each backend line also gives
 its model FLOP/s as a share of --peak-tflops (MFU, bench_gpu_megatron's FLOP formula) and its
 log-probs pass (forward only, as the trainer runs it before training) in tokens/s against the step's.
+The megatron backend runs with --bf16 on a GPU (bf16 weights, fp32 main grads and masters).
+--profile: the compiled step's top operations by GPU and by host time, and how busy the GPU was.
 """
 
 from __future__ import annotations
@@ -80,6 +82,22 @@ def time_steps(step, repeats: int) -> float:
     return statistics.median(times)
 
 
+def profile_step(step) -> None:
+    """One step under the torch profiler: the kernels that take the GPU's time, and how much of the
+    step's wall time the GPU was busy (the rest is the host's)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    print(f"    profiled step: {wall * 1e3:.1f} ms wall, GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%})")
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        print(events.table(sort_by=key, row_limit=20, max_name_column_width=70))
+
+
 def hf_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: list[TrainSample]) -> None:
     """The same loss on a padded batch: log-probs of the response tokens, policy loss, AdamW."""
     device = next(model.parameters()).device
@@ -113,6 +131,7 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100/H200 SXM: 989)")
+    parser.add_argument("--profile", action="store_true", help="print the compiled step's top GPU kernels (torch profiler)")
     opts = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
@@ -134,7 +153,8 @@ def main() -> None:
             args = build_parser().parse_args([
                 "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
                 "--load-debug-rollout-data", "unused/{rollout_id}", "--attention-backend", attention,
-                "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--lr", "1e-6", "--bf16", *extra])
+                "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--lr", "1e-6",
+                *(["--bf16"] if device == "cuda" else []), *extra])
             validate(args)
             backend = MegatronBackend(args, read_hf_config(str(model_dir)))
             loss = make_pack_loss(LossConfig(), samples, ids)
@@ -148,6 +168,8 @@ def main() -> None:
                 print(f"    {flops / seconds / 1e12:6.1f} TFLOP/s = {flops / seconds / 1e12 / opts.peak_tflops:.1%} MFU; "
                       f"log-probs pass {forward * 1e3:.1f} ms, {tokens / forward:.0f} tokens/s = "
                       f"{seconds / forward:.2f}x the step's")
+                if opts.profile and extra:
+                    profile_step(partial(backend.train_step, samples, ids, loss, False))
             del backend
             # one backend per process in megatron's global state: tear it down before the next
             from megatron.core import parallel_state

@@ -173,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-length", type=int, help="a placeholder, as in slime (Megatron-LM requires it): samples are packed "
                                        "to --max-tokens-per-gpu and never cut")
     add("--max-position-embeddings", type=int, help="must equal config.json's (rope needs no position table)")
-    add("--bf16", action="store_true", help="compute in bf16 on GPU (fp32 master weights)")
-    add("--torch-compile", action="store_true", help="torch.compile each transformer layer (GPU)")
+    add("--bf16", action="store_true", help="bf16 parameters and compute, with fp32 gradients and fp32 master "
+                                            "weights in the optimizer and the checkpoint (megatron's --bf16)")
+    add("--torch-compile", action="store_true", help="torch.compile each transformer layer and, at TP 1, the "
+                                                     "log-prob computation (GPU)")
     # parallelism
     add("--tensor-model-parallel-size", type=int, default=1)
     # megatron parallelism: sequence parallel, expert TP (megatron backend)

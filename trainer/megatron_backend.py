@@ -1,9 +1,10 @@
 """The megatron backend: a megatron-core GPTModel (TP/SP/EP/DP), packed micro-batches, and a
 torch optimizer sharded over data-parallel ranks (trainer.megatron_optimizer).
 
-Runs on CPU through gloo (ckpt_tools.megatron_compat) and on GPU through NCCL. Parameters are kept
-in fp32; on GPU the forward runs under bf16 autocast (--bf16), so the optimizer always updates
-fp32 master weights without megatron's DDP; gradients are reduced here by hand.
+Runs on CPU through gloo (ckpt_tools.megatron_compat) and on GPU through NCCL. Parameters are fp32,
+or with --bf16 bf16 (as megatron's --bf16: the model built in bf16) with fp32 gradients
+(trainer.main_grads) and fp32 master weights in the optimizer; gradients are reduced here by hand,
+in fp32, as megatron's DDP does with its main grads.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
-from trainer import context_parallel, megatron_pipeline, megatron_state
+from trainer import context_parallel, main_grads, megatron_pipeline, megatron_state
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
@@ -108,6 +109,10 @@ class MegatronBackend(Backend):
         self.teacher_model = self._build_model() if args.opd_teacher_load else None
         self.critic = self._trainee(self._build_critic(), args.critic_lr or args.lr) \
             if args.advantage_estimator == "ppo" else None
+        # The log-probs over the vocabulary read and write [tokens, vocab] fp32 tensors a dozen
+        # times; compiled, they fuse into a few passes. Under TP the collectives stay eager.
+        self._token_stats = torch.compile(log_probs_and_entropy, dynamic=True) \
+            if args.torch_compile and self.tp_size == 1 else log_probs_and_entropy
         self._hooks = {name: load_function(path, flag) for name, path, flag in (
             ("log_prob", args.custom_megatron_before_log_prob_hook_path, "--custom-megatron-before-log-prob-hook-path"),
             ("train_step", args.custom_megatron_before_train_step_hook_path,
@@ -117,7 +122,8 @@ class MegatronBackend(Backend):
         trainees = [t for t in (self.actor, self.critic) if t is not None]
         models = [t.model for t in trainees] + [m for m in (self.ref_model, self.teacher_model) if m is not None]
         # --optimizer-cpu-offload keeps its state on the host already: moving it changes nothing
-        return Offloadable(models, [t.optimizer.optimizer for t in trainees], self.device)
+        return Offloadable(models, [t.optimizer.optimizer for t in trainees], self.device,
+                           [m for t in trainees for m in t.optimizer.device_masters()])
 
     # ---------------------------------------------------------------- model
     def _build_model(self, tied: bool | None = None) -> GPTModel:
@@ -125,7 +131,8 @@ class MegatronBackend(Backend):
         config, model_kwargs = transformer_config_from_hf(
             self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
             sequence_parallel=self.sequence_parallel, etp=self.etp_size, cp=self.cp_size, pp=self.pp_size,
-            pp_first=args.decoder_first_pipeline_num_layers, pp_last=args.decoder_last_pipeline_num_layers)
+            pp_first=args.decoder_first_pipeline_num_layers, pp_last=args.decoder_last_pipeline_num_layers,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -152,7 +159,8 @@ class MegatronBackend(Backend):
         """The actor's architecture with a scalar value head instead of the vocabulary projection."""
         critic = self._build_model(tied=False)
         if self.last_stage:
-            critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(self.device)
+            critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(
+                self.device, torch.bfloat16 if self.args.bf16 else torch.float32)
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
@@ -160,6 +168,7 @@ class MegatronBackend(Backend):
             return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        main_grads.accumulate_in_fp32(p for _, p in named)
         optimizer = ShardedOptimizer(named, self.args, lr, data_parallel_group, _is_expert)
         return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.args)))
 
@@ -201,8 +210,8 @@ class MegatronBackend(Backend):
         start = self.tp_rank * vocab_local
         valid = max(0, min(vocab_local, self.shape.vocab_size - start))
         group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        logp, ent = log_probs_and_entropy(logits[rows.rows.to(self.device)], rows.targets.to(self.device), start, valid,
-                                          group, with_entropy)
+        logp, ent = self._token_stats(logits[rows.rows.to(self.device)], rows.targets.to(self.device), start, valid,
+                                      group, with_entropy)
         return rows.per_sample(logp), (rows.per_sample(ent) if ent is not None else None)
 
     def _each_pack(self, model: GPTModel, samples: list[TrainSample], ids: list[int],
@@ -279,7 +288,7 @@ class MegatronBackend(Backend):
         grad_norm = self._grad_norm(trainee.model)
         check_finite(grad_norm, role)
         if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
-            grads = [p.grad for p in trainee.model.parameters() if p.grad is not None]
+            grads = [g for p in trainee.model.parameters() if (g := main_grads.grad_of(p)) is not None]
             torch._foreach_mul_(grads, self.args.clip_grad / (grad_norm + 1e-6))
         trainee.optimizer.step()
         lr = trainee.scheduler.get_last_lr()[0]
@@ -294,14 +303,12 @@ class MegatronBackend(Backend):
         for a sum; each CP rank holds the gradient of its own rows);
         expert weights over the expert-DP group."""
         megatron_pipeline.reduce_embedding_grads(model)
-        named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-        partial = [p.grad for n, p in named if "q_layernorm" in n or "k_layernorm" in n
+        named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
+        partial = [g for n, p, g in named if "q_layernorm" in n or "k_layernorm" in n
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
-        experts = [_is_expert(n) for n, _ in named]
-        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if not e],
-                        ps.get_data_parallel_group(with_context_parallel=True))
-        _all_reduce_sum([p.grad for (_, p), e in zip(named, experts) if e], ps.get_expert_data_parallel_group())
+        _all_reduce_sum([g for n, _, g in named if not _is_expert(n)], ps.get_data_parallel_group(with_context_parallel=True))
+        _all_reduce_sum([g for n, _, g in named if _is_expert(n)], ps.get_expert_data_parallel_group())
 
     def _grad_norm(self, model: GPTModel) -> float:
         """The global L2 norm: each TP shard once, replicated weights (norms) once per TP group,
@@ -309,12 +316,12 @@ class MegatronBackend(Backend):
         squares = []
         for expert, group in ((False, ps.get_model_parallel_group()),
                               (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
-            grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and param_is_not_shared(p)
+            grads = [g for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None and param_is_not_shared(p)
                      and _is_expert(n) == expert
                      and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            for g in grads:
-                sq += g.float().pow(2).sum()
+            if grads:  # one kernel for all the per-tensor norms, not three per tensor
+                sq += torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
             squares.append(sq)
@@ -409,9 +416,10 @@ class MegatronBackend(Backend):
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         common = self._load(ckpt_dir, weights_only)
-        for trainee in (self.actor, self.critic):
-            if trainee is not None:
-                trainee.optimizer.refresh_host_copies()
+        if weights_only:  # a full load restored the masters with the optimizer
+            for trainee in (self.actor, self.critic):
+                if trainee is not None:
+                    trainee.optimizer.refresh_masters()
         return common
 
     def _load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def _rms_norm(config: TransformerConfig, hidden_size: int, eps: float,
     for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
         if getattr(config, flag):
             raise ValueError(f"{flag} needs TransformerEngine or Apex norms, which are not installed")
-    return kind(normalized_shape=hidden_size, eps=eps)
+    return kind(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
 
 
 class _AutocastRMSNorm(torch.nn.RMSNorm):

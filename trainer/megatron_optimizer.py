@@ -9,12 +9,17 @@ torch optimizer. (megatron-core's DistributedOptimizer allocates on "cuda" in it
 cannot run on a CPU torch; torch's ZeroRedundancyOptimizer takes one process group, not the two
 MoE needs, and gathers its state on one rank to save it.)
 
---optimizer-cpu-offload: the optimizer updates fp32 CPU copies of the (owned) parameters; the
-gradients go to the host before the step and the new values back after it. With
---overlap-cpu-optimizer-d2h-h2d the copies are asynchronous (pinned memory): the gradient copies
-are queued together with one wait, and the weight copies run on a side stream while the host goes
-on (the next forward waits for them). Unlike megatron's HybridDeviceOptimizer, the CPU step itself
-is not pipelined with the copies.
+fp32 master weights: the torch optimizer updates fp32 parameters. Where the model's are fp32 and
+stay on the device those are the model's own; with --bf16 parameters (trainer.main_grads) or
+--optimizer-cpu-offload they are fp32 copies ("masters"), which take the fp32 gradients before the
+step and give the new values back after it (rounded to bf16 where the model is bf16), as megatron's
+mixed-precision optimizer does. The checkpoint keeps the masters (trainer.megatron_state).
+
+--optimizer-cpu-offload: the masters live in pinned host memory; the gradients go to the host
+before the step and the new values back after it. With --overlap-cpu-optimizer-d2h-h2d the copies
+are asynchronous: the gradient copies are queued together with one wait, and the weight copies run
+on a side stream while the host goes on (the next forward waits for them). Unlike megatron's
+HybridDeviceOptimizer, the CPU step itself is not pipelined with the copies.
 On a CPU-only machine the parameters are already in host memory and both change nothing.
 """
 
@@ -26,6 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.nn import Parameter
+
+from trainer import main_grads
 
 
 class ShardedOptimizer:
@@ -51,52 +58,74 @@ class ShardedOptimizer:
         self.owned: list[Parameter] = owned  # model parameters, in the torch optimizer's order
         self._offload = args.optimizer_cpu_offload and any(p.device.type != "cpu" for p in owned)
         self._overlap = args.overlap_cpu_optimizer_d2h_h2d
+        self._stream = torch.cuda.Stream() if self._offload and self._overlap else None
         if self._offload:
-            self._host = [Parameter(p.detach().to("cpu", torch.float32).pin_memory()) for p in owned]
-            self._stream = torch.cuda.Stream() if self._overlap else None
+            self.masters = [Parameter(p.detach().to("cpu", torch.float32).pin_memory()) for p in owned]
+        elif any(p.dtype != torch.float32 for p in owned):
+            self.masters = [Parameter(p.detach().to(torch.float32, copy=True)) for p in owned]
         else:
-            self._host = owned
-        self.optimizer = _torch_optimizer(self._host, args, lr)
+            self.masters = owned
+        self.optimizer = _torch_optimizer(self.masters, args, lr)
+
+    def device_masters(self) -> list[Parameter]:
+        """fp32 masters that are neither model parameters nor on the host (what offload must move)."""
+        return self.masters if self._separate_masters and not self._offload else []
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.zero_()
+        main_grads.zero_grads(self.params)
 
     def step(self) -> None:
-        if self._offload:
-            self._to_host()
+        if self._separate_masters:
+            self._grads_to_masters()
         self.optimizer.step()
-        if self._offload:
-            self._to_device()
+        if self._separate_masters:
+            self._masters_to_params()
         for group, src, share in self._broadcasts:
             flat = torch._utils._flatten_dense_tensors([p.data for p in share])
             dist.broadcast(flat, src=src, group=group)
             if src != dist.get_rank():
                 for p, new in zip(share, torch._utils._unflatten_dense_tensors(flat, share)):
                     p.data.copy_(new)
+        main_grads.free_main_grads(self.params)
+        if not self._offload:  # they were the main grads; the offloaded masters keep their pinned buffers
+            for master in self.masters if self._separate_masters else ():
+                master.grad = None
 
-    def _to_host(self) -> None:
-        for host, p in zip(self._host, self.owned):
-            if host.grad is None:
-                host.grad = torch.empty_like(host).pin_memory()
-            host.grad.copy_(p.grad, non_blocking=self._overlap)
-        torch.cuda.synchronize()  # the step reads the gradients on the host
+    @property
+    def _separate_masters(self) -> bool:
+        return self.masters is not self.owned
 
-    def _to_device(self) -> None:
+    def _grads_to_masters(self) -> None:
+        for master, p in zip(self.masters, self.owned):
+            grad = main_grads.grad_of(p)
+            if not self._offload:
+                master.grad = grad  # fp32 already, on the same device
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master).pin_memory()
+            master.grad.copy_(grad, non_blocking=self._overlap)
+        if self._offload:
+            torch.cuda.synchronize()  # the step reads the gradients on the host
+
+    @torch.no_grad()
+    def _masters_to_params(self) -> None:
+        if not self._offload:
+            torch._foreach_copy_(self.owned, self.masters)  # rounds to the parameters' dtype
+            return
         stream = self._stream or torch.cuda.current_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for host, p in zip(self._host, self.owned):
-                p.data.copy_(host.data, non_blocking=self._overlap)
+            for master, p in zip(self.masters, self.owned):
+                p.copy_(master, non_blocking=self._overlap)
         torch.cuda.current_stream().wait_stream(stream)  # the next forward reads the new values
 
-    def refresh_host_copies(self) -> None:
-        """After the model's weights were set (a checkpoint load, a custom init): the host copies
-        the offloaded optimizer updates take them over."""
-        if self._offload:
-            for host, p in zip(self._host, self.owned):
-                host.data.copy_(p.data)
+    def refresh_masters(self) -> None:
+        """After the model's weights were set (a weights-only load, a custom init): the masters
+        take them over."""
+        if self._separate_masters:
+            with torch.no_grad():
+                for master, p in zip(self.masters, self.owned):
+                    master.data.copy_(p.data)
 
 
 def _partition(params: list[Parameter], size: int) -> list[list[Parameter]]:
@@ -115,5 +144,6 @@ def _torch_optimizer(params: list[Parameter], args: argparse.Namespace, lr: floa
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=args.sgd_momentum, weight_decay=args.weight_decay)
     # megatron's Adam is AdamW (decoupled weight decay), as is apex's FusedAdam it uses on GPU.
+    # fused: one kernel for all parameters where they are all on a GPU
     return torch.optim.AdamW(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             weight_decay=args.weight_decay)
+                             weight_decay=args.weight_decay, fused=bool(params) and all(p.is_cuda for p in params))

@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
+from trainer import main_grads
 from trainer.batch import Pack
 from trainer.context_parallel import RowLayout
 
@@ -73,9 +74,9 @@ def reduce_embedding_grads(model: GPTModel) -> None:
     if (ps.get_pipeline_model_parallel_world_size() == 1 or not model.share_embeddings_and_output_weights
             or not ps.is_rank_in_embedding_group(ignore_virtual=True)):
         return
-    weight = model.shared_embedding_or_output_weight()
-    if weight.grad is not None:
-        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+    grad = main_grads.grad_of(model.shared_embedding_or_output_weight())
+    if grad is not None:
+        dist.all_reduce(grad, group=ps.get_embedding_group())
 
 
 def is_stage_leader() -> bool:

@@ -5,7 +5,9 @@ Layout, as Megatron-LM writes it where it has a say:
 - model tensors under their sharded keys (the keys ckpt_tools writes: a converted HF checkpoint
   loads as weights);
 - `optimizer.state.exp_avg.<param key>`, `optimizer.state.exp_avg_sq.<param key>` (SGD:
-  `optimizer.state.momentum_buffer.<param key>`): sharded like the parameter; the step, shared by
+  `optimizer.state.momentum_buffer.<param key>`) and, where the model is bf16 (--bf16), the fp32
+  master weights `optimizer.state.fp32_param.<param key>` (megatron's name): sharded like the
+  parameter, so a bf16 run resumes from its fp32 masters, not from the rounded weights; the step, shared by
   every parameter, and the param groups go to common.pt. With the distributed optimizer each
   parameter's state is written by the data-parallel rank that owns it: the same files, so a
   checkpoint loads with or without it, at any data-parallel size;
@@ -40,6 +42,8 @@ from trainer.megatron_optimizer import ShardedOptimizer
 log = logging.getLogger(__name__)
 
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
+_MASTERS = "fp32_param"  # per-parameter optimizer entry holding the fp32 master weights
+_MASTERS_PREFIX = f"optimizer.state.{_MASTERS}"
 Optimizer = torch.optim.Optimizer | ShardedOptimizer
 
 
@@ -94,7 +98,8 @@ def _optimizer_and_rng_request(ckpt_dir: Path, optimizer: Optimizer,
     if not any(key.startswith("optimizer.") for key in stored):
         raise RuntimeError(f"{ckpt_dir} holds no optimizer state (converted from HF, or saved weights only): "
                            "load it as weights only (optimizer=None), as --ref-load does")
-    request = {"optimizer": _optimizer_state(optimizer, model_state)}
+    with_masters = any(key.startswith(f"{_MASTERS_PREFIX}.") for key in stored)
+    request = {"optimizer": _optimizer_state(optimizer, model_state, with_masters)}
     rng = _rng_object(None)
     if rng.unique_key in stored:
         request["rng_state"] = rng
@@ -140,13 +145,20 @@ def _parts(optimizer: Optimizer) -> tuple[torch.optim.Optimizer, list[torch.nn.P
     return optimizer, [p for group in optimizer.param_groups for p in group["params"]], False
 
 
-def _optimizer_state(optimizer: Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
+def _optimizer_state(optimizer: Optimizer, model_state: dict[str, Any], with_masters: bool | None = None) -> dict[str, Any]:
     """The optimizer's state with each per-parameter tensor as a ShardedTensor shaped like its
     parameter (as megatron's FP32Optimizer does for a torch optimizer); Adam's step is one value
-    for all parameters."""
+    for all parameters. with_masters (default: where the model's parameters are not fp32): the fp32
+    master weights too."""
     torch_optimizer, params, distributed = _parts(optimizer)
     _init_state(torch_optimizer)  # a fresh optimizer has no state to save, or to load into
     state = torch_optimizer.state_dict()
+    if with_masters is None:
+        with_masters = any(p.dtype != torch.float32 for p in params)
+    if with_masters:
+        masters = [p for group in torch_optimizer.param_groups for p in group["params"]]
+        for index, master in enumerate(masters):  # a new dict: the optimizer's own stays as it is
+            state["state"][index] = {**state["state"][index], _MASTERS: master.detach()}
     step = _common_step(torch_optimizer)
     optim_state_to_sharding_state(state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",))
     if distributed:
@@ -181,7 +193,8 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
                         raise ValueError("SGD with dampening starts its momentum from the first gradient: not saved")
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 continue
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # fused Adam keeps its step beside the parameter, as torch would create it
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if group.get("fused") else None)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["amsgrad"]:
@@ -203,11 +216,20 @@ def _common_step(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     if len(steps) > 1:
         raise ValueError(f"optimizer steps differ between parameters {sorted(steps)}: the checkpoint "
                          "keeps one step for all parameters")
-    return optimizer.state[params[0]]["step"].clone()
+    return optimizer.state[params[0]]["step"].to("cpu", copy=True)
 
 
 def _load_optimizer(optimizer: Optimizer, loaded: dict[str, Any]) -> None:
     torch_optimizer, _, _ = _parts(optimizer)
+    masters = {index: param_state.pop(_MASTERS) for index, param_state in loaded["state"].items()
+               if isinstance(param_state, dict) and _MASTERS in param_state}
+    if isinstance(optimizer, ShardedOptimizer) and not masters:
+        # from the weights just loaded; not otherwise: the load may have filled the masters in place
+        optimizer.refresh_masters()
+    with torch.no_grad():
+        for index, master in enumerate(p for group in torch_optimizer.param_groups for p in group["params"]):
+            if index in masters:
+                master.copy_(masters[index])
     step = loaded["state"].pop("common_step", None)
     if step is not None:
         for param_state in loaded["state"].values():

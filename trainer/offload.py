@@ -11,7 +11,7 @@ is the host: the moves change nothing, and the phases still run in order.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ class Offloadable:
     modules: list[nn.Module]
     optimizers: list[torch.optim.Optimizer]
     device: torch.device
+    masters: list[nn.Parameter] = field(default_factory=list)  # fp32 master weights beside bf16 models
 
 
 class TrainerOffload:
@@ -70,9 +71,11 @@ class TrainerOffload:
             module.to(device)
 
     def _move_state(self, device: torch.device) -> None:
-        """Grads to `device`; optimizer state to the host, or (onload) back beside its parameter:
-        the host copies of --optimizer-cpu-offload keep theirs on the host."""
+        """Grads and fp32 masters to `device`; optimizer state to the host, or (onload) back beside
+        its parameter: the host copies of --optimizer-cpu-offload keep theirs on the host."""
         with torch.no_grad():
+            for master in self.held.masters:  # first: onloaded state goes where its master is
+                master.data = master.data.to(device, non_blocking=True)
             # A grad must live on its parameter's device (torch refuses a host grad on a GPU
             # parameter), and the weights may stay on the GPU to be published: host copies of the
             # grads wait aside and come back beside their parameters.

@@ -78,8 +78,8 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--fp8-recipe", f"FP8 training: {_TE}"),
     _switch("--no-rope-fusion", f"slurmrl's rope is megatron's unfused one already (the fused one: {_TE}); drop it"),
     _switch("--no-masked-softmax-fusion", "attention runs through SDPA, with no megatron softmax fusion; drop it"),
-    _switch("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 .grad with no fused wgrad kernel "
-                                                 "(it needs TransformerEngine/apex); drop it"),
+    _switch("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 (main_grad under --bf16) with no "
+                                                 "fused wgrad kernel (it needs TransformerEngine/apex); drop it"),
     _switch("--no-check-for-nan-in-loss-and-grad", "a NaN loss or gradient always stops the job: training on "
                                                     "NaN weights is never wanted"),
     Refusal("--megatron-deepgemm-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),

@@ -1,6 +1,7 @@
-"""The megatron backend on one GPU: a bf16 step (fp32 master weights) takes the fp32 step within
-bf16's precision, its log-probs equal HF's (fp32) within bf16's precision, and a checkpoint saved
-on the GPU resumes to the uninterrupted run's next step bit for bit (fp32 and bf16)."""
+"""The megatron backend on one GPU: a bf16 step (bf16 weights, fp32 main grads and master weights)
+takes the fp32 step within bf16's precision, its log-probs equal HF's (fp32) within bf16's
+precision, and a checkpoint saved on the GPU resumes to the uninterrupted run's next step bit for
+bit (fp32 and bf16: the checkpoint keeps the fp32 masters)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_a_bf16_step_is_the_fp32_step_and_its_log_probs_are_hfs(tiny, tmp_path: 
     assert bf16["metrics"]["loss"] == pytest.approx(fp32["metrics"]["loss"], abs=BF16_LOGP)
     for name, tensor in fp32["weights"].items():
         assert (bf16["weights"][name] - tensor).abs().max() < BF16_WEIGHTS, f"{name} after the bf16 step"
-        assert not torch.equal(bf16["weights"][name], bf16["before"][name]), f"{name} did not train"
+    # Every fp32 master moved; the bf16 weights published from them may round back (1.0 + 1e-3 is 1.0).
+    assert bf16["unmoved_masters"] == [] and fp32["unmoved_masters"] == []
 
 
 @pytest.mark.parametrize("flags", [[], ["--bf16"]], ids=["fp32", "bf16"])

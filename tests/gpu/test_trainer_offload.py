@@ -1,7 +1,8 @@
 """--offload-train on one GPU (trainer.offload), for both backends on a tiny Qwen3: while the
 engines would generate, the trainer holds next to nothing on the GPU (weights, grads and optimizer
 state on the host); while it publishes it holds its weights alone; back on the device, the next
-training step equals that of a run that never offloaded, bit for bit."""
+training step equals that of a run that never offloaded, bit for bit. megatron-bf16: bf16 weights
+with fp32 masters beside them (--bf16), which move with the optimizer state."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _backend(kind: str, model: Path, ckpt: Path):
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
         "--load-debug-rollout-data", "unused/{rollout_id}", "--lr", "1e-2", "--lr-decay-style", "constant",
         "--use-dynamic-batch-size",
-        "--max-tokens-per-gpu", "24"])
+        "--max-tokens-per-gpu", "24", *(["--bf16"] if kind == "megatron-bf16" else [])])
     validate(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
@@ -102,7 +103,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
 
 
-@pytest.mark.parametrize("kind", ["megatron", "fsdp"])
+@pytest.mark.parametrize("kind", ["megatron", "megatron-bf16", "fsdp"])
 def test_offloaded_trainer_frees_the_gpu_and_trains_as_if_it_never_left(tiny, tmp_path: Path, kind: str) -> None:
     runs = {}
     for offload in (False, True):

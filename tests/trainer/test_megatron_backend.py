@@ -66,6 +66,8 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
     before = {name: t.clone() for name, t in backend.hf_weights()}  # they may share the live model's memory
+    optimizer = backend.actor.optimizer
+    masters_before = [m.detach().clone() for m in optimizer.masters]
     samples = _samples(backend.shape.vocab_size)
     ids = list(range(len(samples)))
     logps = backend.log_probs(samples, ids, with_entropy=True)
@@ -73,10 +75,13 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
         s.old_log_probs = logps[i][0] + (0.3 if i % 2 else -0.3)  # off-policy enough that clipping matters
     metrics = backend.train_step(samples, ids, make_pack_loss(LossConfig(), samples, ids), need_entropy=False)
     weights = dict(backend.hf_weights())
+    names = {id(p): n for n, p in backend.model.named_parameters()}
+    # fp32 master weights that the step left as they were (a bf16 weight may round back to itself)
+    unmoved = [names[id(p)] for p, m, b in zip(optimizer.owned, optimizer.masters, masters_before) if torch.equal(m, b)]
     critic = _critic_step(backend, samples, ids) if backend.critic is not None else None
     if rank == 0:
-        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic},
-                   out / f"result_{name}.pt")
+        torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic,
+                    "unmoved_masters": unmoved}, out / f"result_{name}.pt")
     from trainer import dist_env
 
     dist_env.shutdown()

@@ -1,7 +1,9 @@
 """The megatron backend's optimizer (trainer.megatron_optimizer) in two gloo processes (DP=2) on
 a tiny Qwen3: the distributed optimizer keeps each parameter's state on one data-parallel rank
 only, and a checkpoint (save, then load in fresh processes) resumes exactly: one more step equals
-the uninterrupted run's, with Adam at the same layout and with SGD (momentum) at DP=1."""
+the uninterrupted run's, with Adam at the same layout and with SGD (momentum) at DP=1; and with bf16
+weights (--bf16), whose fp32 masters the checkpoint keeps (resuming from the rounded weights would
+not be exact)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data",
-        "unused/{rollout_id}", "--lr", "1e-2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", *extra])
+        "unused/{rollout_id}", "--lr", "1e-2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24",
+        # constant: the linear decay of a one-rollout run would leave the resumed step a zero LR
+        "--lr-decay-style", "constant", *extra])
     validate(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     result: dict = {}
@@ -87,9 +91,10 @@ def _assert_same(resumed: dict, uninterrupted: dict, atol: float) -> None:
         assert (resumed["weights"][name] - tensor).abs().max() <= atol, f"{name} after the resumed step"
 
 
-@pytest.mark.parametrize("optimizer, resume_world", [("adam", 2), ("sgd", 1)])
-def test_distributed_optimizer_resumes_exactly(tiny, tmp_path: Path, optimizer: str, resume_world: int) -> None:
-    extra = ["--optimizer", optimizer, "--use-distributed-optimizer"]
+@pytest.mark.parametrize("optimizer, resume_world, precision", [("adam", 2, "fp32"), ("sgd", 1, "fp32"), ("adam", 2, "bf16")])
+def test_distributed_optimizer_resumes_exactly(tiny, tmp_path: Path, optimizer: str, resume_world: int,
+                                               precision: str) -> None:
+    extra = ["--optimizer", optimizer, "--use-distributed-optimizer", *(["--bf16"] if precision == "bf16" else [])]
     with rank_devices(2):
         before = _run(tiny, tmp_path, "uninterrupted", 2, extra)
     # Each rank owns part of the parameters and keeps state for those only, together all of them.

@@ -1,0 +1,59 @@
+"""fp32 gradients for bf16 parameters (--bf16), as megatron-core's DDP keeps them: each parameter's
+gradient is added into an fp32 `main_grad` as soon as autograd has accumulated it, and the bf16
+`.grad` is dropped. Micro-batches therefore sum in fp32, and the data-parallel reduce, the norm,
+the clipping and the optimizer read fp32 values. fp32 parameters keep their plain `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+
+def accumulate_in_fp32(params: Iterable[Parameter]) -> None:
+    """Give every trainable low-precision parameter an fp32 main_grad, filled by a hook."""
+    for p in params:
+        if p.requires_grad and p.dtype != torch.float32 and not hasattr(p, "main_grad"):
+            p.main_grad = None
+            p.register_post_accumulate_grad_hook(_into_main_grad)
+
+
+def _into_main_grad(p: Parameter) -> None:
+    if p.main_grad is None:
+        p.main_grad = p.grad.float()
+    else:
+        p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+def grad_of(p: Parameter) -> Tensor | None:
+    """The gradient the optimizer will apply: main_grad where there is one, else .grad."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def zero_grads(params: Iterable[Parameter]) -> None:
+    """Start a step: every main_grad a zero fp32 view into one flat buffer per device (one
+    allocation and one fill, not one per parameter; every rank then reduces the same tensors,
+    sampled or not); plain grads zeroed in place."""
+    hooked: dict[torch.device, list[Parameter]] = {}
+    for p in params:
+        if hasattr(p, "main_grad"):
+            hooked.setdefault(p.device, []).append(p)
+        elif p.grad is not None:
+            p.grad.zero_()
+    for device, group in hooked.items():
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=device)
+        offset = 0
+        for p in group:
+            p.main_grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+def free_main_grads(params: Iterable[Parameter]) -> None:
+    """After the optimizer step: the fp32 buffers go (their memory serves rollouts, offload moves nothing)."""
+    for p in params:
+        if hasattr(p, "main_grad"):
+            p.main_grad = None
