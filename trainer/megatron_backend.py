@@ -36,6 +36,7 @@ from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron_attention import gpt_block_spec
+from trainer.megatron_compile import compile_layers
 from trainer.megatron_optimizer import ShardedOptimizer
 from trainer.megatron_rope import PackedRope
 from trainer.offload import Offloadable
@@ -151,8 +152,7 @@ class MegatronBackend(Backend):
         if args.attention_backend != "local" and self.cp_size == 1:
             model.packed_rope = PackedRope(model)
         if args.torch_compile:
-            for layer in model.decoder.layers:  # identical layers: one compiled graph serves all
-                layer.compile()
+            compile_layers(model)
         return model
 
     def _build_critic(self) -> GPTModel:
