@@ -90,8 +90,14 @@ def heal(root: Path, node: str) -> None:
 def heal_all(root: Path) -> None:
     """Every node of the cluster at `root` healed (`down` calls it: no delayer outlives a cluster)."""
     plan = netns.load_plan(root)
-    for node in plan.nodes if plan else []:
-        heal(root, node)
+    if plan is None:
+        return
+    links, namespaces = _run("ip", "-o", "link"), _run("ip", "netns", "list").split()
+    for node in plan.nodes:  # only what is there: `down` also cleans up after a half-made network
+        if f": {_host_end(plan, node)}@" in links and plan.namespace(node) in namespaces:
+            heal(root, node)
+        else:
+            _stop_delayer(root, node)
 
 
 def state(root: Path, node: str) -> str:
@@ -114,6 +120,10 @@ def _unslow(root: Path, plan: netns.NetPlan, node: str) -> None:
         _run(*iptables, "-D", "OUTPUT", "-o", end, "-j", CHAIN)
         _run(*iptables, "-F", CHAIN)
         _run(*iptables, "-X", CHAIN)
+    _stop_delayer(root, node)
+
+
+def _stop_delayer(root: Path, node: str) -> None:
     record = _record(root, node)
     if record.exists():
         try:

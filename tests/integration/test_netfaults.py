@@ -7,16 +7,18 @@ writes no /etc/hosts line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from slurm.devcluster import faults, netns
 from slurm.devcluster.daemons import DevclusterError, wait_for
-from tests.integration.netfaults import CONNECT_TIMEOUT_S, connect_s, fault, node_addr, tcp_server
+from tests.integration.netfaults import CONNECT_TIMEOUT_S, connect_s, fault, in_node, node_addr, tcp_server
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration]
@@ -80,3 +82,16 @@ def test_faults_need_an_isolated_cluster(tmp_path: Path, net: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "slurm.devcluster", *argv], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 1 and error in done.stderr and len(done.stderr.strip().splitlines()) == 1, done
+
+
+def test_heal_all_stops_every_delayer(net: Path) -> None:
+    """What `slurmrl cluster down` does first: no delayer outlives the cluster, no rule is left."""
+    fault(net, "slow", "node1", "--delay-ms", "50")
+    fault(net, "cut", "node2")
+    delayer = psutil.Process(json.loads((net / "faults" / "node1.slow.json").read_text())["pid"])
+    assert "slurm.devcluster.netdelay" in delayer.cmdline()
+    faults.heal_all(net)
+    assert not delayer.is_running() or delayer.status() == psutil.STATUS_ZOMBIE
+    assert [faults.state(net, n) for n in NODES] == ["healthy", "healthy"]
+    rules = subprocess.run([*in_node(net, "node1"), "iptables", "-S"], capture_output=True, text=True, check=True)
+    assert faults.CHAIN not in rules.stdout
