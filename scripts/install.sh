@@ -28,3 +28,7 @@ fi
 if ! command -v chromium >/dev/null; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 fi
+# iptables, for `slurmrl cluster slow` (its NFQUEUE rules: the devcluster's kernel has no netem).
+if ! command -v iptables >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iptables
+fi

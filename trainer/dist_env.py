@@ -69,6 +69,10 @@ def init_process_group() -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = _interface_towards(address, port)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     if rank == 0:
         # The rendezvous store on the master node's own address only: torch's env:// store would
         # listen on every interface of the node.
@@ -78,6 +82,19 @@ def init_process_group() -> None:
     else:
         store = dist.TCPStore(address, port, world, False, timeout=_RENDEZVOUS_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
+def _interface_towards(address: str, port: int) -> str | None:
+    """The network interface on this node's route to address:port. Without one named, gloo binds
+    what the machine's hostname resolves to, which may be 127.0.0.1 (a devcluster node's own
+    namespace, a container's /etc/hosts): the other nodes' ranks could not connect back."""
+    import psutil
+
+    from rollout.weight_group import route_address
+
+    own = route_address(address, port)
+    return next((name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.family == socket.AF_INET and a.address == own for a in addrs)), None)
 
 
 def shutdown() -> None:

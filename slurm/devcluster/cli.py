@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from slurm.devcluster import faults
 from slurm.devcluster.cluster import DevCluster, ensure_installed
 from slurm.devcluster.config import (
     DEFAULT_PORT_BASE,
@@ -34,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_actions(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", required=True, metavar="{up,down,status}")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{up,down,status,cut,slow,heal}")
     up = actions.add_parser("up", help="install what is missing, start every daemon, wait until nodes are idle")
     # Flags left out keep the shape of the cluster last brought up at --dir (else the defaults).
     up.add_argument("--nodes", type=int, help=f"emulated nodes (default {ClusterShape.nodes})")
@@ -49,6 +50,14 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (default %(default)s)")
     actions.add_parser("down", help="cancel all jobs and stop the daemons that `up` started")
     actions.add_parser("status", help="daemons, nodes, partitions and the SLURM_CONF line to export")
+    # Network faults, on an isolated cluster only (slurm/devcluster/faults.py).
+    cut = actions.add_parser("cut", help="take a node off the network (its link down; its processes live on)")
+    slow = actions.add_parser("slow", help="delay and drop packets to and from a node (as netem would)")
+    slow.add_argument("--delay-ms", type=float, default=200.0, help="added to each packet, each way (default %(default)s)")
+    slow.add_argument("--loss", type=float, default=0.0, help="percent of packets dropped, each way (default %(default)s)")
+    heal = actions.add_parser("heal", help="undo cut and slow on a node")
+    for fault in (cut, slow, heal):
+        fault.add_argument("node", help="the node's name (node1, node2, ...)")
     for action in actions.choices.values():
         action.add_argument("--dir", type=Path, default=DEFAULT_ROOT,
                             help="where configs, state and logs live (default %(default)s, or $SLURMRL_DEVCLUSTER_DIR)")
@@ -69,11 +78,24 @@ def run(args: argparse.Namespace) -> int:
         elif args.action == "down":
             stopped = DevCluster(args.dir).down()
             print(f"stopped: {', '.join(stopped)}" if stopped else f"no devcluster daemons were running at {args.dir}")
-        else:
+        elif args.action == "status":
             print(DevCluster(args.dir).status())
+        else:
+            _fault(args)
     except (DevclusterError, TimeoutError) as err:
         _fail(args.prog, str(err))
     return 0
+
+
+def _fault(args: argparse.Namespace) -> None:
+    root = args.dir.resolve()
+    if args.action == "cut":
+        faults.cut(root, args.node)
+    elif args.action == "slow":
+        faults.slow(root, args.node, args.delay_ms, args.loss)
+    else:
+        faults.heal(root, args.node)
+    print(f"{args.node}: {faults.state(root, args.node)}")
 
 
 def _requested_shape(args: argparse.Namespace) -> ClusterShape:

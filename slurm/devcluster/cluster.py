@@ -11,7 +11,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from slurm.devcluster import netns
+from slurm.devcluster import faults, netns
 from slurm.devcluster.config import (
     ACCOUNTING_DB,
     CLUSTER_NAME,
@@ -300,6 +300,7 @@ class DevCluster:
             except (TimeoutError, DevclusterError):
                 pass  # the daemons are stopped below either way
         stopped = [d.name for d in reversed(self.daemons()) if d.stop()]
+        faults.heal_all(self.paths.root)  # a `slow` node's delayer runs in its namespace
         return stopped + (["network namespaces"] if netns.tear_down(self.paths.root) else [])
 
     def _slurm(self, argv: list[str], timeout_s: float) -> str:

@@ -234,3 +234,8 @@ def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['127.0.0.1']"
+
+
+def test_gloo_binds_the_interface_on_the_route_to_the_master() -> None:
+    # Loopback here; on an isolated devcluster node its veth (tests/integration/test_isolated_job.py).
+    assert dist_env._interface_towards("127.0.0.1", 29500) == "lo"

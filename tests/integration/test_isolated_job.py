@@ -1,0 +1,152 @@
+"""The toy RL job on an isolated devcluster (one network namespace per node), and the supervisor
+under network faults there (issue 18), with the real router, CPU engines and trainer, no mocks:
+
+- The job runs to completion with every cross-node connection at a node's own address: the
+  engines and the router are listed at their nodes' addresses, none at 127.0.0.1.
+- An engine's node is cut off mid-rollout (its link down, its processes alive): the engine leaves
+  the router within the probe bound, is replaced on the spare node, and after the node heals no
+  stale engine is back in the router; no rollout is lost or run twice, none served stale.
+- An engine's node gets 200 ms delay each way and 5% loss: the job completes and the engine is
+  never taken out (the failure threshold of 3 probes in a row rides out single lost probes).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import requests
+
+from jobs.contract import JobDir
+from slurm.devcluster import DevCluster
+from slurm.devcluster.daemons import wait_for
+from supervisor.keys import load_key
+from tests.integration.netfaults import fault
+from tests.integration.test_rl_job import (
+    assert_never_stale,
+    events,
+    rollouts_done,
+    status,
+    submit,
+)
+from tests.slurm_helpers import wait_job_gone, wait_sacct_states
+
+FIRST_ROLLOUTS_S = 240  # the job starting and its first rollouts
+JOB_END_S = 300
+# Out of the router after a cut: 3 failed probes (2 s timeout) 2 s apart, the recovery's expel, slack.
+OUT_OF_ROUTER_S = 40
+REPLACED_S = 180  # the replacement on the spare node serving (SLURM noticing the node, a fresh engine)
+
+
+def router_workers(job_dir: Path) -> list[str]:
+    """The urls sglang-router lists now (the test reaches every node's address from the host side)."""
+    url, key = status(job_dir)["steps"]["router"]["url"], load_key(JobDir(job_dir))
+    listed = requests.get(url + "/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    listed.raise_for_status()
+    return [w["url"] for w in listed.json()["workers"]]
+
+
+def weight_version(url: str, key: str) -> str:
+    return requests.get(url + "/model_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()["weight_version"]
+
+
+def finish(job_id: str, job_dir: Path, rollouts: int) -> dict:
+    """Wait for the job to end; check it completed with every rollout exactly once, none stale."""
+    wait_job_gone(job_id, timeout_s=JOB_END_S)
+    wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
+    state = status(job_dir)
+    assert state["stop_reason"] == "completed", state
+    ids = [json.loads(line)["rollout_id"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert ids == list(range(rollouts)), f"a rollout was lost or run twice: {ids}"
+    assert_never_stale(job_dir)
+    return state
+
+
+def test_toy_job_on_isolated_nodes(isolated_devcluster: DevCluster, toy, tmp_path: Path) -> None:
+    job_dir, net = tmp_path / "job", isolated_devcluster.net
+    job_id = submit(toy, job_dir, "--num-rollout", "3")
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 1, FIRST_ROLLOUTS_S, "the first rollout")
+        listed = router_workers(job_dir)
+        state = finish(job_id, job_dir, 3)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    for name in ("engine-0", "engine-1", "router"):
+        step = state["steps"][name]
+        assert urlsplit(step["url"]).hostname == net.node_addr(step["nodes"][0]), step
+    assert sorted(listed) == sorted(state["steps"][e]["url"] for e in ("engine-0", "engine-1")), listed
+
+
+def test_cut_engine_node_is_replaced_and_never_rejoins_stale(isolated_devcluster: DevCluster, toy,
+                                                             tmp_path: Path) -> None:
+    job_dir, root, rollouts = tmp_path / "job", isolated_devcluster.paths.root, 40
+    job_id = submit(toy, job_dir, "--num-rollout", str(rollouts), "--rollout-spare-nodes", "1")
+    node = None
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 3, FIRST_ROLLOUTS_S, "the first rollouts")
+        old = status(job_dir)["steps"]["engine-1"]
+        node = old["nodes"][0]
+        fault(root, "cut", node)
+        cut_at = time.monotonic()
+        wait_for(lambda: old["url"] not in router_workers(job_dir), OUT_OF_ROUTER_S, "engine-1 out of the router")
+        out_s = time.monotonic() - cut_at
+        wait_for(lambda: events(job_dir, "engine_recovered", "engine-1"), REPLACED_S, "engine-1 replaced")
+        fault(root, "heal", node)
+        node = None
+        done = rollouts_done(job_dir)
+        wait_for(lambda: rollouts_done(job_dir) >= done + 2, REPLACED_S, "rollouts after the heal")
+        now = status(job_dir)
+        listed = router_workers(job_dir)
+        current = sorted(now["steps"][e]["url"] for e in ("engine-0", "engine-1"))
+        key = load_key(JobDir(job_dir))
+        versions = {url: weight_version(url, key) for url in listed}
+        state = finish(job_id, job_dir, rollouts)
+    finally:
+        if node is not None:
+            fault(root, "heal", node)
+        subprocess.run(["scancel", job_id], capture_output=True)
+    print(f"engine-1 out of the router {out_s:.1f} s after the cut; versions after heal {versions}")
+    assert sorted(listed) == current and old["url"] not in listed, (listed, current)
+    assert len(set(versions.values())) == 1, f"an engine in the router at another weight version: {versions}"
+    moved = events(job_dir, "engine_moved", "engine-1")
+    assert len(moved) == 1 and moved[0]["from_nodes"] == [old["nodes"][0]], moved
+    assert state["steps"]["engine-1"]["url"] != old["url"]
+
+
+def test_slow_engine_node_is_not_flapped(isolated_devcluster: DevCluster, toy, tmp_path: Path) -> None:
+    job_dir, root, rollouts = tmp_path / "job", isolated_devcluster.paths.root, 12
+    job_id = submit(toy, job_dir, "--num-rollout", str(rollouts))
+    node = None
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 1, FIRST_ROLLOUTS_S, "the first rollout")
+        node = status(job_dir)["steps"]["engine-1"]["nodes"][0]
+        fault(root, "slow", node, "--delay-ms", "200", "--loss", "5")
+        state = finish(job_id, job_dir, rollouts)
+    finally:
+        if node is not None:
+            fault(root, "heal", node)
+        subprocess.run(["scancel", job_id], capture_output=True)
+    assert not events(job_dir, "engine_failed") and not events(job_dir, "engine_recovered"), \
+        "a slow engine was taken out"
+    engine = state["steps"]["engine-1"]
+    print(f"engine-1's last probe under the delay took {engine['last_probe_latency_s']} s")
+    assert engine["restarts"] == 0 and engine["last_probe_latency_s"] >= 0.4  # the probe's round trip was delayed
+
+
+def test_two_node_trainer_across_namespaces(isolated_devcluster: DevCluster, toy, tmp_path: Path) -> None:
+    """Two trainer tasks, one per node, in one gloo group across two namespaces (its rendezvous at
+    the first node's address, each rank's gloo device on its own node's address)."""
+    job_dir, net = tmp_path / "job", isolated_devcluster.net
+    job_id = submit(toy, job_dir, "--num-rollout", "3", "--actor-num-nodes", "2")
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 1, FIRST_ROLLOUTS_S, "the first rollout")
+        state = finish(job_id, job_dir, 3)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    trainer_nodes = state["steps"]["trainer"]["nodes"]
+    assert len(set(trainer_nodes)) == 2, trainer_nodes
+    engine_nodes = {n for e in ("engine-0", "engine-1") for n in state["steps"][e]["nodes"]}
+    assert not engine_nodes & set(trainer_nodes) and len({net.node_addr(n) for n in trainer_nodes}) == 2
