@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from slurm.devcluster import faults
+from slurm.devcluster import faults, netns
 from slurm.devcluster.cluster import DevCluster, ensure_installed
 from slurm.devcluster.config import (
     DEFAULT_PORT_BASE,
@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "up":
             shape = _requested_shape(args)
+            if shape.isolated:
+                netns.check_allowed()
             ensure_installed()
             cluster = DevCluster(args.dir, shape)
             cluster.up(timeout_s=args.timeout)

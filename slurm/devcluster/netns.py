@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -89,17 +90,11 @@ def set_up(root: Path, port_base: int, nodes: list[str]) -> NetPlan:
     old = load_plan(root)
     if old is not None and old.port_base == port_base and old.nodes == nodes and _is_up(old):
         return old
-    if not shutil.which("ip"):
-        raise DevclusterError("--isolated needs the `ip` program (iproute2): apt-get install iproute2")
     if old is not None:
         tear_down(root)
     plan = NetPlan(port_base, nodes, choose_subnet())
     _refuse_foreign_hosts_lines(plan)
-    try:  # the first namespace, alone: where namespaces are not allowed, nothing else is tried
-        _ip("netns", "add", plan.namespace(nodes[0]))
-    except DevclusterError as err:
-        raise DevclusterError(f"network namespaces are not allowed here ({err}); "
-                              "run `slurmrl cluster up` without --isolated") from None
+    _add_namespace(plan.namespace(nodes[0]))  # alone: where namespaces are not allowed, nothing else is tried
     try:
         _create(plan)
     except DevclusterError:
@@ -118,6 +113,24 @@ def tear_down(root: Path) -> bool:
     _remove(plan)
     plan_file(root).unlink()
     return True
+
+
+def check_allowed() -> None:
+    """Refuse in one line where this machine cannot make network namespaces: before `up` installs
+    or starts anything. A probe namespace is made and removed."""
+    probe = f"srl-probe-{os.getpid()}"
+    _add_namespace(probe)
+    _ip("netns", "delete", probe)
+
+
+def _add_namespace(name: str) -> None:
+    if not shutil.which("ip"):
+        raise DevclusterError("--isolated needs the `ip` program (iproute2): apt-get install iproute2")
+    try:
+        _ip("netns", "add", name)
+    except DevclusterError as err:
+        raise DevclusterError(f"network namespaces are not allowed here ({err}); "
+                              "run `slurmrl cluster up` without --isolated") from None
 
 
 def _create(plan: NetPlan) -> None:
