@@ -168,8 +168,11 @@ class Daemon:
             self.control.start()
             if not job.spec.rollout.external_router and ROUTER not in adopted:
                 self.launcher.launch_router()
-            self.recovery.start_all(adopted)
-            if TRAINER not in adopted:
+            # The trainer loads (imports, checkpoint) while the engines start: its first publish
+            # waits for them (ready_engines). Colocated, it would take GPU memory they are taking.
+            beside = TRAINER not in adopted and not job.spec.rollout.colocate
+            self.recovery.start_all(adopted, then=self.trainer.launch if beside else None)
+            if TRAINER not in adopted and not beside:
                 self.trainer.launch()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
