@@ -212,12 +212,13 @@ class Daemon:
                 if outcome is not None:
                     return outcome
                 continue
+            began = time.monotonic()
             self._probe_cycle()
             self._record_steps()
             self.trainer.check_heartbeat()
             for engine, why in self.nodes.check_due():
                 self.recovery.recover(engine, why)
-            next_probe = time.monotonic() + interval
+            next_probe = self.tracker.next_cycle(began, time.monotonic(), interval, self.job.ft.rollout_health_check_timeout)
 
     def _on_exit(self, step: Step) -> str | None:
         name = step.spec_name
