@@ -166,12 +166,19 @@ class Daemon:
             adopted = adoption.adopt(job, self.predecessor, self.steps, self.launcher, self.trainer)
             # Only now: the trainer's calls wait until the adopted engines' versions are re-checked.
             self.control.start()
-            if not job.spec.rollout.external_router and ROUTER not in adopted:
-                self.launcher.launch_router()
-            # The trainer loads (imports, checkpoint) while the engines start: its first publish
-            # waits for them (ready_engines). Colocated, it would take GPU memory they are taking.
+            router = (self.launcher.start_router() if not job.spec.rollout.external_router and ROUTER not in adopted
+                      else None)
+            # The engines and the trainer start while the router does; the trainer loads (imports,
+            # checkpoint) while the engines start: its first publish waits for them (ready_engines).
+            # Colocated, it would take GPU memory they are taking: it starts once they answered.
             beside = TRAINER not in adopted and not job.spec.rollout.colocate
-            self.recovery.start_all(adopted, then=self.trainer.launch if beside else None)
+
+            def launched() -> None:
+                if beside:
+                    self.trainer.launch()
+                if router is not None:
+                    self.launcher.await_router(router)  # before the engines' wait: it admits them
+            self.recovery.start_all(adopted, then=launched)
             if TRAINER not in adopted and not beside:
                 self.trainer.launch()
             outcome = self._monitor()
