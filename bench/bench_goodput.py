@@ -1,30 +1,39 @@
 """Goodput on the devcluster: the toy job under a failure schedule against the same job without
 failures, both run by this process (issue 17 item 5).
 
-The toy job runs with a slow reward model (about 1.4 s a rollout: bench_resume's pace), 40
-rollouts, --save-interval 5 and a spare rollout node. One run has no failure; the other gets, once
-the given number of rollouts is done and every engine is healthy again:
+The toy job runs with a slow reward model (about 1.4 s a rollout: bench_resume's pace),
+--num-rollout rollouts (40 by default), --save-interval 5 and a spare rollout node. One run has no
+failure; the other gets five, spread over the run (one per num_rollout/5 rollouts), each once
+that fraction of the rollouts is done and every engine is healthy again (at 40: 6, 12, 18, 25, 32):
 
-    6  engine kill:    SIGKILL engine-0's server
-    12 engine hang:    SIGSTOP engine-1's server (its probes time out; the supervisor replaces it;
-                       SIGCONT after HANG_S if it is still there)
-    18 node loss:      engine-0's node (its slurmd and the engine's step) dies; spare node
-                       (the node's slurmd is started again once the engine has moved:
-                       the requeue below needs all 4 devcluster nodes)
-    25 preemption:     SLURM's warning signal (scancel --batch --signal=USR1): save, requeue
-    32 trainer kill:   SIGKILL trainer rank 0: in-job restart from the latest checkpoint
+    0.15  engine kill:   SIGKILL engine-0's server
+    0.30  engine hang:   SIGSTOP engine-1's server (its probes time out; the supervisor replaces it;
+                         SIGCONT after HANG_S if it is still there)
+    0.45  node loss:     engine-0's node (its slurmd and the engine's step) dies; spare node
+                         (the node's slurmd is started again once the engine has moved:
+                         the requeue below needs all 4 devcluster nodes)
+    0.625 preemption:    SLURM's warning signal (scancel --batch --signal=USR1): save, requeue
+    0.80  trainer kill:  SIGKILL trainer rank 0: in-job restart from the latest checkpoint
 
 From events.jsonl (weights_published, one per rollout: a version above every earlier one is new
-progress) and trainer.log ("next rollout N" at each trainer start):
+progress) and trainer.log ("next rollout N" at each trainer start, "replayed from the rollout
+journal" for a rollout trained on again without generating it):
 - wall: first supervisor start to the trainer's finish; requeue hold: from the supervisor's
   `requeue` event to the requeued job's supervisor start (SLURM's own hold), reported apart.
-- progress time: the time between consecutive new versions, each capped at the failure-free
-  run's median gap (anything above it is time lost); ETTR = progress time / wall.
-- rate ratio: the failure-free run's progress per second over this run's outside the hold.
-- work lost per failure: rollouts done again after it (versions published a second time after
-  a rollout, not the resume's first publish).
+- pace: the failure-free run's median gap between new versions (seconds a rollout).
+- progress time: the time between consecutive new versions, each capped at the pace (anything
+  above it is time lost); ETTR = progress time / wall.
+- rate ratio: the failure-free run's progress per second over this run's outside the hold (the
+  same rollouts: its wall over this one's less the hold); also with both runs' starts left out
+  (the start, before the first failure, varies with the machine's load and is no failure's).
+- seconds lost per failure: from it to the next one (the last: to the job's end, less the
+  failure-free run's own end), that window's time less its new versions at the pace, less the
+  requeue hold in it: stalls and rollouts done again together. Rollouts done again: versions
+  published a second time (not a resumed trainer's first publish), of which replayed: trained
+  on again from the rollout journal, not generated again.
 
-    PYTHONPATH=. python -m bench.bench_goodput [--workdir DIR]   # devcluster up; as root
+    PYTHONPATH=. python -m bench.bench_goodput [--workdir DIR] [--num-rollout N]  # devcluster up; as root
+    PYTHONPATH=. python -m bench.bench_goodput --workdir DIR --report-only       # the figures again
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ FLAGS = ("--rollout-spare-nodes", "1")
 HANG_S = 60  # a hung engine the supervisor has not replaced by then is let go on (SIGCONT)
 FAILURE_WAIT_S = 300  # bound for each failure's trigger, and for the job's end after the last one
 JOB_END_S = 600
+SETTINGS = "bench.json"  # in --workdir: the runs' --num-rollout, for --report-only
 INJECTED = "injected.json"  # in a run's job dir: [failure, time, rollouts done] of each failure
 
 
@@ -153,8 +163,12 @@ def run(root: Path, name: str, model: Path, data: Path, rollouts: int, failures:
 def read_run(job_dir: Path) -> dict:
     """A finished run's record: its events, its failures (INJECTED), its trainer starts."""
     injected = job_dir / INJECTED
+    log = (job_dir / "logs/trainer.log").read_text()
+    replayed = [time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000  # logging's local asctime
+                for stamp, ms in re.findall(r"^(\S+ \S+),(\d+) \S+ INFO rollout \d+: replayed from the rollout journal",
+                                            log, re.MULTILINE)]
     return {"events": events(job_dir), "injected": json.loads(injected.read_text()) if injected.exists() else [],
-            "resumes": [int(n) for n in re.findall(r"next rollout (\d+)", (job_dir / "logs/trainer.log").read_text())]}
+            "resumes": [int(n) for n in re.findall(r"next rollout (\d+)", log)], "replayed": replayed}
 
 
 def figures(result: dict, pace: float | None, end_overhead: float | None = None) -> dict:
@@ -191,10 +205,12 @@ def figures(result: dict, pace: float | None, end_overhead: float | None = None)
         made = sum(1 for t in new_times if a < t <= b)
         hold = sum(min(b, h1) - max(a, h0) for h0, h1 in holds if h0 < b and h1 > a)
         windows.append({"seconds": b - a, "hold": hold, "new": made, "lost": b - a - hold - made * pace,
-                        "redone": sum(1 for r in redone if a <= r < b)})
+                        "redone": sum(1 for r in redone if a <= r < b),
+                        "replayed": sum(1 for r in result["replayed"] if a <= r < b)})
     windows[-1]["lost"] -= end_overhead if end_overhead is not None else 0.0
     return {"wall": wall, "hold": sum(h1 - h0 for h0, h1 in holds), "progress": progress,
             "ettr": progress / wall, "pace": pace, "versions": best, "redone": len(redone),
+            "replayed": len(result["replayed"]),
             "windows": windows, "resumes": result["resumes"], "end_overhead": end - new_times[-1]}
 
 
@@ -213,8 +229,11 @@ def main() -> None:
     root = options.workdir or Path(tempfile.mkdtemp(prefix="bench_goodput_"))
     if options.report_only:
         clean_run, failed_run = read_run(root / "clean"), read_run(root / "failures")
+        if (root / SETTINGS).exists():
+            rollouts = json.loads((root / SETTINGS).read_text())["num_rollout"]
     else:
         model, data = write_tiny_model(root / "model"), write_toy_data(root / "toy.jsonl")
+        (root / SETTINGS).write_text(json.dumps({"num_rollout": rollouts}))
         clean_run = run(root, "clean", model, data, rollouts, failures=False)
         failed_run = run(root, "failures", model, data, rollouts, failures=True)
     clean = figures(clean_run, None)
@@ -223,9 +242,10 @@ def main() -> None:
     ratio = clean["wall"] / outside  # the same versions made: progress rates outside the hold
     print(f"toy job, {rollouts} rollouts, slow reward, {len(SCHEDULE)} failures: one per {rollouts / len(SCHEDULE):.0f} "
           f"rollouts; pace {clean['pace']:.2f} s a rollout (the clean run's median gap between new versions)")
-    print(f"{'run':10s} {'wall s':>7s} {'hold s':>7s} {'progress s':>10s} {'ETTR':>6s} {'redone':>6s}")
+    print(f"{'run':10s} {'wall s':>7s} {'hold s':>7s} {'progress s':>10s} {'ETTR':>6s} {'redone':>6s} {'replayed':>8s}")
     for name, f in (("clean", clean), ("failures", failed)):
-        print(f"{name:10s} {f['wall']:7.1f} {f['hold']:7.1f} {f['progress']:10.1f} {f['ettr']:6.3f} {f['redone']:6d}")
+        print(f"{name:10s} {f['wall']:7.1f} {f['hold']:7.1f} {f['progress']:10.1f} {f['ettr']:6.3f} {f['redone']:6d} "
+              f"{f['replayed']:8d}")
     print(f"ETTR ratio failures/clean: {failed['ettr'] / clean['ettr']:.3f}; progress rate outside the requeue hold, "
           f"failures/clean: {ratio:.3f} (target 0.97)")
     print("per failure: seconds from it to the next one, new rollouts made, rollouts redone, seconds lost "
@@ -236,15 +256,16 @@ def main() -> None:
     for (kind, done), w in zip(rows, failed["windows"]):
         at = f"at {done:3d}" if done is not None else "      "
         hold = f", hold {w['hold']:.1f} s apart" if w["hold"] else ""
-        print(f"  {kind:13s} {at}: {w['seconds']:6.1f} s, {w['new']:3d} new, {w['redone']} redone, "
-              f"lost {w['lost']:5.1f} s{hold}")
+        print(f"  {kind:13s} {at}: {w['seconds']:6.1f} s, {w['new']:3d} new, {w['redone']} redone "
+              f"({w['replayed']} replayed), lost {w['lost']:5.1f} s{hold}")
     print(f"  (the last window holds the job's end, less the clean run's {clean['end_overhead']:.1f} s from its "
           "last version to its end)")
     lost = [w["lost"] for w in failed["windows"][1:]]
-    mean = statistics.mean(lost)
-    print(f"mean lost per failure {mean:.1f} s = {mean / clean['pace']:.1f} rollouts at the clean pace: at one "
-          f"failure per N rollouts the rate ratio is N*{clean['pace']:.2f}/(N*{clean['pace']:.2f}+{mean:.1f}); "
-          f">= 0.97 from N = {0.97 * mean / (0.03 * clean['pace']):.0f}")
+    mean, pace, n = statistics.mean(lost), clean["pace"], rollouts / len(SCHEDULE)
+    print(f"mean lost per failure {mean:.1f} s = {mean / pace:.1f} rollouts at the clean pace: at one failure per N "
+          f"rollouts the rate ratio is N*{pace:.2f}/(N*{pace:.2f}+{mean:.1f}): {n * pace / (n * pace + mean):.3f} at "
+          f"this run's N = {n:.0f} (the starts, which vary with the machine's load, left out); "
+          f">= 0.97 from N = {0.97 * mean / (0.03 * pace):.0f}")
     print(f"trainer starts at rollouts: {failed['resumes']}")
 
 
