@@ -116,6 +116,13 @@ def events(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
+def requeue_pending(job_dir: Path) -> bool:
+    """A requeue is under way: the job's next failure waits for the requeued job's supervisor
+    (a trainer that stops for a preemption still finishes its rollout in flight)."""
+    ev = events(job_dir)
+    return sum(e["kind"] == "requeue" for e in ev) >= sum(e["kind"] == "supervisor_started" for e in ev)
+
+
 def final_end(ev: list[dict]) -> float | None:
     """The time the job's trainer finished for good (not before a requeue), or the job failed."""
     requeued = max((e["time"] for e in ev if e["kind"] == "requeue"), default=0.0)
@@ -133,7 +140,8 @@ def run(root: Path, name: str, model: Path, data: Path, rollouts: int, failures:
             at = round(fraction * rollouts)
             def ready() -> bool:
                 release_hung()
-                return len(set(rollout_ids(job_dir))) >= at and all_engines_healthy(job_dir)
+                return (len(set(rollout_ids(job_dir))) >= at and all_engines_healthy(job_dir)
+                        and not requeue_pending(job_dir))
             wait_for(ready, FAILURE_WAIT_S, f"{at} rollouts and healthy engines", interval_s=0.05)
             if lost_node is not None:  # the engine has moved to the spare: the site mends the node
                 DevCluster(DEFAULT_ROOT).revive_slurmd(lost_node)  # (a requeue needs all 4 nodes)
