@@ -116,11 +116,8 @@ def events(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
-def requeue_pending(job_dir: Path) -> bool:
-    """A requeue is under way: the job's next failure waits for the requeued job's supervisor
-    (a trainer that stops for a preemption still finishes its rollout in flight)."""
-    ev = events(job_dir)
-    return sum(e["kind"] == "requeue" for e in ev) >= sum(e["kind"] == "supervisor_started" for e in ev)
+def supervisor_starts(job_dir: Path) -> int:
+    return sum(e["kind"] == "supervisor_started" for e in events(job_dir))
 
 
 def final_end(ev: list[dict]) -> float | None:
@@ -140,8 +137,7 @@ def run(root: Path, name: str, model: Path, data: Path, rollouts: int, failures:
             at = round(fraction * rollouts)
             def ready() -> bool:
                 release_hung()
-                return (len(set(rollout_ids(job_dir))) >= at and all_engines_healthy(job_dir)
-                        and not requeue_pending(job_dir))
+                return len(set(rollout_ids(job_dir))) >= at and all_engines_healthy(job_dir)
             wait_for(ready, FAILURE_WAIT_S, f"{at} rollouts and healthy engines", interval_s=0.05)
             if lost_node is not None:  # the engine has moved to the spare: the site mends the node
                 DevCluster(DEFAULT_ROOT).revive_slurmd(lost_node)  # (a requeue needs all 4 nodes)
@@ -149,7 +145,12 @@ def run(root: Path, name: str, model: Path, data: Path, rollouts: int, failures:
             if kind == "node loss":
                 lost_node = engine_0(job_dir)["nodes"][0]
             injected.append((kind, time.time(), len(set(rollout_ids(job_dir)))))
+            starts = supervisor_starts(job_dir)
             inject(job_id, job_dir)
+            if kind == "preemption":  # the next failure waits for the requeued job (the preempted
+                # trainer still finishes its rollout in flight and saves: a kill then hits that save)
+                wait_for(lambda: supervisor_starts(job_dir) > starts, FAILURE_WAIT_S, "the requeued job's start",
+                         interval_s=0.05)
 
         def finished() -> bool:
             release_hung()
