@@ -80,9 +80,11 @@ class Daemon:
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
         with open(self.log_file, "ab") as log:
+            # cwd: a daemon keeps its own folder, not its caller's (a deleted caller's folder made
+            # slurmstepd print "Unable to get current working directory" into every step's output)
             proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
+                env=env, start_new_session=True, cwd=self.log_file.parent,
             )
         self.pid_file.write_text(f"{proc.pid} {psutil.Process(proc.pid).create_time()}\n")
         try:

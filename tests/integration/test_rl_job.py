@@ -124,6 +124,9 @@ def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, "--num-rollout", "12")
     wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
+    # The trainer starts beside the engines and goes on once one is ready: the other may still start.
+    wait_for(lambda: all(status(job_dir)["steps"][f"engine-{k}"]["state"] == "healthy" for k in (0, 1)), 120,
+             "both engines healthy")
     rollout = slurmrl("profile", str(job_dir), "--rollout", "--steps", "3").stdout
     train = slurmrl("profile", job_id, "--train", "--steps", "1").stdout
     wait_job_gone(job_id, timeout_s=600)
