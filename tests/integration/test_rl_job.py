@@ -124,7 +124,7 @@ def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, "--num-rollout", "12")
     wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
-    # The trainer starts beside the engines and goes on once one is ready: the other may still start.
+    # Profiling reaches the engines that are healthy now: wait until both are (one may be restarting).
     wait_for(lambda: all(status(job_dir)["steps"][f"engine-{k}"]["state"] == "healthy" for k in (0, 1)), 120,
              "both engines healthy")
     rollout = slurmrl("profile", str(job_dir), "--rollout", "--steps", "3").stdout
