@@ -1,30 +1,39 @@
 """Goodput on the devcluster: the toy job under a failure schedule against the same job without
 failures, both run by this process (issue 17 item 5).
 
-The toy job runs with a slow reward model (about 1.4 s a rollout: bench_resume's pace), 40
-rollouts, --save-interval 5 and a spare rollout node. One run has no failure; the other gets, once
-the given number of rollouts is done and every engine is healthy again:
+The toy job runs with a slow reward model (about 1.4 s a rollout: bench_resume's pace),
+--num-rollout rollouts (40 by default), --save-interval 5 and a spare rollout node. One run has no
+failure; the other gets five, spread over the run (one per num_rollout/5 rollouts), each once
+that fraction of the rollouts is done and every engine is healthy again (at 40: 6, 12, 18, 25, 32):
 
-    6  engine kill:    SIGKILL engine-0's server
-    12 engine hang:    SIGSTOP engine-1's server (its probes time out; the supervisor replaces it;
-                       SIGCONT after HANG_S if it is still there)
-    18 node loss:      engine-0's node (its slurmd and the engine's step) dies; spare node
-                       (the node's slurmd is started again once the engine has moved:
-                       the requeue below needs all 4 devcluster nodes)
-    25 preemption:     SLURM's warning signal (scancel --batch --signal=USR1): save, requeue
-    32 trainer kill:   SIGKILL trainer rank 0: in-job restart from the latest checkpoint
+    0.15  engine kill:   SIGKILL engine-0's server
+    0.30  engine hang:   SIGSTOP engine-1's server (its probes time out; the supervisor replaces it;
+                         SIGCONT after HANG_S if it is still there)
+    0.45  node loss:     engine-0's node (its slurmd and the engine's step) dies; spare node
+                         (the node's slurmd is started again once the engine has moved:
+                         the requeue below needs all 4 devcluster nodes)
+    0.625 preemption:    SLURM's warning signal (scancel --batch --signal=USR1): save, requeue
+    0.80  trainer kill:  SIGKILL trainer rank 0: in-job restart from the latest checkpoint
 
 From events.jsonl (weights_published, one per rollout: a version above every earlier one is new
-progress) and trainer.log ("next rollout N" at each trainer start):
+progress) and trainer.log ("next rollout N" at each trainer start, "replayed from the rollout
+journal" for a rollout trained on again without generating it):
 - wall: first supervisor start to the trainer's finish; requeue hold: from the supervisor's
   `requeue` event to the requeued job's supervisor start (SLURM's own hold), reported apart.
-- progress time: the time between consecutive new versions, each capped at the failure-free
-  run's median gap (anything above it is time lost); ETTR = progress time / wall.
-- rate ratio: the failure-free run's progress per second over this run's outside the hold.
-- work lost per failure: rollouts done again after it (versions published a second time after
-  a rollout, not the resume's first publish).
+- pace: the failure-free run's median gap between new versions (seconds a rollout).
+- progress time: the time between consecutive new versions, each capped at the pace (anything
+  above it is time lost); ETTR = progress time / wall.
+- rate ratio: the failure-free run's progress per second over this run's outside the hold (the
+  same rollouts: its wall over this one's less the hold); also with both runs' starts left out
+  (the start, before the first failure, varies with the machine's load and is no failure's).
+- seconds lost per failure: from it to the next one (the last: to the job's end, less the
+  failure-free run's own end), that window's time less its new versions at the pace, less the
+  requeue hold in it: stalls and rollouts done again together. Rollouts done again: versions
+  published a second time (not a resumed trainer's first publish), of which replayed: trained
+  on again from the rollout journal, not generated again.
 
-    PYTHONPATH=. python -m bench.bench_goodput [--workdir DIR]   # devcluster up; as root
+    PYTHONPATH=. python -m bench.bench_goodput [--workdir DIR] [--num-rollout N]  # devcluster up; as root
+    PYTHONPATH=. python -m bench.bench_goodput --workdir DIR --report-only       # the figures again
 """
 
 from __future__ import annotations
@@ -52,11 +61,13 @@ from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import listening_pid
 from tests.slurm_helpers import wait_job_gone
 
-ROLLOUTS = 40
-FLAGS = ("--num-rollout", str(ROLLOUTS), "--rollout-spare-nodes", "1")
+ROLLOUTS = 40  # --num-rollout's default
+FLAGS = ("--rollout-spare-nodes", "1")
 HANG_S = 60  # a hung engine the supervisor has not replaced by then is let go on (SIGCONT)
 FAILURE_WAIT_S = 300  # bound for each failure's trigger, and for the job's end after the last one
 JOB_END_S = 600
+SETTINGS = "bench.json"  # in --workdir: the runs' --num-rollout, for --report-only
+INJECTED = "injected.json"  # in a run's job dir: [failure, time, rollouts done] of each failure
 
 
 def engine_pid(job_dir: Path, name: str) -> int:
@@ -79,12 +90,13 @@ def hang_engine_1(job_id: str, job_dir: Path) -> None:
 
 
 HUNG: list[tuple[int, float]] = []
-SCHEDULE: list[tuple[int, str, Callable[[str, Path], None]]] = [
-    (6, "engine kill", lambda job, d: os.kill(listening_pid(engine_0(d)["url"]), signal.SIGKILL)),
-    (12, "engine hang", hang_engine_1),
-    (18, "node loss", lambda job, d: kill_engine_0_node(d)),
-    (25, "preemption", lambda job, d: subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)),
-    (32, "trainer kill", lambda job, d: os.kill(trainer_rank0(d), signal.SIGKILL)),
+# Each failure once this fraction of --num-rollout is done (40 rollouts: 6, 12, 18, 25, 32).
+SCHEDULE: list[tuple[float, str, Callable[[str, Path], None]]] = [
+    (0.15, "engine kill", lambda job, d: os.kill(listening_pid(engine_0(d)["url"]), signal.SIGKILL)),
+    (0.30, "engine hang", hang_engine_1),
+    (0.45, "node loss", lambda job, d: kill_engine_0_node(d)),
+    (0.625, "preemption", lambda job, d: subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)),
+    (0.80, "trainer kill", lambda job, d: os.kill(trainer_rank0(d), signal.SIGKILL)),
 ]
 
 
@@ -104,6 +116,10 @@ def events(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
+def supervisor_starts(job_dir: Path) -> int:
+    return sum(e["kind"] == "supervisor_started" for e in events(job_dir))
+
+
 def final_end(ev: list[dict]) -> float | None:
     """The time the job's trainer finished for good (not before a requeue), or the job failed."""
     requeued = max((e["time"] for e in ev if e["kind"] == "requeue"), default=0.0)
@@ -111,13 +127,14 @@ def final_end(ev: list[dict]) -> float | None:
     return ends[-1] if ends else None
 
 
-def run(root: Path, name: str, model: Path, data: Path, failures: bool) -> dict:
+def run(root: Path, name: str, model: Path, data: Path, rollouts: int, failures: bool) -> dict:
     job_dir = root / name
-    job_id = submit(job_dir, model, data, *FLAGS)
+    job_id = submit(job_dir, model, data, "--num-rollout", str(rollouts), *FLAGS)
     injected: list[tuple[str, float, int]] = []  # (failure, time, rollouts done)
     lost_node = None
     try:
-        for at, kind, inject in SCHEDULE if failures else []:
+        for fraction, kind, inject in SCHEDULE if failures else []:
+            at = round(fraction * rollouts)
             def ready() -> bool:
                 release_hung()
                 return len(set(rollout_ids(job_dir))) >= at and all_engines_healthy(job_dir)
@@ -128,14 +145,19 @@ def run(root: Path, name: str, model: Path, data: Path, failures: bool) -> dict:
             if kind == "node loss":
                 lost_node = engine_0(job_dir)["nodes"][0]
             injected.append((kind, time.time(), len(set(rollout_ids(job_dir)))))
+            starts = supervisor_starts(job_dir)
             inject(job_id, job_dir)
+            if kind == "preemption":  # the next failure waits for the requeued job (the preempted
+                # trainer still finishes its rollout in flight and saves: a kill then hits that save)
+                wait_for(lambda: supervisor_starts(job_dir) > starts, FAILURE_WAIT_S, "the requeued job's start",
+                         interval_s=0.05)
 
         def finished() -> bool:
             release_hung()
             return final_end(events(job_dir)) is not None
         wait_for(finished, JOB_END_S, "the job's end", interval_s=0.2)
-        return {"events": events(job_dir), "injected": injected, "job_id": job_id,
-                "resumes": [int(n) for n in re.findall(r"next rollout (\d+)", (job_dir / "logs/trainer.log").read_text())]}
+        (job_dir / INJECTED).write_text(json.dumps(injected))
+        return read_run(job_dir)
     finally:
         for pid, _ in HUNG:
             if psutil.pid_exists(pid):
@@ -147,13 +169,27 @@ def run(root: Path, name: str, model: Path, data: Path, failures: bool) -> dict:
         wait_job_gone(job_id)
 
 
-def figures(result: dict, gap_cap: float | None) -> dict:
+def read_run(job_dir: Path) -> dict:
+    """A finished run's record: its events, its failures (INJECTED), its trainer starts."""
+    injected = job_dir / INJECTED
+    log = (job_dir / "logs/trainer.log").read_text()
+    replayed = [time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000  # logging's local asctime
+                for stamp, ms in re.findall(r"^(\S+ \S+),(\d+) \S+ INFO rollout \d+: replayed from the rollout journal",
+                                            log, re.MULTILINE)]
+    return {"events": events(job_dir), "injected": json.loads(injected.read_text()) if injected.exists() else [],
+            "resumes": [int(n) for n in re.findall(r"next rollout (\d+)", log)], "replayed": replayed}
+
+
+def figures(result: dict, pace: float | None, end_overhead: float | None = None) -> dict:
+    """The run's figures; `pace`: seconds per new version of the failure-free run (its median gap),
+    None for that run itself; `end_overhead`: that run's seconds from its last new version to its
+    end (the job's final save and exit), not counted against the last failure."""
     ev = result["events"]
     start = next(e["time"] for e in ev if e["kind"] == "supervisor_started")
     end = final_end(ev)
-    hold = 0.0
+    holds = []  # (requeue, the requeued job's supervisor start)
     for e in (e for e in ev if e["kind"] == "requeue"):
-        hold += next(s["time"] for s in ev if s["kind"] == "supervisor_started" and s["time"] > e["time"]) - e["time"]
+        holds.append((e["time"], next(s["time"] for s in ev if s["kind"] == "supervisor_started" and s["time"] > e["time"])))
     published = [(e["time"], int(e["version"])) for e in ev if e["kind"] == "weights_published"]
     # Version v is published after rollout v-1; a (re)started trainer first publishes the version
     # it resumes from (a drop, or the same version again): that one is no rollout done again.
@@ -166,35 +202,79 @@ def figures(result: dict, gap_cap: float | None) -> dict:
             redone.append(t)
         previous = version
     gaps = [b - a for a, b in zip(new_times, new_times[1:])]
-    cap = gap_cap if gap_cap is not None else statistics.median(gaps)
-    progress = sum(min(g, cap) for g in gaps)
+    pace = pace if pace is not None else statistics.median(gaps)
+    progress = sum(min(g, pace) for g in gaps)
     wall = end - start
-    lost = {}
-    times = [t for _, t, _ in result["injected"]] + [float("inf")]
-    for (kind, t, _), nxt in zip(result["injected"], times[1:]):
-        lost[kind] = sum(1 for r in redone if t <= r < nxt)
-    return {"wall": wall, "hold": hold, "progress": progress, "ettr": progress / wall, "cap": cap,
-            "versions": best, "redone": len(redone), "lost": lost, "resumes": result["resumes"]}
+    # Seconds lost per failure: from its injection to the next one's (the last: to the job's end),
+    # the time not spent at the failure-free pace on new versions (stalls and rollouts redone),
+    # less SLURM's requeue hold inside it; before the first failure: the start.
+    bounds = [start] + [t for _, t, _ in result["injected"]] + [end]
+    windows = []
+    for a, b in zip(bounds, bounds[1:]):
+        made = sum(1 for t in new_times if a < t <= b)
+        hold = sum(min(b, h1) - max(a, h0) for h0, h1 in holds if h0 < b and h1 > a)
+        windows.append({"seconds": b - a, "hold": hold, "new": made, "lost": b - a - hold - made * pace,
+                        "redone": sum(1 for r in redone if a <= r < b),
+                        "replayed": sum(1 for r in result["replayed"] if a <= r < b)})
+    windows[-1]["lost"] -= end_overhead if end_overhead is not None else 0.0
+    return {"wall": wall, "hold": sum(h1 - h0 for h0, h1 in holds), "progress": progress,
+            "ettr": progress / wall, "pace": pace, "versions": best, "redone": len(redone),
+            "replayed": len(result["replayed"]),
+            "windows": windows, "resumes": result["resumes"], "end_overhead": end - new_times[-1]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
-    root = parser.parse_args().workdir or Path(tempfile.mkdtemp(prefix="bench_goodput_"))
-    model, data = write_tiny_model(root / "model"), write_toy_data(root / "toy.jsonl")
-    clean = figures(run(root, "clean", model, data, failures=False), None)
-    failed_run = run(root, "failures", model, data, failures=True)
-    failed = figures(failed_run, clean["cap"])
-    rate = (clean["versions"] / clean["wall"]) / (failed["versions"] / (failed["wall"] - failed["hold"]))
-    print(f"toy job, {ROLLOUTS} rollouts, slow reward; progress gap cap {clean['cap']:.2f} s (clean run's median)")
-    print(f"{'run':10s} {'wall s':>7s} {'hold s':>7s} {'progress s':>10s} {'ETTR':>6s} {'redone':>6s}")
+    parser.add_argument("--num-rollout", type=int, default=ROLLOUTS,
+                        help="rollouts of each run; the failures are spread over it (one per num_rollout/5)")
+    parser.add_argument("--report-only", action="store_true", help="the figures of the runs already in --workdir")
+    options = parser.parse_args()
+    if options.report_only and options.workdir is None:
+        parser.error("--report-only reads the runs in --workdir: give it")
+    rollouts = options.num_rollout
+    if rollouts < 2 * len(SCHEDULE):
+        parser.error(f"--num-rollout {rollouts}: at least {2 * len(SCHEDULE)} (the failures need rollouts between them)")
+    root = options.workdir or Path(tempfile.mkdtemp(prefix="bench_goodput_"))
+    if options.report_only:
+        clean_run, failed_run = read_run(root / "clean"), read_run(root / "failures")
+        if (root / SETTINGS).exists():
+            rollouts = json.loads((root / SETTINGS).read_text())["num_rollout"]
+    else:
+        model, data = write_tiny_model(root / "model"), write_toy_data(root / "toy.jsonl")
+        (root / SETTINGS).write_text(json.dumps({"num_rollout": rollouts}))
+        clean_run = run(root, "clean", model, data, rollouts, failures=False)
+        failed_run = run(root, "failures", model, data, rollouts, failures=True)
+    clean = figures(clean_run, None)
+    failed = figures(failed_run, clean["pace"], clean["end_overhead"])
+    outside = failed["wall"] - failed["hold"]
+    ratio = clean["wall"] / outside  # the same versions made: progress rates outside the hold
+    print(f"toy job, {rollouts} rollouts, slow reward, {len(SCHEDULE)} failures: one per {rollouts / len(SCHEDULE):.0f} "
+          f"rollouts; pace {clean['pace']:.2f} s a rollout (the clean run's median gap between new versions)")
+    print(f"{'run':10s} {'wall s':>7s} {'hold s':>7s} {'progress s':>10s} {'ETTR':>6s} {'redone':>6s} {'replayed':>8s}")
     for name, f in (("clean", clean), ("failures", failed)):
-        print(f"{name:10s} {f['wall']:7.1f} {f['hold']:7.1f} {f['progress']:10.1f} {f['ettr']:6.3f} {f['redone']:6d}")
+        print(f"{name:10s} {f['wall']:7.1f} {f['hold']:7.1f} {f['progress']:10.1f} {f['ettr']:6.3f} {f['redone']:6d} "
+              f"{f['replayed']:8d}")
     print(f"ETTR ratio failures/clean: {failed['ettr'] / clean['ettr']:.3f}; progress rate outside the requeue hold, "
-          f"clean/failures: {1 / rate:.3f}")
-    print("per failure (at rollouts done): rollouts redone")
-    for kind, _, done in failed_run["injected"]:
-        print(f"  {kind:13s} at {done:2d}: {failed['lost'][kind]}")
+          f"failures/clean: {ratio:.3f} (target 0.97)")
+    print("per failure: seconds from it to the next one, new rollouts made, rollouts redone, seconds lost "
+          "(the window less its new rollouts at the clean pace, less the requeue hold)")
+    clean_start = clean["windows"][0]
+    print(f"  {'start':13s} (clean run: {clean_start['lost']:.1f} s lost before its pace)")
+    rows = [("start", None), *((kind, done) for kind, _, done in failed_run["injected"])]
+    for (kind, done), w in zip(rows, failed["windows"]):
+        at = f"at {done:3d}" if done is not None else "      "
+        hold = f", hold {w['hold']:.1f} s apart" if w["hold"] else ""
+        print(f"  {kind:13s} {at}: {w['seconds']:6.1f} s, {w['new']:3d} new, {w['redone']} redone "
+              f"({w['replayed']} replayed), lost {w['lost']:5.1f} s{hold}")
+    print(f"  (the last window holds the job's end, less the clean run's {clean['end_overhead']:.1f} s from its "
+          "last version to its end)")
+    lost = [w["lost"] for w in failed["windows"][1:]]
+    mean, pace, n = statistics.mean(lost), clean["pace"], rollouts / len(SCHEDULE)
+    print(f"mean lost per failure {mean:.1f} s = {mean / pace:.1f} rollouts at the clean pace: at one failure per N "
+          f"rollouts the rate ratio is N*{pace:.2f}/(N*{pace:.2f}+{mean:.1f}): {n * pace / (n * pace + mean):.3f} at "
+          f"this run's N = {n:.0f} (the starts, which vary with the machine's load, left out); "
+          f">= 0.97 from N = {0.97 * mean / (0.03 * pace):.0f}")
     print(f"trainer starts at rollouts: {failed['resumes']}")
 
 

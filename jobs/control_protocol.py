@@ -23,7 +23,7 @@ class Call(str, Enum):
     STATUS = "status"                # CLI: the job's state -> {"state": {...}}
     RESTART = "restart"              # CLI: restart one step -> {"restarting": target}
     STOP = "stop"                    # CLI: save at the next rollout boundary, then end
-    READY_ENGINES = "ready_engines"  # trainer: engines that get the next version -> {"engines": [url]}
+    READY_ENGINES = "ready_engines"  # trainer: engines that get the next version -> {"engines": [url], "starting": bool}
     PUBLISHED = "published"          # trainer: a version went out (to `updated`; `fenced` failed)
     ENGINE_FAILED = "engine_failed"  # trainer: a request to an engine failed
     ENGINE_UNRESPONSIVE = "engine_unresponsive"  # trainer: requests time out or do not parse; probes may pass

@@ -195,7 +195,7 @@ class FaultToleranceSpec:
 
     use_fault_tolerance: bool = False
     rollout_health_check_first_wait: float = 300.0  # after an engine's launch: failed probes do not count yet
-    rollout_health_check_interval: float = 10.0     # between two probe cycles of every engine
+    rollout_health_check_interval: float = 10.0     # between two probe cycles of every engine (a suspect one: see HealthTracker.next_cycle)
     rollout_health_check_timeout: float = 5.0       # one /health_generate probe (and /model_info)
     health_check_failure_threshold: int = 3         # failed probes in a row that make an engine failed
     max_engine_restarts: int = 5        # per engine, in a row, before the crash-loop breaker gives up on it

@@ -78,7 +78,10 @@ class ControlHandlers:
 
     # ------------------------------------------------------------------ the trainer's calls
     def ready_engines(self) -> dict[str, Any]:
-        return {"engines": [e.url for e in self.recovery.serving().values()]}
+        """The engines that get the next version; `starting` while none does yet because the
+        engines' first start is under way (the trainer, launched beside them, waits for one)."""
+        urls = [e.url for e in self.recovery.serving().values()]
+        return {"engines": urls, "starting": not urls and not self.recovery.started.is_set()}
 
     def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> dict[str, Any]:
         job = self.job

@@ -166,10 +166,20 @@ class Daemon:
             adopted = adoption.adopt(job, self.predecessor, self.steps, self.launcher, self.trainer)
             # Only now: the trainer's calls wait until the adopted engines' versions are re-checked.
             self.control.start()
-            if not job.spec.rollout.external_router and ROUTER not in adopted:
-                self.launcher.launch_router()
-            self.recovery.start_all(adopted)
-            if TRAINER not in adopted:
+            router = (self.launcher.start_router() if not job.spec.rollout.external_router and ROUTER not in adopted
+                      else None)
+            # The engines and the trainer start while the router does; the trainer loads (imports,
+            # checkpoint) while the engines start: its first publish waits for them (ready_engines).
+            # Colocated, it would take GPU memory they are taking: it starts once they answered.
+            beside = TRAINER not in adopted and not job.spec.rollout.colocate
+
+            def launched() -> None:
+                if beside:
+                    self.trainer.launch()
+                if router is not None:
+                    self.launcher.await_router(router)  # before the engines' wait: it admits them
+            self.recovery.start_all(adopted, then=launched)
+            if TRAINER not in adopted and not beside:
                 self.trainer.launch()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
@@ -209,12 +219,13 @@ class Daemon:
                 if outcome is not None:
                     return outcome
                 continue
+            began = time.monotonic()
             self._probe_cycle()
             self._record_steps()
             self.trainer.check_heartbeat()
             for engine, why in self.nodes.check_due():
                 self.recovery.recover(engine, why)
-            next_probe = time.monotonic() + interval
+            next_probe = self.tracker.next_cycle(began, time.monotonic(), interval, self.job.ft.rollout_health_check_timeout)
 
     def _on_exit(self, step: Step) -> str | None:
         name = step.spec_name

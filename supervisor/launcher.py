@@ -82,13 +82,21 @@ class StepLauncher:
 
     def launch_router(self) -> None:
         """The router, on the head node; returns once it answers (JobFailed if it does not)."""
+        self.await_router(self.start_router())
+
+    def start_router(self) -> Step:
+        """The router's step, launched; await_router waits until it answers (the job's first start
+        launches the engines and the trainer in between)."""
         job = self.job
         launch = RouterLaunch(job.layout.head_address, self.router.port, self.router.metrics_port,
                               policy="round_robin", pd_disaggregation=engine_groups.is_pd(job.spec),
                               router_args=passthrough(job.spec.rollout.router_args, "router"))
         # --overlap: the router shares the head node's CPUs with the trainer's tasks.
-        step = self.launch(ROUTER, "router", _with_key(router_command(launch, self.python_of(ROUTER))), (job.layout.head,), 0,
-                           overlap=True)
+        return self.launch(ROUTER, "router", _with_key(router_command(launch, self.python_of(ROUTER))),
+                           (job.layout.head,), 0, overlap=True)
+
+    def await_router(self, step: Step) -> None:
+        job = self.job
         deadline = time.monotonic() + job.ft.router_start_timeout
         while not job.membership.router.alive():
             if step.returncode is not None or time.monotonic() > deadline:

@@ -71,6 +71,15 @@ class HealthTracker:
         return failed
 
 
+    def next_cycle(self, began: float, ended: float, interval_s: float, timeout_s: float) -> float:
+        """When the next probe cycle starts, given this one's start and end: `interval_s` after its
+        end; but while an engine is suspect (it failed a probe, short of the threshold) one probe
+        timeout after its start, so a hung engine's verdict takes threshold x timeout, not
+        threshold x (timeout + interval), and failures that come back at once stay that far apart."""
+        suspect = any(0 < h.failures < self.failure_threshold for h in self._engines.values())
+        return began + timeout_s if suspect else ended + interval_s
+
+
 class KillBudget:
     """The blast-radius rule: failed probes kill at most max(1, floor(fraction x engines)) engines
     in any window of `interval_s`. Engines whose process already died are always replaced and

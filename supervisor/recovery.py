@@ -9,6 +9,7 @@ import logging
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 from rollout.engine_client import EngineError, ProbeResult
@@ -53,6 +54,7 @@ class EngineRecovery:
         self.scalars = scalars
         self._lock = threading.Lock()
         self._recovering: set[str] = set()
+        self.started = threading.Event()  # start_all is over: every engine answered, or failed to
 
     # ------------------------------------------------------------------ what others may ask
     def is_recovering(self, name: str) -> bool:
@@ -237,9 +239,16 @@ class EngineRecovery:
         self.tracker.started(engine.name)
         return step
 
-    def start_all(self, adopted: set[str]) -> None:
-        """The job's first start of its engines (or a successor's, with some adopted); waits until
-        each answered. JobFailed when too few did."""
+    def start_all(self, adopted: set[str], then: Callable[[], None] | None = None) -> None:
+        """The job's first start of its engines (or a successor's, with some adopted); `then` runs
+        once they are launched, before the wait (the trainer loads meanwhile); waits until each
+        answered. JobFailed when too few did. `started` is set once this is over, either way."""
+        try:
+            self._start_all(adopted, then)
+        finally:
+            self.started.set()
+
+    def _start_all(self, adopted: set[str], then: Callable[[], None] | None) -> None:
         job, ft = self.job, self.job.ft
         for engine in job.engines.values():
             if engine.name not in adopted:
@@ -248,6 +257,8 @@ class EngineRecovery:
             self.tracker.started(engine.name)
             if engine.state == HEALTHY:  # adopted, and it answered: no first-wait
                 self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})
+        if then is not None:
+            then()
         waits = {name: self.pool.submit(self.await_engine, engine, self.launcher.current(name))
                  for name, engine in job.engines.items() if engine.state != HEALTHY}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}

@@ -23,6 +23,14 @@ _EXPECTED_WARNINGS = (r"(Transformer Engine and )?Apex (is|are) not installed", 
 _CHATTY_LOGGERS = ("megatron.core.distributed.fsdp",)
 
 
+def skip_unused_imports(args) -> None:
+    """megatron-core imports wandb at its own import only to learn whether it is installed: half a
+    second of every trainer start (restarts included). Without --use-wandb, `import wandb` now
+    fails at once and megatron-core goes on without it, as where it is not installed."""
+    if not args.use_wandb:
+        sys.modules.setdefault("wandb", None)
+
+
 def main(argv: list[str] | None = None) -> None:
     for name, value in REPRODUCIBLE_MKL.items():
         os.environ.setdefault(name, value)
@@ -37,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     except ArgsError as err:
         main_error(err)
     logging.getLogger("trainer").info("megatron-core runs without TransformerEngine and Apex (torch kernels)")
+    skip_unused_imports(args)
     from trainer import dist_env
     from trainer.setup import build
 

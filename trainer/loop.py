@@ -32,12 +32,13 @@ from rollout.eval import Evaluator, pass_at_k
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
-from trainer import checkpoint, rl_step, save_now
+from trainer import checkpoint, rl_step, rollout_journal, save_now
 from trainer.backend import Backend
 from trainer.colocation import Colocation, EngineSide
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
 from trainer.profiling import TrainProfiler
+from trainer.rollout_journal import RolloutJournal
 from trainer.save_space import tensor_bytes
 from trainer.wandb_log import WandbRun
 from trainer.supervisor_link import SupervisorLink
@@ -87,6 +88,8 @@ class Driver:
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None,
                                     self.unresponsive if self.router else None)
         self.reporter = Reporter(job_dir, args.tensorboard_dir, WandbRun(args, job_dir) if args.use_wandb else None)
+        # Rollouts since the last checkpoint, for a restart from it (only where there are checkpoints).
+        self.journal = RolloutJournal(job_dir.root / rollout_journal.FOLDER, args) if args.save else None
         self.evaluator = Evaluator(
             self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
             apply_chat_template_kwargs=args.apply_chat_template_kwargs,
@@ -132,7 +135,16 @@ class Driver:
         return self.evaluator.run(rollout_id, self.buffer)
 
     def generate(self, rollout_id: int) -> list[TrainSample]:
-        groups = generate_rollout(self.rollout, rollout_id, self.buffer)
+        done = self.journal.replay(rollout_id) if self.journal else None
+        if done is not None:  # generated before a restart from the same checkpoint: trained on again
+            groups, buffer_state = done
+            if self.buffer and buffer_state is not None:
+                self.buffer.load_state_dict(buffer_state)
+            log.info("rollout %d: replayed from the rollout journal (generated before the restart)", rollout_id)
+        else:
+            groups = generate_rollout(self.rollout, rollout_id, self.buffer)
+            if self.journal:
+                self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
         return [TrainSample.from_sample(s, self.args.reward_key) for group in groups for s in group]
 
     def generate_abandonable(self, rollout_id: int, signal: save_now.SaveNowSignal) -> list[TrainSample] | None:
@@ -183,6 +195,8 @@ class Loop:
             self.eval_owed = common.get("eval_owed")
             if self.driver:
                 self.driver.restore(common, self.next_rollout)
+                if self.driver.journal:
+                    self.driver.journal.resumed(common.get(rollout_journal.LINEAGE_KEY))
             log.info("resumed from %s: next rollout %d, weight version %d", resume, self.next_rollout, self.weight_version)
         elif initial_weights is not None:
             self.backend.load(initial_weights, weights_only=True)
@@ -371,11 +385,14 @@ class Loop:
         if self.driver:
             self.driver.reporter.heartbeat(Phase.SAVE, rollout_id)
         common = {"rollout_id": rollout_id, "weight_version": self.weight_version, "eval_owed": self.eval_owed,
+                  rollout_journal.LINEAGE_KEY: rollout_journal.new_lineage(),
                   **(self.driver.state() if self.driver else {})}
         common = self.backend.broadcast_object(common)
         checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
                         keep=self.args.keep_checkpoints, needs_bytes=tensor_bytes(self.backend))
         self.last_saved = rollout_id
+        if self.driver and self.driver.journal:
+            self.driver.journal.saved(common[rollout_journal.LINEAGE_KEY])
 
 
 def colocation(args: argparse.Namespace, backend: Backend, driver: Driver | None) -> Colocation | None:

@@ -23,23 +23,34 @@ from jobs.spec import FaultToleranceSpec
 log = logging.getLogger(__name__)
 
 _RETRY_S = 1.0  # between two asks while no supervisor answers
+_STARTING_POLL_S = 0.1  # between two asks while the engines' first start is under way
 
 
 class SupervisorLink:
-    def __init__(self, job_dir: JobDir, call_timeout_s: float, gap_s: float, retry_s: float = _RETRY_S) -> None:
+    def __init__(self, job_dir: JobDir, call_timeout_s: float, gap_s: float, retry_s: float = _RETRY_S,
+                 engine_start_s: float = FaultToleranceSpec.engine_start_timeout) -> None:
         """call_timeout_s bounds one call; gap_s, how long calls are asked again while no supervisor
-        answers (a restart takes seconds; a supervisor gone this long is not coming back)."""
+        answers (a restart takes seconds; a supervisor gone this long is not coming back);
+        engine_start_s, how long the first publish waits while the engines' first start is under way."""
         self.client = ControlClient(job_dir, call_timeout_s)
         self.gap_s = gap_s
         self.retry_s = retry_s
+        self.engine_start_s = engine_start_s
 
     @classmethod
     def of(cls, job_dir: JobDir, ft: FaultToleranceSpec) -> SupervisorLink:
-        return cls(job_dir, ft.control_call_timeout, ft.supervisor_gap)
+        return cls(job_dir, ft.control_call_timeout, ft.supervisor_gap, engine_start_s=ft.engine_start_timeout)
 
     def ready_engines(self) -> list[str]:
-        """Engines that should get the next weight version."""
-        return list(self._call(Call.READY_ENGINES)["engines"])
+        """Engines that should get the next weight version. The trainer starts beside its engines:
+        while the supervisor says they are starting and none is ready, it waits (engine_start_s at
+        most; past that the supervisor has failed the job), so its first publish reaches them."""
+        deadline = time.monotonic() + self.engine_start_s
+        while True:
+            answer = self._call(Call.READY_ENGINES)
+            if not answer.get("starting") or time.monotonic() > deadline:
+                return list(answer["engines"])
+            time.sleep(_STARTING_POLL_S)
 
     def engine_failed(self, url: str, reason: str) -> None:
         # Not waited for (the rollout goes on meanwhile): a restarted supervisor probes the engine itself.

@@ -58,3 +58,30 @@ def test_kill_budget_always_allows_one() -> None:
 def test_kill_budget_rejects_a_bad_fraction(fraction: float) -> None:
     with pytest.raises(ValueError, match="fraction"):
         KillBudget(fraction, 60)
+
+
+def test_a_suspect_engine_is_probed_again_one_timeout_after_its_last_probe_began() -> None:
+    tracker = HealthTracker(failure_threshold=3, first_wait_s=0)
+    tracker.started("e", now=0)
+    tracker.started("f", now=0)
+    assert tracker.record({"e": OK, "f": OK}, now=1) == []
+    assert tracker.next_cycle(began=10, ended=10.1, interval_s=30, timeout_s=5) == 40.1  # all well: the interval
+    tracker.record({"e": BAD, "f": OK}, now=2)
+    # e is suspect: the next cycle starts when this one's probe timed out (a hang: at once), not 30 s later
+    assert tracker.next_cycle(began=10, ended=15, interval_s=30, timeout_s=5) == 15
+    assert tracker.next_cycle(began=10, ended=10.1, interval_s=30, timeout_s=5) == 15  # a failure that came at once
+    tracker.record({"e": BAD, "f": OK}, now=3)
+    assert tracker.record({"e": BAD, "f": OK}, now=4) == ["e"]  # the verdict: no longer suspect, its recovery's
+    assert tracker.next_cycle(began=10, ended=10.1, interval_s=30, timeout_s=5) == 40.1
+    tracker.started("e", now=5)  # relaunched: clean again
+    tracker.record({"e": BAD, "f": OK}, now=6)
+    assert tracker.next_cycle(began=10, ended=10.1, interval_s=30, timeout_s=5) == 15
+    tracker.record({"e": OK, "f": OK}, now=7)  # answered: cleared
+    assert tracker.next_cycle(began=10, ended=10.1, interval_s=30, timeout_s=5) == 40.1
+
+
+def test_failures_in_the_first_wait_make_no_suspect() -> None:
+    tracker = HealthTracker(failure_threshold=3, first_wait_s=60)
+    tracker.started("slow", now=0)
+    tracker.record({"slow": BAD}, now=1)
+    assert tracker.next_cycle(began=10, ended=10.1, interval_s=30, timeout_s=5) == 40.1

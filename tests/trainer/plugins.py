@@ -17,3 +17,12 @@ def slow_toy_reward(args, sample) -> float:
 
     time.sleep(0.02)
     return toy_reward(sample.response, sample.label)
+
+
+def die_in_rollout(args, sample, *, rollout_id, evaluation) -> None:
+    """--rollout-sample-hook-path: the trainer dies at once, as a killed one does (nothing saved,
+    nothing flushed), in the rollout that SLURMRL_TEST_DIE_IN_ROLLOUT names; otherwise a no-op."""
+    import os
+
+    if not evaluation and os.environ.get("SLURMRL_TEST_DIE_IN_ROLLOUT") == str(rollout_id):
+        os._exit(137)

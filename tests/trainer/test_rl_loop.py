@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -54,9 +55,10 @@ def cluster(files, tmp_path_factory) -> Iterator[tuple[RouterClient, list[Server
 
 
 def trainer(files: tuple[Path, Path], router: RouterClient | None, job: Path, *flags: str,
-            processes: int = 1, timeout_s: float = 600) -> str:
+            processes: int = 1, timeout_s: float = 600, env: dict[str, str] | None = None,
+            returncode: int = 0) -> str:
     """Run `python -m trainer` (under torchrun with several processes, on the CPU where there are
-    fewer GPUs than processes) to its end; returns its output (asserts exit 0)."""
+    fewer GPUs than processes) to its end; returns its output (asserts its exit code: 0)."""
     model, data = files
     launcher = [sys.executable, "-m", "trainer"] if processes == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
@@ -66,10 +68,11 @@ def trainer(files: tuple[Path, Path], router: RouterClient | None, job: Path, *f
     if router is not None:
         host, port = router.url.removeprefix("http://").split(":")
         argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
-    env = {**os.environ, **hidden_gpus(processes), "SLURMRL_API_KEY": API_KEY}
+    env = {**os.environ, **hidden_gpus(processes), "SLURMRL_API_KEY": API_KEY, **(env or {})}
     done = subprocess.run(argv, env=env, capture_output=True, text=True,
                           timeout=timeout_s, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, f"trainer failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    assert done.returncode == returncode, (f"trainer exited {done.returncode}, not {returncode}:\n"
+                                           f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     return done.stdout + done.stderr
 
 
@@ -160,6 +163,40 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
     scalars = EventAccumulator(str(tmp_path / "whole/tensorboard")).Reload().Tags()["scalars"]
     assert {"eval/toy", "eval/toy-pass@2", "before_train/eval/toy", "eval_seconds", "log_probs_seconds"} <= set(scalars)
     assert set(PHASE_TIMES.values()) <= set(scalars)
+
+
+def test_a_killed_trainer_trains_again_on_its_rollouts_from_the_journal_and_equals_an_uninterrupted_run(
+        files, cluster, tmp_path: Path) -> None:
+    """Killed in rollout 3 with its last checkpoint after rollout 1, the trainer resumes from it and
+    trains on rollout 2 as it was generated before the kill (the rollout journal), without the
+    engines; every rollout's samples, rewards and losses then equal an uninterrupted run's."""
+    router, _ = cluster
+    common = ["--num-rollout", "4", "--rollout-batch-size", "8", "--lr", "1e-2", "--adam-eps", "1",
+              "--save-interval", "2", "--seed", "7", "--rollout-sample-hook-path", "tests.trainer.plugins.die_in_rollout"]
+
+    def run(name: str, **options: Any) -> str:
+        job = tmp_path / name
+        return trainer(files, router, job, "--save", str(job / "ckpt"), "--load", str(job / "ckpt"),
+                       "--save-debug-rollout-data", str(job / "rollouts/{rollout_id}.pt"), *common, **options)
+
+    run("whole")
+    run("parts", env={"SLURMRL_TEST_DIE_IN_ROLLOUT": "3"}, returncode=137)
+    journal = tmp_path / "parts/rollout_journal"
+    assert sorted(p.name for p in journal.iterdir()) == ["rollout_2.pt"], "only the rollout after the checkpoint"
+    generated = (tmp_path / "parts/rollouts/2.pt").stat().st_mtime_ns
+    output = run("parts")
+    assert "resumed from" in output and "iter_0000001" in output
+    assert "rollout 2: replayed from the rollout journal" in output
+    assert (tmp_path / "parts/rollouts/2.pt").stat().st_mtime_ns == generated, "rollout 2 was generated again"
+    assert list(journal.iterdir()) == [], "the final save clears the journal"
+    whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
+    assert [m["rollout_id"] for m in parts] == list(range(4)), "a rollout id was skipped or repeated"
+    for a, b in zip(whole, parts):
+        tokens = [_rollout_tokens(tmp_path / run, a["rollout_id"]) for run in ("whole", "parts")]
+        assert tokens[0] == tokens[1], f"rollout {a['rollout_id']}: other samples"
+        assert (a["reward_mean"], a["weight_version"]) == (b["reward_mean"], b["weight_version"])
+        for key in ("loss", "pg_loss", "grad_norm"):  # to the last bits, as in the resume test above
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), f"rollout {a['rollout_id']}: {key}"
 
 
 def test_tp2_over_a_weight_update_group_stays_on_policy(files, cluster, tmp_path: Path) -> None:

@@ -80,3 +80,26 @@ def test_a_refused_call_is_not_asked_again(tmp_path: Path) -> None:
         with pytest.raises(ControlError, match="ZeroDivisionError") as err:
             SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1).ready_engines()
     assert not isinstance(err.value, SupervisorUnreachable) and calls == [1]
+
+
+def test_the_first_publish_waits_while_the_engines_start(tmp_path: Path) -> None:
+    """The trainer is launched beside its engines: while the supervisor answers `starting`, it asks
+    again, and returns the engines once one is ready; past engine_start_s it goes on without."""
+    ready = threading.Event()
+    asks = []
+
+    def ready_engines() -> dict[str, Any]:
+        asks.append(1)
+        return {"engines": ["http://e0"], "starting": False} if ready.is_set() else {"engines": [], "starting": True}
+
+    with ControlServer(JobDir(tmp_path), handler_table({Call.READY_ENGINES: ready_engines})):
+        timer = threading.Timer(1.0, ready.set)
+        timer.start()
+        began = time.monotonic()
+        assert SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1).ready_engines() == ["http://e0"]
+        assert time.monotonic() - began >= 0.9 and len(asks) > 2
+        ready.clear()
+        began = time.monotonic()
+        link = SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1, engine_start_s=0.5)
+        assert link.ready_engines() == []
+        assert 0.4 < time.monotonic() - began < 5
