@@ -155,9 +155,11 @@ def stop_mid_save(job_dir: Path, save_dir: Path) -> int:
     return heartbeat(job_dir)["pid"]
 
 
-def set_generate_fault(urls: list[str], fault: str | None) -> None:
+def set_generate_fault(job_dir: Path, urls: list[str], fault: str | None) -> None:
+    key = (job_dir / "api_key").read_text().strip()
     for url in urls:
-        requests.post(url + FAULT_ROUTE, json={"generate": fault}, timeout=5).raise_for_status()
+        requests.post(url + FAULT_ROUTE, json={"generate": fault}, headers={"Authorization": f"Bearer {key}"},
+                      timeout=5).raise_for_status()
 
 
 def wedge_during_rollout(job_dir: Path, urls: list[str]) -> None:
@@ -167,13 +169,13 @@ def wedge_during_rollout(job_dir: Path, urls: list[str]) -> None:
     engines: a wedged eval is let go and the next generation tried (a training rollout's can be
     abandoned, an eval's is owed to the resumed run)."""
     def caught() -> bool:
-        set_generate_fault(urls, WEDGE)
+        set_generate_fault(job_dir, urls, WEDGE)
         wait_for(lambda: heartbeat(job_dir).get("phase") == "rollout", WEDGED_WAIT_S, "a generation")
         beat = heartbeat(job_dir)
         time.sleep(1)
         if heartbeat(job_dir) == beat and beat.get("rollout_id", 0) % 3 != 2:
             return True
-        set_generate_fault(urls, None)
+        set_generate_fault(job_dir, urls, None)
         wait_for(lambda: heartbeat(job_dir) != beat, WEDGED_WAIT_S, "the wedged eval to go on")
         return False
 
