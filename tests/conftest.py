@@ -1,5 +1,6 @@
-"""Shared fixtures. `devcluster` brings the loopback SLURM cluster up once per session (or reuses
-one that is already running) and points SLURM_CONF at it.
+"""Shared fixtures. `devcluster` brings the SLURM devcluster up once per session (or reuses one
+that is already running), each node in its own network namespace where that is allowed, and points
+SLURM_CONF at it.
 
 Under pytest-xdist (`--dist loadgroup`), every test that touches SLURM runs in one worker: one
 worker's session could otherwise take the cluster down under another's job."""
@@ -18,6 +19,7 @@ from slurm.devcluster import DevCluster
 from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.config import DEFAULT_ROOT
 from slurm.devcluster.daemons import DevclusterError
+from slurm.devcluster.netns import NAMESPACES_REFUSED
 
 
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
@@ -41,12 +43,20 @@ def slurm_programs() -> None:
         pytest.skip(f"no SLURM here ({', '.join(missing)} missing, and could not be installed: {str(err)[:200]})")
 
 
+def _up(network: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--dir", str(DEFAULT_ROOT)],
+                          capture_output=True, text=True)
+
+
 @pytest.fixture(scope="session")
 def devcluster(slurm_programs) -> Iterator[DevCluster]:
     cluster = DevCluster(DEFAULT_ROOT)
     was_running = all(d.is_running() for d in cluster.daemons())
-    up = subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", "--dir", str(DEFAULT_ROOT)],
-                        capture_output=True, text=True)
+    # Isolated (a network namespace per node) as `slurmrl cluster up` is by default; where namespaces
+    # are not allowed, shared loopback, and the tests that need namespaces skip themselves.
+    up = _up("--isolated")
+    if up.returncode != 0 and NAMESPACES_REFUSED in up.stderr:
+        up = _up("--shared-loopback")
     if up.returncode != 0:
         pytest.fail(f"devcluster did not come up:\n{up.stderr}")
     cluster = DevCluster(DEFAULT_ROOT)

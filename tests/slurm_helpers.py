@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 
-from slurm.devcluster import DevCluster
+from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.daemons import wait_for
 
 
@@ -71,3 +74,24 @@ def kill_node(cluster: DevCluster, node: str, step_pid: int) -> None:
     cluster.kill_slurmd(node)
     for proc in doomed:
         proc.kill()
+
+
+def listening_pid(url: str) -> int:
+    """The process listening on url's port, looked up in the network namespace of the node whose
+    address url has (the host's own where nodes share loopback): `ss` there names its pid."""
+    parts = urlsplit(url)
+    out = subprocess.run([*_netns_of(parts.hostname), "ss", "-Hltnp", f"sport = :{parts.port}"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    pids = {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
+    assert len(pids) == 1, f"expected one process listening on {parts.port}, found {pids}: {out}"
+    return pids.pop()
+
+
+def _netns_of(host: str | None) -> list[str]:
+    """The argv prefix that enters the namespace of the devcluster node at `host` (SLURM_CONF's
+    cluster); none for an address of the host's own."""
+    plan = netns.load_plan(Path(os.environ["SLURM_CONF"]).parent.parent)
+    for node in plan.nodes if plan else ():
+        if plan.node_addr(node) == host:
+            return ["nsenter", f"--net={netns.NETNS_DIR / plan.namespace(node)}"]
+    return []

@@ -44,9 +44,9 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--port-base", type=int, help=f"first of the ports the daemons use (default {DEFAULT_PORT_BASE})")
     net = up.add_mutually_exclusive_group()
     net.add_argument("--isolated", dest="isolated", action="store_const", const=True,
-                     help="each node in its own network namespace with its own address on a private bridge")
+                     help="each node in its own network namespace with its own address on a private bridge (the default)")
     net.add_argument("--shared-loopback", dest="isolated", action="store_const", const=False,
-                     help="every node is 127.0.0.1, told apart by port (the default)")
+                     help="every node is 127.0.0.1, told apart by port (where namespaces are not allowed)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (default %(default)s)")
     actions.add_parser("down", help="cancel all jobs and stop the daemons that `up` started")
     actions.add_parser("status", help="daemons, nodes, partitions and the SLURM_CONF line to export")

@@ -32,7 +32,7 @@ class ClusterShape:
     cpus_per_node: int = 8
     memory_mb_per_node: int = 16384
     port_base: int = DEFAULT_PORT_BASE
-    isolated: bool = False  # one network namespace per node (netns.py); else every node is 127.0.0.1
+    isolated: bool = True  # one network namespace per node (netns.py); else every node is 127.0.0.1
 
     def validate(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -148,13 +148,13 @@ class ClusterPaths:
 def load_shape(paths: ClusterPaths) -> ClusterShape | None:
     if not paths.shape_file.exists():
         return None
-    return ClusterShape(**json.loads(paths.shape_file.read_text()))
+    fields = json.loads(paths.shape_file.read_text())
+    fields.setdefault("isolated", False)  # written before namespaces were the default: a shared-loopback cluster
+    return ClusterShape(**fields)
 
 
 def save_shape(paths: ClusterPaths, shape: ClusterShape) -> None:
     fields = asdict(shape)
-    if not shape.isolated:  # today's file, byte for byte: code from before --isolated reads it too
-        del fields["isolated"]
     paths.shape_file.write_text(json.dumps(fields, indent=2) + "\n")
 
 

@@ -25,6 +25,7 @@ NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins each named namespace
 # Second octets tried for 10.x.0.0/16, high ones first: private setups tend to use the low ones.
 SUBNET_CANDIDATES = [*range(200, 255), *range(100, 200)]
 IP_TIMEOUT_S = 20  # one `ip` command
+NAMESPACES_REFUSED = "network namespaces are not allowed here"  # the refusal's words (tests fall back on them)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ def _add_namespace(name: str) -> None:
     try:
         _ip("netns", "add", name)
     except DevclusterError as err:
-        raise DevclusterError(f"network namespaces are not allowed here ({err}); "
-                              "run `slurmrl cluster up` without --isolated") from None
+        raise DevclusterError(f"{NAMESPACES_REFUSED} ({err}); "
+                              "run `slurmrl cluster up --shared-loopback` (every node on 127.0.0.1)") from None
 
 
 def _create(plan: NetPlan) -> None:

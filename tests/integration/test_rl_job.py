@@ -33,7 +33,7 @@ from jobs.control_protocol import Call, ControlClient, ControlError
 from rollout.cpu_engine.scheduler import FORWARD_STEP
 from supervisor.keys import load_key
 from trainer.profiling import TRAIN_STEP
-from tests.slurm_helpers import sacct_rows, wait_job_gone, wait_sacct_states
+from tests.slurm_helpers import listening_pid, sacct_rows, wait_job_gone, wait_sacct_states
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = re.compile(r"cpu_engine served rid=r(\d+)-\S+ weight_version=(\S+)")
@@ -104,14 +104,6 @@ def another_uid_is_refused(job_dir: Path) -> bool:
             os._exit(0)
         os._exit(1)
     return os.waitpid(pid, 0)[1] == 0
-
-
-def listening_pid(url: str) -> int:
-    port = int(url.rsplit(":", 1)[1])
-    pids = {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
-            and c.status == psutil.CONN_LISTEN and c.pid}
-    assert len(pids) == 1, f"expected one process listening on {port}, found {pids}"
-    return pids.pop()
 
 
 def traced_steps(trace: Path, name: str) -> int:

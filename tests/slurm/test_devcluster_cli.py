@@ -70,17 +70,19 @@ def test_up_isolated_refuses_in_one_line_where_namespaces_are_not_allowed(tmp_pa
                         capture_output=True, text=True, timeout=60)
     assert up.returncode == 1
     assert up.stderr.count("\n") == 1 and "network namespaces are not allowed here" in up.stderr, up.stderr
-    assert "without --isolated" in up.stderr
+    assert "--shared-loopback" in up.stderr
     assert not root.exists()
     leftovers = [subprocess.run(["ip", *argv], capture_output=True, text=True).stdout for argv in (["netns"], ["link"])]
     assert "srl-19150" not in "".join(leftovers) + Path("/etc/hosts").read_text()
 
 
-def test_shape_file_keeps_todays_keys_unless_isolated(tmp_path: Path) -> None:
-    # Worktrees on code from before --isolated share the default cluster's cluster.json.
+def test_shape_file_from_before_namespaces_is_a_shared_loopback_cluster(tmp_path: Path) -> None:
+    # A cluster.json written before namespaces were the default has no "isolated" key.
     paths = ClusterPaths(tmp_path)
-    save_shape(paths, ClusterShape())
-    assert set(json.loads(paths.shape_file.read_text())) == {"nodes", "gpus_per_node", "cpus_per_node",
-                                                             "memory_mb_per_node", "port_base"}
-    save_shape(paths, ClusterShape(nodes=2, isolated=True))
-    assert load_shape(paths) == ClusterShape(nodes=2, isolated=True)
+    old = {"nodes": 4, "gpus_per_node": 4, "cpus_per_node": 8, "memory_mb_per_node": 16384, "port_base": 17800}
+    paths.shape_file.parent.mkdir(parents=True, exist_ok=True)
+    paths.shape_file.write_text(json.dumps(old))
+    assert load_shape(paths) == ClusterShape(isolated=False)
+    for shape in (ClusterShape(nodes=2), ClusterShape(nodes=2, isolated=False)):
+        save_shape(paths, shape)
+        assert load_shape(paths) == shape
