@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: install, bring up the loopback SLURM devcluster, make the tiny model and the demo
+# The main job: install, bring up the SLURM devcluster (a network namespace per node), make the tiny model and the demo
 # task's prompts (the toy task over all ten digits), submit the demo RL job (examples/demo_job.yaml:
 # supervisor, router, 2 CPU engines, trainer as steps of one heterogeneous job; its reward climbs
 # for its 60 rollouts), show its status while it runs, and the reward per rollout at the end,
@@ -8,7 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-slurmrl cluster up
+# A network namespace per node; shared loopback where this machine does not allow namespaces.
+if ! up=$(slurmrl cluster up --isolated 2>&1); then
+    grep -q "network namespaces are not allowed here" <<<"$up" || { echo "$up" >&2; exit 1; }
+    echo "$up"
+    slurmrl cluster up --shared-loopback
+else
+    echo "$up"
+fi
 eval "$(slurmrl cluster status | grep '^  export SLURM_CONF=')"
 work=${SLURMRL_DEMO_DIR:-/tmp/slurmrl-demo}
 mkdir -p "$work"
