@@ -4,12 +4,15 @@ one `slurmd -N nodeK` per emulated node, each with placeholder GPU files as gres
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import socket
 import subprocess
 from pathlib import Path
+
+import psutil
 
 from slurm.devcluster import faults, netns
 from slurm.devcluster.config import (
@@ -28,6 +31,7 @@ from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, wait_for
 APT_PACKAGES = ["slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-client"]
 REQUIRED_PROGRAMS = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
                      "slurmd", "sbatch", "srun", "sacct", "sacctmgr", "sinfo", "scontrol", "scancel"]
+STRAY_KILL_S = 10.0  # stray step processes dying after SIGKILL
 
 
 def ensure_installed() -> None:
@@ -292,6 +296,7 @@ class DevCluster:
     def down(self) -> list[str]:
         """Cancel every job, stop the daemons in reverse start order, then remove an isolated
         cluster's network. Returns what was stopped."""
+        faults.heal_all(self.paths.root)  # first: slurmctld must reach a cut node to end its steps
         if self.slurmctld().is_running():
             subprocess.run(["scancel", "--full", "--user", "root"], env={**os.environ, **self.env},
                            capture_output=True, timeout=30)
@@ -300,8 +305,30 @@ class DevCluster:
             except (TimeoutError, DevclusterError):
                 pass  # the daemons are stopped below either way
         stopped = [d.name for d in reversed(self.daemons()) if d.stop()]
-        faults.heal_all(self.paths.root)  # a `slow` node's delayer runs in its namespace
-        return stopped + (["network namespaces"] if netns.tear_down(self.paths.root) else [])
+        strays = self._stop_stray_steps()
+        return stopped + ([f"{strays} stray step processes"] if strays else []) + (
+            ["network namespaces"] if netns.tear_down(self.paths.root) else [])
+
+    def _stop_stray_steps(self) -> int:
+        """SIGKILL what is left of steps the jobs' end did not reach (a node cut off when they were
+        cancelled keeps its slurmstepd and tasks past its slurmd): every slurmstepd of this
+        cluster (its environment names this SLURM_CONF) with its process tree. Returns how many
+        processes were killed."""
+        conf = str(self.paths.slurm_conf)
+        stray: list[psutil.Process] = []
+        for proc in psutil.process_iter(["name"]):
+            try:
+                if proc.info["name"] == "slurmstepd" and proc.environ().get("SLURM_CONF") == conf:
+                    stray += [proc, *proc.children(recursive=True)]
+            except psutil.Error:
+                continue
+        for proc in stray:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        _, alive = psutil.wait_procs(stray, timeout=STRAY_KILL_S)
+        if alive:
+            raise DevclusterError(f"step processes {[p.pid for p in alive]} outlived SIGKILL by {STRAY_KILL_S} s")
+        return len(stray)
 
     def _slurm(self, argv: list[str], timeout_s: float) -> str:
         result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=timeout_s)

@@ -1,10 +1,12 @@
 """`slurmrl cluster up --isolated`: each node in its own network namespace. Steps on two nodes see
 two addresses; a server on node2 is reached from node1 at node2's address and not through
-node1's loopback; `down` leaves no namespace, link or hosts line. Uses a cluster of its own
+node1's loopback; `down` leaves no namespace, link or hosts line, and no process of a step on a
+node that was cut off. Uses a cluster of its own
 (its own --dir and ports), brought up and down here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
     up = _cluster("up", "--isolated", "--dir", str(root), "--nodes", "2", "--gpus-per-node", "0",
                   "--port-base", str(PORT_BASE))
     server: subprocess.Popen[str] | None = None
+    cut: int | None = None  # the server's pid once its node is cut off
     pid_file = tmp_path / "server.pid"
     try:
         if "network namespaces are not allowed here" in up.stderr:  # `up` left nothing behind (tested)
@@ -74,16 +77,34 @@ def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
         wait_for(lambda: _srun(env, "node2", sys.executable, "-c", PROBE, url) == "200", SERVER_UP_S,
                  "the server in node2's step, on node2's loopback")
         assert _srun(env, "node1", sys.executable, "-c", PROBE, url) == "ConnectionRefusedError"
+        # node2 cut off with the server's step running on it: `down` still leaves none of its processes.
+        assert _cluster("cut", "node2", "--dir", str(root)).returncode == 0
+        cut = int(pid_file.read_text())
     finally:
-        if server is not None:
+        if server is not None and cut is None:
             if pid_file.exists():
                 _stop(int(pid_file.read_text()))
-            server.terminate()
-            server.wait(timeout=30)
         down = _cluster("down", "--dir", str(root))
+        if server is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(timeout=30)
+            server.kill()
+            server.wait(timeout=30)
     assert down.returncode == 0, down.stderr
     assert "network namespaces" in down.stdout
     assert _network_leftovers() == []
+    assert not psutil.pid_exists(cut), "the cut node's step outlived `down`"
+    assert not _processes_of(cluster.paths.slurm_conf), "a step process of the cluster outlived `down`"
+
+
+def _processes_of(slurm_conf: Path) -> list[int]:
+    """Processes that run for the cluster at slurm_conf (SLURM puts SLURM_CONF in every step's environment)."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.pid != os.getpid() and proc.environ().get("SLURM_CONF") == str(slurm_conf):
+                found.append(proc.pid)
+    return found
 
 
 def _stop(pid: int) -> None:
