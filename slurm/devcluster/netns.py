@@ -21,6 +21,7 @@ from pathlib import Path
 from slurm.devcluster.daemons import DevclusterError
 
 HOSTS_FILE = Path("/etc/hosts")
+HOSTS_MARK = "# slurmrl devcluster"  # ends each hosts line a cluster adds, before its bridge's name
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins each named namespace
 # Second octets tried for 10.x.0.0/16, high ones first: private setups tend to use the low ones.
 SUBNET_CANDIDATES = [*range(200, 255), *range(100, 200)]
@@ -59,7 +60,7 @@ class NetPlan:
     @property
     def marker(self) -> str:
         """The comment that ends each /etc/hosts line of this cluster."""
-        return f"# slurmrl devcluster {self.bridge}"
+        return f"{HOSTS_MARK} {self.bridge}"
 
     def hosts_lines(self) -> list[str]:
         return [f"{self.node_addr(n)} {n} {self.marker}" for n in self.nodes]
@@ -178,7 +179,7 @@ def _refuse_foreign_hosts_lines(plan: NetPlan) -> None:
     """Node names are the same in every devcluster: two isolated ones would fight over them."""
     for line in _hosts():
         fields = line.split("#")[0].split()
-        if "# slurmrl devcluster " in line and plan.marker not in line and set(fields[1:]) & set(plan.nodes):
+        if f"{HOSTS_MARK} " in line and plan.marker not in line and set(fields[1:]) & set(plan.nodes):
             raise DevclusterError(f"/etc/hosts already maps these node names for another isolated devcluster "
                                   f"({line.split('#')[1].strip()}); bring that one down first")
 

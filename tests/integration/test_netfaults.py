@@ -31,10 +31,12 @@ HEAL_S = 10  # a healed link forwarding again (the bridge port comes back at onc
 @pytest.fixture
 def net(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """The network alone, its node names in a hosts file of its own: the machine's /etc/hosts,
-    which the shared devcluster's users read, is left alone."""
+    which the session devcluster's users read, is left alone (and its lines for that cluster's
+    nodes are not copied: they would stand for another isolated cluster)."""
     root = tmp_path / "dc"
     hosts = tmp_path / "hosts"
-    hosts.write_text(netns.HOSTS_FILE.read_text())
+    hosts.write_text("".join(line for line in netns.HOSTS_FILE.read_text().splitlines(keepends=True)
+                             if netns.HOSTS_MARK not in line))
     monkeypatch.setattr(netns, "HOSTS_FILE", hosts)
     try:
         netns.set_up(root, PORT_BASE, NODES)
