@@ -42,6 +42,8 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--gpus-per-node", type=int, help=f"fake GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
     up.add_argument("--cpus-per-node", type=int, help=f"CPUs each node declares (default {ClusterShape.cpus_per_node})")
     up.add_argument("--port-base", type=int, help=f"first of the ports the daemons use (default {DEFAULT_PORT_BASE})")
+    up.add_argument("--node-prefix", help=f"node names are PREFIX1..PREFIXN (default {ClusterShape.node_prefix!r}); "
+                    "an isolated cluster's names are in /etc/hosts, so two at once need two prefixes")
     net = up.add_mutually_exclusive_group()
     net.add_argument("--isolated", dest="isolated", action="store_const", const=True,
                      help="each node in its own network namespace with its own address on a private bridge (the default)")
@@ -102,7 +104,7 @@ def _fault(args: argparse.Namespace) -> None:
 
 def _requested_shape(args: argparse.Namespace) -> ClusterShape:
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "cpus_per_node": args.cpus_per_node,
-             "port_base": args.port_base, "isolated": args.isolated}
+             "port_base": args.port_base, "isolated": args.isolated, "node_prefix": args.node_prefix}
     base = load_shape(ClusterPaths(args.dir.resolve())) or ClusterShape()
     shape = replace(base, **{k: v for k, v in flags.items() if v is not None})
     try:

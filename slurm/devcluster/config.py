@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class ClusterShape:
     memory_mb_per_node: int = 16384
     port_base: int = DEFAULT_PORT_BASE
     isolated: bool = True  # one network namespace per node (netns.py); else every node is 127.0.0.1
+    node_prefix: str = "node"  # nodes are <prefix>1..<prefix>N (two isolated clusters need two prefixes)
 
     def validate(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -41,12 +43,15 @@ class ClusterShape:
             raise ValueError(f"--gpus-per-node must be 0 or more, got {self.gpus_per_node}")
         if self.cpus_per_node < 1:
             raise ValueError(f"--cpus-per-node must be 1 or more, got {self.cpus_per_node}")
+        if not re.fullmatch(r"[a-z][a-z-]{0,15}", self.node_prefix):
+            raise ValueError(f"--node-prefix must be 1 to 16 lowercase letters or '-', starting with a letter, "
+                             f"got {self.node_prefix!r}")
         if not 1024 <= self.port_base <= 65535 - (20 + MAX_NODES):
             raise ValueError(f"--port-base must be between 1024 and {65535 - 20 - MAX_NODES}, got {self.port_base}")
 
     @property
     def node_names(self) -> list[str]:
-        return [f"node{k}" for k in range(1, self.nodes + 1)]
+        return [f"{self.node_prefix}{k}" for k in range(1, self.nodes + 1)]
 
     @property
     def mariadb_port(self) -> int:

@@ -18,6 +18,7 @@ from slurm.devcluster.daemons import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_programs")]
 PORT_BASE = 18800
+PREFIX = "life"  # its node names: the session's isolated cluster holds node1.. in /etc/hosts meanwhile
 
 
 def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
@@ -45,7 +46,8 @@ def _submit_and_account(root: Path) -> int:
 
 def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path) -> None:
     root = tmp_path / "dc"
-    flags = ["--dir", str(root), "--nodes", "1", "--gpus-per-node", "0", "--port-base", str(PORT_BASE)]
+    flags = ["--dir", str(root), "--nodes", "1", "--gpus-per-node", "0", "--port-base", str(PORT_BASE),
+             "--node-prefix", PREFIX]
     # A process that is not the cluster's, named by a stale PID file: down must leave it alone.
     bystander = subprocess.Popen(["sleep", "300"])
     try:
@@ -53,9 +55,10 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path)
         assert first.returncode == 0, first.stderr
         assert f"export SLURM_CONF={root}/etc/slurm.conf" in first.stdout
         cluster = DevCluster(root)
-        assert cluster.shape == ClusterShape(nodes=1, gpus_per_node=0, port_base=PORT_BASE)
+        assert cluster.shape == ClusterShape(nodes=1, gpus_per_node=0, port_base=PORT_BASE, node_prefix=PREFIX)
+        assert cluster.net is not None  # namespaces by default
         started = _pids(cluster)
-        assert set(started) == {"munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-node1"}
+        assert set(started) == {"munged", "mariadbd", "slurmdbd", "slurmctld", f"slurmd-{PREFIX}1"}
 
         again = _cluster("up", "--dir", str(root))  # no flags: keeps the running shape
         assert again.returncode == 0, again.stderr
@@ -94,7 +97,7 @@ def test_up_refuses_a_port_that_another_program_holds(tmp_path: Path) -> None:
         squatter.bind(("127.0.0.1", shape.slurmctld_port))
         squatter.listen()
         result = _cluster("up", "--dir", str(root), "--nodes", "1", "--gpus-per-node", "0",
-                          "--port-base", str(PORT_BASE))
+                          "--port-base", str(PORT_BASE), "--node-prefix", PREFIX)
     assert result.returncode == 1
     assert f"port {shape.slurmctld_port} (for slurmctld) is in use" in result.stderr
     assert not _pids(DevCluster(root))

@@ -23,6 +23,7 @@ from tests.ports import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_programs")]
 PORT_BASE = 19100  # clear of the shared devcluster's (17800) and the lifecycle test's (18800)
 PREFIX = f"srl-{PORT_BASE}"
+NODE = "iso"  # its node names (iso1, iso2): the session's isolated cluster holds node1.. in /etc/hosts meanwhile
 SERVER_UP_S = 30  # python's http.server starting in a step
 # From a step: GET url, print the status, or the error's class and errno.
 PROBE = ("import sys,urllib.request\ntry: print(urllib.request.urlopen(sys.argv[1],timeout=5).status)\n"
@@ -49,7 +50,7 @@ def _network_leftovers() -> list[str]:
 def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
     root = tmp_path / "dc"
     up = _cluster("up", "--isolated", "--dir", str(root), "--nodes", "2", "--gpus-per-node", "0",
-                  "--port-base", str(PORT_BASE))
+                  "--port-base", str(PORT_BASE), "--node-prefix", NODE)
     server: subprocess.Popen[str] | None = None
     cut: int | None = None  # the server's pid once its node is cut off
     pid_file = tmp_path / "server.pid"
@@ -60,25 +61,25 @@ def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
         cluster = DevCluster(root)
         assert cluster.net is not None
         env = {**os.environ, **cluster.env}
-        addr1, addr2 = cluster.net.node_addr("node1"), cluster.net.node_addr("node2")
-        assert _srun(env, "node1", "hostname", "-I") == addr1
-        assert _srun(env, "node2", "hostname", "-I") == addr2
+        addr1, addr2 = cluster.net.node_addr(f"{NODE}1"), cluster.net.node_addr(f"{NODE}2")
+        assert _srun(env, f"{NODE}1", "hostname", "-I") == addr1
+        assert _srun(env, f"{NODE}2", "hostname", "-I") == addr2
         assert addr1 != addr2
         # Node names resolve to the nodes' addresses, in a step as on the host.
         resolve = "import socket,sys;print(socket.gethostbyname(sys.argv[1]))"
-        assert _srun(env, "node1", sys.executable, "-c", resolve, "node2") == addr2
+        assert _srun(env, f"{NODE}1", sys.executable, "-c", resolve, f"{NODE}2") == addr2
 
         # A server on node2's loopback, its PID in a file: node2 reaches it, node1's 127.0.0.1 is another host.
         port = free_port()
         serve = f"import os,sys;open(sys.argv[1],'w').write(str(os.getpid()));os.execv(sys.executable,[sys.executable,'-m','http.server','{port}','--bind','127.0.0.1'])"
-        server = subprocess.Popen(["srun", "-w", "node2", "-N1", "-n1", sys.executable, "-c", serve, str(pid_file)],
+        server = subprocess.Popen(["srun", "-w", f"{NODE}2", "-N1", "-n1", sys.executable, "-c", serve, str(pid_file)],
                                   env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}/"
-        wait_for(lambda: _srun(env, "node2", sys.executable, "-c", PROBE, url) == "200", SERVER_UP_S,
+        wait_for(lambda: _srun(env, f"{NODE}2", sys.executable, "-c", PROBE, url) == "200", SERVER_UP_S,
                  "the server in node2's step, on node2's loopback")
-        assert _srun(env, "node1", sys.executable, "-c", PROBE, url) == "ConnectionRefusedError"
+        assert _srun(env, f"{NODE}1", sys.executable, "-c", PROBE, url) == "ConnectionRefusedError"
         # node2 cut off with the server's step running on it: `down` still leaves none of its processes.
-        assert _cluster("cut", "node2", "--dir", str(root)).returncode == 0
+        assert _cluster("cut", f"{NODE}2", "--dir", str(root)).returncode == 0
         cut = int(pid_file.read_text())
     finally:
         if server is not None and cut is None:

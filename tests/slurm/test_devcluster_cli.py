@@ -24,6 +24,7 @@ def _cluster(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedPr
     ("--gpus-per-node", "-1", "--gpus-per-node must be 0 or more, got -1"),
     ("--cpus-per-node", "0", "--cpus-per-node must be 1 or more, got 0"),
     ("--port-base", "80", "--port-base must be between 1024"),
+    ("--node-prefix", "Node", "--node-prefix must be 1 to 16 lowercase letters"),
 ])
 def test_bad_shape_is_a_clear_error_and_writes_nothing(tmp_path: Path, flag: str, value: str, expected: str) -> None:
     root = tmp_path / "cluster"
