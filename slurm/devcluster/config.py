@@ -160,6 +160,8 @@ def load_shape(paths: ClusterPaths) -> ClusterShape | None:
 
 def save_shape(paths: ClusterPaths, shape: ClusterShape) -> None:
     fields = asdict(shape)
+    if shape.node_prefix == ClusterShape.node_prefix:  # a file code from before --node-prefix reads too
+        del fields["node_prefix"]
     paths.shape_file.write_text(json.dumps(fields, indent=2) + "\n")
 
 
