@@ -19,7 +19,7 @@ from slurm.devcluster import DevCluster
 from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.config import DEFAULT_ROOT
 from slurm.devcluster.daemons import DevclusterError
-from slurm.devcluster.netns import NAMESPACES_REFUSED
+from slurm.devcluster.netns import IP_MISSING, NAMESPACES_REFUSED
 
 
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
@@ -55,7 +55,7 @@ def devcluster(slurm_programs) -> Iterator[DevCluster]:
     # Isolated (a network namespace per node) as `slurmrl cluster up` is by default; where namespaces
     # are not allowed, shared loopback, and the tests that need namespaces skip themselves.
     up = _up("--isolated")
-    if up.returncode != 0 and NAMESPACES_REFUSED in up.stderr:
+    if up.returncode != 0 and (NAMESPACES_REFUSED in up.stderr or IP_MISSING in up.stderr):
         up = _up("--shared-loopback")
     if up.returncode != 0:
         pytest.fail(f"devcluster did not come up:\n{up.stderr}")

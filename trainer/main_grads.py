@@ -57,3 +57,19 @@ def free_main_grads(params: Iterable[Parameter]) -> None:
     for p in params:
         if hasattr(p, "main_grad"):
             p.main_grad = None
+
+
+def flat_span(grads: list[Tensor]) -> Tensor | None:
+    """One flat view of the memory these tensors tile, in this order, with no gap (main grads that
+    zero_grads laid out one after another); None if they do not. A reduce of the view reduces them
+    all in place, without the copy in and out of a flattened tensor."""
+    if not grads:
+        return None
+    first = grads[0]
+    storage, end = first.untyped_storage(), first.storage_offset()
+    for g in grads:
+        if (g.untyped_storage().data_ptr() != storage.data_ptr() or g.storage_offset() != end
+                or g.dtype != first.dtype or not g.is_contiguous()):
+            return None
+        end += g.numel()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.storage_offset(),))

@@ -452,8 +452,12 @@ def _is_expert(name: str) -> bool:
 
 
 def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:
-    """One coalesced all-reduce of these tensors, in place."""
+    """One coalesced all-reduce of these tensors, in place: of the buffer they tile where they do
+    (the main grads), else of a flattened copy."""
     if not grads or dist.get_world_size(group) == 1:
+        return
+    if (span := main_grads.flat_span(grads)) is not None:
+        dist.all_reduce(span, group=group)
         return
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)

@@ -40,11 +40,12 @@ class ShardedOptimizer:
 
     def __init__(self, named: list[tuple[str, Parameter]], args: argparse.Namespace, lr: float,
                  groups: Callable[[bool], dist.ProcessGroup], is_expert: Callable[[str], bool]) -> None:
-        self.params = [p for _, p in named]
+        # Dense weights first, then experts: their main grads then tile one buffer run per reduce group.
+        self.params = [p for n, p in named if not is_expert(n)] + [p for n, p in named if is_expert(n)]
         self.distributed: bool = args.use_distributed_optimizer
         # (group, owner's global rank, its parameters): every rank takes part in every broadcast.
         self._broadcasts: list[tuple[dist.ProcessGroup, int, list[Parameter]]] = []
-        owned = self.params
+        owned = [p for _, p in named]  # the torch optimizer's order, which checkpoints keep
         if args.use_distributed_optimizer:
             owned = []
             for expert in (False, True):

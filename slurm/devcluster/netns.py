@@ -27,6 +27,8 @@ NETNS_DIR = Path("/run/netns")  # where `ip netns add` pins each named namespace
 SUBNET_CANDIDATES = [*range(200, 255), *range(100, 200)]
 IP_TIMEOUT_S = 20  # one `ip` command
 NAMESPACES_REFUSED = "network namespaces are not allowed here"  # the refusal's words (tests fall back on them)
+IP_MISSING = ("an isolated devcluster needs the `ip` program (iproute2): apt-get install iproute2, "
+              "or run `slurmrl cluster up --shared-loopback`")
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,6 @@ def check_allowed() -> None:
 
 
 def _add_namespace(name: str) -> None:
-    if not shutil.which("ip"):
-        raise DevclusterError("--isolated needs the `ip` program (iproute2): apt-get install iproute2")
     try:
         _ip("netns", "add", name)
     except DevclusterError as err:
@@ -207,6 +207,8 @@ def _write_hosts(lines: list[str]) -> None:
 
 
 def _ip(*args: str) -> str:
+    if not shutil.which("ip"):
+        raise DevclusterError(IP_MISSING)
     result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
     if result.returncode != 0:
         said = "; ".join(line.strip() for line in result.stderr.splitlines() if line.strip())

@@ -13,6 +13,8 @@ from supervisor.launcher import JobFailed
 from tests.supervisor.job_context import unplaced_job
 from tests.supervisor.recovery_wiring import wire_recovery
 
+pytestmark = pytest.mark.usefixtures("slurm_programs")  # the recovery's preemption check asks squeue
+
 
 def test_the_trainer_is_launched_between_the_engines_launch_and_their_wait(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
