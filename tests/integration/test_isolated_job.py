@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import requests
 
 from jobs.contract import JobDir
@@ -25,9 +26,11 @@ from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key
 from tests.integration.netfaults import fault
+from tests.integration.test_resume import replayed_after, resumed_at
 from tests.integration.test_rl_job import (
     assert_never_stale,
     events,
+    heartbeat,
     rollouts_done,
     status,
     submit,
@@ -39,6 +42,9 @@ JOB_END_S = 300
 # Out of the router after a cut: 3 failed probes (2 s timeout) 2 s apart, the recovery's expel, slack.
 OUT_OF_ROUTER_S = 40
 REPLACED_S = 180  # the replacement on the spare node serving (SLURM noticing the node, a fresh engine)
+# The trainer's node cut: SlurmdTimeout (30 s) until SLURM marks it down and requeues, the new start, slack.
+REQUEUED_S = 150
+OLD_RUN_GONE_S = 90  # after the heal: the node registers again and slurmd ends the old run's processes
 
 
 def router_workers(job_dir: Path) -> list[str]:
@@ -150,3 +156,51 @@ def test_two_node_trainer_across_namespaces(isolated_devcluster: DevCluster, toy
     assert len(set(trainer_nodes)) == 2, trainer_nodes
     engine_nodes = {n for e in ("engine-0", "engine-1") for n in state["steps"][e]["nodes"]}
     assert not engine_nodes & set(trainer_nodes) and len({net.node_addr(n) for n in trainer_nodes}) == 2
+
+
+
+def test_cut_trainer_node_requeues_without_it_and_fences_the_old_run(isolated_devcluster: DevCluster, toy,
+                                                                      tmp_path: Path) -> None:
+    """The trainer's node (with the supervisor and the router) is cut off mid-run, its processes
+    alive: SLURM finds the node not responding and requeues the job without it; the new run resumes
+    (the rollouts the old one did come from its checkpoint and rollout journal) and completes. Then
+    the node heals while the new run is under way: the old supervisor, router and trainer come
+    back, and are fenced (the old supervisor stops on seeing a newer run in the state store; the old
+    trainer is refused on the control socket) until SLURM ends them: no write to the job's state, no
+    cancel of the new run's steps (their ids start at 0 again), no duplicate rollout."""
+    job_dir, root, rollouts = tmp_path / "job", isolated_devcluster.paths.root, 30
+    job_id = submit(toy, job_dir, "--num-rollout", str(rollouts))
+    node = None
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 3, FIRST_ROLLOUTS_S, "the first rollouts")
+        old = status(job_dir)["steps"]["trainer"]
+        node = old["nodes"][0]
+        old_pids = {"supervisor": events(job_dir, "supervisor_started")[0]["pid"], "trainer": heartbeat(job_dir)["pid"]}
+        fault(root, "cut", node)
+        cut_at = time.monotonic()
+        wait_for(lambda: [e for e in events(job_dir, "supervisor_started") if e["requeues"] == 1], REQUEUED_S,
+                 "the job requeued without the cut node")
+        requeued_s = time.monotonic() - cut_at
+        done_before = rollouts_done(job_dir)
+        alive = {name: psutil.pid_exists(pid) for name, pid in old_pids.items()}
+        fault(root, "heal", node)
+        node = None
+        state = finish(job_id, job_dir, rollouts)
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in old_pids.values()), OLD_RUN_GONE_S,
+                 "the old run's processes to end")
+    finally:
+        if node is not None:
+            fault(root, "heal", node)
+        subprocess.run(["scancel", job_id], capture_output=True)
+    print(f"requeued {requeued_s:.1f} s after the cut; old run alive at the heal: {alive}")
+    assert all(alive.values()), f"the cut node's processes should have lived on: {alive}"
+    assert state["requeues"] == 1 and old["nodes"][0] not in state["steps"]["trainer"]["nodes"], state
+    resumed, replayed = resumed_at(job_dir)[0], replayed_after(job_dir, resume=0)
+    assert replayed == list(range(resumed, resumed + len(replayed))) and resumed + len(replayed) >= done_before, \
+        (resumed, replayed, done_before)
+    new_run = events(job_dir, "supervisor_started")[1]["time"]
+    late = [e for e in events(job_dir, "engine_failed") + events(job_dir, "step_ended_unseen") if e["time"] > new_run]
+    assert not late, f"a step of the new run failed (an old supervisor's scancel?): {late}"
+    supervisor_log = "".join(p.read_text() for p in (job_dir / "submitit").glob("*_log.err"))
+    assert "this supervisor of run 0 stops without touching its state or steps" in supervisor_log
+    assert events(job_dir, "supervisor_stopped")[-1]["time"] > events(job_dir, "trainer_finished")[-1]["time"]
