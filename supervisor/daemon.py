@@ -318,9 +318,12 @@ class Daemon:
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:
         if self.job.store.fence.fenced:
-            # Its steps' ids may now be the newer run's; SLURM ends its processes on the cut node
-            # once that node is back (the job no longer runs there).
+            # Its steps' ids may now be the newer run's: no scancel; its srun clients are killed
+            # so that none cancels or signals a step later. SLURM ends the step processes left on
+            # the cut node once that node registers again (the job no longer runs there).
             self.job.finished.set()
+            for step in self.launcher.all().values():
+                self.steps.abandon(step, self.job.ft.step_term_grace)
         else:
             self._stop_steps()
         self.pool.shutdown(wait=False, cancel_futures=True)

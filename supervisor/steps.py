@@ -309,6 +309,17 @@ class StepController:
                 continue
         step.proc.wait(0)  # raises TimeoutExpired if even SIGKILL did not end it
 
+    def abandon(self, step: Step, wait_s: float) -> None:
+        """A fenced supervisor's step: SIGKILL its srun (or stand-in), which sends SLURM nothing
+        more (a SIGTERM would have srun cancel the step by its id: the newer run's step now)."""
+        if step.proc is None or step.proc.poll() is not None:
+            return
+        try:
+            os.killpg(step.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        step.proc.wait(wait_s)
+
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.close()
