@@ -141,6 +141,7 @@ class Daemon:
         # A supervisor of an older run may still answer on the socket (its node was cut off, its
         # processes live on): this run takes the socket over, and the old one is fenced.
         self.take_over = saved.job_id == layout.job_id and saved.requeues < fence.run
+        self.left_over = adoption.left_over(saved, layout.job_id)  # the old run's engines SLURM may not have ended
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(layout.engines)), thread_name_prefix="recover")
         self.scalars = ScalarWriter(job_dir.supervisor_tensorboard)
         self.tracker = HealthTracker(ft.health_check_failure_threshold, ft.rollout_health_check_first_wait)
@@ -177,6 +178,7 @@ class Daemon:
                         engines=len(job.engines), requeues=job.store.snapshot().requeues, pid=os.getpid(),
                         watchdog_restarts=int(os.environ.get(RESTARTS_ENV, "0")))
         try:
+            adoption.stop_left_over(job, self.steps, self.left_over)
             adopted = adoption.adopt(job, self.predecessor, self.steps, self.launcher, self.trainer)
             # Only now: the trainer's calls wait until the adopted engines' versions are re-checked.
             self.control.start(take_over=self.take_over)

@@ -193,6 +193,7 @@ def test_cut_trainer_node_requeues_without_it_and_fences_the_old_run(isolated_de
         wait_for(lambda: rollouts_done(job_dir) >= 3, FIRST_ROLLOUTS_S, "the first rollouts")
         old = status(job_dir)["steps"]["trainer"]
         node = old["nodes"][0]
+        old_steps = {name: step["slurm_step"] for name, step in status(job_dir)["steps"].items()}
         old_pids = {"supervisor": events(job_dir, "supervisor_started")[0]["pid"], "trainer": heartbeat(job_dir)["pid"]}
         fault(root, "cut", node)
         cut_at = time.monotonic()
@@ -216,6 +217,11 @@ def test_cut_trainer_node_requeues_without_it_and_fences_the_old_run(isolated_de
     assert all(alive.values()), f"the cut node's processes should have lived on: {alive}"
     assert supervisor_gone, "the old supervisor should have stopped on seeing the newer run"
     assert state["requeues"] == 1 and old["nodes"][0] not in state["steps"]["trainer"]["nodes"], state
+    # SLURM requeued the trainer's component only: the old engines, still running in the rollout
+    # component, were stopped before the new run launched its own (else those would wait behind them).
+    left = {e["step"]: e["slurm_step"] for e in events(job_dir, "step_left_over")}
+    assert left == {e: old_steps[e] for e in ("engine-0", "engine-1")}, (left, old_steps)
+    assert all(state["steps"][e]["slurm_step"] not in (None, old_steps[e]) for e in left), state["steps"]
     resumed, replayed = resumed_at(job_dir)[0], replayed_after(job_dir, resume=0)
     assert replayed == list(range(resumed, resumed + len(replayed))) and resumed + len(replayed) >= done_before, \
         (resumed, replayed, done_before)
