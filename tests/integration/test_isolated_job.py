@@ -44,7 +44,7 @@ OUT_OF_ROUTER_S = 40
 REPLACED_S = 180  # the replacement on the spare node serving (SLURM noticing the node, a fresh engine)
 # The trainer's node cut: SlurmdTimeout (30 s) until SLURM marks it down and requeues, the new start, slack.
 REQUEUED_S = 150
-STOP_S = 30  # processes the test stops itself, until gone
+STOP_S = 15  # processes the test stops itself, until gone
 
 
 def router_workers(job_dir: Path) -> list[str]:
@@ -59,23 +59,48 @@ def weight_version(url: str, key: str) -> str:
     return requests.get(url + "/model_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()["weight_version"]
 
 
-def job_processes(job_dir: Path) -> list[psutil.Process]:
-    """The processes of the job's steps and supervisor still running (any node: one PID namespace)."""
-    found = []
-    for proc in psutil.process_iter():
+def stop_left_over_steps(cluster: DevCluster) -> int:
+    """Stop every step process left on the cluster (its job has ended), and their slurmstepd;
+    returns how many there were."""
+    stepds = []
+    for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.environ().get("SLURMRL_JOB_DIR") == str(job_dir):
-                found.append(proc)
+            if " ".join(proc.info["cmdline"] or []).startswith("slurmstepd: [") and \
+                    proc.environ().get("SLURM_CONF") == str(cluster.paths.slurm_conf):
+                stepds.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
-    return found
+    tasks = [child for stepd in stepds for child in _children(stepd)]
+    for proc in tasks:
+        _kill(proc)
+    psutil.wait_procs(tasks, timeout=STOP_S)
+    _, alive = psutil.wait_procs(stepds, timeout=STOP_S)  # each reports its tasks' end, then exits
+    for stepd in alive:
+        _kill(stepd)
+    _, alive = psutil.wait_procs(tasks + stepds, timeout=STOP_S)
+    assert all(_zombie(p) for p in alive), f"still running: {alive}"
+    return len(tasks)
 
 
-def stop_processes(procs: list[psutil.Process]) -> None:
-    for proc in procs:
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill(proc: psutil.Process) -> None:
+    try:
         proc.kill()
-    _, alive = psutil.wait_procs(procs, timeout=STOP_S)
-    assert not alive, f"still running: {alive}"
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def finish(job_id: str, job_dir: Path, rollouts: int) -> dict:
@@ -205,23 +230,23 @@ def test_cut_trainer_node_requeues_without_it_and_fences_the_old_run(isolated_de
         fault(root, "heal", node)
         node = None
         state = finish(job_id, job_dir, rollouts)
-        supervisor_gone, left = not psutil.pid_exists(old_pids["supervisor"]), len(job_processes(job_dir))
+        supervisor_gone = not psutil.pid_exists(old_pids["supervisor"])
     finally:
         if node is not None:
             fault(root, "heal", node)
         subprocess.run(["scancel", job_id], capture_output=True)
         # The old run's router and trainer on the healed node: SLURM ends them only once that node
         # registers again (slurmctld pings a down node every couple of minutes).
-        stop_processes(job_processes(job_dir))
-    print(f"requeued {requeued_s:.1f} s after the cut; old run alive at the heal: {alive}; processes of the job left at the end: {left}")
+        left = stop_left_over_steps(isolated_devcluster)
+    print(f"requeued {requeued_s:.1f} s after the cut; old run alive at the heal: {alive}; processes left at the end: {left}")
     assert all(alive.values()), f"the cut node's processes should have lived on: {alive}"
     assert supervisor_gone, "the old supervisor should have stopped on seeing the newer run"
     assert state["requeues"] == 1 and old["nodes"][0] not in state["steps"]["trainer"]["nodes"], state
     # SLURM requeued the trainer's component only: the old engines, still running in the rollout
     # component, were stopped before the new run launched its own (else those would wait behind them).
-    left = {e["step"]: e["slurm_step"] for e in events(job_dir, "step_left_over")}
-    assert left == {e: old_steps[e] for e in ("engine-0", "engine-1")}, (left, old_steps)
-    assert all(state["steps"][e]["slurm_step"] not in (None, old_steps[e]) for e in left), state["steps"]
+    left_over = {e["step"]: e["slurm_step"] for e in events(job_dir, "step_left_over")}
+    assert left_over == {e: old_steps[e] for e in ("engine-0", "engine-1")}, (left_over, old_steps)
+    assert all(state["steps"][e]["slurm_step"] not in (None, old_steps[e]) for e in left_over), state["steps"]
     resumed, replayed = resumed_at(job_dir)[0], replayed_after(job_dir, resume=0)
     assert replayed == list(range(resumed, resumed + len(replayed))) and resumed + len(replayed) >= done_before, \
         (resumed, replayed, done_before)
