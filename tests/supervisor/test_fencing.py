@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from jobs.contract import JobDir
-from jobs.control_protocol import Call, CallerFenced, CallerRun, ControlClient, superseded
+from jobs.control_protocol import (
+    Call,
+    CallerFenced,
+    CallerRun,
+    ControlClient,
+    superseded,
+)
 from supervisor.control import ControlServer
 from supervisor.events import EventLog
 from supervisor.fencing import Fence, Fenced
@@ -124,7 +130,7 @@ def test_the_old_trainer_sees_it_is_superseded(job_dir: JobDir, monkeypatch: pyt
 
 def test_a_fenced_supervisor_kills_its_srun_clients_without_a_signal_to_slurm() -> None:
     """SIGKILL: srun cannot forward it as a cancel of its step id (now the newer run's)."""
-    srun = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                             "signal.SIG_IGN); time.sleep(60)"], process_group=0)
+    ignores_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    srun = subprocess.Popen([sys.executable, "-c", ignores_term], process_group=0)
     StepController("7", 5.0, 5.0).abandon(Step("trainer", srun), wait_s=10)
     assert srun.returncode == -9
