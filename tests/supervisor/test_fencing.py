@@ -22,10 +22,11 @@ from jobs.control_protocol import (
     ControlClient,
     superseded,
 )
+from supervisor.adoption import left_over
 from supervisor.control import ControlServer
 from supervisor.events import EventLog
 from supervisor.fencing import Fence, Fenced
-from supervisor.state import StateStore
+from supervisor.state import JobState, StateStore, StepRecord
 from supervisor.steps import Step, StepController, StepSpec
 from tests.control_helpers import handler_table
 
@@ -134,3 +135,18 @@ def test_a_fenced_supervisor_kills_its_srun_clients_without_a_signal_to_slurm() 
     srun = subprocess.Popen([sys.executable, "-c", ignores_term], process_group=0)
     StepController("7", 5.0, 5.0).abandon(Step("trainer", srun), wait_s=10)
     assert srun.returncode == -9
+
+
+def test_after_a_requeue_the_previous_runs_engine_steps_are_the_ones_to_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLURM requeues only the failed node's component of a heterogeneous job: the rollout
+    component's engines of the old run may still run when the new run starts."""
+    state = JobState(job_id="7", requeues=0, steps={
+        "engine-0": StepRecord("engine-0", "engine", 1, ["node2"], slurm_step="8.1"),
+        "engine-1": StepRecord("engine-1", "engine", 1, ["node3"], slurm_step=None),
+        "router": StepRecord("router", "router", 0, ["node1"], slurm_step="7.0"),
+        "trainer": StepRecord("trainer", "trainer", 0, ["node1"], slurm_step="7.3")})
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert left_over(state, "7") == {"engine-0": "8.1", "engine-1": None}  # router, trainer: requeued with the batch step
+    assert left_over(state, "9") == {}  # another job's state
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert left_over(state, "7") == {}  # the same run (a watchdog restart adopts them instead)
