@@ -35,7 +35,8 @@ def left_over(state: JobState, job_id: str) -> dict[str, str | None]:
 def stop_left_over(job: JobContext, steps: StepController, recorded: dict[str, str | None]) -> None:
     """Those still running are stopped before this run launches its own: they would hold the CPUs
     and GPUs its engines wait for, and answer on the addresses its engines take (their weights
-    are an older run's). (Their component was not requeued: their step ids are theirs alone.)"""
+    are an older run's). Only before: SLURM numbers the requeued job's steps from 0 again, so
+    their ids are this run's next ones."""
     if not recorded:
         return
     found = steps.adopt(recorded)

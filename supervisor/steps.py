@@ -287,6 +287,7 @@ class StepController:
             self.contact.record(slurm_answered(done.returncode, done.stderr))
         if step.adopted:
             self._wait_gone(step, timeout_s)
+            self._claimed.discard(step.slurm_step)  # free: a requeued component numbers its steps from 0 again
             _release(step, CANCELLED_EXIT)
             step.proc.wait(term_grace_s)
             return
