@@ -13,6 +13,7 @@ under network faults there (issue 18), with the real router, CPU engines and tra
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import psutil
 import requests
 
 from jobs.contract import JobDir
-from slurm.devcluster import DevCluster
+from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key
 from tests.integration.netfaults import fault
@@ -61,14 +62,18 @@ def weight_version(url: str, key: str) -> str:
 
 def stop_left_over_steps(cluster: DevCluster) -> int:
     """Stop every step process left on the cluster (its job has ended), and their slurmstepd;
-    returns how many there were."""
+    returns how many there were. (A slurmstepd is known by its node's network namespace: its
+    title overwrites its environment.)"""
+    plan = netns.load_plan(cluster.paths.root)
+    assert plan is not None
+    nodes_netns = {os.stat(netns.NETNS_DIR / plan.namespace(node)).st_ino for node in plan.nodes}
     stepds = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if " ".join(proc.info["cmdline"] or []).startswith("slurmstepd: [") and \
-                    proc.environ().get("SLURM_CONF") == str(cluster.paths.slurm_conf):
+            if (proc.info["cmdline"] or [""])[0].startswith("slurmstepd: [") and \
+                    os.stat(f"/proc/{proc.pid}/ns/net").st_ino in nodes_netns:
                 stepds.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, FileNotFoundError):
             pass
     tasks = [child for stepd in stepds for child in _children(stepd)]
     for proc in tasks:
