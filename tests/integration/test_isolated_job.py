@@ -8,6 +8,9 @@ under network faults there (issue 18), with the real router, CPU engines and tra
   stale engine is back in the router; no rollout is lost or run twice, none served stale.
 - An engine's node gets 200 ms delay each way and 5% loss: the job completes and the engine is
   never taken out (the failure threshold of 3 probes in a row rides out single lost probes).
+- The trainer's node (with the supervisor and the router) is cut off: SLURM requeues the job
+  without it, the new run completes with every rollout once, and the old run is fenced when the
+  node heals (supervisor/fencing.py).
 """
 
 from __future__ import annotations
