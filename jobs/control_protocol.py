@@ -2,13 +2,16 @@
 types, the wire format and the client (the trainer's and the CLI's side). The server is
 supervisor/control.py. Torch-free.
 
-Wire format: one JSON object per line each way. Request {"call": NAME, "args": {...}}; answer
-{"ok": true, ...the handler's dict} or {"ok": false, "error": "..."}.
+Wire format: one JSON object per line each way. Request {"call": NAME, "args": {...}}, and from a
+process inside a SLURM job its run, {"run": {"job_id": ID, "run": N}}; answer {"ok": true, ...the
+handler's dict} or {"ok": false, "error": "..."}, with "fenced": true when the caller is of an
+older run of the job than the supervisor (supervisor/fencing.py): it must stop, writing nothing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 from dataclasses import dataclass
 from enum import Enum
@@ -17,6 +20,7 @@ from typing import Any
 from jobs.contract import JobDir
 
 MAX_LINE = 1 << 20  # bytes: the longest request or answer
+RUN_ENV = "SLURM_RESTART_COUNT"  # SLURM's restart count of the job: its run (unset before the first requeue)
 
 
 class Call(str, Enum):
@@ -51,18 +55,58 @@ class ControlError(RuntimeError):
     """The supervisor could not be reached, or it refused or failed the call."""
 
 
+class CallerFenced(ControlError):
+    """The supervisor is of a newer run of the job than the caller (SLURM requeued it meanwhile)."""
+
+
 class SupervisorUnreachable(ControlError):
     """No supervisor answered (none runs, or it died mid-call): worth asking again while its
     watchdog restarts it; a refused or failed call is not."""
 
 
 @dataclass(frozen=True)
+class CallerRun:
+    """Which run of which SLURM job a caller belongs to."""
+
+    job_id: str
+    run: int
+
+    @classmethod
+    def here(cls) -> CallerRun | None:
+        """This process's, if it runs inside a SLURM job."""
+        job_id = os.environ.get("SLURM_JOB_ID")
+        return cls(job_id, int(os.environ.get(RUN_ENV, "0"))) if job_id else None
+
+
+def recorded_run(job_dir: JobDir, job_id: str) -> int | None:
+    """The run of job_id the job dir's state store holds (the newest supervisor's); None for
+    another job's state, or none yet."""
+    try:
+        state = json.loads(job_dir.state.read_text())
+    except (OSError, ValueError):
+        return None  # none yet, or being replaced (an atomic rename: a reader sees old or new)
+    return int(state.get("requeues", 0)) if state.get("job_id") == job_id else None
+
+
+def superseded(job_dir: JobDir) -> bool:
+    """Whether this process belongs to an older run of its job than the job dir's newest (SLURM
+    requeued the job without it, e.g. its node was cut off): then it must write nothing there."""
+    run = CallerRun.here()
+    recorded = recorded_run(job_dir, run.job_id) if run is not None else None
+    return recorded is not None and recorded > run.run
+
+
+@dataclass(frozen=True)
 class Request:
     call: Call
     args: dict[str, Any]
+    run: CallerRun | None = None
 
     def encode(self) -> bytes:
-        return (json.dumps({"call": self.call.value, "args": self.args}) + "\n").encode()
+        raw: dict[str, Any] = {"call": self.call.value, "args": self.args}
+        if self.run is not None:
+            raw["run"] = {"job_id": self.run.job_id, "run": self.run.run}
+        return (json.dumps(raw) + "\n").encode()
 
     @classmethod
     def decode(cls, line: bytes) -> Request:
@@ -70,6 +114,7 @@ class Request:
         try:
             raw = json.loads(line)
             call, args = Call(raw["call"]), raw.get("args", {})
+            run = CallerRun(str(raw["run"]["job_id"]), int(raw["run"]["run"])) if raw.get("run") is not None else None
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"bad request ({err!r}); calls: {', '.join(c.value for c in Call)}") from None
         expected = ARGUMENTS[call]
@@ -79,7 +124,7 @@ class Request:
         for name, kind in expected.items():
             if not isinstance(args[name], kind) or (kind is int and isinstance(args[name], bool)):
                 raise ValueError(f"{call.value}: {name} must be a {kind.__name__}, got {args[name]!r}")
-        return cls(call, args)
+        return cls(call, args, run)
 
 
 class ControlClient:
@@ -91,7 +136,7 @@ class ControlClient:
         self.timeout_s = timeout_s
 
     def call(self, call: Call, **args: Any) -> dict[str, Any]:
-        request = Request(Call(call), args)
+        request = Request(Call(call), args, CallerRun.here())
         path = self.job_dir.control_socket
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
@@ -117,5 +162,5 @@ class ControlClient:
                                         "without answering")
         answer = json.loads(line)
         if not answer.pop("ok"):
-            raise ControlError(answer["error"])
+            raise (CallerFenced if answer.get("fenced") else ControlError)(answer["error"])
         return answer

@@ -1,14 +1,14 @@
 """A supervisor started again in the same allocation (its watchdog restarted it after a crash)
 keeps the steps its predecessor left running instead of launching duplicates, and re-checks
-their engines' weight versions before the router may route to them again."""
+their engines' weight versions before the router may route to them again. A supervisor started
+after a requeue adopts nothing, but stops the previous run's engines SLURM left running."""
 
 from __future__ import annotations
-
-import os
 
 from rollout.engine_client import EngineError
 from supervisor.context import JobContext
 from supervisor.engines import HEALTHY, Engine
+from supervisor.fencing import own_run
 from supervisor.launcher import ROUTER, TRAINER, JobFailed, StepLauncher
 from supervisor.state import JobState, StateStore
 from supervisor.steps import StepController
@@ -19,8 +19,32 @@ def predecessor(store: StateStore, job_id: str) -> JobState | None:
     """The state left by a supervisor of this same allocation that crashed (its watchdog started
     this one); None on the job's first start and after a requeue, whose steps SLURM ended."""
     state = store.snapshot()
-    same_run = state.requeues == int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    same_run = state.requeues == own_run()
     return state if state.job_id == job_id and same_run else None
+
+
+def left_over(state: JobState, job_id: str) -> dict[str, str | None]:
+    """After a requeue, the previous run's engine steps that may still run: SLURM requeues only the
+    component of a heterogeneous job whose node failed (the trainer's node, with the batch step);
+    the rollout component keeps its allocation and the old run's engines."""
+    if state.job_id != job_id or state.requeues == own_run():
+        return {}
+    return {name: record.slurm_step for name, record in state.steps.items() if record.kind == "engine"}
+
+
+def stop_left_over(job: JobContext, steps: StepController, recorded: dict[str, str | None]) -> None:
+    """Those still running are stopped before this run launches its own: they would hold the CPUs
+    and GPUs its engines wait for, and answer on the addresses its engines take (their weights
+    are an older run's). Only before: SLURM numbers the requeued job's steps from 0 again, so
+    their ids are this run's next ones."""
+    if not recorded:
+        return
+    found = steps.adopt(recorded)
+    if found is None:
+        raise JobFailed("SLURM did not answer which steps of the previous run still run; not launching beside them")
+    for step in found:
+        job.events.emit("step_left_over", step.spec_name, slurm_step=step.slurm_step)
+        steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)
 
 
 def adopt(job: JobContext, previous: JobState | None, steps: StepController, launcher: StepLauncher,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 from jobs.contract import JobDir
-from jobs.control_protocol import MAX_LINE, Call, ControlError, Request
+from jobs.control_protocol import MAX_LINE, Call, CallerRun, ControlError, Request
 
 Handler = Callable[..., dict[str, Any]]
 
@@ -51,9 +51,10 @@ class _Connection(socketserver.StreamRequestHandler):
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True  # a client that never hangs up must not keep the supervisor alive
 
-    def __init__(self, path: str, handlers: Mapping[Call, Handler]) -> None:
+    def __init__(self, path: str, handlers: Mapping[Call, Handler], run: CallerRun | None) -> None:
         self.owner_uid = os.getuid()
         self.handlers = handlers
+        self.run = run
         super().__init__(path, _Connection, bind_and_activate=False)
 
     def server_bind(self) -> None:
@@ -69,10 +70,18 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             request = Request.decode(line)
         except ValueError as err:
             return {"ok": False, "error": str(err)}
+        if _older(request.run, self.run):
+            # A trainer of a run SLURM requeued away (its node was cut off, then healed) must not steer this one.
+            return {"ok": False, "fenced": True, "error": f"fenced: the caller is of run {request.run.run} of job "
+                                                         f"{request.run.job_id}, this supervisor of run {self.run.run}"}
         try:
             return {"ok": True, **self.handlers[request.call](**request.args)}
         except Exception as err:  # noqa: BLE001 - the client gets the error; the supervisor lives on
             return {"ok": False, "error": f"{request.call.value} failed: {type(err).__name__}: {err}"}
+
+
+def _older(caller: CallerRun | None, own: CallerRun | None) -> bool:
+    return caller is not None and own is not None and caller.job_id == own.job_id and caller.run < own.run
 
 
 class ControlServer:
@@ -80,19 +89,27 @@ class ControlServer:
     returns a JSON-serialisable dict; it runs in the connection's thread. Every call of the protocol
     has a handler: a table, not a lookup by name."""
 
-    def __init__(self, job_dir: JobDir, handlers: Mapping[Call, Handler]) -> None:
+    def __init__(self, job_dir: JobDir, handlers: Mapping[Call, Handler], run: CallerRun | None = None) -> None:
+        """run: this supervisor's run of its job; callers of an older run are refused as fenced."""
         missing = set(Call) - set(handlers)
         if missing:
             raise ValueError(f"no handler for {sorted(c.value for c in missing)}")
         self.path = job_dir.control_socket
+        self.run = run
         self._handlers = dict(handlers)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._inode: int | None = None  # of the socket file this server bound
 
-    def start(self) -> None:
+    def start(self, take_over: bool = False) -> None:
+        """take_over: the socket of a supervisor still answering is replaced, not refused (it is of
+        an older run of the job: fenced, see supervisor/fencing.py)."""
+        if take_over:
+            self.path.unlink(missing_ok=True)
         self._remove_stale_socket()
-        self._server = _Server(str(self.path), self._handlers)
+        self._server = _Server(str(self.path), self._handlers, self.run)
         self._server.server_bind()
+        self._inode = self.path.stat().st_ino
         self._server.server_activate()
         self._thread = threading.Thread(target=self._server.serve_forever, name="control", daemon=True)
         self._thread.start()
@@ -101,8 +118,12 @@ class ControlServer:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            self.path.unlink(missing_ok=True)
             self._server = None
+            try:
+                if self.path.stat().st_ino == self._inode:  # not a newer run's socket, bound in its place
+                    self.path.unlink()
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> Self:
         self.start()

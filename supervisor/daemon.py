@@ -47,6 +47,7 @@ import submitit
 
 from ckpt_tools.tracker import read_tracker
 from jobs.contract import JobDir
+from jobs.control_protocol import CallerRun
 from jobs.spec import JobSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
@@ -58,6 +59,7 @@ from supervisor.control import ControlServer
 from supervisor.control_handlers import ControlHandlers
 from supervisor.engines import FAILED, HEALTHY, Engine, Membership
 from supervisor.events import EventLog
+from supervisor.fencing import Fence, Fenced, own_run
 from supervisor.keys import create_key
 from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher
 from supervisor.node_failures import NodeFailures
@@ -70,6 +72,8 @@ from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import REQUEUE, TrainerWatch
 
 log = logging.getLogger(__name__)
+
+FENCED = "fenced: a newer run of the job took over"  # the outcome of a supervisor of an older run
 
 __all__ = ["Daemon", "JobFailed", "Supervisor", "record_start_failure", "start"]
 
@@ -98,9 +102,14 @@ def start(spec: JobSpec) -> Daemon:
 def record_start_failure(job_dir: JobDir, reason: str) -> None:
     if not job_dir.root.is_dir():
         return  # no job dir to write to: the caller's stderr is all there is
-    with StateStore(job_dir).update() as state:
-        state.job_id = os.environ.get("SLURM_JOB_ID", state.job_id)
-        state.stop_reason = f"failed: {reason}"
+    job_id = os.environ.get("SLURM_JOB_ID")
+    fence = Fence(job_dir, job_id, own_run()) if job_id else None
+    try:
+        with StateStore(job_dir, fence).update() as state:
+            state.job_id = job_id or state.job_id
+            state.stop_reason = f"failed: {reason}"
+    except Fenced:
+        return  # a newer run of the job goes on: not this start's state to write
     events = EventLog(job_dir.events)
     events.emit("job_failed", reason=reason)
     events.close()
@@ -112,7 +121,8 @@ class Daemon:
         ft = spec.fault_tolerance
         job_dir = JobDir(Path(spec.job_dir))
         layout = layouts.from_environment(spec, timeout_s=ft.slurm_command_timeout)
-        store = StateStore(job_dir)
+        fence = Fence(job_dir, layout.job_id, own_run())  # once a newer run of the job starts
+        store = StateStore(job_dir, fence)
         self.predecessor = adoption.predecessor(store, layout.job_id)
         key = create_key(job_dir)  # a predecessor's key: its steps were started with it
         router = RouterPlace.choose(spec, layout, self.predecessor)
@@ -120,13 +130,18 @@ class Daemon:
         membership = Membership(RouterClient(router.url, key, ft.router_request_timeout), client, key,
                                 listed_timeout_s=ft.engine_admit_timeout)
         inbox: queue.Queue[Step] = queue.Queue()
-        self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=store,
+        self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence), store=store,
                               engines={place.name: Engine(place) for place in layout.engines},
                               membership=membership, client=client, finished=threading.Event(), inbox=inbox)
-        self.steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait, on_exit=inbox.put)
+        self.steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait, on_exit=inbox.put,
+                                    fence=fence)
         self.launcher = StepLauncher(self.job, self.steps, key, router)
         saved = store.snapshot()  # a `slurmrl stop` holds for every later start of the same job
         self.ending = Ending(user_stop=saved.stop_asked and saved.job_id == layout.job_id)
+        # A supervisor of an older run may still answer on the socket (its node was cut off, its
+        # processes live on): this run takes the socket over, and the old one is fenced.
+        self.take_over = saved.job_id == layout.job_id and saved.requeues < fence.run
+        self.left_over = adoption.left_over(saved, layout.job_id)  # the old run's engines SLURM may not have ended
         self.pool = ThreadPoolExecutor(max_workers=max(4, len(layout.engines)), thread_name_prefix="recover")
         self.scalars = ScalarWriter(job_dir.supervisor_tensorboard)
         self.tracker = HealthTracker(ft.health_check_failure_threshold, ft.rollout_health_check_first_wait)
@@ -141,7 +156,7 @@ class Daemon:
                                        self.ending, self.pool, self.scalars)
         handlers = ControlHandlers(self.job, self.launcher, self.steps, self.recovery, self.trainer, self.requeue,
                                    self.ending, self.pool, self._last_checkpoint)
-        self.control = ControlServer(job_dir, handlers.table())
+        self.control = ControlServer(job_dir, handlers.table(), run=CallerRun.here())
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
 
     # ------------------------------------------------------------------ run
@@ -163,9 +178,10 @@ class Daemon:
                         engines=len(job.engines), requeues=job.store.snapshot().requeues, pid=os.getpid(),
                         watchdog_restarts=int(os.environ.get(RESTARTS_ENV, "0")))
         try:
+            adoption.stop_left_over(job, self.steps, self.left_over)
             adopted = adoption.adopt(job, self.predecessor, self.steps, self.launcher, self.trainer)
             # Only now: the trainer's calls wait until the adopted engines' versions are re-checked.
-            self.control.start()
+            self.control.start(take_over=self.take_over)
             router = (self.launcher.start_router() if not job.spec.rollout.external_router and ROUTER not in adopted
                       else None)
             # The engines and the trainer start while the router does; the trainer loads (imports,
@@ -189,7 +205,13 @@ class Daemon:
                 if not_requeued:
                     self._set_stop_reason(not_requeued)
             return outcome
+        except Fenced as err:
+            log.warning("%s", err)
+            return FENCED
         except JobFailed as err:
+            if job.store.fence.fenced:  # a newer run of the job goes on: its state is not ours to write
+                log.warning("fenced, after: %s", err)
+                return FENCED
             self._set_stop_reason(f"failed: {err}")
             job.events.emit("job_failed", reason=str(err))
             raise
@@ -211,6 +233,7 @@ class Daemon:
                 step = self.job.inbox.get(timeout=timeout)
             except queue.Empty:
                 step = None
+            self.job.store.fence.check()  # a newer run started: nothing more of this one's acts
             if self.ending.failure:
                 raise JobFailed(self.ending.failure)
             self.requeue.check()
@@ -296,7 +319,15 @@ class Daemon:
 
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:
-        self._stop_steps()
+        if self.job.store.fence.fenced:
+            # Its steps' ids may now be the newer run's: no scancel; its srun clients are killed
+            # so that none cancels or signals a step later. SLURM ends the step processes left on
+            # the cut node once that node registers again (the job no longer runs there).
+            self.job.finished.set()
+            for step in self.launcher.all().values():
+                self.steps.abandon(step, self.job.ft.step_term_grace)
+        else:
+            self._stop_steps()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.control.close()
         self.job.client.close()

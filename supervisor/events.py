@@ -17,12 +17,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Self
 
+from supervisor.fencing import Fence
+
 
 class EventLog:
     """Thread-safe appender of one fsync'd JSON line per event."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fence: Fence | None = None) -> None:
         self.path = Path(path)
+        self.fence = fence  # a supervisor of an older run of the job writes no event (fencing.py)
         self._lock = threading.Lock()
         # O_APPEND: a single write() of one line lands whole at the end even if another
         # process (a restarted supervisor, before the old one is gone) appends too.
@@ -39,6 +42,8 @@ class EventLog:
             **fields,
         }
         line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        if self.fence is not None and self.fence.fenced:
+            return event
         with self._lock:
             os.write(self._fd, line)
             os.fsync(self._fd)

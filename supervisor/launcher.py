@@ -71,6 +71,7 @@ class StepLauncher:
         with job.store.update() as state:
             record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
             record.state, record.slurm_step, record.launched_at = STARTING, None, time.time()
+            record.nodes = list(nodes)  # after a requeue, or a move to a spare node, not the old ones
             state.steps[name] = record
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
         return step

@@ -25,6 +25,7 @@ from supervisor.engines import (
     roles_missing,
     wait_healthy,
 )
+from supervisor.fencing import Fenced
 from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
@@ -130,6 +131,8 @@ class EngineRecovery:
             total = sum(e.restarts for e in job.engines.values())
             self.scalars.add_scalar("supervisor/engine_restarts", total, total)
             self.scalars.add_scalar("supervisor/recover_seconds", recover_s, total)
+        except Fenced:  # a newer run of the job owns its steps: the monitor stops this supervisor
+            job.wake_monitor(engine.name)
         except Exception as err:  # a recovery that breaks must not leave the engine half-handled
             log.exception("recovering %s failed", engine.name)
             job.events.emit("engine_restart_failed", engine.name, reason=repr(err))

@@ -53,17 +53,23 @@ class Requeue:
         step = self.launcher.current(TRAINER)
         if step is None or step.returncode is not None or step.slurm_step is None:
             return  # not running (or SLURM has not listed it yet: the next cycle retries)
+        self._fence_check()  # its step id may be a newer run's
         done = subprocess.run(["scancel", "--signal=USR1", step.slurm_step], capture_output=True, text=True,
                               timeout=self.job.ft.slurm_command_timeout)
         if done.returncode == 0:
             self._save_now_sent = True
             self.job.events.emit("save_now", TRAINER, reason=why)
 
+    def _fence_check(self) -> None:
+        if self.job.store.fence is not None:
+            self.job.store.fence.check()  # Fenced: a newer run of the job is SLURM's to steer
+
     def requeue(self, requeues: int) -> str | None:
         """Requeue the job (its steps are stopped already); the reason it was not, if it was not."""
         ft = self.job.ft
         if requeues >= ft.max_requeues:
             return f"preempted and saved; not requeued: max_requeues ({ft.max_requeues}) reached"
+        self._fence_check()
         with self._lock:
             excluding = set(self._excluding)
         self.job.events.emit("requeue", requeues=requeues + 1, excluding=sorted(excluding))

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
 from jobs.contract import JobDir, write_atomic
+from supervisor.fencing import Fence
 STEP_KINDS = ("engine", "router", "trainer")
 STEP_STATES = ("starting", "waiting", "healthy", "unhealthy", "restarting", "failed", "stopped", "fenced")
 
@@ -85,8 +86,9 @@ def read_state(job_dir: JobDir) -> JobState:
 class StateStore:
     """The supervisor's copy of the state; `update()` changes it and saves it as one unit."""
 
-    def __init__(self, job_dir: JobDir) -> None:
+    def __init__(self, job_dir: JobDir, fence: Fence | None = None) -> None:
         self.path = job_dir.state
+        self.fence = fence  # a supervisor of an older run of the job saves nothing (fencing.py)
         self._lock = threading.Lock()
         self._state = read_state(job_dir)
 
@@ -100,6 +102,8 @@ class StateStore:
         """Edit a copy; on leaving the block it is saved and becomes the state. If the block
         raises or the save fails, neither memory nor disk changes."""
         with self._lock:
+            if self.fence is not None:
+                self.fence.check()
             draft = copy.deepcopy(self._state)
             yield draft
             draft.updated_at = time.time()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from supervisor.fencing import Fence
 from supervisor.slurm_contact import SlurmContact, slurm_answered
 
 log = logging.getLogger(__name__)
@@ -159,10 +160,12 @@ class StepController:
     """Launches, finds, cancels and adopts the steps of one SLURM job."""
 
     def __init__(self, job_id: str, query_timeout_s: float, exit_code_wait_s: float,
-                 on_exit: Callable[[Step], None] | None = None) -> None:
+                 on_exit: Callable[[Step], None] | None = None, fence: Fence | None = None) -> None:
         """query_timeout_s: one squeue/sacct/scancel call; exit_code_wait_s: for slurmdbd to record
-        the end of a step that squeue no longer lists."""
+        the end of a step that squeue no longer lists; fence: a supervisor of an older run of the
+        job launches and cancels nothing (Fenced), its step ids may be the newer run's."""
         self.job_id = job_id
+        self.fence = fence
         self.query_timeout_s = query_timeout_s
         self.exit_code_wait_s = exit_code_wait_s
         self._component_ids: list[str] | None = None
@@ -171,6 +174,8 @@ class StepController:
         self.contact = SlurmContact()  # whether SLURM answered of late (squeue, scancel)
 
     def launch(self, spec: StepSpec) -> Step:
+        if self.fence is not None:
+            self.fence.check()
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log, "ab") as log:  # srun's own messages ("task 0: Killed") go there too
             proc = subprocess.Popen(srun_argv(self.job_id, spec), stdin=subprocess.DEVNULL, stdout=log,
@@ -270,6 +275,8 @@ class StepController:
         """scancel the step (never --full: the batch step is the supervisor), then wait for its
         srun with a deadline, then SIGTERM and SIGKILL srun's own process group. An adopted step:
         wait until SLURM no longer lists it, then let its stand-in exit."""
+        if self.fence is not None:
+            self.fence.check()  # srun's SIGTERM below cancels by step id too
         if step.slurm_step is not None:
             try:
                 done = subprocess.run(["scancel", step.slurm_step], capture_output=True,
@@ -280,6 +287,7 @@ class StepController:
             self.contact.record(slurm_answered(done.returncode, done.stderr))
         if step.adopted:
             self._wait_gone(step, timeout_s)
+            self._claimed.discard(step.slurm_step)  # free: a requeued component numbers its steps from 0 again
             _release(step, CANCELLED_EXIT)
             step.proc.wait(term_grace_s)
             return
@@ -301,6 +309,17 @@ class StepController:
             except subprocess.TimeoutExpired:
                 continue
         step.proc.wait(0)  # raises TimeoutExpired if even SIGKILL did not end it
+
+    def abandon(self, step: Step, wait_s: float) -> None:
+        """A fenced supervisor's step: SIGKILL its srun (or stand-in), which sends SLURM nothing
+        more (a SIGTERM would have srun cancel the step by its id: the newer run's step now)."""
+        if step.proc is None or step.proc.poll() is not None:
+            return
+        try:
+            os.killpg(step.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        step.proc.wait(wait_s)
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from jobs.contract import JobDir, Metric, Phase, phase_times
+from jobs.control_protocol import CallerFenced, superseded
 from jobs.spec import FaultToleranceSpec
 from jobs.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
@@ -382,6 +383,10 @@ class Loop:
         return time.monotonic() - began
 
     def save(self, rollout_id: int) -> None:
+        # A trainer of a run SLURM requeued away (its node cut off, then back, SIGTERM saving it)
+        # must not write over the newer run's checkpoints.
+        if self.backend.broadcast_object(bool(self.args.job_dir) and superseded(JobDir(Path(self.args.job_dir)))):
+            raise CallerFenced(f"not saving rollout {rollout_id}: a newer run of the job owns {self.args.job_dir}")
         if self.driver:
             self.driver.reporter.heartbeat(Phase.SAVE, rollout_id)
         common = {"rollout_id": rollout_id, "weight_version": self.weight_version, "eval_owed": self.eval_owed,

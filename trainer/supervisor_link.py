@@ -6,7 +6,9 @@ to save and stop between rollouts (`slurmrl stop`, preemption).
 
 A supervisor that crashes is restarted by its watchdog (slurm.watchdog) and adopts the
 trainer; the calls the trainer cannot go on without wait out that gap (up to gap_s: the spec's
-fault_tolerance.supervisor_gap) instead of ending the training.
+fault_tolerance.supervisor_gap) instead of ending the training. A trainer of a run of the job that
+SLURM requeued away (its node cut off, then back) is told so (CallerFenced) on its next call, and
+ends there: it publishes, saves and logs nothing more.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jobs.contract import JobDir
-from jobs.control_protocol import Call, ControlClient, ControlError, SupervisorUnreachable
+from jobs.control_protocol import Call, CallerFenced, ControlClient, ControlError, SupervisorUnreachable
 from jobs.spec import FaultToleranceSpec
 
 log = logging.getLogger(__name__)
@@ -101,5 +103,7 @@ class SupervisorLink:
         # A report that does not arrive must not stop training: the supervisor re-checks engines itself.
         try:
             call(name, **args)
+        except CallerFenced:
+            raise  # a newer run of the job owns it: this trainer ends, writing nothing more
         except ControlError as err:
             log.warning("could not tell the supervisor %s: %s", name, err)

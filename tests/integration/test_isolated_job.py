@@ -8,26 +8,33 @@ under network faults there (issue 18), with the real router, CPU engines and tra
   stale engine is back in the router; no rollout is lost or run twice, none served stale.
 - An engine's node gets 200 ms delay each way and 5% loss: the job completes and the engine is
   never taken out (the failure threshold of 3 probes in a row rides out single lost probes).
+- The trainer's node (with the supervisor and the router) is cut off: SLURM requeues the job
+  without it, the new run completes with every rollout once, and the old run is fenced when the
+  node heals (supervisor/fencing.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import requests
 
 from jobs.contract import JobDir
-from slurm.devcluster import DevCluster
+from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key
 from tests.integration.netfaults import fault
+from tests.integration.test_resume import replayed_after, resumed_at
 from tests.integration.test_rl_job import (
     assert_never_stale,
     events,
+    heartbeat,
     rollouts_done,
     status,
     submit,
@@ -39,6 +46,9 @@ JOB_END_S = 300
 # Out of the router after a cut: 3 failed probes (2 s timeout) 2 s apart, the recovery's expel, slack.
 OUT_OF_ROUTER_S = 40
 REPLACED_S = 180  # the replacement on the spare node serving (SLURM noticing the node, a fresh engine)
+# The trainer's node cut: SlurmdTimeout (30 s) until SLURM marks it down and requeues, the new start, slack.
+REQUEUED_S = 150
+STOP_S = 15  # processes the test stops itself, until gone
 
 
 def router_workers(job_dir: Path) -> list[str]:
@@ -51,6 +61,54 @@ def router_workers(job_dir: Path) -> list[str]:
 
 def weight_version(url: str, key: str) -> str:
     return requests.get(url + "/model_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()["weight_version"]
+
+
+def stop_left_over_steps(cluster: DevCluster) -> int:
+    """Stop every step process left on the cluster (its job has ended), and their slurmstepd;
+    returns how many there were. (A slurmstepd is known by its node's network namespace: its
+    title overwrites its environment.)"""
+    plan = netns.load_plan(cluster.paths.root)
+    assert plan is not None
+    nodes_netns = {os.stat(netns.NETNS_DIR / plan.namespace(node)).st_ino for node in plan.nodes}
+    stepds = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if (proc.info["cmdline"] or [""])[0].startswith("slurmstepd: [") and \
+                    os.stat(f"/proc/{proc.pid}/ns/net").st_ino in nodes_netns:
+                stepds.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, FileNotFoundError):
+            pass
+    tasks = [child for stepd in stepds for child in _children(stepd)]
+    for proc in tasks:
+        _kill(proc)
+    psutil.wait_procs(tasks, timeout=STOP_S)
+    _, alive = psutil.wait_procs(stepds, timeout=STOP_S)  # each reports its tasks' end, then exits
+    for stepd in alive:
+        _kill(stepd)
+    _, alive = psutil.wait_procs(tasks + stepds, timeout=STOP_S)
+    assert all(_zombie(p) for p in alive), f"still running: {alive}"
+    return len(tasks)
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill(proc: psutil.Process) -> None:
+    try:
+        proc.kill()
+    except psutil.NoSuchProcess:
+        pass
+
+
+def _zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def finish(job_id: str, job_dir: Path, rollouts: int) -> dict:
@@ -150,3 +208,64 @@ def test_two_node_trainer_across_namespaces(isolated_devcluster: DevCluster, toy
     assert len(set(trainer_nodes)) == 2, trainer_nodes
     engine_nodes = {n for e in ("engine-0", "engine-1") for n in state["steps"][e]["nodes"]}
     assert not engine_nodes & set(trainer_nodes) and len({net.node_addr(n) for n in trainer_nodes}) == 2
+
+
+def test_cut_trainer_node_requeues_without_it_and_fences_the_old_run(isolated_devcluster: DevCluster, toy,
+                                                                      tmp_path: Path) -> None:
+    """The trainer's node (with the supervisor and the router) is cut off mid-run, its processes
+    alive: SLURM finds the node not responding and requeues the job without it; the new run resumes
+    (the rollouts the old one did come from its checkpoint and rollout journal) and completes. Then
+    the node heals while the new run is under way: the old supervisor, router and trainer come
+    back, and are fenced (the old supervisor stops on seeing a newer run in the state store; the old
+    trainer would be refused on the control socket, and saves nothing): no write to the job's
+    state, no cancel of the new run's steps (their ids start at 0 again), no duplicate rollout."""
+    job_dir, root, rollouts = tmp_path / "job", isolated_devcluster.paths.root, 30
+    job_id = submit(toy, job_dir, "--num-rollout", str(rollouts))
+    node = None
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 3, FIRST_ROLLOUTS_S, "the first rollouts")
+        old = status(job_dir)["steps"]["trainer"]
+        node = old["nodes"][0]
+        old_steps = {name: step["slurm_step"] for name, step in status(job_dir)["steps"].items()}
+        old_pids = {"supervisor": events(job_dir, "supervisor_started")[0]["pid"], "trainer": heartbeat(job_dir)["pid"]}
+        fault(root, "cut", node)
+        cut_at = time.monotonic()
+        wait_for(lambda: [e for e in events(job_dir, "supervisor_started") if e["requeues"] == 1], REQUEUED_S,
+                 "the job requeued without the cut node")
+        requeued_s = time.monotonic() - cut_at
+        done_before = rollouts_done(job_dir)
+        alive = {name: psutil.pid_exists(pid) for name, pid in old_pids.items()}
+        fault(root, "heal", node)
+        node = None
+        state = finish(job_id, job_dir, rollouts)
+        supervisor_gone = not psutil.pid_exists(old_pids["supervisor"])
+    finally:
+        if node is not None:
+            fault(root, "heal", node)
+        subprocess.run(["scancel", job_id], capture_output=True)
+        # The old run's router and trainer on the healed node: SLURM ends them only once that node
+        # registers again (slurmctld pings a down node every couple of minutes).
+        left = stop_left_over_steps(isolated_devcluster)
+    print(f"requeued {requeued_s:.1f} s after the cut; old run alive at the heal: {alive}; processes left at the end: {left}")
+    assert all(alive.values()), f"the cut node's processes should have lived on: {alive}"
+    assert supervisor_gone, "the old supervisor should have stopped on seeing the newer run"
+    assert state["requeues"] == 1 and old["nodes"][0] not in state["steps"]["trainer"]["nodes"], state
+    # SLURM requeued the trainer's component only: the old engines, still running in the rollout
+    # component, were stopped before the new run launched its own (else those would wait behind them).
+    left_over = {e["step"]: e["slurm_step"] for e in events(job_dir, "step_left_over")}
+    assert left_over == {e: old_steps[e] for e in ("engine-0", "engine-1")}, (left_over, old_steps)
+    stopped = max(e["time"] for e in events(job_dir, "step_left_over"))
+    relaunched = [e for name in left_over for e in events(job_dir, "step_launched", name) if e["time"] > stopped]
+    # (the new steps may get the old ids again: SLURM numbers a requeued job's steps from 0)
+    assert len(relaunched) == 2 and all(state["steps"][e]["slurm_step"] for e in left_over), state["steps"]
+    resumed, replayed = resumed_at(job_dir)[0], replayed_after(job_dir, resume=0)
+    assert replayed == list(range(resumed, resumed + len(replayed))) and resumed + len(replayed) >= done_before, \
+        (resumed, replayed, done_before)
+    new_run = events(job_dir, "supervisor_started")[1]["time"]
+    late = [e for e in events(job_dir, "engine_failed") + events(job_dir, "step_ended_unseen") if e["time"] > new_run]
+    assert not late, f"a step of the new run failed (an old supervisor's scancel?): {late}"
+    supervisor_log = "".join(p.read_text() for p in (job_dir / "submitit").glob("*_log.err"))
+    assert "this supervisor of run 0 stops without touching its state or steps" in supervisor_log
+    old_acts = ("slurm_unanswered", "slurm_answers", "engine_restart_failed", "engine_given_up", "job_failed")
+    late = [e for kind in old_acts for e in events(job_dir, kind) if e["time"] > new_run]
+    assert not late, f"the old supervisor wrote events after the new run started: {late}"
