@@ -311,21 +311,24 @@ class DevCluster:
 
     def _stop_stray_steps(self) -> int:
         """SIGKILL what is left of steps the jobs' end did not reach (a node cut off when they were
-        cancelled keeps its slurmstepd and tasks past its slurmd): every slurmstepd of this
-        cluster (its environment names this SLURM_CONF) with its process tree. Returns how many
-        processes were killed."""
+        cancelled keeps its slurmstepd and tasks past its slurmd). Isolated: every process still in
+        a node's network namespace (slurmd is stopped by now). Shared loopback: every slurmstepd
+        whose environment names this cluster's SLURM_CONF, with its process tree (a slurmstepd's
+        process title may overwrite what /proc shows of its environment: namespaces are surer).
+        Returns how many processes were killed."""
+        namespaces = netns.namespace_inodes(self.net) if self.net else set()
         conf = str(self.paths.slurm_conf)
-        stray: list[psutil.Process] = []
+        stray: dict[int, psutil.Process] = {}
         for proc in psutil.process_iter(["name"]):
-            try:
-                if proc.info["name"] == "slurmstepd" and proc.environ().get("SLURM_CONF") == conf:
-                    stray += [proc, *proc.children(recursive=True)]
-            except psutil.Error:
-                continue
-        for proc in stray:
+            with contextlib.suppress(psutil.Error, OSError):
+                if namespaces and os.stat(f"/proc/{proc.pid}/ns/net").st_ino in namespaces:
+                    stray[proc.pid] = proc
+                elif proc.info["name"] == "slurmstepd" and proc.environ().get("SLURM_CONF") == conf:
+                    stray |= {p.pid: p for p in (proc, *proc.children(recursive=True))}
+        for proc in stray.values():
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        _, alive = psutil.wait_procs(stray, timeout=STRAY_KILL_S)
+        _, alive = psutil.wait_procs(list(stray.values()), timeout=STRAY_KILL_S)
         if alive:
             raise DevclusterError(f"step processes {[p.pid for p in alive]} outlived SIGKILL by {STRAY_KILL_S} s")
         return len(stray)

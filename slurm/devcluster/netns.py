@@ -10,6 +10,7 @@ its steps read the host's /etc/hosts).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -66,6 +67,15 @@ class NetPlan:
 
     def hosts_lines(self) -> list[str]:
         return [f"{self.node_addr(n)} {n} {self.marker}" for n in self.nodes]
+
+
+def namespace_inodes(plan: NetPlan) -> set[int]:
+    """The inode of each node's network namespace (what /proc/PID/ns/net of a process in it names)."""
+    found = set()
+    for node in plan.nodes:
+        with contextlib.suppress(FileNotFoundError):
+            found.add(os.stat(NETNS_DIR / plan.namespace(node)).st_ino)
+    return found
 
 
 def plan_file(root: Path) -> Path:
