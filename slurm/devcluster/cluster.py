@@ -257,15 +257,20 @@ class DevCluster:
         """Start a node's slurmd again and wait until the node is back in service (RESUMEd if SLURM
         left it DOWN or drained once it answers again)."""
         self.slurmd(node).start()
+        self.back_in_service([node], timeout_s)
 
+    def back_in_service(self, nodes: list[str], timeout_s: float) -> None:
+        """Wait until every one of `nodes` is in service: one SLURM set DOWN while it did not
+        answer (its slurmd killed, its link cut) and that answers again is RESUMEd."""
         def in_service() -> bool:
-            state = self.node_states().get(node, "")
-            if state in ("down", "drain", "drng"):  # answering (no '*'), but not returned to service
-                subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
-                               env={**os.environ, **self.env}, capture_output=True, timeout=30)
-            return state in ("idle", "mix", "alloc")
+            states = self.node_states()
+            for node in nodes:
+                if states.get(node, "") in ("down", "drain", "drng"):  # answering (no '*'), not in service
+                    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                                   env={**os.environ, **self.env}, capture_output=True, timeout=30)
+            return all(states.get(node) in ("idle", "mix", "alloc") for node in nodes)
 
-        wait_for(in_service, timeout_s, f"{node} back in service", interval_s=0.5)
+        wait_for(in_service, timeout_s, f"{', '.join(nodes)} back in service", interval_s=0.5)
 
     # ---- status and down -----------------------------------------------------------------
     def node_states(self) -> dict[str, str]:

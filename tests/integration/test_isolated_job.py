@@ -19,15 +19,18 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
+import pytest
 import requests
 
 from jobs.contract import JobDir
 from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.daemons import wait_for
+from slurm.devcluster.faults import heal_all
 from supervisor.keys import load_key
 from tests.integration.netfaults import fault
 from tests.integration.test_resume import replayed_after, resumed_at
@@ -45,10 +48,21 @@ FIRST_ROLLOUTS_S = 240  # the job starting and its first rollouts
 JOB_END_S = 300
 # Out of the router after a cut: 3 failed probes (2 s timeout) 2 s apart, the recovery's expel, slack.
 OUT_OF_ROUTER_S = 40
+NODES_BACK_S = 120  # healed nodes answering SLURM and in service again
 REPLACED_S = 180  # the replacement on the spare node serving (SLURM noticing the node, a fresh engine)
 # The trainer's node cut: SlurmdTimeout (30 s) until SLURM marks it down and requeues, the new start, slack.
 REQUEUED_S = 150
 STOP_S = 15  # processes the test stops itself, until gone
+
+
+@pytest.fixture(autouse=True)
+def nodes_back_in_service(isolated_devcluster: DevCluster) -> Iterator[None]:
+    """After each test, every node healed and in service again (a node cut off long enough is set
+    DOWN by SLURM, and may stay so after it answers again): the next test, and the next module,
+    gets the whole cluster."""
+    yield
+    heal_all(isolated_devcluster.paths.root)
+    isolated_devcluster.back_in_service(isolated_devcluster.shape.node_names, NODES_BACK_S)
 
 
 def router_workers(job_dir: Path) -> list[str]:
