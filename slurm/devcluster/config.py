@@ -222,7 +222,8 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=300
 AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
+# sacct talks to slurmdbd itself: from a node's namespace, only the bridge's address reaches it.
+AccountingStorageHost={ctld_addr}
 AccountingStoragePort={shape.slurmdbd_port}
 # For slurmdbd this names the munge socket that connections to it authenticate with.
 AccountingStoragePass={paths.munge_socket}

@@ -68,6 +68,10 @@ def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
         # Node names resolve to the nodes' addresses, in a step as on the host.
         resolve = "import socket,sys;print(socket.gethostbyname(sys.argv[1]))"
         assert _srun(env, f"{NODE}1", sys.executable, "-c", resolve, f"{NODE}2") == addr2
+        # Accounting answers in a step (a supervisor reads its steps' exit codes with sacct).
+        own_record = 'sacct -n -X -P -o JobID -j "$SLURM_JOB_ID"; echo "=$SLURM_JOB_ID"'
+        recorded, job = _srun(env, f"{NODE}1", "bash", "-c", own_record).rsplit("=", 1)
+        assert recorded.strip() == job
 
         # A server on node2's loopback, its PID in a file: node2 reaches it, node1's 127.0.0.1 is another host.
         port = free_port()
