@@ -23,13 +23,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-import requests
 
 from ckpt_tools.tracker import iteration_dirname, read_tracker
-from rollout.cpu_engine.faults import ROUTE as FAULT_ROUTE, WEDGE
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import (assert_never_stale, events, heartbeat, rollouts_done,
+from tests.integration.test_rl_job import (assert_never_stale, events, heartbeat, listening_pid, rollouts_done,
                                              status, submit)
 from tests.slurm_helpers import wait_job_gone
 from trainer import checkpoint
@@ -43,7 +41,6 @@ FLAGS = ("--num-rollout", "14", "--save-interval", "100", "--rollout-batch-size"
 COMPARED = ("reward_mean", "loss", "grad_norm", "weight_version")
 EVAL_SET = "toy"
 CATCH_GENERATING_S = 300  # bound on catching the trainer mid-generation (see its use)
-WEDGED_WAIT_S = 30  # bound on the trainer reaching, or leaving, a generation on wedged engines
 
 
 def metrics(job_dir: Path) -> list[dict]:
@@ -155,31 +152,27 @@ def stop_mid_save(job_dir: Path, save_dir: Path) -> int:
     return heartbeat(job_dir)["pid"]
 
 
-def set_generate_fault(job_dir: Path, urls: list[str], fault: str | None) -> None:
-    key = (job_dir / "api_key").read_text().strip()
-    for url in urls:
-        requests.post(url + FAULT_ROUTE, json={"generate": fault}, headers={"Authorization": f"Bearer {key}"},
-                      timeout=5).raise_for_status()
-
-
-def wedge_during_rollout(job_dir: Path, urls: list[str]) -> None:
-    """Leave rank 0 waiting for a training rollout: the engines are wedged (their /generate never
-    answers, their probes pass) until the trainer's heartbeat has said "rollout" for a second.
-    After rollouts 2, 5, 8, 11 (--eval-interval 3) an eval, which also beats "rollout", runs on the
-    engines: a wedged eval is let go and the next generation tried (a training rollout's can be
-    abandoned, an eval's is owed to the resumed run)."""
+def freeze_during_rollout(job_dir: Path, engines: list[int]) -> None:
+    """SIGSTOP the engines while rank 0 generates a rollout (its heartbeat still says so a second
+    later); a rollout that finished first is let go and the next one tried."""
     def caught() -> bool:
-        set_generate_fault(job_dir, urls, WEDGE)
-        wait_for(lambda: heartbeat(job_dir).get("phase") == "rollout", WEDGED_WAIT_S, "a generation")
         beat = heartbeat(job_dir)
+        # After rollouts 2, 5, 8, 11 (--eval-interval 3) an eval, which also beats "rollout", runs on
+        # the engines: only a training rollout's generation can be abandoned.
+        if beat.get("phase") != "rollout" or beat.get("rollout_id", 0) % 3 == 2:
+            return False
+        for pid in engines:
+            os.kill(pid, signal.SIGSTOP)
         time.sleep(1)
-        if heartbeat(job_dir) == beat and beat.get("rollout_id", 0) % 3 != 2:
+        if heartbeat(job_dir) == beat:
             return True
-        set_generate_fault(job_dir, urls, None)
-        wait_for(lambda: heartbeat(job_dir) != beat, WEDGED_WAIT_S, "the wedged eval to go on")
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
         return False
 
-    wait_for(caught, CATCH_GENERATING_S, "the trainer waiting for a training rollout")
+    # Catching it mid-generation takes tries (each freezes the engines for 1 s): 120 s ran out once in CI
+    # under the second xdist worker's load.
+    wait_for(caught, CATCH_GENERATING_S, "the trainer generating a rollout", interval_s=0.002)
 
 
 def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Path) -> None:
@@ -204,10 +197,14 @@ def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Pat
         # 2. The signal arrives while rank 0 waits for a rollout: both engines are frozen.
         wait_for(lambda: len(events(job_dir, "supervisor_started")) >= 2 and rollouts_done(job_dir) >= 8, 300,
                  "the requeued job to resume and go on")
-        urls = [s["url"] for name, s in status(job_dir)["steps"].items() if name.startswith("engine")]
-        wedge_during_rollout(job_dir, urls)
+        engines = [listening_pid(s["url"]) for name, s in status(job_dir)["steps"].items() if name.startswith("engine")]
+        stopped += engines
+        freeze_during_rollout(job_dir, engines)
         preempt(job_id)
         wait_for(lambda: len(events(job_dir, "requeue")) >= 2, 300, "the second requeue")
+        for pid in engines:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGCONT)
         wait_job_gone(job_id, timeout_s=600)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
