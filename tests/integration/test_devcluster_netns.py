@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("slurm_programs")
 PORT_BASE = 19100  # clear of the shared devcluster's (17800) and the lifecycle test's (18800)
 PREFIX = f"srl-{PORT_BASE}"
 NODE = "iso"  # its node names (iso1, iso2): the session's isolated cluster holds node1.. in /etc/hosts meanwhile
+RECORDED_S = 30  # bound on slurmctld passing a job's record to slurmdbd
 SERVER_UP_S = 30  # python's http.server starting in a step
 # From a step: GET url, print the status, or the error's class and errno.
 PROBE = ("import sys,urllib.request\ntry: print(urllib.request.urlopen(sys.argv[1],timeout=5).status)\n"
@@ -68,10 +69,12 @@ def test_isolated_nodes_have_own_addresses_and_loopback(tmp_path: Path) -> None:
         # Node names resolve to the nodes' addresses, in a step as on the host.
         resolve = "import socket,sys;print(socket.gethostbyname(sys.argv[1]))"
         assert _srun(env, f"{NODE}1", sys.executable, "-c", resolve, f"{NODE}2") == addr2
-        # Accounting answers in a step (a supervisor reads its steps' exit codes with sacct).
-        own_record = 'sacct -n -X -P -o JobID -j "$SLURM_JOB_ID"; echo "=$SLURM_JOB_ID"'
-        recorded, job = _srun(env, f"{NODE}1", "bash", "-c", own_record).rsplit("=", 1)
-        assert recorded.strip() == job
+        # Accounting answers in a step as on the host (a supervisor reads its steps' exit codes with sacct).
+        job = _srun(env, f"{NODE}1", "printenv", "SLURM_JOB_ID")
+        record = ["sacct", "-n", "-X", "-P", "-o", "JobID", "-j", job]
+        wait_for(lambda: subprocess.run(record, env=env, capture_output=True, text=True).stdout.strip() == job,
+                 RECORDED_S, "the job's accounting record")
+        assert _srun(env, f"{NODE}1", *record) == job
 
         # A server on node2's loopback, its PID in a file: node2 reaches it, node1's 127.0.0.1 is another host.
         port = free_port()
