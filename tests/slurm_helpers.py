@@ -93,5 +93,5 @@ def _netns_of(host: str | None) -> list[str]:
     plan = netns.load_plan(Path(os.environ["SLURM_CONF"]).parent.parent)
     for node in plan.nodes if plan else ():
         if plan.node_addr(node) == host:
-            return ["nsenter", f"--net={netns.NETNS_DIR / plan.namespace(node)}"]
+            return plan.enter(node)
     return []

@@ -63,7 +63,7 @@ def slow(root: Path, node: str, delay_ms: float, loss_pct: float) -> None:
     log = _record(root, node).with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        proc = subprocess.Popen([*_in_node(plan, node), sys.executable, "-m", "slurm.devcluster.netdelay",
+        proc = subprocess.Popen([*plan.enter(node), sys.executable, "-m", "slurm.devcluster.netdelay",
                                  "--queue", str(queue), "--delay-ms", f"{delay_ms:g}", "--loss", f"{loss_pct:g}"],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
@@ -73,7 +73,7 @@ def slow(root: Path, node: str, delay_ms: float, loss_pct: float) -> None:
         _record(root, node).unlink()
         raise DevclusterError(f"netdelay on {node} exited {proc.returncode}: {log.read_text().strip()[-300:]}")
     end = _ns_end(plan, node)
-    iptables = [*_in_node(plan, node), "iptables", "-w"]
+    iptables = [*plan.enter(node), "iptables", "-w"]
     _run(*iptables, "-N", CHAIN)
     _run(*iptables, "-A", CHAIN, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass")
     _run(*iptables, "-I", "INPUT", "-i", end, "-j", CHAIN)
@@ -113,7 +113,7 @@ def state(root: Path, node: str) -> str:
 
 def _unslow(root: Path, plan: netns.NetPlan, node: str) -> None:
     """Remove `slow`'s rules and stop its delayer, by the PID it recorded."""
-    iptables = [*_in_node(plan, node), "iptables", "-w"]
+    iptables = [*plan.enter(node), "iptables", "-w"]
     if shutil.which("iptables") and f"-N {CHAIN}" in _run(*iptables, "-S"):
         end = _ns_end(plan, node)
         _run(*iptables, "-D", "INPUT", "-i", end, "-j", CHAIN)
@@ -138,10 +138,6 @@ def _stop_delayer(root: Path, node: str) -> None:
 
 def _record(root: Path, node: str) -> Path:
     return root / "faults" / f"{node}.slow.json"
-
-
-def _in_node(plan: netns.NetPlan, node: str) -> list[str]:
-    return ["nsenter", f"--net={netns.NETNS_DIR / plan.namespace(node)}"]
 
 
 def _host_end(plan: netns.NetPlan, node: str) -> str:

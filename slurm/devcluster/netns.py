@@ -52,6 +52,10 @@ class NetPlan:
     def namespace(self, node: str) -> str:
         return f"srl-{self.port_base}-{node}"
 
+    def enter(self, node: str) -> list[str]:
+        """The argv prefix that runs a command in the node's network namespace."""
+        return ["nsenter", f"--net={NETNS_DIR / self.namespace(node)}"]
+
     def veth(self, k: int) -> tuple[str, str]:
         """Host-side and namespace-side names of node k's (1-based) veth; at most 15 characters."""
         return f"srl-{self.port_base}-h{k}", f"srl-{self.port_base}-n{k}"

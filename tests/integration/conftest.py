@@ -20,14 +20,26 @@ def toy(tmp_path_factory) -> tuple[Path, Path]:
     return write_tiny_model(root / "model"), write_toy_data(root / "toy.jsonl")
 
 
-@pytest.fixture(scope="module")
+HEALED_ANSWERS_S = 20  # a healed node's slurmd answering SLURM again, as it mostly does at once
+NODES_BACK_S = 60  # a restarted slurmd's node in service again
+
+
+@pytest.fixture
 def isolated_devcluster(devcluster: DevCluster) -> Iterator[DevCluster]:
-    """The session's devcluster, for a module whose tests need its nodes in their own network
-    namespaces (skipped where namespaces are not allowed); every node's network faults are healed
-    after the module, whatever its tests left."""
+    """The session's devcluster, for a test that needs its nodes in their own network namespaces
+    (skipped where namespaces are not allowed). After the test every node is healed and in service
+    again (a node cut off long enough is set DOWN by SLURM, and may stay so after it answers
+    again): the next test gets the whole cluster."""
     if devcluster.net is None:
         pytest.skip("the devcluster shares loopback here: network namespaces are not allowed")
+    yield devcluster
+    heal_all(devcluster.paths.root)
     try:
-        yield devcluster
-    finally:
-        heal_all(devcluster.paths.root)
+        devcluster.back_in_service(devcluster.shape.node_names, HEALED_ANSWERS_S)
+    except TimeoutError:
+        # A slurmd that was cut off can take minutes to register again (seen: 2.5): a fresh one
+        # registers at once (its node's steps, if any, live on under their slurmstepd).
+        for node, state in devcluster.node_states().items():
+            if state not in ("idle", "mix", "alloc"):
+                devcluster.kill_slurmd(node)
+                devcluster.revive_slurmd(node, NODES_BACK_S)

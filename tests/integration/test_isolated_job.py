@@ -19,18 +19,15 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import psutil
-import pytest
 import requests
 
 from jobs.contract import JobDir
 from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.daemons import wait_for
-from slurm.devcluster.faults import heal_all
 from supervisor.keys import load_key
 from tests.integration.netfaults import fault
 from tests.integration.test_resume import replayed_after, resumed_at
@@ -48,31 +45,10 @@ FIRST_ROLLOUTS_S = 240  # the job starting and its first rollouts
 JOB_END_S = 300
 # Out of the router after a cut: 3 failed probes (2 s timeout) 2 s apart, the recovery's expel, slack.
 OUT_OF_ROUTER_S = 40
-HEALED_ANSWERS_S = 20  # a healed node's slurmd answering SLURM again, as it mostly does at once
-NODES_BACK_S = 60  # a restarted slurmd's node in service again
 REPLACED_S = 180  # the replacement on the spare node serving (SLURM noticing the node, a fresh engine)
 # The trainer's node cut: SlurmdTimeout (30 s) until SLURM marks it down and requeues, the new start, slack.
 REQUEUED_S = 150
 STOP_S = 15  # processes the test stops itself, until gone
-
-
-@pytest.fixture(autouse=True)
-def nodes_back_in_service(isolated_devcluster: DevCluster) -> Iterator[None]:
-    """After each test, every node healed and in service again (a node cut off long enough is set
-    DOWN by SLURM, and may stay so after it answers again): the next test, and the next module,
-    gets the whole cluster."""
-    yield
-    cluster = isolated_devcluster
-    heal_all(cluster.paths.root)
-    try:
-        cluster.back_in_service(cluster.shape.node_names, HEALED_ANSWERS_S)
-    except TimeoutError:
-        # A slurmd that was cut off can take minutes to register again (seen: 2.5): a fresh one
-        # registers at once (its node's steps, if any, live on under their slurmstepd).
-        for node, state in cluster.node_states().items():
-            if state not in ("idle", "mix", "alloc"):
-                cluster.kill_slurmd(node)
-                cluster.revive_slurmd(node, NODES_BACK_S)
 
 
 def router_workers(job_dir: Path) -> list[str]:
