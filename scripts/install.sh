@@ -28,6 +28,10 @@ fi
 if ! command -v chromium >/dev/null; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 fi
+# iproute2 (`ip`, `ss`), for the devcluster's network namespace per node and the tests that look inside one.
+if ! command -v ip >/dev/null || ! command -v ss >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2
+fi
 # iptables, for `slurmrl cluster slow` (its NFQUEUE rules: the devcluster's kernel has no netem).
 if ! command -v iptables >/dev/null; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iptables
