@@ -31,7 +31,7 @@ def in_node(root: Path, node: str) -> list[str]:
     """The argv prefix that runs a program in `node`'s network namespace (as slurmd's steps run)."""
     plan = netns.load_plan(root)
     assert plan is not None, f"no isolated devcluster at {root}"
-    return ["nsenter", f"--net={netns.NETNS_DIR / plan.namespace(node)}"]
+    return plan.enter(node)
 
 
 def node_addr(root: Path, node: str) -> str:
