@@ -38,9 +38,9 @@ from ckpt_tools.megatron_model import (
     load_torch_dist,
     transformer_config_from_hf,
 )
-from trainer import megatron_attention
+from trainer.megatron import attention as megatron_attention
 from trainer.losses import policy_loss
-from trainer.megatron_attention import SDPAttention, gpt_layer_spec
+from trainer.megatron.attention import SDPAttention, gpt_layer_spec
 
 H200_BF16_PEAK = 989e12  # dense bf16 datasheet peak (no sparsity); KINDS.md measured ~790e12 for a large GEMM
 QWEN3_06B = {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
@@ -114,7 +114,7 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
 
 
 def packed_params(lengths: list[int], cu_device: str = "cpu") -> PackedSeqParams:
-    """thd params; cu_seqlens on the CPU unless cu_device says otherwise (see trainer.megatron_attention)."""
+    """thd params; cu_seqlens on the CPU unless cu_device says otherwise (see trainer.megatron.attention)."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
     cu = cu.to(cu_device)

@@ -49,7 +49,7 @@ def _sync() -> None:
 
 
 def run_variant(model_dir: Path, flags: list[str], samples: list[TrainSample], steps: int) -> dict[str, float]:
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--n-samples-per-prompt", "2",

@@ -1,5 +1,5 @@
 """Trainer checkpoint save/load throughput: a megatron-core GPTModel with its AdamW state, saved by
-trainer.checkpoint + trainer.megatron_state (torch_dist, manifest, fsync, rename, tracker), against
+trainer.checkpoint + trainer.megatron.state (torch_dist, manifest, fsync, rename, tracker), against
 a plain fsync'd torch.save / torch.load of the same tensors in the same run.
 
     python -m bench.bench_trainer_ckpt [--workdir DIR] [--hidden 768] [--layers 6] [--repeats 3]
@@ -22,7 +22,7 @@ import torch
 
 from ckpt_tools.megatron_model import build_gpt_model, destroy_parallel, init_parallel
 from trainer import checkpoint
-from trainer.megatron_state import load_megatron, save_megatron
+from trainer.megatron.state import load_megatron, save_megatron
 
 
 def qwen3_like(hidden: int, layers: int, vocab: int) -> dict:

@@ -135,7 +135,7 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model", opts.shape)

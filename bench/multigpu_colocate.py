@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
     from rollout.engine_client import EngineClient
     from trainer import dist_env
     from trainer.colocation import Colocation, EngineSide
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args(job["flags"])
     validate(args)

@@ -54,7 +54,7 @@ def _sync() -> None:
 
 
 def _backend(job: dict):
-    from trainer.megatron_backend import (
+    from trainer.megatron.backend import (
         MegatronBackend,  # imports megatron: only in the workers
     )
 

@@ -37,7 +37,7 @@ from ckpt_tools.torch_dist import (
     write_megatron_files,
 )
 from ckpt_tools.tracker import iteration_dirname, resolve_checkpoint, write_tracker
-from jobs.contract import fsync_dir
+from contract.job_dir import fsync_dir
 
 EXTRA_STATE = "_extra_state"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

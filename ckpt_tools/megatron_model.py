@@ -68,7 +68,7 @@ def transformer_config_from_hf(
 
     The config is validated, and its shape derived, by ckpt_tools.mapping.ModelShape; the vocab
     is padded as Megatron-LM does, to a multiple of make_vocab_size_divisible_by * tp.
-    sequence_parallel needs tp > 1 and SP-capable norms (trainer.megatron_norm); etp (expert
+    sequence_parallel needs tp > 1 and SP-capable norms (trainer.megatron.norm); etp (expert
     tensor parallel size) defaults to tp, as in megatron."""
     shape = ModelShape.from_hf_config(hf_config, make_vocab_size_divisible_by * tp)
     config_kwargs: dict[str, Any] = {
@@ -119,7 +119,7 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32, spec: ModuleSpec | None = None,
 ) -> GPTModel:
     """A GPTModel (no TransformerEngine) for this rank of an initialised TP/EP grid, with the given
-    layer spec (say trainer.megatron_attention.gpt_layer_spec(...)); default: megatron's local spec.
+    layer spec (say trainer.megatron.attention.gpt_layer_spec(...)); default: megatron's local spec.
 
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs.contract import write_atomic
+from contract.job_dir import write_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

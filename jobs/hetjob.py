@@ -54,7 +54,7 @@ from pathlib import Path
 from submitit.core import core, job_environment
 from submitit.slurm import slurm as submitit_slurm
 
-from jobs.spec import JobSpec
+from contract.spec import JobSpec
 from slurm.watchdog import watch_self
 
 PREEMPT_SIGNAL = "USR1"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobs.contract import write_atomic
+from contract.job_dir import write_atomic
 
 SIDE_FOLDER = Path(__file__).resolve().parents[1] / ".sglang-args"
 CACHE = SIDE_FOLDER / "parse-cache"  # one JSON verdict per (pinned versions, argv)

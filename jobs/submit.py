@@ -18,11 +18,11 @@ import time
 import typing as tp
 from pathlib import Path
 
-from jobs import step_options
-from jobs.contract import JOB_DIR_ENV, JobDir, write_atomic
+from contract import step_options
+from contract.job_dir import JOB_DIR_ENV, JobDir, write_atomic
 from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
-from jobs.spec import JobSpec, SpecError
-from jobs.spec_loading import finalize, load_spec
+from contract.spec import JobSpec, SpecError
+from contract.spec_loading import finalize, load_spec
 from jobs.validate import PartitionInfo, validate
 
 # sacct states after which the job will not run again (REQUEUED, PREEMPTED... are not ends)
@@ -67,7 +67,7 @@ def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurm
         fn = Supervisor(spec)
     job_dir = Path(spec.job_dir or "")
     if not job_dir.is_absolute():
-        raise ValueError("submit a finalized spec (jobs.submit.prepare or jobs.spec_loading.finalize)")
+        raise ValueError("submit a finalized spec (jobs.submit.prepare or contract.spec_loading.finalize)")
     created = not job_dir.exists()
     job_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _usage() -> str:
-    from jobs.spec_loading import spec_flags
+    from contract.spec_loading import spec_flags
 
     return USAGE.format(spec=" ".join(spec_flags()))
 
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
     rest = [token for token in argv if token not in OWN]
     spec_file = Path(rest.pop(0)) if rest and not rest[0].startswith("-") else None
 
-    from jobs.spec import SpecError
+    from contract.spec import SpecError
     from jobs.submit import follow, prepare, render_script, submit
 
     notes: list[str] = []

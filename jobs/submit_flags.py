@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.spec_loading import slime_flag_routes, spec_flags
+from contract.spec_loading import slime_flag_routes, spec_flags
 
 SLIME_FLAGS = Path(__file__).resolve().parent.parent / "docs" / "slime_flags.tsv"
 MISSING = "MISSING"

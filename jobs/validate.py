@@ -12,11 +12,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs import engine_groups, step_options
-from jobs.contract import Phase
+from contract import engine_groups, step_options
+from contract.job_dir import Phase
 from jobs.hetjob import het_groups
-from jobs.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
-from jobs.spec_loading import spec_flags
+from contract.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
+from contract.spec_loading import spec_flags
 
 
 @dataclass(frozen=True)

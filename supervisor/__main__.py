@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from jobs.spec import SpecError
-from jobs.spec_loading import read_job_spec
+from contract.spec import SpecError
+from contract.spec_loading import read_job_spec
 from slurm.watchdog import watch_self
 
 
@@ -20,7 +20,7 @@ def main() -> int:
     if code is not None:
         return code
     # Imported in the child only: the watchdog stays small.
-    from jobs.contract import JobDir
+    from contract.job_dir import JobDir
     from supervisor.daemon import JobFailed, record_start_failure, start
 
     try:

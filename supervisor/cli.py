@@ -13,9 +13,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from jobs.contract import JobDir, read_heartbeat
-from jobs.control_protocol import Call, ControlClient, ControlError
-from jobs.spec import FaultToleranceSpec
+from contract.job_dir import JobDir, read_heartbeat
+from contract.control_protocol import Call, ControlClient, ControlError
+from contract.spec import FaultToleranceSpec
 from supervisor import slurm_jobs, status_view
 from supervisor.events import follow
 from supervisor.launcher import TRAINER

@@ -7,8 +7,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from jobs.contract import JobDir
-from jobs.spec import FaultToleranceSpec, JobSpec
+from contract.job_dir import JobDir
+from contract.spec import FaultToleranceSpec, JobSpec
 from rollout.engine_client import EngineClient
 from supervisor.engines import Engine, Membership
 from supervisor.events import EventLog

@@ -1,5 +1,5 @@
 """The control API's server: a unix socket in the job dir that only the job's owner can use
-(invariant 6). The calls, their arguments and the client are jobs/control_protocol.py.
+(invariant 6). The calls, their arguments and the client are contract/control_protocol.py.
 
 Two locks on the door: the socket file is 0600 from the moment it exists, and every connection's
 peer uid is checked with SO_PEERCRED (a file mode can be loosened; the kernel's peer credentials
@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
-from jobs.contract import JobDir
-from jobs.control_protocol import MAX_LINE, Call, CallerRun, ControlError, Request
+from contract.job_dir import JobDir
+from contract.control_protocol import MAX_LINE, Call, CallerRun, ControlError, Request
 
 Handler = Callable[..., dict[str, Any]]
 

@@ -1,4 +1,4 @@
-"""What the supervisor answers on its control socket (jobs/control_protocol.py): one handler per
+"""What the supervisor answers on its control socket (contract/control_protocol.py): one handler per
 call, in a table. Each runs in a connection's thread; the work that takes long goes to the pool."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from concurrent.futures import Executor
 from dataclasses import asdict
 from typing import Any
 
-from jobs.control_protocol import Call
+from contract.control_protocol import Call
 from supervisor.context import Ending, JobContext
 from rollout.engine_client import EngineError
 from supervisor.control import Handler

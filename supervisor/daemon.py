@@ -46,9 +46,9 @@ from pathlib import Path
 import submitit
 
 from ckpt_tools.tracker import read_tracker
-from jobs.contract import JobDir
-from jobs.control_protocol import CallerRun
-from jobs.spec import JobSpec
+from contract.job_dir import JobDir
+from contract.control_protocol import CallerRun
+from contract.spec import JobSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from slurm.watchdog import RESTARTS_ENV

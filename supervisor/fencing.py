@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import threading
 
-from jobs.contract import JobDir
-from jobs.control_protocol import RUN_ENV, recorded_run
+from contract.job_dir import JobDir
+from contract.control_protocol import RUN_ENV, recorded_run
 
 
 class Fenced(Exception):

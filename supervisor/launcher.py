@@ -9,15 +9,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from jobs import engine_groups
-from jobs.spec import JobSpec
-from jobs.step_options import srun_options, with_setup
+from contract import engine_groups
+from contract.spec import JobSpec
+from contract.step_options import srun_options, with_setup
 from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
 from supervisor import layout as layouts
 from supervisor import node_rank
 from supervisor.context import JobContext
 from supervisor.engines import HEALTHY, STARTING, Engine
-from jobs.contract import JOB_DIR_ENV
+from contract.job_dir import JOB_DIR_ENV
 from supervisor.keys import step_env
 from supervisor.layout import EnginePlace, Layout
 from supervisor.state import JobState, StepRecord

@@ -8,8 +8,8 @@ import socket
 import subprocess
 from dataclasses import dataclass, field, replace
 
-from jobs import engine_groups
-from jobs.spec import JobSpec
+from contract import engine_groups
+from contract.spec import JobSpec
 
 # Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + 10 + k
 # (HTTP) and, spanning nodes, base + 10 + engines + k (--dist-init-addr on its node 0), and a prefill
@@ -29,7 +29,7 @@ class EnginePlace:
     het_group: int
     gpus_per_node: int
     dist_init_port: int | None = None  # an engine of several nodes: its node 0's rendezvous port
-    role: str = "regular"  # regular, prefill or decode (jobs/engine_groups.py)
+    role: str = "regular"  # regular, prefill or decode (contract/engine_groups.py)
     bootstrap_port: int | None = None  # a prefill engine's KV bootstrap server, on its node 0
 
     @property

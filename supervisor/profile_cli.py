@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs.control_protocol import Call, ControlClient, ControlError
-from jobs.spec import FaultToleranceSpec
+from contract.control_protocol import Call, ControlClient, ControlError
+from contract.spec import FaultToleranceSpec
 from supervisor import slurm_jobs
 from supervisor.profiling import ROLLOUT, TRAIN
 

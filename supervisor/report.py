@@ -1,7 +1,7 @@
 """`slurmrl report JOB`: PNG plots of a job from its own files, written to JOB_DIR/report/:
 
 - reward.png: the mean reward and each eval set's score per rollout (metrics.jsonl);
-- phases.png: each rollout's time split by phase, stacked (jobs.contract.PHASE_TIMES; derived from
+- phases.png: each rollout's time split by phase, stacked (contract.PHASE_TIMES; derived from
   the loop's seconds for lines written before those names existed);
 - events.png: the supervisor's failures and recoveries (events.jsonl) on the job's time axis, one
   row per step, with each published weight version marked.
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobs.contract import PHASE_TIMES, JobDir, phase_times
-from jobs.spec import FaultToleranceSpec
+from contract.job_dir import PHASE_TIMES, JobDir, phase_times
+from contract.spec import FaultToleranceSpec
 from supervisor import slurm_jobs
 
 REWARD, PHASES, EVENTS = "reward.png", "phases.png", "events.png"

@@ -7,8 +7,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.contract import JobDir
-from jobs.spec_loading import jobs_root
+from contract.job_dir import JobDir
+from contract.spec_loading import jobs_root
 
 
 class JobNotFound(ValueError):

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
-from jobs.contract import JobDir, write_atomic
+from contract.job_dir import JobDir, write_atomic
 from supervisor.fencing import Fence
 STEP_KINDS = ("engine", "router", "trainer")
 STEP_STATES = ("starting", "waiting", "healthy", "unhealthy", "restarting", "failed", "stopped", "fenced")

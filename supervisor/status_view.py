@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jobs.contract import Heartbeat, Phase
+from contract.job_dir import Heartbeat, Phase
 
 _PHASE_WORDS = {Phase.START: "starting", Phase.TRAIN: "training", Phase.PUBLISH: "publishing", Phase.SAVE: "saving"}
 _LIVE = ("starting", "waiting", "healthy", "unhealthy")  # states in which a probe or beat is current

@@ -63,7 +63,7 @@ class StepSpec:
     overlap: bool = False  # share CPUs/GPUs already held by other steps (e.g. --colocate)
     workdir: str | None = None  # srun --chdir; default: the supervisor's
     env: Mapping[str, str] | None = None  # the step's whole environment; default: ours
-    options: tuple[str, ...] = ()  # more srun options: Pyxis's and the role's own (jobs/step_options.py)
+    options: tuple[str, ...] = ()  # more srun options: Pyxis's and the role's own (contract/step_options.py)
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name) or self.name in _SLURM_OWN_STEPS:

@@ -1,9 +1,9 @@
-"""What the supervisor judges from the trainer's files in the job dir (jobs/contract.py): how long
+"""What the supervisor judges from the trainer's files in the job dir (contract/job_dir.py): how long
 the trainer needs to reach its next rollout boundary and save there."""
 
 from __future__ import annotations
 
-from jobs.contract import JobDir, Metric, read_metrics
+from contract.job_dir import JobDir, Metric, read_metrics
 
 _STEP_SECONDS = (Metric.ROLLOUT_SECONDS, Metric.TRAIN_SECONDS, Metric.PUBLISH_SECONDS)
 _RECENT = 20  # metrics lines to look back over

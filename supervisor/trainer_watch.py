@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import Executor
 
-from jobs.contract import Phase, read_heartbeat, read_trainer_fatal
+from contract.job_dir import Phase, read_heartbeat, read_trainer_fatal
 from rollout.engine_client import EngineError
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engines import HEALTHY

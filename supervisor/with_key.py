@@ -10,7 +10,7 @@ import runpy
 import subprocess
 import sys
 
-from jobs.contract import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.control_protocol import Call
+from contract.control_protocol import Call
 from supervisor.control import Handler
 
 

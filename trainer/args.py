@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jobs.contract import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV
 from rollout.data import PROMPT_SUFFIXES
 from rollout.rewards import DICT_REWARDS
 from trainer.args_parser import _MODEL_FLAGS, ArgsError, _Parser, build_parser, refused

@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adam-beta2", type=float, default=0.999, help="Megatron's default, as in slime")
     add("--adam-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, default=1.0)
-    # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron_optimizer)
+    # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron.optimizer)
     add("--optimizer", choices=("adam", "sgd"), default="adam", help="adam: AdamW (decoupled weight decay), as megatron's")
     add("--sgd-momentum", type=float, default=0.9)
     add("--use-distributed-optimizer", action="store_true", default=True,

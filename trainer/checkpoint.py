@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ckpt_tools.torch_dist import read_metadata
 from ckpt_tools.tracker import TRACKER, iteration_dirname, read_tracker, write_tracker
-from jobs.contract import fsync_dir, write_atomic
+from contract.job_dir import fsync_dir, write_atomic
 from trainer.save_space import NoSpaceLeft, check_room, is_disk_full, no_space
 
 log = logging.getLogger(__name__)

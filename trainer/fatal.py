@@ -1,5 +1,5 @@
 """Errors that a restart of the trainer would only repeat (a full disk under --save...). The
-trainer ends with the error as its fatal reason in the job dir (jobs/contract.py) and a distinct
+trainer ends with the error as its fatal reason in the job dir (contract/job_dir.py) and a distinct
 exit code; the supervisor then fails the job with that reason instead of spending its restarts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from jobs.contract import TRAINER_FATAL_EXIT, JobDir, write_trainer_fatal
+from contract.job_dir import TRAINER_FATAL_EXIT, JobDir, write_trainer_fatal
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from jobs.contract import JobDir, Metric, Phase, phase_times
-from jobs.control_protocol import CallerFenced, superseded
-from jobs.spec import FaultToleranceSpec
-from jobs.spec_loading import spec_from_yaml
+from contract.job_dir import JobDir, Metric, Phase, phase_times
+from contract.control_protocol import CallerFenced, superseded
+from contract.spec import FaultToleranceSpec
+from contract.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.eval import Evaluator, pass_at_k

@@ -1,13 +1,13 @@
 """The trainer's reports: one stdout line and one metrics.jsonl line per rollout (its eval numbers
 included), TensorBoard scalars at step rollout_id, W&B with --use-wandb (trainer/wandb_log.py), and
-the heartbeat the supervisor watches (the files are jobs/contract.py's)."""
+the heartbeat the supervisor watches (the files are contract/job_dir.py's)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from jobs.contract import JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
+from contract.job_dir import JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
 from trainer.wandb_log import WandbRun
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools.hf_checkpoint import IGNORED_SUFFIXES, HFCheckpoint
-from jobs.contract import Metric, Phase
+from contract.job_dir import Metric, Phase
 from trainer import save_now
 from trainer.loop import Driver, before_train, eval_due
 

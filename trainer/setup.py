@@ -28,7 +28,7 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
         backend = FSDPBackend.from_args(args)
         return Loop(args, backend), None, None
     # Imported only when chosen: the fsdp backend runs without megatron-core installed.
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(args, hf_config)
     initial = initial_weights(args, backend.rank == 0, backend.cpu_group)

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jobs.contract import JobDir
-from jobs.control_protocol import Call, CallerFenced, ControlClient, ControlError, SupervisorUnreachable
-from jobs.spec import FaultToleranceSpec
+from contract.job_dir import JobDir
+from contract.control_protocol import Call, CallerFenced, ControlClient, ControlError, SupervisorUnreachable
+from contract.spec import FaultToleranceSpec
 
 log = logging.getLogger(__name__)
 

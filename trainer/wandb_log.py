@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from jobs.contract import JobDir, write_atomic
+from contract.job_dir import JobDir, write_atomic
 
 log = logging.getLogger(__name__)
 

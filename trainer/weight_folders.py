@@ -14,7 +14,7 @@ import torch
 
 from ckpt_tools.convert import HF_SIDE_FILES
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
-from jobs.contract import fsync_dir
+from contract.job_dir import fsync_dir
 
 _PARTIAL = ".partial-"  # marks a hidden folder still being written (or being removed)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from jobs.contract import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 

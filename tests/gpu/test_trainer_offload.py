@@ -58,7 +58,7 @@ def _backend(kind: str, model: Path, ckpt: Path):
         dist_env.init_process_group()
         return FSDPBackend(model, lr=1e-2, batching=Batching(dynamic=True, max_tokens=24), dtype=torch.float32), 100
     from trainer.args import build_parser, validate
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import psutil
 import requests
 
-from jobs.contract import JobDir
+from contract.job_dir import JobDir
 from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key

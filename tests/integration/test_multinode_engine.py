@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from jobs.contract import JOB_DIR_ENV
+from contract.job_dir import JOB_DIR_ENV
 from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import SERVED, events, rollouts_done, status, submit
 from tests.slurm_helpers import wait_job_gone, wait_sacct_states

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import requests
 
-from jobs.contract import JobDir
+from contract.job_dir import JobDir
 from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key
 from tests.integration.test_rl_job import (

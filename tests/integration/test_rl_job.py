@@ -28,8 +28,8 @@ import psutil
 import requests
 
 from slurm.devcluster.daemons import wait_for
-from jobs.contract import PHASE_TIMES, JobDir
-from jobs.control_protocol import Call, ControlClient, ControlError
+from contract.job_dir import PHASE_TIMES, JobDir
+from contract.control_protocol import Call, ControlClient, ControlError
 from rollout.cpu_engine.scheduler import FORWARD_STEP
 from supervisor.keys import load_key
 from trainer.profiling import TRAIN_STEP

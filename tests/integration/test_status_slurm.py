@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs.contract import JobDir
+from contract.job_dir import JobDir
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import events, rollouts_done, submit

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs.spec import RolloutSpec, StepsSpec
+from contract.spec import RolloutSpec, StepsSpec
 from supervisor.steps import StepController
 from tests.supervisor import test_steps
 from tests.supervisor.test_step_options import site_launcher

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs.spec_loading import load_spec
+from contract.spec_loading import load_spec
 from supervisor.engines import Engine
 from supervisor.launcher import StepLauncher, engine_command
 from supervisor.steps import StepSpec, srun_argv

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import engine_groups
-from jobs.spec import SpecError
-from jobs.spec_loading import read_job_spec
+from contract import engine_groups
+from contract.spec import SpecError
+from contract.spec_loading import read_job_spec
 from jobs.submit import prepare
 from tests.jobs.helpers import job_flags
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jobs.sglang_args import parse_errors
-from jobs.spec import SpecError
+from contract.spec import SpecError
 from jobs.submit import prepare, render_script
 from jobs.validate import PartitionInfo
 from supervisor import layout

@@ -10,8 +10,8 @@ import pytest
 
 from jobs import cli, sglang_args
 from jobs.sglang_args import ParserUnavailable, parse_errors
-from jobs.spec import JobSpec, flag_value
-from jobs.spec_loading import finalize, load_spec
+from contract.spec import JobSpec, flag_value
+from contract.spec_loading import finalize, load_spec
 from rollout.launch import RouterLaunch, passthrough, router_command
 from supervisor import layout
 from supervisor.launcher import engine_command
@@ -129,7 +129,7 @@ def test_slimes_flags_in_the_yaml_sglang_args_are_routed_too(tmp_path: Path) -> 
     spec_file.write_text("rollout:\n  sglang_args: [--sglang-config, x.yaml, --sglang-dtype, float32]\n")
     spec, problems = load_spec(spec_file, job_flags(tmp_path, "yaml"))
     assert problems == []
-    assert spec.rollout.sglang_config == "x.yaml"  # slime's file, read at submission (jobs/engine_groups.py)
+    assert spec.rollout.sglang_config == "x.yaml"  # slime's file, read at submission (contract/engine_groups.py)
     assert spec.rollout.sglang_args == ["--sglang-dtype", "float32"]
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import submit_cli, validate
-from jobs.spec_loading import load_spec
+from jobs import validate, submit_cli
+from contract.spec_loading import load_spec
 from trainer.args import build_parser
 
 RECIPES = Path(__file__).parent / "slime_recipes"

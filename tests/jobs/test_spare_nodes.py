@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.spec import SpecError
+from contract.spec import SpecError
 from jobs.submit import prepare, render_script
 from jobs.validate import PartitionInfo
 from tests.jobs.helpers import job_flags

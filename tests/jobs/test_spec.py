@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.spec import SpecError, flag_value, parse_slurm_time
-from jobs.spec_loading import finalize, load_spec, spec_from_yaml
+from contract.spec import SpecError, flag_value, parse_slurm_time
+from contract.spec_loading import finalize, load_spec, spec_from_yaml
 from jobs.submit import prepare, render_script
 from jobs.validate import PartitionInfo
 from tests.jobs.helpers import job_files, job_flags

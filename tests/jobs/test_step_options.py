@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import step_options
-from jobs.spec import StepsSpec
-from jobs.spec_loading import load_spec, spec_from_yaml
+from contract import step_options
+from contract.spec import StepsSpec
+from contract.spec_loading import load_spec, spec_from_yaml
 from jobs.validate import validate
 from tests.jobs.helpers import job_flags
 

@@ -17,8 +17,8 @@ import cloudpickle
 import pytest
 
 from jobs import cli
-from jobs.contract import JobDir
-from jobs.spec_loading import spec_from_yaml
+from contract.job_dir import JobDir
+from contract.spec_loading import spec_from_yaml
 from jobs.submit import make_executor, prepare, submit
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for

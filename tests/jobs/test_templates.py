@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.spec_loading import read_job_spec
+from contract.spec_loading import read_job_spec
 from jobs.submit import prepare, render_script
 from jobs.validate import PartitionInfo
 from slurm.devcluster import DevCluster

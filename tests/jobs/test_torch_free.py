@@ -32,7 +32,7 @@ def _imported(python_args: list[str]) -> set[str]:
     ["-m", "rollout", "--help"],
     ["-m", "ckpt_tools", "--help"],
     ["-m", "slurm.devcluster", "--help"],
-    ["-c", "import jobs.spec, jobs.spec_loading, jobs.contract, jobs.control_protocol"],
+    ["-c", "import contract.spec, contract.spec_loading, contract.job_dir, contract.control_protocol"],
     ["-c", "import supervisor.cli"],
     ["-c", "import ckpt_tools.tracker"],
     ["-c", "import supervisor.daemon"],

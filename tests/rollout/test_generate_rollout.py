@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from jobs.contract import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV
 from slime.utils import http_utils
 
 

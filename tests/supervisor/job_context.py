@@ -7,8 +7,8 @@ import queue
 import threading
 from pathlib import Path
 
-from jobs.contract import JobDir
-from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
+from contract.job_dir import JobDir
+from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from supervisor.context import JobContext

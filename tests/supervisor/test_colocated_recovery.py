@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobs.spec import FaultToleranceSpec, JobSpec, RolloutSpec
+from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from slurm.devcluster.daemons import wait_for
 from supervisor import adoption
 from supervisor.context import Ending, JobContext

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import JobDir
-from jobs.control_protocol import Call, ControlClient, ControlError
+from contract.job_dir import JobDir
+from contract.control_protocol import Call, ControlClient, ControlError
 from supervisor.control import ControlServer
 from tests.control_helpers import handler_table
 

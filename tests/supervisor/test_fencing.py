@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import JobDir
-from jobs.control_protocol import (
+from contract.job_dir import JobDir
+from contract.control_protocol import (
     Call,
     CallerFenced,
     CallerRun,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import API_KEY_ENV as ENV_VAR
-from jobs.contract import JobDir
+from contract.job_dir import API_KEY_ENV as ENV_VAR
+from contract.job_dir import JobDir
 from supervisor.keys import create_key, load_key, redact, step_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from jobs.hetjob import het_groups
-from jobs.spec import JobSpec, RolloutSpec
+from contract.spec import JobSpec, RolloutSpec
 from supervisor import layout, node_rank
 from supervisor.engines import Engine
 from supervisor.launcher import engine_command

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.control_protocol import Call, ControlClient
+from contract.control_protocol import Call, ControlClient
 from slurm.devcluster.daemons import wait_for
 from supervisor.control import ControlServer
 from supervisor.engines import FAILED

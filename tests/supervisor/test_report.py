@@ -14,7 +14,7 @@ import pytest
 from matplotlib.image import imread
 
 from jobs import cli
-from jobs.contract import JobDir
+from contract.job_dir import JobDir
 from supervisor.report import EVENTS, PHASES, REWARD, write_report
 
 DATA = Path(__file__).parent / "data" / "report"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import JobDir
-from jobs.spec import JobSpec, RolloutSpec
+from contract.job_dir import JobDir
+from contract.spec import JobSpec, RolloutSpec
 from supervisor.daemon import JobFailed, start
 
 ROOT = Path(__file__).resolve().parents[2]

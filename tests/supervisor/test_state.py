@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import contract
-from jobs.contract import JobDir
+from contract import job_dir as contract
+from contract.job_dir import JobDir
 from supervisor.state import JobState, StateStore, StepRecord, read_state
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import Heartbeat, JobDir, Phase, write_heartbeat
+from contract.job_dir import Heartbeat, JobDir, Phase, write_heartbeat
 from supervisor.cli import event_line, since_time
 from supervisor.events import EventLog
 from supervisor.state import StateStore, StepRecord

@@ -1,4 +1,4 @@
-"""The job spec's `steps` section in every srun the supervisor issues (jobs/step_options.py): the
+"""The job spec's `steps` section in every srun the supervisor issues (contract/step_options.py): the
 Pyxis options of each role's image, the role's extra srun options and its setup lines, for the
 router, the engines (one node and several), the trainer, and their relaunches (an engine's
 recovery, on its node or a spare; an in-job trainer restart). The devcluster has no Pyxis: these
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from jobs.contract import JobDir
-from jobs.spec import JobSpec, RolloutSpec, StepsSpec, TrainerSpec
+from contract.job_dir import JobDir
+from contract.spec import JobSpec, RolloutSpec, StepsSpec, TrainerSpec
 from supervisor.context import JobContext
 from supervisor.engines import Engine
 from supervisor.events import EventLog

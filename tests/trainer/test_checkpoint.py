@@ -31,7 +31,7 @@ from tests.ckpt_tools.tiny_hf import _COMMON, make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
 from trainer import checkpoint
 from trainer.checkpoint import MANIFEST, CheckpointError, find_loadable
-from trainer.megatron_state import _rng_states, load_megatron, save_megatron
+from trainer.megatron.state import _rng_states, load_megatron, save_megatron
 
 # Attention dropout draws from megatron's model-parallel RNG tracker: a resume that lost the
 # tracker's state would train differently.
@@ -195,7 +195,7 @@ def test_resume_is_exact_tp2(tmp_path: Path, lone_process_group, caplog) -> None
     assert {"__0_0.distcp", "__1_0.distcp"} <= json.loads((folder / MANIFEST).read_text())["files"].keys()
     # The TP=2 checkpoint resumes at TP=1: model and optimizer reshard, RNG states cannot.
     model, optimizer = _new_run(seed=3, tp=1)
-    with caplog.at_level(logging.WARNING, logger="trainer.megatron_state"):
+    with caplog.at_level(logging.WARNING, logger="trainer.megatron.state"):
         assert load_megatron(folder, model, optimizer) == {"rollout_id": 2}
     assert "no RNG states for this rank's (pp, tp, dp) position (0, 0, 0) in (1, 1, 1)" in caplog.text
     assert all(float(s["step"]) == 2 for s in optimizer.state.values())

@@ -45,7 +45,7 @@ def test_tensors_that_do_not_tile_one_run_have_no_span() -> None:
 def _reduce_worker(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    from trainer.megatron_backend import _all_reduce_sum
+    from trainer.megatron.backend import _all_reduce_sum
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -1,4 +1,4 @@
-"""SDPAttention (trainer.megatron_attention) computes what megatron's local attention computes.
+"""SDPAttention (trainer.megatron.attention) computes what megatron's local attention computes.
 
 Both specs load the same weights (a tiny random Qwen3: 2 layers, hidden 64, 4 heads, 2 query
 groups, qk-layernorm, fp32) from one torch_dist checkpoint; the local spec with an explicit causal
@@ -26,7 +26,7 @@ from ckpt_tools.megatron_model import (
 )
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
-from trainer.megatron_attention import gpt_layer_spec
+from trainer.megatron.attention import gpt_layer_spec
 
 ATOL = 1e-5  # float32 throughout; only the order of sums differs
 LENGTHS = (5, 11, 8)  # one packed row of three samples

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
             ckpt: Path, out: Path) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from trainer.megatron_backend import (
+    from trainer.megatron.backend import (
         MegatronBackend,  # imports megatron: only in the workers
     )
 

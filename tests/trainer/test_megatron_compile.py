@@ -1,4 +1,4 @@
-"""--torch-compile (trainer/megatron_compile.py): megatron-core's row-parallel linear compiles into
+"""--torch-compile (trainer/megatron/compile.py): megatron-core's row-parallel linear compiles into
 one graph once its default-group lookup no longer warns; with megatron's own lookup it breaks."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from megatron.core.tensor_parallel import layers
 from megatron.core.transformer import TransformerConfig
 
 from ckpt_tools import megatron_compat
-from trainer import megatron_compile
+from trainer.megatron import compile as megatron_compile
 
 megatron_compat.apply()
 

@@ -51,7 +51,7 @@ def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ck
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from trainer import checkpoint, dist_env
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",

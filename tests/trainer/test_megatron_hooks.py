@@ -28,7 +28,7 @@ HOOKS = "tests.trainer.megatron_hooks"
 def _worker(rank: int, port: int, model: Path, ckpt: Path, out: Path) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from trainer.backend import NonFiniteGradient
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data",

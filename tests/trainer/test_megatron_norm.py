@@ -8,7 +8,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from ckpt_tools import megatron_compat
-from trainer.megatron_norm import HiddenStateNorm
+from trainer.megatron.norm import HiddenStateNorm
 
 megatron_compat.apply()
 

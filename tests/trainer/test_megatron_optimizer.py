@@ -1,4 +1,4 @@
-"""The megatron backend's optimizer (trainer.megatron_optimizer) in two gloo processes (DP=2) on
+"""The megatron backend's optimizer (trainer.megatron.optimizer) in two gloo processes (DP=2) on
 a tiny Qwen3: the distributed optimizer keeps each parameter's state on one data-parallel rank
 only, and a checkpoint (save, then load in fresh processes) resumes exactly: one more step equals
 the uninterrupted run's, with Adam at the same layout and with SGD (momentum) at DP=1; and with bf16
@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from trainer import checkpoint, dist_env
-    from trainer.megatron_backend import MegatronBackend
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data",

@@ -1,4 +1,4 @@
-"""The packed-row RoPE (trainer/megatron_rope.py) is megatron's own thd rotation, without its
+"""The packed-row RoPE (trainer/megatron/rope.py) is megatron's own thd rotation, without its
 per-sample loop: the same numbers for the same packed row, and the table comes out per token only
 while positions are set."""
 
@@ -14,7 +14,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from ckpt_tools import megatron_compat
-from trainer import megatron_rope
+from trainer.megatron import rope as megatron_rope
 
 megatron_compat.apply()  # megatron's rotary table asks for the CUDA device: on a CPU torch, the CPU
 

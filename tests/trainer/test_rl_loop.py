@@ -27,7 +27,7 @@ import pytest
 import requests
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jobs.contract import PHASE_TIMES
+from contract.job_dir import PHASE_TIMES
 from rollout import debug_data
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from jobs.contract import JobDir
-from jobs.control_protocol import Call, ControlError, SupervisorUnreachable
+from contract.job_dir import JobDir
+from contract.control_protocol import Call, ControlError, SupervisorUnreachable
 from supervisor.control import ControlServer
 from tests.control_helpers import handler_table
 from trainer.supervisor_link import SupervisorLink

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.contract import JobDir
+from contract.job_dir import JobDir
 from rollout.tiny_model import write_tiny_model
 from slurm.devcluster.daemons import wait_for
 from trainer.args import ArgsError, parse_args

@@ -1,5 +1,5 @@
 """The megatron backend: a megatron-core GPTModel (TP/SP/EP/DP), packed micro-batches, and a
-torch optimizer sharded over data-parallel ranks (trainer.megatron_optimizer).
+torch optimizer sharded over data-parallel ranks (trainer.megatron.optimizer).
 
 Runs on CPU through gloo (ckpt_tools.megatron_compat) and on GPU through NCCL. Parameters are fp32,
 or with --bf16 bf16 (as megatron's --bf16: the model built in bf16) with fp32 gradients
@@ -30,15 +30,16 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
-from trainer import context_parallel, main_grads, megatron_pipeline, megatron_state
+from trainer import context_parallel, main_grads
+from trainer.megatron import pipeline as megatron_pipeline, state as megatron_state
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.lr_schedule import lr_lambda
-from trainer.megatron_attention import gpt_block_spec
-from trainer.megatron_compile import compile_layers
-from trainer.megatron_optimizer import ShardedOptimizer
-from trainer.megatron_rope import PackedRope
+from trainer.megatron.attention import gpt_block_spec
+from trainer.megatron.compile import compile_layers
+from trainer.megatron.optimizer import ShardedOptimizer
+from trainer.megatron.rope import PackedRope
 from trainer.offload import Offloadable
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.token_stats import log_probs_and_entropy

@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_block import (
 from torch import Tensor
 
 from trainer.context_parallel import cp_attention
-from trainer.megatron_norm import HeadNorm, HiddenStateNorm
+from trainer.megatron.norm import HeadNorm, HiddenStateNorm
 
 try:  # flash-attention varlen kernel (torch >= 2.10); CUDA with 16-bit inputs only
     from torch.nn.attention.varlen import varlen_attn
@@ -122,7 +122,7 @@ class SDPAttention(MegatronModule):
 
 def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: AttentionKind) -> ModuleSpec:
     """The GPTModel layer spec (RMSNorm, local linears): megatron's local spec with norms that also
-    run under sequence parallelism (trainer.megatron_norm), and its core attention replaced by
+    run under sequence parallelism (trainer.megatron.norm), and its core attention replaced by
     SDPAttention when attention == "sdpa"."""
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from jobs.spec import JobSpec
+from contract.spec import JobSpec
 
 REGULAR, PREFILL, DECODE = "regular", "prefill", "decode"
 ROLES = (REGULAR, PREFILL, DECODE)

@@ -1,5 +1,5 @@
 """What the site adds to every srun step the supervisor launches (the job spec's `steps` section,
-jobs/spec.py StepsSpec): a container through Pyxis (--container-image/-mounts/-workdir, one image
+contract/spec.py StepsSpec): a container through Pyxis (--container-image/-mounts/-workdir, one image
 per role), the role's extra srun options, and shell setup lines run before the step's command.
 Rendering here (the supervisor calls it for each launch and relaunch), and the checks at submission.
 
@@ -14,7 +14,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from jobs.spec import PATH_FLAGS, ROLES, JobSpec, StepsSpec, flag_value
+from contract.spec import PATH_FLAGS, ROLES, JobSpec, StepsSpec, flag_value
 
 # srun options slurmrl sets on every step itself (supervisor/steps.py srun_argv), or that would take
 # the step out of its hands: option -> what to do instead. Short forms map to their long names.

@@ -37,7 +37,7 @@ from megatron.core.models.gpt import GPTModel
 
 from ckpt_tools.torch_dist import read_metadata
 from trainer.checkpoint import process_rng_state, set_process_rng_state
-from trainer.megatron_optimizer import ShardedOptimizer
+from trainer.megatron.optimizer import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """The job-dir contract: what the trainer, the supervisor, the engines and the CLI share through a
 job's directory and environment, in one place. Torch-free; imports nothing of slurmrl.
 
-    JOB_DIR/spec.yaml                 the job spec (jobs/spec.py), final as submitted
+    JOB_DIR/spec.yaml                 the job spec (contract/spec.py), final as submitted
     JOB_DIR/slurm_job_id              SLURM's id of the job
     JOB_DIR/submitit/                 Submitit's pickles and the batch step's logs
     JOB_DIR/api_key                   the per-job key (0600), reaching steps as $SLURMRL_API_KEY
-    JOB_DIR/control.sock              the supervisor's control socket (jobs/control_protocol.py)
+    JOB_DIR/control.sock              the supervisor's control socket (contract/control_protocol.py)
     JOB_DIR/supervisor_state.json     the supervisor's state store (what `slurmrl status` reads)
     JOB_DIR/events.jsonl              the supervisor's events, one JSON line each
     JOB_DIR/trainer_heartbeat.json    the trainer's phase and when it last moved (Heartbeat)

@@ -13,7 +13,7 @@ fp32 master weights: the torch optimizer updates fp32 parameters. Where the mode
 stay on the device those are the model's own; with --bf16 parameters (trainer.main_grads) or
 --optimizer-cpu-offload they are fp32 copies ("masters"), which take the fp32 gradients before the
 step and give the new values back after it (rounded to bf16 where the model is bf16), as megatron's
-mixed-precision optimizer does. The checkpoint keeps the masters (trainer.megatron_state).
+mixed-precision optimizer does. The checkpoint keeps the masters (trainer.megatron.state).
 
 --optimizer-cpu-offload: the masters live in pinned host memory; the gradients go to the host
 before the step and the new values back after it. With --overlap-cpu-optimizer-d2h-h2d the copies

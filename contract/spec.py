@@ -1,5 +1,5 @@
 """The job spec: dataclasses grouped by concern, read from a YAML file and/or slime-style flags
-(flags override the file; the reading is jobs/spec_loading.py). Torch-free.
+(flags override the file; the reading is contract/spec_loading.py). Torch-free.
 
 YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollout):
 
@@ -41,7 +41,7 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
     fault_tolerance:
       use_fault_tolerance: true
       ...                           # see FaultToleranceSpec: every wait of the job is one of its fields
-    steps:                          # how every srun step runs on the site (jobs/step_options.py)
+    steps:                          # how every srun step runs on the site (contract/step_options.py)
       container_image: null         # Pyxis image of every step; trainer_/engine_/router_container_image per role
       container_mounts: [/lustre:/lustre, "/models:/models:ro"]   # SRC:DST[:FLAGS], with an image only
       container_workdir: null       # the steps' working directory inside the container
@@ -65,7 +65,7 @@ from typing import Any
 
 import yaml
 
-from jobs.contract import Phase, write_atomic
+from contract.job_dir import Phase, write_atomic
 
 ENGINES = ("sglang", "cpu")
 # Trainer flags naming files or folders: made absolute at submission (the steps run elsewhere).
@@ -129,7 +129,7 @@ class RolloutSpec:
     colocate: bool = False
     prefill_num_servers: int | None = None  # slime's: this many prefill engines, the rest decode
     sglang_config: str | None = None  # slime's SGLang config YAML (engine groups), read at submission
-    # resolved groups, `ROLE COUNT [FLAGS]` each (jobs/engine_groups.py); empty: all regular
+    # resolved groups, `ROLE COUNT [FLAGS]` each (contract/engine_groups.py); empty: all regular
     engine_groups: list[str] = field(default_factory=list, metadata={"flag": None})
     # slime's: None follows --colocate (on with it, off without); --offload sets both
     offload_train: bool | None = None
@@ -250,7 +250,7 @@ def _lines(flag: str) -> dict[str, str]:
 class StepsSpec:
     """How every srun step runs on the site: in a container through Pyxis (one image per role, the
     default image for the roles without one), with extra srun options per role, after shell setup
-    lines (module loads, exports). Rendered and checked by jobs/step_options.py."""
+    lines (module loads, exports). Rendered and checked by contract/step_options.py."""
 
     container_image: str | None = None
     trainer_container_image: str | None = None
@@ -293,7 +293,7 @@ class JobSpec:
     fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
     steps: StepsSpec = field(default_factory=StepsSpec)
 
-    # -- YAML (the job dir keeps spec.yaml; jobs/spec_loading.py reads it back) --
+    # -- YAML (the job dir keeps spec.yaml; contract/spec_loading.py reads it back) --
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -1,4 +1,4 @@
-"""Reading a job spec (jobs/spec.py) from YAML and slime-style flags, and filling in what the
+"""Reading a job spec (contract/spec.py) from YAML and slime-style flags, and filling in what the
 user left out at submission. Every problem is one line naming the field and the fix."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from jobs import engine_groups
-from jobs.contract import JobDir
-from jobs.spec import (
+from contract import engine_groups
+from contract.job_dir import JobDir
+from contract.spec import (
     PATH_FLAGS,
     ROLES,
     SECTIONS,
@@ -214,7 +214,7 @@ def route_slime_sglang_flags(spec: JobSpec) -> list[str]:
                 problems.append(f"{' '.join(group)}: needs one whole number of seconds above 0")
             else:
                 r.router_args = [*r.router_args, "--router-request-timeout-secs", number]
-        elif name == "--sglang-config":  # slime's engine groups YAML, not an SGLang flag (jobs/engine_groups.py)
+        elif name == "--sglang-config":  # slime's engine groups YAML, not an SGLang flag (contract/engine_groups.py)
             if len(values) != 1:
                 problems.append(f"{name}: takes one value (the YAML file), got {len(values)}")
             else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from jobs.contract import JobDir
+from contract.job_dir import JobDir
 
 MAX_LINE = 1 << 20  # bytes: the longest request or answer
 RUN_ENV = "SLURM_RESTART_COUNT"  # SLURM's restart count of the job: its run (unset before the first requeue)

@@ -1,0 +1,1 @@
+"""The Megatron-core backend: model, parallel layout, optimizer, checkpoint state."""
