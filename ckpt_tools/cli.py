@@ -29,7 +29,8 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
 
     to_td = actions.add_parser("hf-to-torch-dist", help="convert an HF safetensors folder into a Megatron save folder")
     to_td.add_argument("--hf", type=Path, required=True, help="HF model folder (config.json + safetensors)")
-    to_td.add_argument("--out", type=Path, required=True, help="new folder; gets iter_0000000/ (or release/) and the tracker")
+    to_td.add_argument("--out", type=Path, required=True,
+                       help="new folder; gets iter_0000000/ (or release/) and the tracker")
     to_td.add_argument("--release", action="store_true", help="write the release/ layout instead of iter_0000000/")
     to_td.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
                        help="pad the vocabulary to a multiple of N, as Megatron does (default %(default)s)")
@@ -37,10 +38,12 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     to_td.add_argument("--threads", type=int, default=4, help="parallel writer threads (default %(default)s)")
 
     to_hf = actions.add_parser("torch-dist-to-hf", help="convert a Megatron torch_dist checkpoint into HF safetensors")
-    to_hf.add_argument("--ckpt", type=Path, required=True, help="a save folder (with the tracker) or one iter_XXXXXXX folder")
+    to_hf.add_argument("--ckpt", type=Path, required=True,
+                       help="a save folder (with the tracker) or one iter_XXXXXXX folder")
     to_hf.add_argument("--ckpt-step", type=int, help="which iteration of the save folder (default: the tracker's)")
     to_hf.add_argument("--out", type=Path, required=True, help="new folder for the HF model")
-    to_hf.add_argument("--hf-config", type=Path, required=True, help="folder with the model's config.json (and tokenizer)")
+    to_hf.add_argument("--hf-config", type=Path, required=True,
+                       help="folder with the model's config.json (and tokenizer)")
     to_hf.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                        help="largest safetensors shard, as HF's max_shard_size: bytes or a number with a unit "
                             "(KB, MB, GB decimal; KiB, MiB, GiB binary); a larger tensor gets its own shard "

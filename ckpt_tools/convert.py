@@ -3,6 +3,7 @@ writer thread, output built in a temporary folder and renamed into place only wh
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -58,12 +59,17 @@ def _indices(rule: Rule, shape: ModelShape) -> list[tuple[int, ...]]:
     if not stack:
         return [()]
     if len(stack) == 1:
-        return [(l,) for l in range(stack[0])]
-    return [(l, e) for l in range(stack[0]) for e in range(stack[1])]
+        return [(layer,) for layer in range(stack[0])]
+    return [(layer, e) for layer in range(stack[0]) for e in range(stack[1])]
 
 
 def _hf_names(rule: Rule, index: tuple[int, ...]) -> list[str]:
     return rule.hf_names(*index) if index else rule.hf_names()
+
+
+def _read_as_megatron(hf: HFCheckpoint, rule: Rule, names: list[str], shape: ModelShape) -> torch.Tensor:
+    """One chunk's data: its HF tensors, read now, in Megatron's layout."""
+    return to_megatron(rule, hf.read(names), shape)
 
 
 def _prepare_out(out_dir: Path) -> Path:
@@ -99,7 +105,7 @@ def hf_to_torch_dist(hf_dir: Path, out_dir: Path, *, iteration: int | None = 0, 
             chunks.append(Chunk(
                 key=rule.megatron, global_shape=(*stack, *slice_shape), offsets=(*index, *[0] * len(slice_shape)),
                 sizes=(*[1] * len(stack), *slice_shape), dtype=out_dtype,
-                produce=lambda rule=rule, names=names: to_megatron(rule, hf.read(names), shape),
+                produce=functools.partial(_read_as_megatron, hf, rule, names, shape),
             ))
             if rule.linear:
                 module = rule.megatron.rsplit(".", 1)[0]

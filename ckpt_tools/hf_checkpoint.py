@@ -99,7 +99,7 @@ class HFCheckpoint:
         """Every HF tensor name a rule reads, over all layers and experts."""
         layers = range(self.shape.num_layers) if rule.per_layer else [None]
         experts = range(self.shape.num_experts) if rule.per_expert else [None]
-        return [n for l in layers for e in experts for n in rule.hf_names(l, e)]
+        return [n for layer in layers for e in experts for n in rule.hf_names(layer, e)]
 
     def read(self, names: list[str]) -> list[torch.Tensor]:
         """Load these tensors (each file opened per call, so threads may read in parallel)."""

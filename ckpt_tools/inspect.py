@@ -11,7 +11,7 @@ from ckpt_tools.torch_dist import read_metadata, tensor_entries
 from ckpt_tools.tracker import TRACKER, resolve_checkpoint
 
 
-def _size(nbytes: int) -> str:
+def _size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
             return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
@@ -23,7 +23,8 @@ def describe(path: Path) -> str:
     path = Path(path)
     if (path / "config.json").is_file() and not (path / ".metadata").exists():
         hf = HFCheckpoint(path)
-        rows = [(n, list(hf.shapes[n]), str(hf.dtypes[n]).removeprefix("torch."), hf.weight_map[n]) for n in sorted(hf.shapes)]
+        rows = [(n, list(hf.shapes[n]), str(hf.dtypes[n]).removeprefix("torch."), hf.weight_map[n])
+                for n in sorted(hf.shapes)]
         total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         head = [f"HF checkpoint {path}: {hf.shape.architecture}, {hf.shape.num_layers} layers, "
                 f"{len(rows)} tensors, {_size(total)}"]

@@ -49,7 +49,8 @@ class ModelShape:
             raise ValueError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
         experts = config.get("num_experts") or config.get("num_local_experts") or 0
-        if arch == "Qwen3MoeForCausalLM" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        mixed = config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1
+        if arch == "Qwen3MoeForCausalLM" and mixed:
             raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "
                              "which is not supported; every layer must be MoE")
         vocab = config["vocab_size"]
@@ -95,7 +96,8 @@ def rules(shape: ModelShape) -> list[Rule]:
     mlp = "model.layers.{l}.mlp."
     out = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, per_layer=False),
-        Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", ("model.layers.{l}.input_layernorm.weight",)),
+        Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+             ("model.layers.{l}.input_layernorm.weight",)),
         Rule("decoder.layers.self_attention.linear_qkv.weight",
              (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), QKV, linear=True),
     ]
@@ -110,7 +112,8 @@ def rules(shape: ModelShape) -> list[Rule]:
         expert = mlp + "experts.{e}."
         out += [
             # The local spec stores a MoE layer's pre-MLP norm under the dense name, too.
-            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.{l}.post_attention_layernorm.weight",)),
+            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight",
+                 ("model.layers.{l}.post_attention_layernorm.weight",)),
             Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",)),
             Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
                  (expert + "gate_proj.weight", expert + "up_proj.weight"), GATE_UP, per_expert=True, linear=True),
@@ -119,7 +122,8 @@ def rules(shape: ModelShape) -> list[Rule]:
         ]
     else:
         out += [
-            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", ("model.layers.{l}.post_attention_layernorm.weight",)),
+            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight",
+                 ("model.layers.{l}.post_attention_layernorm.weight",)),
             Rule("decoder.layers.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                  GATE_UP, linear=True),
             Rule("decoder.layers.mlp.linear_fc2.weight", (mlp + "down_proj.weight",), linear=True),

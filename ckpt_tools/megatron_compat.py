@@ -30,26 +30,33 @@ def apply() -> None:
     # TransformerEngine is absent (NameError, on a GPU too); None selects the torch path.
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        _patch(moe_utils, "te_general_gemm", None)
     if torch.cuda.is_available():
         return
     cuda = torch.cuda
     # dist_checkpointing preload/finalize and parallel_state synchronize; CPU ops are synchronous.
-    cuda.synchronize = lambda device=None: None
+    _patch(cuda, "synchronize", lambda device=None: None)
     # Used as `device=` for buffers (TP gathers, rotary inv_freq.to(...)): "cpu" is valid there.
-    cuda.current_device = lambda: "cpu"
+    _patch(cuda, "current_device", lambda: "cpu")
     # The RNG tracker forks (even with dropout 0) and seeds "cuda" generators: use the CPU one.
-    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    _patch(cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch(cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
     random = importlib.import_module("megatron.core.tensor_parallel.random")
-    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    _patch(random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    _patch(random, "_set_cuda_rng_state",
+           lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     # Pipeline parallelism: tied embeddings move the last stage's copy with .cuda() before their
     # first all-reduce (a CPU-only torch cannot run .cuda() at all, so nothing else changes) ...
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _patch(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
     # ... and the pipeline schedules count tokens in a tensor they create on "cuda" by name.
     schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
-    schedules.torch = _TorchOnCpu()
+    _patch(schedules, "torch", _TorchOnCpu())
+
+
+def _patch(owner: object, name: str, replacement: object) -> None:
+    """owner.name = replacement. Through setattr, as the replacements do not have the originals'
+    types on purpose ("cpu" for a device index, the CPU generator for CUDA's)."""
+    setattr(owner, name, replacement)
 
 
 class _TorchOnCpu:

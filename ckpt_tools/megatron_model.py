@@ -161,7 +161,7 @@ def load_torch_dist(model: GPTModel, ckpt_dir: str | os.PathLike) -> None:
 
 
 @torch.no_grad()
-def megatron_logits(model: GPTModel, input_ids: torch.LongTensor) -> torch.Tensor:
+def megatron_logits(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits [B, S, V] (gathered over TP, padding trimmed), on the CPU wherever the
     model runs, to compare with a reference there; call on every TP rank."""
     model.eval()

@@ -91,7 +91,7 @@ class StreamingSafetensorsWriter:
                 raise RuntimeError(f"tensor {name} is not planned or was written twice")
             self._written.add(name)
         fd, offset, size = self._where[name]
-        data = memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())  # the buffer itself: no copy
+        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy().data  # the buffer itself: no copy
         if len(data) != size:
             raise RuntimeError(f"tensor {name} has {len(data)} bytes, its header says {size}")
         while data:

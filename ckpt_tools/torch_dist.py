@@ -94,6 +94,8 @@ class _ChunkSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._bytes[write_item.index.fqn])
+        if write_item.index.offset is None:
+            raise RuntimeError(f"write item {write_item.index.fqn}: a tensor without its offset")
         chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
         tensor = chunk.produce().to(chunk.dtype).reshape(chunk.sizes).contiguous()
         self._on_written(chunk.nbytes)

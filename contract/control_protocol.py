@@ -27,7 +27,7 @@ class Call(str, Enum):
     STATUS = "status"                # CLI: the job's state -> {"state": {...}}
     RESTART = "restart"              # CLI: restart one step -> {"restarting": target}
     STOP = "stop"                    # CLI: save at the next rollout boundary, then end
-    READY_ENGINES = "ready_engines"  # trainer: engines that get the next version -> {"engines": [url], "starting": bool}
+    READY_ENGINES = "ready_engines"  # trainer: engines to get the next version -> {"engines": [url], "starting": bool}
     PUBLISHED = "published"          # trainer: a version went out (to `updated`; `fenced` failed)
     ENGINE_FAILED = "engine_failed"  # trainer: a request to an engine failed
     ENGINE_UNRESPONSIVE = "engine_unresponsive"  # trainer: requests time out or do not parse; probes may pass
@@ -92,7 +92,9 @@ def superseded(job_dir: JobDir) -> bool:
     """Whether this process belongs to an older run of its job than the job dir's newest (SLURM
     requeued the job without it, e.g. its node was cut off): then it must write nothing there."""
     run = CallerRun.here()
-    recorded = recorded_run(job_dir, run.job_id) if run is not None else None
+    if run is None:
+        return False
+    recorded = recorded_run(job_dir, run.job_id)
     return recorded is not None and recorded > run.run
 
 

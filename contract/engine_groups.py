@@ -54,7 +54,7 @@ def groups(spec: JobSpec) -> list[EngineGroup]:
     if r.engine_groups:
         return [EngineGroup.parse(text) for text in r.engine_groups]
     if r.prefill_num_servers:
-        return [EngineGroup(PREFILL, r.prefill_num_servers), EngineGroup(DECODE, r.engine_count - r.prefill_num_servers)]
+        return _pd_split(r.prefill_num_servers, r.engine_count)
     return [EngineGroup(REGULAR, r.engine_count)]
 
 
@@ -83,7 +83,7 @@ def resolve(spec: JobSpec) -> list[str]:
     if r.sglang_config:
         found, problems = read_sglang_config(Path(r.sglang_config), spec)
     elif r.prefill_num_servers is not None:
-        found, problems = _from_prefill_num_servers(spec), []
+        found, problems = _pd_split(r.prefill_num_servers, r.engine_count), []
     else:
         return []
     problems = problems or _pd_problems(found, "--sglang-config" if r.sglang_config else "--prefill-num-servers")
@@ -92,9 +92,9 @@ def resolve(spec: JobSpec) -> list[str]:
     return problems
 
 
-def _from_prefill_num_servers(spec: JobSpec) -> list[EngineGroup]:
-    n, total = spec.rollout.prefill_num_servers, spec.rollout.engine_count
-    return [EngineGroup(PREFILL, n), EngineGroup(DECODE, total - n)]
+def _pd_split(prefill: int, total: int) -> list[EngineGroup]:
+    """--prefill-num-servers: that many prefill engines, the rest of the job's decode ones."""
+    return [EngineGroup(PREFILL, prefill), EngineGroup(DECODE, total - prefill)]
 
 
 def _pd_problems(found: list[EngineGroup], where: str) -> list[str]:
@@ -149,13 +149,14 @@ def _model_groups(model: Any, spec: JobSpec, where: str) -> tuple[list[EngineGro
     if not isinstance(raw_groups, list) or not raw_groups:
         return [], [f"{where}.server_groups: needs a list of groups (worker_type, num_gpus)"]
     default_per_engine = model.get("num_gpus_per_engine") or r.rollout_num_gpus_per_engine
-    found, problems = [], []
+    found: list[EngineGroup] = []
+    problems: list[str] = []
     for i, raw in enumerate(raw_groups):
         group, problem = _group(raw, default_per_engine, spec, f"{where}.server_groups[{i}]")
-        if problem:
-            problems.append(problem)
-        else:
+        if group is not None:
             found.append(group)
+        elif problem:
+            problems.append(problem)
     if problems:
         return [], problems
     gpus = sum(g.count for g in found) * r.rollout_num_gpus_per_engine

@@ -195,7 +195,8 @@ class FaultToleranceSpec:
 
     use_fault_tolerance: bool = False
     rollout_health_check_first_wait: float = 300.0  # after an engine's launch: failed probes do not count yet
-    rollout_health_check_interval: float = 10.0     # between two probe cycles of every engine (a suspect one: see HealthTracker.next_cycle)
+    # between two probe cycles of every engine (a suspect one: see HealthTracker.next_cycle)
+    rollout_health_check_interval: float = 10.0
     rollout_health_check_timeout: float = 5.0       # one /health_generate probe (and /model_info)
     health_check_failure_threshold: int = 3         # failed probes in a row that make an engine failed
     max_engine_restarts: int = 5        # per engine, in a row, before the crash-loop breaker gives up on it
@@ -371,12 +372,12 @@ def parse_slurm_time(value: str | int) -> int | None:
     m = _TIME.match(str(value).strip())
     if not m:
         return None
-    g = {k: int(v) if v is not None else None for k, v in m.groupdict().items()}
-    if g["d"] is not None:
-        seconds = g["d"] * 86400 + g["dh"] * 3600 + (g["dm"] or 0) * 60 + (g["ds"] or 0)
-    elif g["c"] is not None:
+    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}  # the groups matched
+    if "d" in g:
+        seconds = g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0)
+    elif "c" in g:
         seconds = g["a"] * 3600 + g["b"] * 60 + g["c"]
-    elif g["b"] is not None:
+    elif "b" in g:
         seconds = g["a"] * 60 + g["b"]
     else:
         seconds = g["a"] * 60

@@ -175,8 +175,8 @@ def apply_flags(spec: JobSpec, argv: list[str]) -> list[str]:
             if len(values) != 1:
                 # a list of options (steps.ROLE_srun_args): its tokens start with -- and would be flags of their own
                 options = str(f.type).startswith("list") and not f.metadata.get("items")
-                problems.append(f"{name}: takes one value, got {len(values)}"
-                                + (f"; give the options after '=': {name}='--cpu-bind=none --mem=0'" if options else ""))
+                hint = f"; give the options after '=': {name}='--cpu-bind=none --mem=0'" if options else ""
+                problems.append(f"{name}: takes one value, got {len(values)}{hint}")
                 continue
             value, problem = _convert(f, values[0], name)
             target = spec if section is None else getattr(spec, section)

@@ -97,9 +97,10 @@ def problems(steps: StepsSpec) -> list[str]:
         out.append("steps.container_python: empty; give the interpreter in the images (e.g. python3)")
     for role in ROLES:
         refused = refused_srun_options(steps.srun_args(role))
+        owners = [OWNED_SRUN[owned] for arg in refused if (owned := _long(arg))]
         if refused:
             out.append(f"steps.{role}_srun_args: {', '.join(refused)} set by slurmrl itself "
-                       f"({OWNED_SRUN[_long(refused[0])]}); remove them")
+                       f"({owners[0]}); remove them")
         if any(not line.strip() for line in steps.setup_lines(role)):
             out.append(f"steps.setup/{role}_setup: an empty line; drop it")
         elif steps.setup_lines(role):

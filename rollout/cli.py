@@ -12,7 +12,8 @@ from rollout import trace_view
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollout", description="the tiny model, the toy task's data and rollout traces")
+    parser = argparse.ArgumentParser(prog="python -m rollout",
+                                     description="the tiny model, the toy task's data and rollout traces")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -14,8 +14,8 @@ from rollout.data import DataError, read_prompt_rows
 
 CHECK_MAX_ROWS = 200_000  # rows read at submit; the rest is checked when the trainer reads the file
 CHECK_MAX_SECONDS = 20.0  # time spent reading at submit, whichever bound comes first
-MAX_REPORTED = 10
-_MAX_CHARS_PER_TOKEN = 64  # no tokenizer's token is longer: a prefix of limit x 64 chars decides "too long"  # bad rows named one per line; the count of the rest follows
+MAX_REPORTED = 10  # bad rows named one per line; the count of the rest follows
+_MAX_CHARS_PER_TOKEN = 64  # no tokenizer's token is longer: a prefix of limit x 64 chars decides "too long"
 
 
 def check_prompt_data(path: Path, *, input_key: str, label_key: str | None, metadata_key: str | None,
@@ -31,11 +31,13 @@ def check_prompt_data(path: Path, *, input_key: str, label_key: str | None, meta
         deadline = time.monotonic() + CHECK_MAX_SECONDS
         for where, row in rows:
             checked += 1
-            problem = row if isinstance(row, DataError) else None
-            if problem is None and lengths.over(row["prompt"], lengths.context):
+            problem: DataError | str | None = None
+            if isinstance(row, DataError):
+                problem = row
+            elif lengths.over(row["prompt"], lengths.context):
                 problem = (f"{where}: the prompt is longer than the model's context ({lengths.context} tokens, "
                            "max_position_embeddings); shorten or remove it")
-            elif problem is None and lengths.over(row["prompt"], max_prompt_len):
+            elif lengths.over(row["prompt"], max_prompt_len):
                 dropped.append(where)
             if problem is not None:
                 bad += 1

@@ -65,11 +65,11 @@ class EngineLaunch:
 
     def flags(self) -> list[str]:
         _check_owned(self.sglang_args, _ENGINE_OWNED, "sglang")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise LaunchError("a multi-node engine needs dist_init_addr (node-rank 0's host:port)")
         argv = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
                 "--tp-size", str(self.tp), "--base-gpu-id", str(self.base_gpu_id)]
         if self.nnodes > 1:
+            if not self.dist_init_addr:
+                raise LaunchError("a multi-node engine needs dist_init_addr (node-rank 0's host:port)")
             argv += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                      "--dist-init-addr", self.dist_init_addr]
         if self.api_key:

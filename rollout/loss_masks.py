@@ -48,7 +48,8 @@ class LossMaskGenerator:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         idx_1, idx_2 = _sublist_indices(ids, raw)
         end_interval = len(ids) - len(raw) - idx_2
-        gen_token_length = len(_ids(self.tokenizer, probe, add_special_tokens=False, add_generation_prompt=True)) - len(ids)
+        with_prompt = _ids(self.tokenizer, probe, add_special_tokens=False, add_generation_prompt=True)
+        gen_token_length = len(with_prompt) - len(ids)
         return idx_1 - ((idx_2 - idx_1) - end_interval - len(raw)), gen_token_length
 
     def get_loss_mask(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:

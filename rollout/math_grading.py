@@ -271,11 +271,10 @@ def grade_answer_verl(solution: str, ground_truth: Any) -> bool:
     """--rm-type math: the response's last \\boxed{} answer against the label."""
     if not ground_truth:
         return False
-    truth = str(ground_truth)
-    if "\\boxed" in truth:
-        truth = extract_answer(truth)
+    label = str(ground_truth)
+    truth = extract_answer(label) if "\\boxed" in label else label  # None: unbalanced, which no answer equals
     given = extract_answer(solution)
-    if given is None:
+    if given is None or truth is None:
         return False
     return grade_answer_mathd(given, truth) or grade_answer_sympy(given, truth)
 
@@ -294,9 +293,10 @@ def deepscaler_reward(response: str, label: Any) -> int:
         return 0
     if not isinstance(label, (str, float, int)):
         raise ValueError(f"deepscaler reward: the label must be a string or a number, got {type(label).__name__}")
-    truth: str | None = str(label)
+    truth = str(label)
     if "\\boxed" in truth:
-        truth = extract_answer(truth)
-        if truth is None:
+        boxed = extract_answer(truth)
+        if boxed is None:
             return 0
+        truth = boxed
     return int(grade_answer_mathd(answer, truth) or grade_answer_sympy(answer, truth))

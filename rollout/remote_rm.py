@@ -58,13 +58,14 @@ class RemoteRewardModel:
                 try:
                     async with self._session.post(self.url, json=payload) as response:
                         status, text = response.status, await response.text()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                except (aiohttp.ClientError, TimeoutError) as err:
                     last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
                     continue
             if status == 200:
                 return _parse(self.url, sample, text)
             if status < 500 and status != 429:
-                raise RemoteRewardError(f"--rm-url {self.url} refused sample {sample.index}: HTTP {status} {text[:200]}")
+                raise RemoteRewardError(f"--rm-url {self.url} refused sample {sample.index}: "
+                                        f"HTTP {status} {text[:200]}")
             last = f"HTTP {status} {text[:200]}"
         raise RemoteRewardError(f"--rm-url {self.url}: the reward server failed all {self.max_retries} attempts for "
                                 f"sample {sample.index} (last: {last}); check that it is up, or raise --rm-max-retries")

@@ -12,6 +12,7 @@ from typing import Any
 from rollout.dapo_grading import dapo_reward
 from rollout.math_grading import deepscaler_reward, extract_answer, grade_answer_verl
 
+
 def math_reward(response: str, label: Any) -> int:
     """slime's math: 1 if the response's last \\boxed{} answer equals the label (as MATH's
     normaliser or sympy sees it), else 0."""

@@ -22,7 +22,6 @@ import time
 
 import requests
 
-
 _LISTED_POLL_S = 0.1  # between two looks at the router's worker list
 
 
@@ -61,7 +60,7 @@ class RouterClient:
     def add_worker(self, url: str, api_key: str | None = None, worker_type: str = "regular",
                    bootstrap_port: int | None = None) -> str:
         """worker_type prefill/decode: a PD-mode router's worker (a prefill one with its bootstrap_port)."""
-        body = {"url": url, **({"api_key": api_key} if api_key else {})}
+        body: dict[str, str | int] = {"url": url, **({"api_key": api_key} if api_key else {})}
         if worker_type != "regular":
             body["worker_type"] = worker_type
         if bootstrap_port is not None:

@@ -21,7 +21,8 @@ def _generator(hf_checkpoint: str, loss_mask_type: str) -> LossMaskGenerator:
     return LossMaskGenerator(AutoTokenizer.from_pretrained(hf_checkpoint), loss_mask_type)
 
 
-def generate_rollout(args: Any, rollout_id: int, data_buffer: DataBuffer, evaluation: bool = False) -> list[list[Sample]]:
+def generate_rollout(args: Any, rollout_id: int, data_buffer: DataBuffer,
+                     evaluation: bool = False) -> list[list[Sample]]:
     if evaluation:
         raise ValueError("the SFT rollout has no eval: it generates nothing")
     generator = _generator(args.hf_checkpoint, getattr(args, "loss_mask_type", "qwen"))

@@ -63,7 +63,10 @@ def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     config = transformers.Qwen3Config(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        # transformers 5 moves the legacy rope_theta into rope_parameters; 4.x (pyproject allows
+        # >= 4.50) knows only rope_theta, so it is given as such.
+        rope_theta=1000000.0,  # type: ignore[call-arg]
         # Larger than HF's 0.02 so logits spread well beyond float noise: greedy decoding then
         # does not flip between batch shapes, and sampling is far from uniform.
         initializer_range=0.1,
@@ -72,7 +75,7 @@ def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     config.architectures = ["Qwen3ForCausalLM"]
     with torch.random.fork_rng(devices=[]):  # seed the weights without touching the caller's RNG
         torch.manual_seed(seed)
-        model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
+        model = transformers.Qwen3ForCausalLM(config).float()
     # A chat turn ends with <|im_end|>, a document with <|endoftext|>: stop on both, as Qwen does.
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=[vocab[IM_END], vocab[EOS]], pad_token_id=vocab[EOS])

@@ -155,7 +155,8 @@ const el = (tag, cls, parent) => { const e = document.createElement(tag); if (cl
   parent.appendChild(e); return e; };
 const tip = document.getElementById("tip");
 const describe = o => Object.entries(o).filter(([k, v]) => v !== null && v !== undefined && k !== "class")
-  .map(([k, v]) => k + ": " + (k === "start" || k === "end" || k === "time" ? (v - t0).toFixed(3) + " s" : v)).join("\\n");
+  .map(([k, v]) => k + ": " + (k === "start" || k === "end" || k === "time" ? (v - t0).toFixed(3) + " s" : v))
+  .join("\\n");
 const hover = (node, text) => { node.addEventListener("mousemove", ev => { tip.textContent = text;
   tip.style.display = "block"; tip.style.left = (ev.clientX + 12) + "px"; tip.style.top = (ev.clientY + 12) + "px"; });
   node.addEventListener("mouseleave", () => { tip.style.display = "none"; }); };
@@ -163,7 +164,8 @@ document.getElementById("title").textContent = "rollout " + data.rollout_id + ":
   " samples with spans (of " + data.samples + "), " + data.span_count + " spans, " + data.events.length + " events";
 const tail = data.rows.filter(r => r.tail).length;
 document.getElementById("summary").textContent = "rows sorted by end time; shaded rows (" + tail +
-  ") finished in the round's last tenth: the long tail. Round: " + width.toFixed(2) + " s. Red/green lines: failures/recoveries.";
+  ") finished in the round's last tenth: the long tail. Round: " + width.toFixed(2) +
+  " s. Red/green lines: failures/recoveries.";
 const legend = document.getElementById("legend");
 for (const k of data.kinds) { const s = el("span", "", legend); el("i", "k-" + k, s); s.append(k); }
 const chart = document.getElementById("chart");

@@ -17,7 +17,6 @@ fails the request (5xx, or finish_reason abort): the rollout side retries or con
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hmac
 import json
@@ -127,9 +126,12 @@ def prefill_only(seqs: list[Sequence]) -> None:
 
 def room_payload(seq: Sequence) -> dict[str, Any]:
     """What the decode engine needs from a finished prefill sequence."""
-    aborted = seq.finish_reason["type"] == "abort" or not seq.output_ids
+    finish = seq.finish_reason
+    if finish is None:
+        raise DisaggError(f"prefill sequence {seq.rid} has not finished")
+    aborted = finish["type"] == "abort" or not seq.output_ids
     return {"weight_version": seq.weight_version, "aborted": aborted,
-            "message": seq.finish_reason.get("message", ""),
+            "message": finish.get("message", ""),
             "token": None if aborted else seq.output_ids[0],
             "logprob": seq.output_logprobs[0] if seq.output_logprobs else None,
             # the sampler's state after the first draw: decode samples on as one engine would have
@@ -147,7 +149,7 @@ async def fetch_room(http: aiohttp.ClientSession, host: str, port: int, room: in
                     return await response.json()
                 if response.status != 404:
                     raise DisaggError(f"bootstrap server {host}:{port} answered {response.status} for room {room}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise DisaggError(f"the prefill engine's bootstrap server {host}:{port} is gone (room {room}): "
                               f"{err}") from None
     raise DisaggError(f"room {room} did not come from the prefill engine at {host}:{port} within "

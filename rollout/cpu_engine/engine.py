@@ -16,6 +16,8 @@ from rollout.cpu_engine.scheduler import Scheduler
 from rollout.weight_group import UpdateGroup
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from rollout.cpu_engine.node_link import NodeLink
 
 STARTING, UP, UNHEALTHY, SHUTTING_DOWN = "Starting", "Up", "UnHealthy", "ShuttingDown"
@@ -28,7 +30,7 @@ class EngineLoadError(Exception):
 @dataclass
 class Engine:
     args: ServerArgs
-    model: torch.nn.Module
+    model: PreTrainedModel
     codec: Codec
     scheduler: Scheduler
     context_len: int

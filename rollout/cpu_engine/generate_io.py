@@ -64,7 +64,8 @@ def parse_generate(body: Any, codec: Codec, vocab_size: int, context_len: int,
 
 
 def _prompts(body: dict, codec: Codec, vocab_size: int) -> tuple[list[list[int]], bool]:
-    text, input_ids = body.get("text"), body.get("input_ids")
+    text: Any = body.get("text")  # either, checked below
+    input_ids: Any = body.get("input_ids")
     if text is None and input_ids is None:
         raise _bad("Either text, input_ids or input_embeds should be provided.")
     if text is not None and input_ids is not None:

@@ -45,8 +45,9 @@ def forward_step(model: torch.nn.Module, new_tokens: list[list[int]],
     for b, (past, n) in enumerate(zip(pasts, new_lens)):
         layers = []
         for layer_idx, layer in enumerate(cache.layers):
-            new_k = layer.keys[b, :, P + N - n:]
-            new_v = layer.values[b, :, P + N - n:]
+            keys, values = _layer_kv(layer)
+            new_k = keys[b, :, P + N - n:]
+            new_v = values[b, :, P + N - n:]
             if past is None:
                 layers.append((new_k.clone(), new_v.clone()))
             else:
@@ -56,6 +57,15 @@ def forward_step(model: torch.nn.Module, new_tokens: list[list[int]],
     return out.logits[:, -1, :].float(), grown
 
 
+def _layer_kv(layer: object) -> LayerKV:
+    """A cache layer's keys and values [B, kv_heads, tokens, head_dim]: a plain decoder's every
+    layer is attention, filled by the forward that just ran."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise TypeError(f"cache layer {type(layer).__name__} holds no attention keys and values")
+    return keys, values
+
+
 def _padded_past(pasts: list[list[LayerKV] | None], past_lens: list[int], P: int) -> list[LayerKV]:
     template = next(past for past in pasts if past is not None)
     layers = []
@@ -63,7 +73,7 @@ def _padded_past(pasts: list[list[LayerKV] | None], past_lens: list[int], P: int
         keys = k0.new_zeros(len(pasts), k0.shape[0], P, k0.shape[2])
         values = v0.new_zeros(len(pasts), v0.shape[0], P, v0.shape[2])
         for b, (past, c) in enumerate(zip(pasts, past_lens)):
-            if c:
+            if c and past is not None:  # (c > 0: it has a past)
                 keys[b, :, P - c:] = past[layer_idx][0]
                 values[b, :, P - c:] = past[layer_idx][1]
         layers.append((keys, values))

@@ -67,7 +67,7 @@ class MemorySaver:
 def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter once (a tied lm_head is the embedding's tensor, saved under one name)."""
     seen: set[int] = set()
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if id(param) not in seen:
             seen.add(id(param))

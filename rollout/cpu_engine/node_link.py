@@ -47,6 +47,8 @@ class NodeLinkError(RuntimeError):
 def join(args: ServerArgs) -> tuple[dist.ProcessGroupGloo, dist.Store]:
     """The engine's process group (rank = node rank), once every rank has joined; the store must
     live as long as the group."""
+    if not args.dist_init_addr:
+        raise NodeLinkError(f"node rank {args.node_rank}: no dist_init_addr, where the engine's ranks meet")
     host, _, port = args.dist_init_addr.rpartition(":")
     timeout = timedelta(seconds=JOIN_TIMEOUT_S)
     try:
@@ -55,10 +57,12 @@ def join(args: ServerArgs) -> tuple[dist.ProcessGroupGloo, dist.Store]:
         # All ranks are here before the mesh is built, so PEER_TIMEOUT_S only has to cover connecting.
         store.set(f"joined/{args.node_rank}", "1")
         store.wait([f"joined/{rank}" for rank in range(args.nnodes)], timeout)
-        options = dist.ProcessGroupGloo._Options()
+        # torch 2.13's stubs lag its Gloo binding: no _Options, nor the constructor that takes them.
+        gloo: Any = dist.ProcessGroupGloo
+        options = gloo._Options()
         options._timeout = timedelta(seconds=PEER_TIMEOUT_S)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(host, int(port)))]
-        return dist.ProcessGroupGloo(store, args.node_rank, args.nnodes, options), tcp
+        options._devices = [gloo.create_device(hostname=route_address(host, int(port)))]
+        return gloo(store, args.node_rank, args.nnodes, options), tcp
     except (RuntimeError, OSError, ValueError) as err:
         raise NodeLinkError(f"node rank {args.node_rank} of {args.nnodes} could not join the engine's ranks at "
                             f"{args.dist_init_addr} within {JOIN_TIMEOUT_S:.0f} s: {err}") from err
@@ -68,16 +72,17 @@ def exchange(pg: dist.ProcessGroupGloo, command: dict[str, Any] | None) -> dict[
     """One liveness exchange: rank 0 gives `command` (or None), every rank returns it. RuntimeError
     when a rank did not take part within PEER_TIMEOUT_S (or is gone)."""
     timeout = timedelta(seconds=PEER_TIMEOUT_S)
+    group: Any = pg  # torch 2.13's stubs lack the Gloo group's collectives (allreduce, broadcast)
     data = json.dumps(command).encode() if command is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64)  # summed: the other ranks add 0
-    pg.allreduce([size], dist.AllreduceOptions()).wait(timeout)
+    group.allreduce([size], dist.AllreduceOptions()).wait(timeout)
     if not size.item():
         return None
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(size.item(),
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()),
                                                                                            dtype=torch.uint8)
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    pg.broadcast([buffer], options).wait(timeout)
+    group.broadcast([buffer], options).wait(timeout)
     return json.loads(bytes(buffer.tolist()))
 
 
@@ -137,7 +142,7 @@ class _Follower:
                 print(f"cpu_engine: node rank {self.args.node_rank}: {command['op']} failed: {err}", flush=True)
 
     def _do(self, command: dict[str, Any]) -> None:
-        op, name = command["op"], command.get("group_name")
+        op, name = command["op"], command.get("group_name", "")  # every op but an unknown one names its group
         if op == "join":
             self.groups[name] = create_group(command["master_address"], command["master_port"],
                                              command["rank_offset"] + self.args.node_rank, command["world_size"],

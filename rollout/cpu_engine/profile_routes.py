@@ -122,7 +122,8 @@ def parse(body: dict[str, Any]) -> dict[str, Any]:
         raise ProfileError("activity RPD (ROCm's rpd tracer) is not supported by the CPU engine")
     for name in ("start_step", "num_steps"):
         value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (name == "num_steps")):
+        least = int(name == "num_steps")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
             raise ProfileError(f"{name} must be a{' positive' if name == 'num_steps' else ' non-negative'} integer, "
                                f"got {value!r}")
     output_dir = body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")

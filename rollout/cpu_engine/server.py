@@ -17,15 +17,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollout.cpu_engine import disagg
-from rollout.cpu_engine.faults import Faults
 from rollout.cpu_engine.engine import SHUTTING_DOWN, STARTING, UNHEALTHY, UP, Engine
+from rollout.cpu_engine.faults import Faults
 from rollout.cpu_engine.generate_io import GenerateError, parse_generate, render
 from rollout.cpu_engine.http_util import add_error_handlers, error, read_json, run_on_scheduler
+from rollout.cpu_engine.memory_routes import add_memory_routes
+from rollout.cpu_engine.profile_routes import add_profile_routes
 from rollout.cpu_engine.sampling import SamplingParams
 from rollout.cpu_engine.scheduler import PAUSE_MODES
 from rollout.cpu_engine.sequence import Sequence
-from rollout.cpu_engine.memory_routes import add_memory_routes
-from rollout.cpu_engine.profile_routes import add_profile_routes
 from rollout.cpu_engine.weight_routes import add_weight_routes
 
 VERSION = "0.1.0-slurmrl-cpu-engine"

@@ -4,7 +4,7 @@ and reading a parameter back. Every update answers {"success", "message"}: 200 o
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeGuard
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -21,7 +21,7 @@ def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

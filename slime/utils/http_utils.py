@@ -41,7 +41,7 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
                 return json.loads(text)
             except json.JSONDecodeError:
                 return text
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             log.info("post %s failed (%s), attempt %d of %d", url, err, attempt, max_retries)
             if attempt >= max_retries:
                 raise

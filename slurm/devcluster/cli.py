@@ -39,14 +39,16 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     up = actions.add_parser("up", help="install what is missing, start every daemon, wait until nodes are idle")
     # Flags left out keep the shape of the cluster last brought up at --dir (else the defaults).
     up.add_argument("--nodes", type=int, help=f"emulated nodes (default {ClusterShape.nodes})")
-    up.add_argument("--gpus-per-node", type=int, help=f"fake GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
+    up.add_argument("--gpus-per-node", type=int,
+                    help=f"fake GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
     up.add_argument("--cpus-per-node", type=int, help=f"CPUs each node declares (default {ClusterShape.cpus_per_node})")
     up.add_argument("--port-base", type=int, help=f"first of the ports the daemons use (default {DEFAULT_PORT_BASE})")
     up.add_argument("--node-prefix", help=f"node names are PREFIX1..PREFIXN (default {ClusterShape.node_prefix!r}); "
                     "an isolated cluster's names are in /etc/hosts, so two at once need two prefixes")
     net = up.add_mutually_exclusive_group()
     net.add_argument("--isolated", dest="isolated", action="store_const", const=True,
-                     help="each node in its own network namespace with its own address on a private bridge (the default)")
+                     help="each node in its own network namespace with its own address on a private bridge "
+                          "(the default)")
     net.add_argument("--shared-loopback", dest="isolated", action="store_const", const=False,
                      help="every node is 127.0.0.1, told apart by port (where namespaces are not allowed)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (default %(default)s)")
@@ -55,8 +57,10 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     # Network faults, on an isolated cluster only (slurm/devcluster/faults.py).
     cut = actions.add_parser("cut", help="take a node off the network (its link down; its processes live on)")
     slow = actions.add_parser("slow", help="delay and drop packets to and from a node (as netem would)")
-    slow.add_argument("--delay-ms", type=float, default=200.0, help="added to each packet, each way (default %(default)s)")
-    slow.add_argument("--loss", type=float, default=0.0, help="percent of packets dropped, each way (default %(default)s)")
+    slow.add_argument("--delay-ms", type=float, default=200.0,
+                      help="added to each packet, each way (default %(default)s)")
+    slow.add_argument("--loss", type=float, default=0.0,
+                      help="percent of packets dropped, each way (default %(default)s)")
     heal = actions.add_parser("heal", help="undo cut and slow on a node")
     for fault in (cut, slow, heal):
         fault.add_argument("node", help="the node's name (node1, node2, ...)")

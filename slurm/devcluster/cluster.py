@@ -197,7 +197,8 @@ class DevCluster:
     def _start_slurmdbd(self, timeout_s: float) -> None:
         daemon = self.slurmdbd()
         daemon.start()
-        wait_for(lambda: _port_open("127.0.0.1", self.shape.slurmdbd_port) or not daemon.is_running(), timeout_s, "slurmdbd")
+        wait_for(lambda: _port_open("127.0.0.1", self.shape.slurmdbd_port) or not daemon.is_running(), timeout_s,
+                 "slurmdbd")
         daemon.check_alive()
         clusters = self._slurm(["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"], timeout_s)
         if CLUSTER_NAME not in clusters.split():
@@ -237,10 +238,9 @@ class DevCluster:
         try:
             wait_for(ready, timeout_s, f"{self.shape.nodes} nodes to be idle", interval_s=0.5)
         except TimeoutError as err:
-            logs = "\n".join(
-                f"  {path}:\n{log_tail(path, 8)}"
-                for path in [self.paths.log("slurmctld"), *(self.paths.logs / f"slurmd-{n}.log" for n in self.shape.node_names)]
-            )
+            daemon_logs = [self.paths.log("slurmctld"),
+                           *(self.paths.logs / f"slurmd-{n}.log" for n in self.shape.node_names)]
+            logs = "\n".join(f"  {path}:\n{log_tail(path, 8)}" for path in daemon_logs)
             raise DevclusterError(f"{err}; node states now {self.node_states()}. Daemon logs:\n{logs}") from None
 
     # ---- node failures (for tests) -------------------------------------------------------
@@ -293,7 +293,8 @@ class DevCluster:
         if self.slurmctld().is_running():
             for title, argv in (("nodes", ["sinfo", "-N", "-o", "%N %P %t %c %G"]),
                                 ("partitions", ["sinfo", "-o", "%P %a %l %D %N"])):
-                result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=30)
+                result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True,
+                                        timeout=30)
                 lines += ["", f"{title}:", *("  " + row for row in result.stdout.splitlines())]
         lines += ["", "to use it from a shell:", f"  {self.paths.env_line()}"]
         return "\n".join(lines)

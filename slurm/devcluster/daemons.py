@@ -98,7 +98,8 @@ class Daemon:
 
     def check_alive(self) -> None:
         if not self.is_running():
-            raise DevclusterError(f"{self.name} is not running; its log {self.log_file} ends:\n{log_tail(self.log_file)}")
+            raise DevclusterError(f"{self.name} is not running; its log {self.log_file} ends:\n"
+                                  f"{log_tail(self.log_file)}")
 
     def stop(self, timeout_s: float = 20.0) -> bool:
         """SIGTERM, then SIGKILL past the deadline. Returns whether a process was stopped."""

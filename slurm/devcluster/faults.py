@@ -62,11 +62,12 @@ def slow(root: Path, node: str, delay_ms: float, loss_pct: float) -> None:
     queue = plan.nodes.index(node) + 1
     log = _record(root, node).with_suffix(".log")
     log.parent.mkdir(parents=True, exist_ok=True)
+    pythonpath = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     with log.open("w") as out:
         proc = subprocess.Popen([*plan.enter(node), sys.executable, "-m", "slurm.devcluster.netdelay",
                                  "--queue", str(queue), "--delay-ms", f"{delay_ms:g}", "--loss", f"{loss_pct:g}"],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+                                env={**os.environ, "PYTHONPATH": pythonpath})
     _record(root, node).write_text(json.dumps({"pid": proc.pid, "delay_ms": delay_ms, "loss_pct": loss_pct}) + "\n")
     wait_for(lambda: "bound" in log.read_text() or proc.poll() is not None, DELAYER_START_S, f"netdelay on {node}")
     if proc.poll() is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from rollout.generate import _UPSTREAM
+from rollout.request_transport import engine_named_in
 from rollout.router_client import RouterClient
 from rollout.tiny_model import write_tiny_model
 from tests.rollout.cpu_engine_helpers import wait_until
@@ -119,10 +119,10 @@ def test_a_dead_prefill_engine_fails_the_request_for_a_whole_retry(pd) -> None:
     answer = _generate(router.url, "orphan")
     # Whichever side fails first answers: the router's 502 for the prefill engine (the rollout
     # side reads the dead engine from it and reports it), or the decode engine's 500 when it
-    # finds the bootstrap server gone. Both are 5xx: rollout/generate.py retries the request whole.
+    # finds the bootstrap server gone. Both are 5xx: rollout/request_transport.py retries the request whole.
     if answer.status_code == 502:
         assert "prefill_server_error" in answer.text
-        assert _UPSTREAM.search(answer.text).group(1) == prefills[0].url
+        assert engine_named_in(answer.text) == prefills[0].url
     else:
         assert answer.status_code == 500 and f"bootstrap server 127.0.0.1:{info_port} is gone" in answer.text
 
@@ -133,5 +133,5 @@ def test_the_rollout_side_reads_the_engine_from_pd_router_errors() -> None:
                'sending request for url (http://10.0.0.5:20310/generate). This will cause decode timeout."}}')
     decode = ('{"error":{"type":"Bad Gateway","code":"decode_server_error","message":"Decode server error: error '
               'sending request for url (http://10.0.0.6:20311/generate)"}}')
-    assert _UPSTREAM.search(prefill).group(1) == "http://10.0.0.5:20310"
-    assert _UPSTREAM.search(decode).group(1) == "http://10.0.0.6:20311"
+    assert engine_named_in(prefill) == "http://10.0.0.5:20310"
+    assert engine_named_in(decode) == "http://10.0.0.6:20311"

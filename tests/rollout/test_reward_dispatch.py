@@ -13,7 +13,8 @@ import pytest
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
-from rollout.generate import RolloutArgs, RolloutError, generate_rollout
+from rollout.errors import RolloutError
+from rollout.generate import RolloutArgs, generate_rollout
 from rollout.tiny_model import write_tiny_model
 from tests.rollout import reward_plugins
 from trainer.args import ArgsError, parse_args
