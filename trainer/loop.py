@@ -268,7 +268,7 @@ class Loop:
                         Metric.ROLLOUT_SECONDS: rolled - began, Metric.TRAIN_SECONDS: time.monotonic() - rolled})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
         if self.args.log_passrate:  # slime's passrate/pass@k over the rollout's groups
-            passrate = pass_at_k([s.reward for s in samples], self.args.n_samples_per_prompt)
+            passrate = pass_at_k([s.reward for s in samples], [s.group_index for s in samples])
             metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         return metrics
 
