@@ -62,8 +62,9 @@ class JobDir:
     def log(self, step: str) -> Path:
         return self.logs / f"{step}.log"
 
-    def weights_of(self, version: str) -> Path:
-        return self.weights / version
+    def weights_of(self, version: int) -> Path:
+        """The HF folder of a published weight version."""
+        return self.weights / str(version)
 
 
 # ------------------------------------------------------------------ the trainer's heartbeat

@@ -31,6 +31,7 @@ import aiohttp
 from rollout import debug_data, rewards, trace
 from rollout.buffer import DataBuffer
 from rollout.engine_check import CHECK_TIMEOUT_S, BadAnswer, parse_answer, unanswering
+from rollout.engine_client import version_from_wire
 from rollout.filters import judge_group
 from rollout.plugins import load_function
 from rollout.remote_rm import RemoteRewardModel
@@ -313,7 +314,7 @@ class _Round:
                 else:
                     self.args.decode_speed.observe(len(body["output_ids"]), time.monotonic() - started)
                     meta = body.get("meta_info") or {}
-                    span.update(weight_version=meta.get("weight_version"),
+                    span.update(weight_version=version_from_wire(meta.get("weight_version")),
                                 outcome=(meta.get("finish_reason") or {}).get("type"))
                     return body
             url = _UPSTREAM.search(text)
@@ -423,5 +424,5 @@ class _Round:
         sample.response_length += len(out)
         sample.loss_mask += [1] * len(out)
         sample.rollout_log_probs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
-        sample.weight_version = meta.get("weight_version")
+        sample.weight_version = version_from_wire(meta.get("weight_version"))
         sample.status = _FINISH[meta["finish_reason"]["type"]]
