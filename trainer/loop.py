@@ -336,7 +336,7 @@ class Loop:
                 pass
             return {}
         self.driver.reporter.heartbeat(Phase.PUBLISH, self.next_rollout)
-        result = self.driver.publisher.publish(str(self.weight_version), self.driver.engines(), weights)
+        result = self.driver.publisher.publish(self.weight_version, self.driver.engines(), weights)
         if self.driver.supervisor:
             self.driver.supervisor.published(self.weight_version, result.updated, result.fenced)
         return {Metric.PUBLISH_SECONDS: result.seconds, "engines_updated": len(result.updated),
