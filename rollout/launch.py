@@ -75,7 +75,7 @@ class EngineLaunch:
         if self.api_key:
             argv += ["--api-key", self.api_key]
         if self.weight_version is not None:
-            argv += ["--weight-version", str(self.weight_version)]  # SGLang's flag takes a string
+            argv += ["--weight-version", str(self.weight_version)]  # SGLang's flag, a string as on its HTTP API
         return argv + self._role_flags() + list(self.sglang_args)
 
     def _role_flags(self) -> list[str]:
