@@ -90,7 +90,7 @@ class Driver:
                                     self.unresponsive if self.router else None)
         self.reporter = Reporter(job_dir, args.tensorboard_dir, WandbRun(args, job_dir) if args.use_wandb else None)
         # Rollouts since the last checkpoint, for a restart from it (only where there are checkpoints).
-        self.journal = RolloutJournal(job_dir.root / rollout_journal.FOLDER, args) if args.save else None
+        self.journal = RolloutJournal(job_dir.rollout_journal, args) if args.save else None
         self.evaluator = Evaluator(
             self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
             apply_chat_template_kwargs=args.apply_chat_template_kwargs,
