@@ -20,7 +20,7 @@ def flags(**changed: object) -> argparse.Namespace:
 
 GROUPS = [[Sample(index=0, group_index=0, prompt="1+1", tokens=[5, 6, 7], response="2", response_length=1,
                   label="2", reward=1.0, loss_mask=[1], status=Status.COMPLETED, rollout_log_probs=[-0.1],
-                  weight_version="3")]]
+                  weight_version=3)]]
 BUFFER = {"source": {"epoch": 0, "offset": 8}, "pending": []}
 
 
