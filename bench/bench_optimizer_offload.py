@@ -39,8 +39,8 @@ GIB = 2**30
 def _samples(vocab: int, count: int, length: int, response: int) -> list[TrainSample]:
     g = torch.Generator().manual_seed(0)
     return [TrainSample(tokens=torch.randint(0, vocab, (length,), generator=g), response_length=response,
-                        loss_mask=torch.ones(response), reward=0.0, advantages=torch.randn(response, generator=g),
-                        old_log_probs=torch.full((response,), -5.0)) for _ in range(count)]
+                        loss_mask=torch.ones(response), reward=0.0, group_index=k, advantages=torch.randn(response, generator=g),
+                        old_log_probs=torch.full((response,), -5.0)) for k in range(count)]
 
 
 def _sync() -> None:

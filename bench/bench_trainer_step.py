@@ -56,7 +56,7 @@ def make_samples(count: int, min_len: int, max_len: int, vocab: int) -> list[Tra
         total = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
         response = total // 2
         s = TrainSample(tokens=torch.randint(0, vocab, (total,), generator=g), response_length=response,
-                        loss_mask=torch.ones(response), reward=0.0, advantages=torch.randn(response, generator=g))
+                        loss_mask=torch.ones(response), reward=0.0, group_index=len(out), advantages=torch.randn(response, generator=g))
         s.old_log_probs = torch.full((response,), -7.0)
         out.append(s)
     return out

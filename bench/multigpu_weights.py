@@ -128,7 +128,7 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: bool, work: Path) -
         times = []
         for i in range(repeats + 1):  # the first publish also forms the group
             _sync()
-            result = publisher.publish(f"v{i + 1}", [url], iter(weights.items()))
+            result = publisher.publish(i + 1, [url], iter(weights.items()))
             if result.updated != [url]:
                 raise RuntimeError(f"the engine was fenced: {result.fenced}")
             times.append(result.seconds)

@@ -3,6 +3,7 @@ SAVE/release/, and the tracker file naming the latest."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from contract.job_dir import write_atomic
@@ -13,6 +14,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def iteration_dirname(iteration: int | None) -> str:
     """None means the `release` layout."""
     return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def iteration_of(dirname: str) -> int | None:
+    """The iteration of an iter_XXXXXXX folder name (iteration_dirname's inverse); None for any other."""
+    match = re.fullmatch(r"iter_(\d{7,})", dirname)
+    return int(match.group(1)) if match else None
 
 
 def write_tracker(save_dir: Path, iteration: int | None) -> None:

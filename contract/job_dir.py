@@ -13,6 +13,8 @@ job's directory and environment, in one place. Torch-free; imports nothing of sl
     JOB_DIR/metrics.jsonl             the trainer's metrics, one line per rollout (Metric keys)
     JOB_DIR/weights/VERSION/          weights published to disk, one HF folder per version
     JOB_DIR/checkpoints/              the trainer's --save default
+    JOB_DIR/hf_torch_dist/            --hf-checkpoint converted once to torch_dist (without --ref-load)
+    JOB_DIR/rollout_journal/          rollouts generated since the last save, replayed after a restart
     JOB_DIR/logs/STEP.log             each step's output
     JOB_DIR/tensorboard/              the trainer's scalars; supervisor/ below it, the supervisor's
 """
@@ -53,6 +55,8 @@ class JobDir:
     metrics = property(lambda self: self.root / "metrics.jsonl")
     weights = property(lambda self: self.root / "weights")
     checkpoints = property(lambda self: self.root / "checkpoints")
+    hf_torch_dist = property(lambda self: self.root / "hf_torch_dist")
+    rollout_journal = property(lambda self: self.root / "rollout_journal")
     logs = property(lambda self: self.root / "logs")
     tensorboard = property(lambda self: self.root / "tensorboard")
     profiles = property(lambda self: self.root / "profiles")  # slurmrl profile's traces
@@ -62,8 +66,9 @@ class JobDir:
     def log(self, step: str) -> Path:
         return self.logs / f"{step}.log"
 
-    def weights_of(self, version: str) -> Path:
-        return self.weights / version
+    def weights_of(self, version: int) -> Path:
+        """The HF folder of a published weight version."""
+        return self.weights / str(version)
 
 
 # ------------------------------------------------------------------ the trainer's heartbeat

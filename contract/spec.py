@@ -65,6 +65,7 @@ from typing import Any
 
 import yaml
 
+from contract.bounds import bounded
 from contract.job_dir import Phase, write_atomic
 
 ENGINES = ("sglang", "cpu")
@@ -190,46 +191,57 @@ class RolloutSpec:
 
 @dataclass
 class FaultToleranceSpec:
-    """What the supervisor does about failures, and every wait of the job: each is in seconds
-    (unless said otherwise) and bounds what its comment says."""
+    """What the supervisor does about failures, and every wait of the job. Each number carries its
+    unit and the values it accepts (contract/bounds.py's Bound, in the field's metadata; validation
+    iterates over them) and bounds what its comment says."""
 
     use_fault_tolerance: bool = False
-    rollout_health_check_first_wait: float = 300.0  # after an engine's launch: failed probes do not count yet
+    # after an engine's launch: failed probes do not count yet
+    rollout_health_check_first_wait: float = bounded(300.0, "s", 0)
     # between two probe cycles of every engine (a suspect one: see HealthTracker.next_cycle)
-    rollout_health_check_interval: float = 10.0
-    rollout_health_check_timeout: float = 5.0       # one /health_generate probe (and /model_info)
-    health_check_failure_threshold: int = 3         # failed probes in a row that make an engine failed
-    max_engine_restarts: int = 5        # per engine, in a row, before the crash-loop breaker gives up on it
-    restart_backoff: float = 5.0        # before the second restart of a crash loop; doubles each time
-    crash_window: float = 300.0         # a restart this soon after the previous one continues a crash loop
-    max_kill_fraction: float = 0.5      # of the engines, at most killed for failed probes per interval
-    preempt_grace: int = 600            # SLURM sends USR1 this long before the end (issue 7)
-    max_requeues: int = 3
-    max_trainer_restarts: int = 3
-    min_engines: int = 1                # fewer live engines than this: requeue instead of degrading
+    rollout_health_check_interval: float = bounded(10.0, "s", 0.1)
+    rollout_health_check_timeout: float = bounded(5.0, "s", 0.1)   # one /health_generate probe (and /model_info)
+    health_check_failure_threshold: int = bounded(3, "count", 1)   # failed probes in a row that make an engine failed
+    # per engine, in a row, before the crash-loop breaker gives up on it
+    max_engine_restarts: int = bounded(5, "count", 0)
+    restart_backoff: float = bounded(5.0, "s", 0)      # before the second restart of a crash loop; doubles each time
+    # a restart this soon after the previous one continues a crash loop
+    crash_window: float = bounded(300.0, "s", 0)
+    # of the engines, at most killed for failed probes per interval
+    max_kill_fraction: float = bounded(0.5, "fraction", 0, high=1, low_open=True)
+    preempt_grace: int = bounded(600, "s", 1)          # SLURM sends USR1 this long before the end (issue 7)
+    max_requeues: int = bounded(3, "count", 0)
+    max_trainer_restarts: int = bounded(3, "count", 0)
+    min_engines: int = bounded(1, "count", 0)          # fewer live engines than this: requeue instead of degrading
     # Seconds the trainer may stay in one phase without a new heartbeat before it counts as hung
     # and its step is restarted (start: from launch to its first heartbeat, e.g. loading weights).
-    trainer_start_timeout: float = 1800.0
-    trainer_rollout_timeout: float = 3600.0
-    trainer_train_timeout: float = 1800.0   # per optimizer step
-    trainer_publish_timeout: float = 900.0
-    trainer_save_timeout: float = 1800.0
+    trainer_start_timeout: float = bounded(1800.0, "s", 1)
+    trainer_rollout_timeout: float = bounded(3600.0, "s", 1)
+    trainer_train_timeout: float = bounded(1800.0, "s", 1)   # per optimizer step
+    trainer_publish_timeout: float = bounded(900.0, "s", 1)
+    trainer_save_timeout: float = bounded(1800.0, "s", 1)
     # Starting and stopping steps
-    router_start_timeout: float = 60.0      # the router's launch until it answers
-    engine_start_timeout: float = 300.0     # an engine's (re)launch until it answers /health_generate
-    engine_admit_timeout: float = 120.0     # a recovered engine until the router lists it (else reported out)
-    weight_load_timeout: float = 600.0      # one /update_weights_from_disk of a recovering engine
-    step_stop_timeout: float = 30.0         # scancel of a step until SLURM no longer lists it
-    step_term_grace: float = 5.0            # SIGTERM to SIGKILL when a step is stopped
-    step_exit_code_wait: float = 30.0       # for slurmdbd to record the exit code of a step that ended unseen
+    router_start_timeout: float = bounded(60.0, "s", 0.1)      # the router's launch until it answers
+    # an engine's (re)launch until it answers /health_generate
+    engine_start_timeout: float = bounded(300.0, "s", 0.1)
+    # a recovered engine until the router lists it (else reported out)
+    engine_admit_timeout: float = bounded(120.0, "s", 0.1)
+    weight_load_timeout: float = bounded(600.0, "s", 0.1)      # one /update_weights_from_disk of a recovering engine
+    step_stop_timeout: float = bounded(30.0, "s", 0.1)         # scancel of a step until SLURM no longer lists it
+    step_term_grace: float = bounded(5.0, "s", 0.1)            # SIGTERM to SIGKILL when a step is stopped
+    # for slurmdbd to record the exit code of a step that ended unseen
+    step_exit_code_wait: float = bounded(30.0, "s", 0.1)
     # Talking to SLURM, the router and the control socket
-    slurm_command_timeout: float = 30.0     # one scontrol/squeue/scancel/sacct call
-    node_check_interval: float = 15.0       # between two checks of every engine and spare node
-    node_poll_interval: float = 1.0         # node checks while an engine's step is stopped or (re)started
-    exclude_timeout: float = 20.0           # asking SLURM, after a requeue, to exclude the lost nodes
-    router_request_timeout: float = 10.0    # one call to the router's worker API
-    control_call_timeout: float = 30.0      # one call on the control socket (CLI, trainer)
-    supervisor_gap: float = 120.0           # the trainer's calls wait this long for a restarted supervisor
+    slurm_command_timeout: float = bounded(30.0, "s", 0.1)     # one scontrol/squeue/scancel/sacct call
+    node_check_interval: float = bounded(15.0, "s", 0.1)       # between two checks of every engine and spare node
+    # node checks while an engine's step is stopped or (re)started
+    node_poll_interval: float = bounded(1.0, "s", 0.1)
+    # asking SLURM, after a requeue, to exclude the lost nodes
+    exclude_timeout: float = bounded(20.0, "s", 0.1)
+    router_request_timeout: float = bounded(10.0, "s", 0.1)    # one call to the router's worker API
+    control_call_timeout: float = bounded(30.0, "s", 0.1)      # one call on the control socket (CLI, trainer)
+    # the trainer's calls wait this long for a restarted supervisor
+    supervisor_gap: float = bounded(120.0, "s", 0.1)
 
     def phase_timeout(self, phase: Phase | str) -> float:
         """The heartbeat timeout of a trainer phase; ValueError for a phase that does not exist."""

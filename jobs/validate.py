@@ -12,8 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract import engine_groups, step_options
-from contract.job_dir import Phase
+from contract import bounds, engine_groups, step_options
 from jobs.hetjob import het_groups
 from contract.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
 from contract.spec_loading import spec_flags
@@ -290,40 +289,19 @@ def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
             f"command line: {error}; fix or drop that --sglang-* flag" for role, error in zip(roles, errors) if error][:1]
 
 
-_WAITS = ("router_start_timeout", "engine_start_timeout", "engine_admit_timeout", "weight_load_timeout",
-          "step_stop_timeout", "step_term_grace", "step_exit_code_wait", "slurm_command_timeout",
-          "node_check_interval", "node_poll_interval", "exclude_timeout", "router_request_timeout",
-          "control_call_timeout", "supervisor_gap")
-
-
 def _numbers(spec: JobSpec) -> list[str]:
     t, ft = spec.trainer, spec.fault_tolerance
     problems = []
     checks = [("trainer.actor_num_nodes", t.actor_num_nodes, 1), ("trainer.actor_num_gpus_per_node",
               t.actor_num_gpus_per_node, 0), ("trainer.cpus_per_task", t.cpus_per_task, 1),
-              ("rollout.spare_nodes", spec.rollout.spare_nodes, 0),
-              ("fault_tolerance.rollout_health_check_first_wait", ft.rollout_health_check_first_wait, 0),
-              ("fault_tolerance.rollout_health_check_interval", ft.rollout_health_check_interval, 0.1),
-              ("fault_tolerance.rollout_health_check_timeout", ft.rollout_health_check_timeout, 0.1),
-              ("fault_tolerance.health_check_failure_threshold", ft.health_check_failure_threshold, 1),
-              ("fault_tolerance.max_engine_restarts", ft.max_engine_restarts, 0),
-              ("fault_tolerance.restart_backoff", ft.restart_backoff, 0),
-              ("fault_tolerance.preempt_grace", ft.preempt_grace, 1),
-              ("fault_tolerance.max_requeues", ft.max_requeues, 0),
-              ("fault_tolerance.max_trainer_restarts", ft.max_trainer_restarts, 0),
-              ("fault_tolerance.min_engines", ft.min_engines, 0),
-              ("fault_tolerance.crash_window", ft.crash_window, 0),
-              *((f"fault_tolerance.trainer_{phase.value}_timeout", ft.phase_timeout(phase), 1) for phase in Phase),
-              # the other waits: any positive number of seconds
-              *((f"fault_tolerance.{name}", getattr(ft, name), 0.1) for name in _WAITS)]
+              ("rollout.spare_nodes", spec.rollout.spare_nodes, 0)]
     for where, value, low in checks:
         if value < low:
             problems.append(f"{where}: must be {low} or more, got {value}")
+    problems += bounds.violations(ft, "fault_tolerance")  # each field's bounds are on the field
     if t.actor_num_gpus_per_node == 0 and t.actor_num_cpu_workers < 1:
         problems.append("trainer.actor_num_cpu_workers: with actor_num_gpus_per_node 0 the trainer runs CPU "
                         "workers; give --actor-num-cpu-workers 1 or more")
-    if not 0 < ft.max_kill_fraction <= 1:
-        problems.append(f"fault_tolerance.max_kill_fraction: must be in (0, 1], got {ft.max_kill_fraction}")
     if spec.rollout.engine_count and ft.min_engines > spec.rollout.engine_count:
         problems.append(f"fault_tolerance.min_engines: {ft.min_engines} is more than the {spec.rollout.engine_count} "
                         "engines asked for; lower it")

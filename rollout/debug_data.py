@@ -15,6 +15,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from rollout.engine_client import version_from_wire, version_to_wire
 from rollout.sample import Sample, Status
 
 # slime's Sample fields slurmrl does not keep, with the value that means "not used": written so
@@ -52,7 +53,7 @@ def to_slime_dict(sample: Sample) -> dict[str, Any]:
     d["apply_chat_template_kwargs"], d["spec_info"], d["prefix_cache_info"] = (
         {}, dict(_SLIME_ONLY["spec_info"]), dict(_SLIME_ONLY["prefix_cache_info"]))
     version = d.pop("weight_version")
-    d["weight_versions"] = [version] if version is not None else []
+    d["weight_versions"] = [version_to_wire(version)] if version is not None else []  # slime's: strings
     return d
 
 
@@ -75,7 +76,7 @@ def from_slime_dict(d: dict[str, Any], where: str) -> Sample:
                   response_length=d.get("response_length", 0), label=d.get("label"), reward=d.get("reward"),
                   loss_mask=list(d.get("loss_mask") or []), status=status,
                   rollout_log_probs=list(d.get("rollout_log_probs") or []),
-                  weight_version=str(versions[-1]) if versions else None, metadata=dict(d.get("metadata") or {}),
+                  weight_version=version_from_wire(versions[-1]) if versions else None, metadata=dict(d.get("metadata") or {}),
                   spans=list(d.get("spans") or []))  # dumps older than rollout.trace have none
 
 

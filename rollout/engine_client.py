@@ -1,6 +1,7 @@
 """The one client for SGLang engines' HTTP routes (reference/sglang-http.md), shared by the
 supervisor and the trainer: health probes (of one engine, or of every engine at once), the weight
-version, updates from disk, and any other route by name. The API key only ever travels in the
+version, updates from disk, and any other route by name. Weight versions are ints in slurmrl and
+strings on SGLang's wire: version_to_wire and version_from_wire are the only conversions. The API key only ever travels in the
 Authorization header: no error names it.
 
 Probing every engine runs on one asyncio loop in a background thread, started by the first
@@ -28,6 +29,18 @@ HEALTH_PATH = "/health_generate"
 FD_HEADROOM = 256
 # Seconds close() waits for the probe session to close, and then for its loop thread to end.
 CLOSE_WAIT_S = 10.0
+
+
+def version_to_wire(version: int) -> str:
+    """slurmrl's weight version as SGLang's HTTP API carries it (a string)."""
+    return str(version)
+
+
+def version_from_wire(value: Any) -> int | None:
+    """SGLang's weight_version as slurmrl's int; None for one slurmrl never published (SGLang's
+    "default" for the initial checkpoint) or none at all."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+    return int(text) if text.isdigit() else None
 
 
 class EngineError(RuntimeError):
@@ -132,14 +145,14 @@ class EngineClient:
             raise EngineError(f"{where} answered {response.status_code}: {detail}")
         return answer
 
-    def weight_version(self, url: str) -> str | None:
-        """The weight version the engine reports serving (None: it names none)."""
-        return self.call(url, "/model_info").get("weight_version")
+    def weight_version(self, url: str) -> int | None:
+        """The weight version the engine reports serving (None: the initial checkpoint, or none)."""
+        return version_from_wire(self.call(url, "/model_info").get("weight_version"))
 
-    def load_from_disk(self, url: str, folder: Path, version: str, timeout_s: float) -> None:
+    def load_from_disk(self, url: str, folder: Path, version: int, timeout_s: float) -> None:
         """Load the HF safetensors folder as `version`; timeout_s bounds the load."""
-        answer = self.call(url, "/update_weights_from_disk", {"model_path": str(folder), "weight_version": version},
-                           timeout_s)
+        answer = self.call(url, "/update_weights_from_disk",
+                           {"model_path": str(folder), "weight_version": version_to_wire(version)}, timeout_s)
         if not answer.get("success"):
             raise EngineError(f"{url}/update_weights_from_disk of {folder} did not succeed: {answer}")
 

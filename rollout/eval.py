@@ -25,7 +25,7 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.plugins import load_function
-from rollout.sample import Sample, Status
+from rollout.sample import Sample, Status, group_positions
 
 LEGACY_NAME = "aime"  # slime's name for a lone --eval-prompt-data PATH
 
@@ -79,14 +79,17 @@ def eval_sets(args: Any) -> list[EvalSet]:
     return sets
 
 
-def pass_at_k(rewards: list[float], group_size: int) -> dict[str, float]:
-    """slime's compute_pass_rate: the unbiased pass@k estimate averaged over prompts, for k = 1, 2,
-    4, ... <= group_size; a response passes when its reward is 1. Nothing for one sample a prompt."""
-    if group_size == 1 or not rewards or len(rewards) % group_size:
+def pass_at_k(rewards: list[float], group_index: list[int]) -> dict[str, float]:
+    """slime's compute_pass_rate over groups of any size (each sample's group_index names its
+    prompt): the unbiased pass@k estimate averaged over prompts, for k = 1, 2, 4, ... up to the
+    smallest group, so every prompt has an estimate for every k; a response passes when its reward
+    is 1. Nothing when a prompt has one sample."""
+    groups = [[rewards[i] for i in positions] for positions in group_positions(group_index)]
+    smallest = min(map(len, groups), default=1)
+    if smallest == 1:
         return {}
-    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
     out = {}
-    for k in (2**i for i in range(int(math.log2(group_size)) + 1)):
+    for k in (2**i for i in range(int(math.log2(smallest)) + 1)):
         estimates = []
         for group in groups:
             n, c = len(group), sum(1 for r in group if r == 1)
@@ -96,14 +99,19 @@ def pass_at_k(rewards: list[float], group_size: int) -> dict[str, float]:
 
 
 def eval_metrics(data: dict[str, dict[str, Any]], group_size: int) -> dict[str, float]:
-    """slime's log_eval_rollout_data numbers for `data` ({name: {"rewards", "truncated"?, ...}})."""
+    """slime's log_eval_rollout_data numbers for `data` ({name: {"rewards", "truncated"?,
+    "samples"?}}): pass@k groups by the samples' group_index; a plug-in's result without its
+    samples is grouped as slime does, in runs of group_size (--n-samples-per-eval-prompt)."""
     out: dict[str, float] = {}
     for name, result in data.items():
         rewards = [float(r or 0.0) for r in result["rewards"]]
         out[f"eval/{name}"] = sum(rewards) / max(1, len(rewards))
         if "truncated" in result:
             out[f"eval/{name}-truncated_ratio"] = sum(map(bool, result["truncated"])) / max(1, len(result["truncated"]))
-        out.update({f"eval/{name}-{key}": value for key, value in pass_at_k(rewards, group_size).items()})
+        samples = result.get("samples") or []
+        groups = ([s.group_index for s in samples] if len(samples) == len(rewards)
+                  else [i // group_size for i in range(len(rewards))])
+        out.update({f"eval/{name}-{key}": value for key, value in pass_at_k(rewards, groups).items()})
     return out
 
 

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from rollout import debug_data, trace
 from rollout.buffer import DataBuffer
 from rollout.engine_check import CHECK_TIMEOUT_S
+from rollout.engine_client import version_from_wire
 from rollout.filters import judge_group
 from rollout.plugins import load_function
 from rollout.remote_rm import RemoteRewardModel
@@ -249,5 +250,5 @@ class _Round:
         sample.response_length += len(out)
         sample.loss_mask += [1] * len(out)
         sample.rollout_log_probs += [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
-        sample.weight_version = meta.get("weight_version")
+        sample.weight_version = version_from_wire(meta.get("weight_version"))
         sample.status = _FINISH[meta["finish_reason"]["type"]]

@@ -58,7 +58,7 @@ class EngineLaunch:
     dist_init_addr: str | None = None  # host:port of node-rank 0, for multi-node engines
     base_gpu_id: int = 0
     api_key: str | None = None
-    weight_version: str | None = None
+    weight_version: int | None = None
     sglang_args: list[str] = field(default_factory=list)  # already stripped of --sglang-
     role: str = "regular"  # one of ROLES
     bootstrap_port: int | None = None  # a prefill engine's KV bootstrap server (decode engines fetch there)
@@ -74,8 +74,8 @@ class EngineLaunch:
                      "--dist-init-addr", self.dist_init_addr]
         if self.api_key:
             argv += ["--api-key", self.api_key]
-        if self.weight_version:
-            argv += ["--weight-version", self.weight_version]
+        if self.weight_version is not None:
+            argv += ["--weight-version", str(self.weight_version)]  # SGLang's flag, a string as on its HTTP API
         return argv + self._role_flags() + list(self.sglang_args)
 
     def _role_flags(self) -> list[str]:

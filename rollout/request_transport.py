@@ -26,6 +26,7 @@ import aiohttp
 
 from rollout import trace
 from rollout.engine_check import BadAnswer, parse_answer, unanswering
+from rollout.engine_client import version_from_wire
 from rollout.errors import RolloutError
 from rollout.request_deadline import ABORT_GRACE_S, DEADLINE_RECHECK_S, DecodeSpeed
 from rollout.router_client import RouterClient, RouterError
@@ -121,7 +122,7 @@ class RequestTransport:
                 else:
                     self.decode_speed.observe(len(body["output_ids"]), time.monotonic() - started)
                     meta = body.get("meta_info") or {}
-                    span.update(weight_version=meta.get("weight_version"),
+                    span.update(weight_version=version_from_wire(meta.get("weight_version")),
                                 outcome=(meta.get("finish_reason") or {}).get("type"))
                     return body
             engine = engine_named_in(text)

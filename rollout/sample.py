@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
@@ -17,7 +18,10 @@ class Status(str, Enum):
 @dataclass
 class Sample:
     """A prompt and one response to it. `index` is unique within a rollout; `group_index` ties the
-    n samples of one prompt together (GRPO-style advantages are computed per group)."""
+    samples of one prompt together (GRPO-style advantages and pass@k are computed per group; a
+    rollout function may return groups of any size). `weight_version` is the version of the
+    weights that generated the response (None: the initial checkpoint, or an engine that names
+    none)."""
 
     index: int
     group_index: int
@@ -30,7 +34,7 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)  # one per response token
     status: Status = Status.PENDING
     rollout_log_probs: list[float] = field(default_factory=list)
-    weight_version: str | None = None
+    weight_version: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)  # rollout.trace's record of what happened to it
 
@@ -88,3 +92,12 @@ class Sample:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
         return cls(**{**d, "status": Status(d["status"])})
+
+
+def group_positions(group_index: Iterable[int]) -> list[list[int]]:
+    """The positions of each group's samples, given each sample's group_index; groups in the order
+    they first appear, of whatever sizes."""
+    groups: dict[int, list[int]] = {}
+    for position, group in enumerate(group_index):
+        groups.setdefault(group, []).append(position)
+    return list(groups.values())

@@ -3,7 +3,7 @@
 A span is a plain dict kept in `Sample.spans` (so it travels with the sample through the buffer,
 a partial rollout's later rounds and the debug rollout dump):
 
-    {"kind": KIND, "start": unix s, "end": unix s, "engine": url | None, "weight_version": str | None,
+    {"kind": KIND, "start": unix s, "end": unix s, "engine": url | None, "weight_version": int | None,
      "attempt": int | None, ...free fields (outcome, error, kept, ...)}
 
 Kinds: queued (waiting for a --rollout-concurrency slot), generate (one request, numbered by
@@ -26,7 +26,7 @@ _OF_THE_RESPONSE = ("reward", "filter")  # spans about the finished response: it
 
 
 def add(sample: Sample, kind: str, start: float, end: float | None = None, *, engine: str | None = None,
-        weight_version: str | None = None, attempt: int | None = None, **fields: Any) -> dict[str, Any]:
+        weight_version: int | None = None, attempt: int | None = None, **fields: Any) -> dict[str, Any]:
     """Record one span (end None: a mark at `start`) and return it, for fields known later."""
     if kind not in KINDS:
         raise ValueError(f"span kind {kind!r}: one of {', '.join(KINDS)}")

@@ -1,7 +1,8 @@
 """Advantage estimators and KL estimators (slime's --advantage-estimator, --kl-loss-type).
 
 Conventions:
-- Samples of one prompt are contiguous: sample i is in group i // group_size.
+- group_index [B] names each sample's group (the prompt it answers): groups are found by it, in
+  any order and of any size, never by slicing the batch into runs of --n-samples-per-prompt.
 - Token tensors are [B, T]; loss_mask [B, T] is 1 on response tokens that count. Outputs are
   zero where loss_mask is 0.
 - Standard deviations are unbiased (Bessel-corrected, torch.std's default), as in slime and verl.
@@ -9,39 +10,48 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from rollout.sample import group_positions
+
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
-def _grouped(rewards: Tensor, group_size: int) -> Tensor:
-    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
-                         f"got shape {tuple(rewards.shape)}")
-    return rewards.reshape(-1, group_size)
+def _groups(rewards: Tensor, group_index: Sequence[int]) -> list[Tensor]:
+    """The positions of each group's samples, one index tensor per group."""
+    if rewards.dim() != 1 or rewards.numel() != len(group_index):
+        raise ValueError(f"rewards must be 1-D with one group_index per sample, got shape {tuple(rewards.shape)} "
+                         f"and {len(group_index)} group indices")
+    return [torch.tensor(positions) for positions in group_positions(group_index)]
 
 
-def group_baseline(rewards: Tensor, group_size: int) -> Tensor:
+def group_baseline(rewards: Tensor, group_index: Sequence[int]) -> Tensor:
     """rewards [B] minus the mean reward of their group."""
-    groups = _grouped(rewards, group_size)
-    return (groups - groups.mean(dim=-1, keepdim=True)).reshape(-1)
+    out = rewards.clone()
+    for members in _groups(rewards, group_index):
+        out[members] = rewards[members] - rewards[members].mean()
+    return out
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True,
+def grpo_advantages(rewards: Tensor, group_index: Sequence[int], normalize_std: bool = True,
                     eps: float = 1e-6) -> Tensor:
     """GRPO: (r - group mean) / (unbiased group std + eps), one scalar per sample [B].
 
     normalize_std=False is slime's --disable-grpo-std-normalization (Dr. GRPO)."""
-    centered = group_baseline(rewards, group_size)
+    centered = group_baseline(rewards, group_index)
     if not normalize_std:
         return centered
-    if group_size < 2:
-        raise ValueError("the unbiased group std needs group_size >= 2")
-    std = _grouped(rewards, group_size).std(dim=-1, keepdim=True)  # unbiased
-    return (centered.reshape(-1, group_size) / (std + eps)).reshape(-1)
+    out = centered.clone()
+    for members in _groups(rewards, group_index):
+        if members.numel() < 2:
+            raise ValueError(f"the unbiased group std needs 2 or more samples a group; group "
+                             f"{group_index[int(members[0])]} has 1")
+        out[members] = centered[members] / (rewards[members].std() + eps)  # unbiased
+    return out
 
 
 # GSPO differs from GRPO only in the loss (a sequence-level importance ratio, see
@@ -109,11 +119,11 @@ def reinforce_plus_plus_advantages(rewards: Tensor, kl_per_token: Tensor, kl_coe
     return whiten(returns, loss_mask)
 
 
-def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_size: int, kl_per_token: Tensor,
+def reinforce_plus_plus_baseline_advantages(rewards: Tensor, group_index: Sequence[int], kl_per_token: Tensor,
                                             kl_coef: float, loss_mask: Tensor,
                                             gamma: float = 1.0) -> Tensor:
     """REINFORCE++-baseline: subtract the group mean reward, then REINFORCE++."""
-    return reinforce_plus_plus_advantages(group_baseline(rewards, group_size), kl_per_token,
+    return reinforce_plus_plus_advantages(group_baseline(rewards, group_index), kl_per_token,
                                           kl_coef, loss_mask, gamma)
 
 

@@ -24,7 +24,9 @@ class TrainSample:
     response_length: int
     loss_mask: Tensor  # float32 [R]
     reward: float
+    group_index: int  # the rollout sample's: the samples of one prompt share it (advantages per group)
     rollout_log_probs: Tensor | None = None  # [R], from the engine
+    weight_version: int | None = None  # the weights that generated it (None: the initial checkpoint)
     # Filled in by the trainer before the update, one [R] tensor each.
     advantages: Tensor | None = None
     returns: Tensor | None = None
@@ -44,7 +46,8 @@ class TrainSample:
         logp = torch.tensor(sample.rollout_log_probs, dtype=torch.float32) if sample.rollout_log_probs else None
         return cls(tokens=torch.tensor(sample.tokens, dtype=torch.int64), response_length=r,
                    loss_mask=torch.tensor(sample.loss_mask[:r] or [1] * r, dtype=torch.float32),
-                   reward=sample.reward_value(reward_key), rollout_log_probs=logp)
+                   reward=sample.reward_value(reward_key), group_index=sample.group_index, rollout_log_probs=logp,
+                   weight_version=sample.weight_version)
 
 
 @dataclass

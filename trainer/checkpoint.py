@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -27,15 +26,14 @@ import torch
 import torch.distributed as dist
 
 from ckpt_tools.torch_dist import read_metadata
-from ckpt_tools.tracker import TRACKER, iteration_dirname, read_tracker, write_tracker
+from ckpt_tools.tracker import TRACKER, iteration_dirname, iteration_of, read_tracker, write_tracker
 from contract.job_dir import fsync_dir, write_atomic
 from trainer.save_space import NoSpaceLeft, check_room, is_disk_full, no_space
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "slurmrl_manifest.json"
-_ITER_DIR = re.compile(r"iter_(\d{7,})")
-_TMP_PREFIX = ".iter_"  # temporary folders: .iter_XXXXXXX.tmp-<random>, never loaded
+_TMP_MARK = ".tmp-"  # temporary folders: .<iteration folder>.tmp-<random>, never loaded
 
 
 class CheckpointError(RuntimeError):
@@ -110,10 +108,10 @@ def _abandon(tmp: Path, save_dir: Path, needs: int, group: dist.ProcessGroup | N
 def _fresh_tmp(save_dir: Path, iteration: int) -> Path:
     """Remove temporary folders left by crashed saves, then make a new one."""
     save_dir.mkdir(parents=True, exist_ok=True)
-    for stale in save_dir.glob(f"{_TMP_PREFIX}*"):
+    for stale in save_dir.glob(f".*{_TMP_MARK}*"):
         log.info("removing %s, left by an interrupted save", stale)
         shutil.rmtree(stale, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f".{iteration_dirname(iteration)}.tmp-", dir=save_dir))
+    return Path(tempfile.mkdtemp(prefix=f".{iteration_dirname(iteration)}{_TMP_MARK}", dir=save_dir))
 
 
 def _write_manifest(folder: Path, iteration: int) -> None:
@@ -237,7 +235,7 @@ def _candidates(load_dir: Path) -> list[str]:
 def _iterations(save_dir: Path) -> list[int]:
     if not save_dir.is_dir():
         return []
-    return [int(m.group(1)) for p in save_dir.iterdir() if p.is_dir() and (m := _ITER_DIR.fullmatch(p.name))]
+    return [i for p in save_dir.iterdir() if p.is_dir() and (i := iteration_of(p.name)) is not None]
 
 
 def _tracker_iteration(save_dir: Path) -> int | None:

@@ -90,7 +90,7 @@ class Driver:
                                     self.unresponsive if self.router else None)
         self.reporter = Reporter(job_dir, args.tensorboard_dir, WandbRun(args, job_dir) if args.use_wandb else None)
         # Rollouts since the last checkpoint, for a restart from it (only where there are checkpoints).
-        self.journal = RolloutJournal(job_dir.root / rollout_journal.FOLDER, args) if args.save else None
+        self.journal = RolloutJournal(job_dir.rollout_journal, args) if args.save else None
         self.evaluator = Evaluator(
             self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
             apply_chat_template_kwargs=args.apply_chat_template_kwargs,
@@ -268,7 +268,7 @@ class Loop:
                         Metric.ROLLOUT_SECONDS: rolled - began, Metric.TRAIN_SECONDS: time.monotonic() - rolled})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
         if self.args.log_passrate:  # slime's passrate/pass@k over the rollout's groups
-            passrate = pass_at_k([s.reward for s in samples], self.args.n_samples_per_prompt)
+            passrate = pass_at_k([s.reward for s in samples], [s.group_index for s in samples])
             metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         return metrics
 
@@ -336,7 +336,7 @@ class Loop:
                 pass
             return {}
         self.driver.reporter.heartbeat(Phase.PUBLISH, self.next_rollout)
-        result = self.driver.publisher.publish(str(self.weight_version), self.driver.engines(), weights)
+        result = self.driver.publisher.publish(self.weight_version, self.driver.engines(), weights)
         if self.driver.supervisor:
             self.driver.supervisor.published(self.weight_version, result.updated, result.fenced)
         return {Metric.PUBLISH_SECONDS: result.seconds, "engines_updated": len(result.updated),

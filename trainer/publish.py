@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from rollout.engine_client import EngineClient, EngineError
+from contract.job_dir import JobDir
+from rollout.engine_client import EngineClient, EngineError, version_to_wire
 from rollout.weight_group import Backend, UpdateGroup, WeightSyncError, create_group, free_port, route_address
 from trainer.weight_folders import WeightFolders
 
@@ -46,7 +47,7 @@ class PublishError(Exception):
 
 @dataclass
 class PublishResult:
-    version: str
+    version: int
     updated: list[str]  # engines that now serve `version`
     fenced: dict[str, str]  # url -> reason
     seconds: float
@@ -114,7 +115,7 @@ class WeightPublisher:
             raise ValueError("bucket_bytes and timeout_s must be positive and keep_versions at least 1")
         self.transport = transport
         self.bucket_bytes = bucket_bytes
-        self._folders = WeightFolders(Path(job_dir) / "weights", Path(hf_checkpoint), bucket_bytes, keep_versions)
+        self._folders = WeightFolders(JobDir(job_dir), Path(hf_checkpoint), bucket_bytes, keep_versions)
         self.timeout_s = timeout_s
         self.on_fence = on_fence or (lambda url, reason: None)
         # NCCL needs the trainer's GPU; SGLang engines join with nccl, CPU engines with gloo (a group
@@ -134,9 +135,9 @@ class WeightPublisher:
     def group_name(self) -> str | None:
         return self._group.group.name if self._group else None
 
-    def publish(self, version: str, engines: list[str], weights: Weights) -> PublishResult:
-        if not version or "/" in version or version.startswith("."):
-            raise ValueError(f"weight version {version!r} cannot name a folder")
+    def publish(self, version: int, engines: list[str], weights: Weights) -> PublishResult:
+        if version < 0:
+            raise ValueError(f"weight versions count from 0, got {version}")
         start = time.monotonic()
         fenced: dict[str, str] = {}
         weights = iter(weights)
@@ -161,18 +162,18 @@ class WeightPublisher:
                 fenced[url] = reason
                 self.on_fence(url, reason)
 
-    def _verify(self, version: str, engines: list[str], fenced: dict[str, str]) -> list[str]:
+    def _verify(self, version: int, engines: list[str], fenced: dict[str, str]) -> list[str]:
         """Fence every engine whose /model_info does not name the new version."""
         versions, failed = self._engines.each(engines, self._engines.weight_version)
         for url, served in versions.items():
             if served != version:
-                failed[url] = f"/model_info says weight_version {served!r}, expected {version!r}"
+                failed[url] = f"/model_info says weight_version {served}, expected {version}"
         self._fence(failed, fenced)
         return [url for url in engines if url not in fenced]
 
     # ---- disk ----
 
-    def _publish_disk(self, version: str, engines: list[str], weights: Weights,
+    def _publish_disk(self, version: int, engines: list[str], weights: Weights,
                       fenced: dict[str, str]) -> tuple[list[str], int]:
         # Held whole (on the CPU): the writer plans every shard's header before its first byte.
         tensors = [(name, tensor.detach().cpu()) for name, tensor in weights]
@@ -187,7 +188,7 @@ class WeightPublisher:
 
     # ---- nccl (gloo on CPU) ----
 
-    def _publish_distributed(self, version: str, engines: list[str], weights: Weights,
+    def _publish_distributed(self, version: int, engines: list[str], weights: Weights,
                              fenced: dict[str, str]) -> tuple[list[str], int]:
         group = self._ready_group(engines, fenced)
         if group is None:
@@ -267,7 +268,7 @@ class WeightPublisher:
         self._fence(failed, fenced)
         return None
 
-    def _send_buckets(self, version: str, group: _Group, weights: Weights,
+    def _send_buckets(self, version: int, group: _Group, weights: Weights,
                       fenced: dict[str, str]) -> tuple[list[str], int]:
         """Broadcast bucket by bucket while every member receives it; returns the members that
         took every bucket and the bytes sent. The version (and cache flush) ride on the last."""
@@ -278,7 +279,7 @@ class WeightPublisher:
             body = {"names": [name for name, _ in bucket],
                     "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": group.group.name,
-                    "flush_cache": last, "weight_version": version if last else None}
+                    "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
             futures = self._engines.start_call(members, "/update_weights_from_distributed", body)
             broken = _broadcast(group.group, tensors)
             done, failed = self._engines.settle(futures)

@@ -40,7 +40,7 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
         use_rollout_log_probs(samples)
     mask = padded([s.loss_mask for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    n = args.n_samples_per_prompt
+    groups = [s.group_index for s in samples]  # of any sizes: a rollout function may return unequal ones
     # Per-token penalties on the reward: KL to the reference (--kl-coef) and, for on-policy
     # distillation, the reverse KL to the teacher (log pi - log teacher), which pushes the student
     # towards the teacher's tokens.
@@ -54,7 +54,7 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
     estimator = args.advantage_estimator
     if estimator in ("grpo", "gspo"):
         # --disable-rewards-normalization: the raw rewards, no group normalization.
-        scores = adv.grpo_advantages(rewards, n, normalize_std=not args.disable_grpo_std_normalization) \
+        scores = adv.grpo_advantages(rewards, groups, normalize_std=not args.disable_grpo_std_normalization) \
             if args.rewards_normalization else rewards
         # The penalty enters as REINFORCE++ does: its discounted sum from each token on.
         token_adv = scores[:, None] * mask + adv.reinforce_plus_plus_returns(
@@ -62,7 +62,7 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
     elif estimator == "reinforce_plus_plus":
         token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
     elif estimator == "reinforce_plus_plus_baseline" and args.rewards_normalization:
-        token_adv = adv.reinforce_plus_plus_baseline_advantages(rewards, n, penalty, 1.0, mask, args.gamma)
+        token_adv = adv.reinforce_plus_plus_baseline_advantages(rewards, groups, penalty, 1.0, mask, args.gamma)
     elif estimator == "reinforce_plus_plus_baseline":  # no group baseline: REINFORCE++ on the raw rewards
         token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
     else:  # ppo: per-token rewards (the reward on the last token, minus the penalty), GAE on the critic

@@ -36,7 +36,6 @@ from rollout.sample import Sample
 
 log = logging.getLogger(__name__)
 
-FOLDER = "rollout_journal"
 LINEAGE_KEY = "journal_lineage"  # in a checkpoint's common state: the id of that save
 INITIAL = "initial"  # the lineage of a trainer that started from the initial weights (no checkpoint)
 # Flags that say where things run, not what is computed: a requeued or restarted trainer may get others.

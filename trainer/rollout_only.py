@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> None:
     driver.reporter.drop_from(0)  # a restart redoes every rollout
     assert driver.publisher is not None
     driver.reporter.heartbeat(Phase.PUBLISH, 0)
-    result = driver.publisher.publish("0", driver.engines(), hf_weights(args.hf_checkpoint))
+    result = driver.publisher.publish(0, driver.engines(), hf_weights(args.hf_checkpoint))
     if driver.supervisor:
         driver.supervisor.published(0, result.updated, result.fenced)
     first_eval = (before_train(driver.evaluate(0))

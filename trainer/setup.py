@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ckpt_tools.tracker import resolve_checkpoint
+from contract.job_dir import JobDir
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, read_hf_config
 from trainer.loop import Loop, seed_everything
@@ -49,7 +50,7 @@ def initial_weights(args: argparse.Namespace, rank0: bool, group) -> Path:
     """--ref-load's checkpoint; without one, --hf-checkpoint converted once into the job dir."""
     if args.ref_load:
         return _resolve("--ref-load", args.ref_load, args.ref_ckpt_step)
-    converted = Path(args.job_dir) / "hf_torch_dist"
+    converted = JobDir(args.job_dir).hf_torch_dist
     if rank0 and not converted.exists():
         from ckpt_tools.convert import hf_to_torch_dist
 

@@ -14,21 +14,26 @@ import torch
 
 from ckpt_tools.convert import HF_SIDE_FILES
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
-from contract.job_dir import fsync_dir
+from contract.job_dir import JobDir, fsync_dir
 
 _PARTIAL = ".partial-"  # marks a hidden folder still being written (or being removed)
 
 
 @dataclass(frozen=True)
 class WeightFolders:
-    """The version folders under weights_dir: shards of at most shard_bytes, keep_versions kept."""
+    """The version folders of the job dir (JobDir.weights_of): shards of at most shard_bytes,
+    keep_versions kept."""
 
-    weights_dir: Path
+    job_dir: JobDir
     hf_checkpoint: Path
     shard_bytes: int
     keep_versions: int
 
-    def write(self, version: str, tensors: list[tuple[str, torch.Tensor]]) -> tuple[Path, int]:
+    @property
+    def weights_dir(self) -> Path:
+        return self.job_dir.weights
+
+    def write(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> tuple[Path, int]:
         """The folder of `version`, built in a hidden folder and renamed into place, and its bytes."""
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}{_PARTIAL}", dir=self.weights_dir))
@@ -60,10 +65,10 @@ class WeightFolders:
         for old in versions[self.keep_versions - 1:]:
             self._remove(old)
 
-    def _move_into_place(self, tmp: Path, version: str) -> Path:
+    def _move_into_place(self, tmp: Path, version: int) -> Path:
         """Rename the finished folder in; a folder of the same version (a resumed run publishing
         it again) is removed first, as rename cannot replace a full folder."""
-        final = self.weights_dir / version
+        final = self.job_dir.weights_of(version)
         if final.exists():
             self._remove(final)
         os.rename(tmp, final)

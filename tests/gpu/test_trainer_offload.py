@@ -31,7 +31,7 @@ def _samples(vocab: int):
 
     gen = torch.Generator().manual_seed(0)
     return [TrainSample(tokens=torch.randint(0, vocab, (n,), generator=gen), response_length=r,
-                        loss_mask=torch.ones(r), reward=float(k % 2)) for k, (n, r) in enumerate(
+                        loss_mask=torch.ones(r), reward=float(k % 2), group_index=k // 2) for k, (n, r) in enumerate(
                             [(9, 4), (6, 3), (11, 5), (5, 2), (8, 1)])]
 
 

@@ -3,15 +3,17 @@ rendered heterogeneous sbatch script."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
-from contract.spec import SpecError, flag_value, parse_slurm_time
+from contract.bounds import Bound
+from contract.spec import FaultToleranceSpec, JobSpec, SpecError, flag_value, parse_slurm_time
 from contract.spec_loading import finalize, load_spec, spec_from_yaml
 from jobs.submit import prepare, render_script
-from jobs.validate import PartitionInfo
+from jobs.validate import PartitionInfo, validate
 from tests.jobs.helpers import job_files, job_flags
 
 YAML = """
@@ -106,6 +108,23 @@ def test_yaml_problems_are_all_listed(tmp_path: Path) -> None:
     assert "rollout.num_engine: unknown field (did you mean num_engines?)" in text
     assert "foo: unknown field" in text
     assert len(err.value.problems) == 4
+
+
+def test_each_fault_tolerance_number_carries_its_unit_and_bounds() -> None:
+    ft = FaultToleranceSpec()
+    numbers = [f for f in dataclasses.fields(ft) if not isinstance(getattr(ft, f.name), bool)]
+    assert len(numbers) == len(dataclasses.fields(ft)) - 1  # all but use_fault_tolerance
+    assert all(isinstance(f.metadata.get("bound"), Bound) and f.metadata["bound"].unit in ("s", "count", "fraction")
+               for f in numbers)
+    spec = JobSpec()
+    spec.fault_tolerance = dataclasses.replace(ft, preempt_grace=0, supervisor_gap=0.05, max_kill_fraction=0,
+                                               max_requeues=-1, trainer_save_timeout=0.5)
+    problems = [p for p in validate(spec, partitions=False) if p.startswith("fault_tolerance.")]
+    assert problems == ["fault_tolerance.max_kill_fraction: must be in (0, 1], got 0",
+                        "fault_tolerance.preempt_grace: must be 1 or more, got 0",
+                        "fault_tolerance.max_requeues: must be 0 or more, got -1",
+                        "fault_tolerance.trainer_save_timeout: must be 1 or more, got 0.5",
+                        "fault_tolerance.supervisor_gap: must be 0.1 or more, got 0.05"]
 
 
 def _groups(script: str) -> list[str]:

@@ -76,7 +76,7 @@ def start_on_free_ports(command: Callable[[int, int], list[str]], log: Path, rea
 def engine(model: Path, log: Path, deterministic: bool = False, role: str = "regular") -> Server:
     """A CPU engine on loopback; a prefill engine's bootstrap port is kept on the server."""
     def command(port: int, bootstrap_port: int) -> list[str]:
-        argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version="v1",
+        argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version=1,
                                                role=role, bootstrap_port=bootstrap_port if role == "prefill" else None))
         return argv + (["--enable-deterministic-inference"] if deterministic else [])
 

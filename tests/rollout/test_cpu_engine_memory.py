@@ -42,7 +42,7 @@ def logprobs(out: dict[str, Any]) -> list[float]:
 
 def test_release_frees_and_resume_restores_the_current_version(engine: EngineProcess, models: dict[int, Path]) -> None:
     client = EngineClient(None, 30.0)
-    client.load_from_disk(engine.url, models[1], "7", timeout_s=30)  # not the initial checkpoint
+    client.load_from_disk(engine.url, models[1], 7, timeout_s=30)  # not the initial checkpoint
     before = engine.generate(PROBE)
     client.release_memory(engine.url, ["weights", "kv_cache"])
     info = engine.get("/server_info").json()
@@ -61,7 +61,7 @@ def test_release_frees_and_resume_restores_the_current_version(engine: EnginePro
     client.resume_memory(engine.url, ["kv_cache"])
     waiting.join(30)
     assert logprobs(box["out"]) == logprobs(before)  # the same weights: version 7's, not seed 0's
-    assert client.weight_version(engine.url) == "7" and info["weight_version"] == "7"
+    assert client.weight_version(engine.url) == 7 and info["weight_version"] == "7"  # an int here, a string on the wire
     assert len(engine.post("/get_weights_by_name", {"name": name, "truncate_size": 2}).json()) == 2
     assert wait_until(lambda: client.healthy(engine.url), 30, "healthy after resume")
     client.close()

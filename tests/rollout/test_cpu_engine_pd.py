@@ -105,10 +105,10 @@ def test_a_decode_engine_without_its_prefill_fails_the_request(pd) -> None:
 def test_a_weight_version_apart_fails_at_the_decode_side(pd) -> None:
     router, prefills, decodes = pd
     for d in decodes:
-        moved = requests.post(d.url + "/update_weight_version", json={"new_version": "v2"}, headers=AUTH, timeout=10)
+        moved = requests.post(d.url + "/update_weight_version", json={"new_version": "2"}, headers=AUTH, timeout=10)
         assert moved.ok, moved.text
     answer = _generate(router.url, "apart")
-    assert answer.status_code == 500 and "weight version v1, this decode engine is at v2" in answer.text
+    assert answer.status_code == 500 and "weight version 1, this decode engine is at 2" in answer.text
 
 
 def test_a_dead_prefill_engine_fails_the_request_for_a_whole_retry(pd) -> None:

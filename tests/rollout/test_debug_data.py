@@ -110,14 +110,14 @@ def test_a_dump_slime_wrote_loads_as_the_same_samples(tmp_path: Path) -> None:
                 ours.label, ours.reward, ours.loss_mask, ours.rollout_log_probs, ours.metadata) == (
             theirs.group_index, theirs.index, theirs.prompt, theirs.tokens, theirs.response, theirs.response_length,
             theirs.label, theirs.reward, theirs.loss_mask, theirs.rollout_log_probs, theirs.metadata)
-        assert ours.status.value == theirs.status.value and ours.weight_version == "3"
+        assert ours.status.value == theirs.status.value and ours.weight_version == 3
 
 
 def test_our_dump_loads_in_slime_with_its_fields(tmp_path: Path) -> None:
     template = str(tmp_path / "{rollout_id}.pt")
     ours = [Sample(index=i, group_index=0, prompt="p", tokens=[1, 2, 3], response="x", response_length=1,
                    label="x", reward=1.0, loss_mask=[1], status=Status.COMPLETED, rollout_log_probs=[-0.1],
-                   weight_version="7", metadata={"row": 0}) for i in range(2)]
+                   weight_version=7, metadata={"row": 0}) for i in range(2)]
     written = debug_data.save(template, 5, ours)
     assert written == tmp_path / "5.pt"
     raw = torch.load(written, weights_only=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engine_client import EngineClient, EngineError
+from rollout.engine_client import EngineClient, EngineError, version_from_wire, version_to_wire
 from tests.rollout.fake_engines import fake_engines
 from tests.rollout.servers import free_port
 
@@ -47,7 +47,7 @@ class _Engine(BaseHTTPRequestHandler):
     key is required everywhere. Each POST body is kept in the server's `bodies`."""
 
     def do_GET(self) -> None:
-        self._answer({"weight_version": "v3"} if self.path == "/model_info" else None)
+        self._answer({"weight_version": "3"} if self.path == "/model_info" else None)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -88,12 +88,12 @@ def engine() -> Iterator[tuple[str, list[dict]]]:
 def test_routes_answer_or_raise_naming_url_and_route_but_never_the_key(engine: tuple[str, list[dict]]) -> None:
     url, bodies = engine
     with EngineClient(KEY, timeout_s=5) as client:
-        assert client.weight_version(url) == "v3"
-        client.load_from_disk(url, Path("/w/v4"), "v4", timeout_s=5)
-        assert bodies == [{"model_path": "/w/v4", "weight_version": "v4"}]
+        assert client.weight_version(url) == 3  # an int here, a string on SGLang's wire
+        client.load_from_disk(url, Path("/w/4"), 4, timeout_s=5)
+        assert bodies == [{"model_path": "/w/4", "weight_version": "4"}]
         assert client.call(url, "/update_weights_from_disk", {"model_path": "/w/v5"}) == {"success": True}
         errors = []
-        for failing in (lambda: client.load_from_disk(url, Path("/bad"), "v6", timeout_s=5),
+        for failing in (lambda: client.load_from_disk(url, Path("/bad"), 6, timeout_s=5),
                         lambda: client.call(url, "/nowhere"),
                         lambda: EngineClient("wrong", 5).weight_version(url),
                         lambda: client.weight_version(f"http://127.0.0.1:{free_port()}")):
@@ -112,3 +112,9 @@ def test_a_key_that_would_break_a_header_is_refused_unquoted() -> None:
     with pytest.raises(ValueError, match="whitespace") as caught:
         EngineClient("bad key\n", timeout_s=1)
     assert "bad key" not in str(caught.value)
+
+
+def test_weight_versions_are_ints_here_and_strings_on_sglangs_wire() -> None:
+    assert version_to_wire(12) == "12" and version_from_wire("12") == 12
+    # SGLang's initial "default", an answer without one, and what slurmrl never publishes: no version.
+    assert [version_from_wire(v) for v in ("default", None, "", "v3", "-1", True)] == [None] * 6

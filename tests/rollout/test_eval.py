@@ -44,12 +44,12 @@ def test_bad_eval_prompt_data_names_the_flag(tmp_path: Path, monkeypatch, values
 
 def test_pass_at_k_is_the_unbiased_estimate_averaged_over_prompts() -> None:
     rewards = [1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]  # 4 prompts x 4: 1, 2, 0 and 4 correct
-    got = pass_at_k(rewards, 4)
+    got = pass_at_k(rewards, [i // 4 for i in range(16)])
     for k in (1, 2, 4):
         want = sum(1 - comb(4 - c, k) / comb(4, k) for c in (1, 2, 0, 4)) / 4
         assert got[f"pass@{k}"] == pytest.approx(want)
-    assert set(got) == {"pass@1", "pass@2", "pass@4"} and pass_at_k([1, 0], 1) == {}
-    assert pass_at_k([0.5, 1, 1, 1], 2)["pass@1"] == pytest.approx(0.75)  # only reward 1 passes
+    assert set(got) == {"pass@1", "pass@2", "pass@4"} and pass_at_k([1, 0], [0, 1]) == {}
+    assert pass_at_k([0.5, 1, 1, 1], [0, 0, 1, 1])["pass@1"] == pytest.approx(0.75)  # only reward 1 passes
 
 
 def test_eval_metrics_use_slimes_names() -> None:

@@ -43,7 +43,7 @@ def _check_complete(groups) -> None:
     assert sorted(s.index for s in samples) == list(range(PROMPTS * N))  # each exactly once
     for s in samples:
         assert s.status in (Status.COMPLETED, Status.TRUNCATED)
-        assert s.weight_version == "v1"
+        assert s.weight_version == 1
         assert 0 < s.response_length == len(s.loss_mask) == len(s.rollout_log_probs) <= 8
         assert s.reward in (0.0, 1.0)
 

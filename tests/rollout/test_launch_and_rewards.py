@@ -30,11 +30,11 @@ def test_passthrough_strips_the_prefix_and_keeps_values() -> None:
 
 
 def test_engine_command_single_and_multi_node() -> None:
-    one = EngineLaunch("/m", "10.0.0.5", 30000, tp=2, base_gpu_id=2, api_key="k", weight_version="v3",
+    one = EngineLaunch("/m", "10.0.0.5", 30000, tp=2, base_gpu_id=2, api_key="k", weight_version=3,
                        sglang_args=["--mem-fraction-static", "0.7"])
     assert sglang_command(one, python="py") == [
         "py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "10.0.0.5", "--port", "30000",
-        "--tp-size", "2", "--base-gpu-id", "2", "--api-key", "k", "--weight-version", "v3",
+        "--tp-size", "2", "--base-gpu-id", "2", "--api-key", "k", "--weight-version", "3",
         "--mem-fraction-static", "0.7"]
     multi = EngineLaunch("/m", "h1", 30000, tp=16, nnodes=2, node_rank=1, dist_init_addr="h0:5000")
     argv = cpu_engine_command(multi, python="py")

@@ -59,9 +59,9 @@ def test_spans_show_queue_retries_on_another_engine_and_reward(cluster, model: P
         assert queued and generate and len(reward) == 1, f"sample {s.index}: {[x['kind'] for x in s.spans]}"
         assert all(x["start"] <= x["end"] for x in s.spans)
         assert [g["attempt"] for g in generate] == list(range(len(generate)))
-        assert generate[-1]["outcome"] in DONE and generate[-1]["weight_version"] == "v1"
+        assert generate[-1]["outcome"] in DONE and generate[-1]["weight_version"] == 1
         assert queued[0]["start"] <= generate[0]["start"] and reward[0]["start"] >= generate[-1]["end"]
-        assert reward[0]["weight_version"] == "v1"
+        assert reward[0]["weight_version"] == 1
     retried = [s for s in samples if len(_spans(s, "generate")) > 1]
     assert retried, "no sample was retried after the kill"
     for s in retried:

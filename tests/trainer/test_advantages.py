@@ -26,27 +26,43 @@ def test_grpo_uses_unbiased_group_std():
     # unbiased var = (0.5625 + 3 * 0.0625) / 3 = 0.25, std = 0.5 (population std would be 0.433).
     # Group [2, 2, 2, 2]: all deviations 0, std 0 -> 0 / eps = 0.
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
-    close(grpo_advantages(rewards, 4), [1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
+    close(grpo_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1]), [1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
 
 
 def test_grpo_without_std_normalization_only_centres():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 2.0, 2.0])
-    close(grpo_advantages(rewards, 4, normalize_std=False),
+    close(grpo_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1], normalize_std=False),
           [0.75, -0.25, -0.25, -0.25, 1.0, -1.0, 0.0, 0.0])
 
 
-def test_grpo_groups_are_contiguous():
-    # group_size 2: groups [1, 3] and [0, 0]; [1, 3]: mean 2, unbiased std sqrt(2).
+def test_grpo_groups_are_named_by_group_index():
+    # Groups [1, 3] and [0, 0]; [1, 3]: mean 2, unbiased std sqrt(2).
     rewards = torch.tensor([1.0, 3.0, 0.0, 0.0])
     s = math.sqrt(2)
-    close(grpo_advantages(rewards, 2), [-1 / s, 1 / s, 0.0, 0.0])
+    close(grpo_advantages(rewards, [0, 0, 1, 1]), [-1 / s, 1 / s, 0.0, 0.0])
+    # The same groups interleaved, under other names: each sample keeps its advantage.
+    close(grpo_advantages(torch.tensor([1.0, 0.0, 3.0, 0.0]), [7, 2, 7, 2]), [-1 / s, 0.0, 1 / s, 0.0])
+
+
+def test_groups_of_unequal_size():
+    # Groups [0, 2, 4] (mean 2, unbiased std 2) and [1, 3] (mean 2, unbiased std sqrt(2)); a group
+    # of one has no unbiased std. REINFORCE++-baseline centres: [0, 2, 4] -> [-2, 0, 2], [1, 3] -> [-1, 1].
+    rewards = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
+    index = [0, 1, 0, 1, 0]
+    close(grpo_advantages(rewards, index), [-1.0, -1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), 1.0])
+    with pytest.raises(ValueError, match="group 9 has 1"):
+        grpo_advantages(torch.tensor([0.0, 1.0, 5.0]), [0, 0, 9])
+    mask = torch.ones(5, 1)
+    centred = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0])  # mean 0, unbiased var 10 / 4
+    out = reinforce_plus_plus_baseline_advantages(rewards, index, torch.zeros(5, 1), 0.0, mask)
+    close(out, (centred / math.sqrt(10 / 4))[:, None].tolist())
 
 
 def test_grpo_rejects_bad_shapes():
     with pytest.raises(ValueError):
-        grpo_advantages(torch.zeros(5), 4)
+        grpo_advantages(torch.zeros(5), [0, 0, 0, 0])
     with pytest.raises(ValueError):
-        grpo_advantages(torch.zeros(3), 1)
+        grpo_advantages(torch.zeros(3), [0, 1, 2])
 
 
 def test_gspo_advantages_are_grpo_advantages():
@@ -101,7 +117,7 @@ def test_reinforce_plus_plus_baseline_subtracts_group_mean_first():
     rewards = torch.tensor([3.0, 1.0, 10.0, 10.0])
     mask = torch.ones(4, 1)
     s = math.sqrt(2 / 3)
-    out = reinforce_plus_plus_baseline_advantages(rewards, 2, torch.zeros(4, 1), 0.0, mask)
+    out = reinforce_plus_plus_baseline_advantages(rewards, [0, 0, 1, 1], torch.zeros(4, 1), 0.0, mask)
     close(out, [[1 / s], [-1 / s], [0.0], [0.0]])
 
 

@@ -170,7 +170,7 @@ def test_slurm_step_environment_becomes_torch_distributed() -> None:
 
 def test_true_on_policy_check_measures_the_largest_gap() -> None:
     sample = TrainSample(tokens=torch.arange(5), response_length=3, loss_mask=torch.tensor([1.0, 1.0, 0.0]),
-                         reward=1.0, rollout_log_probs=torch.tensor([-1.0, -2.0, -3.0]))
+                         reward=1.0, group_index=0, rollout_log_probs=torch.tensor([-1.0, -2.0, -3.0]))
     sample.old_log_probs = torch.tensor([-1.0, -2.5, -9.0])  # the masked-out token does not count
     assert logp_mismatch([sample]) == pytest.approx(0.5)
     sample.rollout_log_probs = None

@@ -72,8 +72,8 @@ def test_karmarkar_karp_equal_size_and_sums() -> None:
 
 
 def test_rank_packs_carry_the_global_ids() -> None:
-    samples = [TrainSample(tokens=torch.arange(n), response_length=1, loss_mask=torch.ones(1), reward=0.0)
-               for n in (4, 6, 3, 5)]
+    samples = [TrainSample(tokens=torch.arange(n), response_length=1, loss_mask=torch.ones(1), reward=0.0,
+                           group_index=k) for k, n in enumerate((4, 6, 3, 5))]
     ids = [3, 1, 0]  # a global batch: a subset, in its own order
     packs = [rank_packs(samples, ids, 2, r, Batching(dynamic=True, max_tokens=9)) for r in range(2)]
     assert [[p.sample_ids for p in rank] for rank in packs] == [[[3, 0]], [[1]]]

@@ -31,7 +31,8 @@ LENGTHS = [(9, 4), (6, 3), (11, 5), (5, 2), (8, 1)]  # (tokens, response tokens)
 def _samples() -> list[TrainSample]:
     gen = torch.Generator().manual_seed(0)
     return [TrainSample(tokens=torch.randint(0, 100, (n,), generator=gen), response_length=r,
-                        loss_mask=torch.ones(r), reward=0.0) for n, r in LENGTHS]
+                        loss_mask=torch.ones(r), reward=0.0, group_index=k)
+            for k, (n, r) in enumerate(LENGTHS)]
 
 
 def _nll_loss(n_samples: int) -> PackLoss:

@@ -35,7 +35,7 @@ def _samples(vocab: int) -> list[TrainSample]:
     out = []
     for total, response in LENGTHS:
         out.append(TrainSample(tokens=torch.randint(0, vocab, (total,), generator=g), response_length=response,
-                               loss_mask=torch.ones(response), reward=0.0,
+                               loss_mask=torch.ones(response), reward=0.0, group_index=len(out),
                                advantages=torch.randn(response, generator=g)))
     return out
 

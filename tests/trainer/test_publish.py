@@ -56,16 +56,16 @@ def shifted(base: dict[str, torch.Tensor], delta: float, dtype: torch.dtype = to
     return [(name, (tensor + delta).to(dtype)) for name, tensor in sorted(base.items())]
 
 
-def assert_serving(url: str, version: str, tensors: Tensors) -> None:
+def assert_serving(url: str, version: int, tensors: Tensors) -> None:
     info = requests.get(url + "/model_info", headers=AUTH, timeout=10).json()
-    assert info["weight_version"] == version
+    assert info["weight_version"] == str(version)  # a string on SGLang's wire
     for name, expected in tensors:
         got = requests.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 10**6},
                             headers=AUTH, timeout=10).json()
         assert torch.equal(torch.tensor(got, dtype=torch.float32), expected.float()), name
 
 
-def timed(publisher: WeightPublisher, version: str, engines: list[str], weights) -> tuple[PublishResult, float]:
+def timed(publisher: WeightPublisher, version: int, engines: list[str], weights) -> tuple[PublishResult, float]:
     start = time.monotonic()
     result = publisher.publish(version, engines, weights)
     return result, time.monotonic() - start
@@ -97,9 +97,9 @@ def test_disk_publish_reaches_every_engine_and_keeps_the_last_versions(
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        # v4 twice: a resumed run publishes a version again, and its folder is replaced.
-        for version, delta, dtype in (("v2", 0.01, torch.float32), ("v3", 0.02, torch.bfloat16),
-                                      ("v4", 0.03, torch.float32), ("v4", 0.04, torch.float32)):
+        # 4 twice: a resumed run publishes a version again, and its folder is replaced.
+        for version, delta, dtype in ((2, 0.01, torch.float32), (3, 0.02, torch.bfloat16),
+                                      (4, 0.03, torch.float32), (4, 0.04, torch.float32)):
             weights = shifted(base, delta, dtype)
             result, seconds = timed(publisher, version, urls, iter(weights))
             assert result.updated == urls and result.fenced == {}
@@ -108,15 +108,15 @@ def test_disk_publish_reaches_every_engine_and_keeps_the_last_versions(
                 assert_serving(url, version, weights)
             print(f"disk publish {version}: {seconds:.3f} s for {result.bytes} bytes to 2 engines")
         with pytest.raises(RuntimeError, match="trainer failed"):  # the caller's weights break off
-            publisher.publish("v5", urls, (item if i < 5 else _fail() for i, item in enumerate(shifted(base, 0.05))))
+            publisher.publish(5, urls, (item if i < 5 else _fail() for i, item in enumerate(shifted(base, 0.05))))
     finally:
         done.set()
         watcher.join()
     assert seen_incomplete == []
-    assert sorted(e.name for e in weights_dir.iterdir()) == ["v3", "v4"]  # no v5, no temporary folder
-    shards = sorted(p.name for p in (weights_dir / "v4").glob("*.safetensors"))
+    assert sorted(e.name for e in weights_dir.iterdir()) == ["3", "4"]  # no 5, no temporary folder
+    shards = sorted(p.name for p in (weights_dir / "4").glob("*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
-    assert {p.name for p in model.iterdir() if p.suffix != ".safetensors"} <= {p.name for p in (weights_dir / "v4").iterdir()}
+    assert {p.name for p in model.iterdir() if p.suffix != ".safetensors"} <= {p.name for p in (weights_dir / "4").iterdir()}
 
 
 def _fail() -> tuple[str, torch.Tensor]:
@@ -132,12 +132,12 @@ def test_dead_or_failing_engines_are_fenced_and_the_others_still_update(
     publisher = WeightPublisher("disk", tmp_path, model, servers.API_KEY, timeout_s=30,
                                 on_fence=lambda url, reason: calls.append((url, reason)))
     weights = shifted(base, 0.06)
-    result = publisher.publish("v6", [dead, live, failing], iter(weights))
+    result = publisher.publish(6, [dead, live, failing], iter(weights))
     assert result.updated == [live]
     assert set(result.fenced) == {dead, failing} and dict(calls) == result.fenced and len(calls) == 2
     assert "ConnectionError" in result.fenced[dead] and "404" in result.fenced[failing]
     assert all(servers.API_KEY not in reason for reason in result.fenced.values())
-    assert_serving(live, "v6", weights)
+    assert_serving(live, 6, weights)
 
 
 # nccl: what a trainer on a GPU asks for; the CPU engines' /server_info says device cpu, so the
@@ -150,8 +150,8 @@ def test_gloo_publish_in_buckets_keeps_its_group(engines: list[servers.Server], 
                                 backend=backend)
     try:
         names = []
-        for version, delta, dtype in (("v7", 0.07, torch.float32), ("v8", 0.08, torch.bfloat16),
-                                      ("v9", 0.09, torch.float32)):
+        for version, delta, dtype in ((7, 0.07, torch.float32), (8, 0.08, torch.bfloat16),
+                                      (9, 0.09, torch.float32)):
             weights = shifted(base, delta, dtype)
             result, seconds = timed(publisher, version, urls, iter(weights))
             assert result.updated == urls and result.fenced == {}
@@ -191,7 +191,7 @@ def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Serv
         # Frozen mid-broadcast: bounded by the timeout, the engine is fenced, the group dropped.
         weights = shifted(base, 0.11)
         stream = stop_process_at(weights, len(weights) // 2, hung.proc.pid)
-        result, seconds = timed(publisher, "v11", [a, b], stream)
+        result, seconds = timed(publisher, 11, [a, b], stream)
         print(f"gloo publish with an engine frozen mid-broadcast: {seconds:.1f} s, fenced {result.fenced}")
         assert b in result.fenced and fenced == list(result.fenced)
         assert seconds < 2 * timeout and publisher.group_engines == []
@@ -199,30 +199,30 @@ def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Serv
 
         # The next publish, without it, works.
         weights = shifted(base, 0.12)
-        result = publisher.publish("v12", [a], iter(weights))
+        result = publisher.publish(12, [a], iter(weights))
         assert result.updated == [a], result.fenced
-        assert_serving(a, "v12", weights)
+        assert_serving(a, 12, weights)
         alone = publisher.group_name
 
         # A freshly started engine replaces it: the group is rebuilt around the new set.
         fresh = servers.engine(model, tmp_path / "fresh.log")
         weights = shifted(base, 0.13, torch.bfloat16)
-        result = publisher.publish("v13", [a, fresh.url], iter(weights))
+        result = publisher.publish(13, [a, fresh.url], iter(weights))
         assert result.updated == [a, fresh.url] and publisher.group_engines == [a, fresh.url]
         assert publisher.group_name != alone
         for url in (a, fresh.url):
-            assert_serving(url, "v13", weights)
+            assert_serving(url, 13, weights)
 
         # Dead before the publish: fenced at once, the other still updated.
         fresh.stop()
         weights = shifted(base, 0.14)
-        result, seconds = timed(publisher, "v14", [a, fresh.url], iter(weights))
+        result, seconds = timed(publisher, 14, [a, fresh.url], iter(weights))
         assert result.updated == [a] and list(result.fenced) == [fresh.url] and seconds < timeout
-        assert_serving(a, "v14", weights)
+        assert_serving(a, 14, weights)
 
         # No engine left: nothing is sent, yet every tensor is still drawn.
         stream = iter(shifted(base, 0.15))
-        result = publisher.publish("v15", [fresh.url], stream)
+        result = publisher.publish(15, [fresh.url], stream)
         assert result.updated == [] and list(result.fenced) == [fresh.url] and next(stream, None) is None
     finally:
         os.kill(hung.proc.pid, signal.SIGCONT)

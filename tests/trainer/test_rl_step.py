@@ -16,9 +16,10 @@ def _args(*flags: str):
 
 
 def _samples(rewards: list[float]) -> list[TrainSample]:
-    return [TrainSample(tokens=torch.arange(4), response_length=2, loss_mask=torch.ones(2), reward=r,
+    """Two samples a prompt, as --n-samples-per-prompt 2 says."""
+    return [TrainSample(tokens=torch.arange(4), response_length=2, loss_mask=torch.ones(2), reward=r, group_index=i // 2,
                         rollout_log_probs=torch.tensor([-0.5, -0.25]), old_log_probs=torch.tensor([-1.0, -2.0]))
-            for r in rewards]
+            for i, r in enumerate(rewards)]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gspo"])

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from contract.job_dir import JobDir
 from rollout.sample import Sample, Status
-from trainer.rollout_journal import FOLDER, INITIAL, RolloutJournal, new_lineage
+from trainer.rollout_journal import INITIAL, RolloutJournal, new_lineage
 
 
 def flags(**changed: object) -> argparse.Namespace:
@@ -19,16 +20,16 @@ def flags(**changed: object) -> argparse.Namespace:
 
 GROUPS = [[Sample(index=0, group_index=0, prompt="1+1", tokens=[5, 6, 7], response="2", response_length=1,
                   label="2", reward=1.0, loss_mask=[1], status=Status.COMPLETED, rollout_log_probs=[-0.1],
-                  weight_version="3")]]
+                  weight_version=3)]]
 BUFFER = {"source": {"epoch": 0, "offset": 8}, "pending": []}
 
 
 def test_the_same_run_replays_what_it_recorded(tmp_path: Path) -> None:
-    journal = RolloutJournal(tmp_path / FOLDER, flags())
+    journal = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     journal.resumed("lineage-a")
     journal.record(4, GROUPS, BUFFER)
     # A restarted trainer: resumed from the same checkpoint, on other ports, with another key
-    again = RolloutJournal(tmp_path / FOLDER, flags(master_port=29511, sglang_router_port=30007, api_key="k2"))
+    again = RolloutJournal(JobDir(tmp_path).rollout_journal, flags(master_port=29511, sglang_router_port=30007, api_key="k2"))
     again.resumed("lineage-a")
     groups, buffer = again.replay(4)
     assert [[s.to_dict() for s in g] for g in groups] == [[s.to_dict() for s in g] for g in GROUPS]
@@ -37,44 +38,44 @@ def test_the_same_run_replays_what_it_recorded(tmp_path: Path) -> None:
 
 
 def test_another_lineage_other_flags_or_an_old_checkpoint_generate_again(tmp_path: Path) -> None:
-    journal = RolloutJournal(tmp_path / FOLDER, flags())
+    journal = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     journal.resumed("lineage-a")
     journal.record(4, GROUPS, BUFFER)
-    other = RolloutJournal(tmp_path / FOLDER, flags())
+    other = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     other.resumed("lineage-b")  # resumed from another checkpoint
     assert other.replay(4) is None
-    changed = RolloutJournal(tmp_path / FOLDER, flags(lr=2e-2))  # a flag that changes the weights
+    changed = RolloutJournal(JobDir(tmp_path).rollout_journal, flags(lr=2e-2))  # a flag that changes the weights
     changed.resumed("lineage-a")
     assert changed.replay(4) is None
-    old = RolloutJournal(tmp_path / FOLDER, flags())
+    old = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     old.resumed(None)  # a checkpoint from before the journal: its lineage is unknown
     assert old.replay(4) is None
     old.record(5, GROUPS, BUFFER)
-    assert not (tmp_path / FOLDER / "rollout_5.pt").exists()
+    assert not (JobDir(tmp_path).rollout_journal / "rollout_5.pt").exists()
 
 
 def test_a_fresh_start_replays_a_fresh_start(tmp_path: Path) -> None:
-    first = RolloutJournal(tmp_path / FOLDER, flags())
+    first = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     assert first.lineage == INITIAL
     first.record(0, GROUPS, BUFFER)
-    assert RolloutJournal(tmp_path / FOLDER, flags()).replay(0) is not None
+    assert RolloutJournal(JobDir(tmp_path).rollout_journal, flags()).replay(0) is not None
 
 
 def test_a_save_clears_the_journal_and_half_written_entries(tmp_path: Path) -> None:
-    journal = RolloutJournal(tmp_path / FOLDER, flags())
+    journal = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     journal.record(0, GROUPS, BUFFER)
     journal.record(1, GROUPS, BUFFER)
-    (tmp_path / FOLDER / ".rollout_2.pt.tmp-123").write_bytes(b"torn")
+    (JobDir(tmp_path).rollout_journal / ".rollout_2.pt.tmp-123").write_bytes(b"torn")
     lineage = new_lineage()
     journal.saved(lineage)
-    assert list((tmp_path / FOLDER).iterdir()) == []
+    assert list((JobDir(tmp_path).rollout_journal).iterdir()) == []
     journal.record(2, GROUPS, BUFFER)  # after the save: of the new lineage
-    resumed = RolloutJournal(tmp_path / FOLDER, flags())
+    resumed = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
     resumed.resumed(lineage)
     assert resumed.replay(2) is not None
 
 
 def test_an_unreadable_entry_is_generated_again(tmp_path: Path) -> None:
-    (tmp_path / FOLDER).mkdir()
-    (tmp_path / FOLDER / "rollout_3.pt").write_bytes(b"not a torch file")
-    assert RolloutJournal(tmp_path / FOLDER, flags()).replay(3) is None
+    (JobDir(tmp_path).rollout_journal).mkdir()
+    (JobDir(tmp_path).rollout_journal / "rollout_3.pt").write_bytes(b"not a torch file")
+    assert RolloutJournal(JobDir(tmp_path).rollout_journal, flags()).replay(3) is None
