@@ -263,8 +263,8 @@ class EngineRecovery:
         job = self.job
         for _ in range(_SYNC_TRIES):
             current = job.engines.current
-            folder = job.dir.weights_of(str(current)) if current is not None else None  # a folder's name
-            if folder is None or not folder.is_dir():
+            folder = job.dir.weights_of(str(current)) if current is not None else None  # (a folder's name)
+            if current is None or folder is None or not folder.is_dir():
                 return  # not on disk (an update group): the trainer's next publish includes it
             if engine.version != current:
                 job.engines.loaded(engine, folder, current, timeout_s=job.ft.weight_load_timeout)

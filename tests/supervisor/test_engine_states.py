@@ -71,7 +71,7 @@ def _engine_field_writes(path: Path) -> list[str]:
         for target in targets:
             if (isinstance(target, ast.Attribute) and target.attr in ENGINE_FIELDS
                     and "engine" in ast.unparse(target.value).lower()):
-                found.append(f"{path.name}:{node.lineno} {ast.unparse(target)}")
+                found.append(f"{path.name}:{getattr(node, 'lineno', 0)} {ast.unparse(target)}")
     return found
 
 
