@@ -174,11 +174,15 @@ class Engines(Mapping[str, Engine]):
             engine.recent_restarts = 0
         self._save([engine])
 
-    def give_up(self, engine: Engine, reason: str | None = None) -> None:
-        """No more restarts (FAILED); reason: the failure to record, if it is news."""
+    def give_up(self, engine: Engine, reason: str | None = None) -> bool:
+        """No more restarts (FAILED), unless it was given up already (then False); reason: the
+        failure to record, if it is news."""
         with self._lock:
+            if engine.state == FAILED:
+                return False
             self._move(engine, FAILED)
         self._save([engine], last_failure=reason)
+        return True
 
     # ------------------------------------------------------------------ starting and versions
     def launched(self, engine: Engine) -> None:
@@ -193,8 +197,11 @@ class Engines(Mapping[str, Engine]):
         """It answers /health_generate: WAITING until it serves the current version. Whether to
         sync it from disk now: not an adopted engine off the current version (it took a publish
         during the gap, its report is on the way, or it was being synced: a sync could take it a
-        version back; the trainer's report or next publish brings it in)."""
+        version back; the trainer's report or next publish brings it in). Nor one a recovery took
+        over meanwhile (the first start's wait can answer just before its step is stopped)."""
         with self._lock:  # a publish meanwhile finds it waiting, or has made its version current
+            if engine.state == RESTARTING:
+                return False
             self._move(engine, WAITING)
             off_version = adopted and engine.version != self._current
         self._save([engine])

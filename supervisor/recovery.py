@@ -192,7 +192,8 @@ class EngineRecovery:
         fault of the engine's). The job goes on with the engines left while min_engines are; below
         that, a crash loop fails the job and a lost node requeues it without that node."""
         job, ft = self.job, self.job.ft
-        job.engines.give_up(engine)
+        if not job.engines.give_up(engine):
+            return  # given up already: once is enough
         reason = (f"node {lost_node} is lost and no spare node is left" if lost_node else cause or
                   f"{engine.recent_restarts} restarts in a row, each within crash_window {ft.crash_window:.0f} s")
         job.events.emit("engine_given_up", engine.name, restarts=engine.restarts, reason=reason)

@@ -146,7 +146,7 @@ def test_recovery_is_started_once_and_takes_the_engine_out(tmp_path: Path) -> No
     assert e0.state == RESTARTING and not e0.in_router and router.workers == [] and engines.is_recovering(e0.name)
     assert "engine-0" not in engines.serving()
     assert store.snapshot().steps["engine-0"].last_failure == "exited with code 1"
-    engines.give_up(e0)
+    assert engines.give_up(e0) is True and engines.give_up(e0) is False  # once
     engines.finish_recovering(e0)
     assert engines.start_recovering(e0, "after it was given up") is False
     with pytest.raises(IllegalTransition, match="failed -> starting"):
@@ -161,6 +161,14 @@ def test_an_engine_taken_out_meanwhile_is_not_admitted(tmp_path: Path) -> None:
     engines.published(4, set())  # the engine was not updated: it waits
     engines.start_recovering(e0, "probe failed")
     assert engines.admit(e0) is False and e0.state == RESTARTING and router.workers == []
+
+
+def test_a_first_start_wait_answering_after_a_recovery_took_the_engine_leaves_it_to_the_recovery(
+        tmp_path: Path) -> None:
+    engines, _, _, _ = _engines(tmp_path, n=1)
+    e0 = engines["engine-0"]
+    engines.start_recovering(e0, "restart asked with slurmrl restart")
+    assert engines.answered(e0, adopted=False) is False and e0.state == RESTARTING
 
 
 def test_an_engine_reporting_another_version_stays_out(tmp_path: Path) -> None:
