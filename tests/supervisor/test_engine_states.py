@@ -65,9 +65,9 @@ def _engine_field_writes(path: Path) -> list[str]:
             targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             targets = [node.target]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
-            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_FIELDS:
-                found.append(f"{path.name}:{node.lineno} setattr({ast.unparse(node.args[0])}, {node.args[1].value!r})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_FIELDS):
+            found.append(f"{path.name}:{node.lineno} setattr({ast.unparse(node.args[0])}, {node.args[1].value!r})")
         for target in targets:
             if (isinstance(target, ast.Attribute) and target.attr in ENGINE_FIELDS
                     and "engine" in ast.unparse(target.value).lower()):
