@@ -5,9 +5,7 @@ after a requeue adopts nothing, but stops the previous run's engines SLURM left 
 
 from __future__ import annotations
 
-from rollout.engine_client import EngineError
 from supervisor.context import JobContext
-from supervisor.engines import HEALTHY, Engine
 from supervisor.fencing import own_run
 from supervisor.launcher import ROUTER, TRAINER, JobFailed, StepLauncher
 from supervisor.state import JobState, StateStore
@@ -81,24 +79,8 @@ def adopt(job: JobContext, previous: JobState | None, steps: StepController, lau
 def _restore_engines(job: JobContext, previous: JobState, adopted: set[str]) -> None:
     """The predecessor's weight version, and its router's members re-checked: an adopted engine
     stays in the router only if it answers with the current version; any other leaves it."""
-    membership = job.membership
-    membership.current = previous.weight_version
     router_kept = ROUTER in adopted or job.spec.rollout.external_router
-    listed = set(membership.router.workers()) if router_kept else set()
-    for engine in job.engines.values():
-        record = previous.steps.get(engine.name)
-        engine.restarts = record.restarts if record else 0
-        engine.in_router = engine.url in listed
-        if engine.name in adopted:
-            engine.version = _served_version(job, engine)
-        if engine.name in adopted and engine.in_router and engine.version == membership.current:
-            engine.state = HEALTHY
-        else:
-            membership.expel(engine)
-
-
-def _served_version(job: JobContext, engine: Engine) -> str | None:
-    try:
-        return job.client.weight_version(engine.url)
-    except EngineError:
-        return None  # not answering: not at the current version, as far as routing goes
+    listed = set(job.engines.router.workers()) if router_kept else set()
+    served = {name: job.engines.served_version(engine) for name, engine in job.engines.items() if name in adopted}
+    job.engines.restore(previous.weight_version, {name: record.restarts for name, record in previous.steps.items()},
+                        listed, served)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from contract.job_dir import JobDir
 from contract.spec import FaultToleranceSpec, JobSpec
 from rollout.engine_client import EngineClient
-from supervisor.engines import Engine, Membership
+from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.gpu_holder import GpuHolder
 from supervisor.layout import Layout
@@ -25,8 +25,7 @@ class JobContext:
     layout: Layout
     events: EventLog
     store: StateStore
-    engines: dict[str, Engine]  # the dict never changes; an Engine's fields have owners (daemon.py)
-    membership: Membership
+    engines: Engines  # the one owner of every engine's fields, and of their records in the store
     client: EngineClient
     finished: threading.Event  # set when the supervisor shuts down: every wait of every part ends
     inbox: queue.Queue[Step]  # the monitor's: steps that exited, and wake-ups (Step(name, None))
@@ -35,9 +34,6 @@ class JobContext:
     @property
     def ft(self) -> FaultToleranceSpec:
         return self.spec.fault_tolerance
-
-    def engine_by_url(self, url: str) -> Engine | None:
-        return next((e for e in self.engines.values() if e.url == url), None)
 
     def wake_monitor(self, name: str) -> None:
         self.inbox.put(Step(name, None))

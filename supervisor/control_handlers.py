@@ -9,10 +9,10 @@ from dataclasses import asdict
 from typing import Any
 
 from contract.control_protocol import Call
-from supervisor.context import Ending, JobContext
 from rollout.engine_client import EngineError
+from supervisor.context import Ending, JobContext
 from supervisor.control import Handler
-from supervisor.engines import HEALTHY, WAITING
+from supervisor.engine_states import LIVE
 from supervisor.gpu_holder import ENGINES, RELEASED_TAGS
 from supervisor.launcher import ROUTER, TRAINER, StepLauncher
 from supervisor.profiling import Profiling
@@ -84,23 +84,21 @@ class ControlHandlers:
         return {"engines": urls, "starting": not urls and not self.recovery.started.is_set()}
 
     def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> dict[str, Any]:
-        job = self.job
-        behind = job.membership.published(str(version), list(job.engines.values()), set(updated))
-        with job.store.update() as state:
-            state.weight_version = str(version)
-            for engine in job.engines.values():
-                state.steps[engine.name].weight_version = engine.version
-        for url, reason in fenced.items():
-            if (engine := job.engine_by_url(url)) is not None:
+        """fenced (the protocol's name of the argument): the engines dropped from this update,
+        url -> why; each is recovered. "Fence" is the supervisor's word for an older run of the job."""
+        job, dropped = self.job, fenced
+        behind = job.engines.published(version, set(updated))
+        for url, reason in dropped.items():
+            if (engine := job.engines.by_url(url)) is not None:
                 self.recovery.recover(engine, f"weight update failed: {reason}")
         for engine in behind:
-            if engine.url not in fenced:
+            if engine.url not in dropped:
                 self.pool.submit(self.recovery.sync, engine)
-        job.events.emit("weights_published", version=str(version), updated=len(updated), fenced=len(fenced))
+        job.events.emit("weights_published", version=version, updated=len(updated), dropped=len(dropped))
         return {}
 
     def engine_failed(self, url: str, reason: str) -> dict[str, Any]:
-        engine = self.job.engine_by_url(url)
+        engine = self.job.engines.by_url(url)
         if engine is not None and not self.recovery.is_recovering(engine.name):
             self.pool.submit(self.recovery.check_reported, engine, reason)
         return {}
@@ -108,7 +106,7 @@ class ControlHandlers:
     def engine_unresponsive(self, url: str, reason: str) -> dict[str, Any]:
         """Its requests time out or come back unparseable (the trainer checked it with a request of
         its own): a probe that passes proves nothing here, so it is replaced as a failed engine is."""
-        engine = self.job.engine_by_url(url)
+        engine = self.job.engines.by_url(url)
         if engine is not None:
             self.pool.submit(self.recovery.recover, engine, f"reported by the trainer: {reason}")
         return {}
@@ -127,7 +125,7 @@ class ControlHandlers:
         job.gpus.to_trainer(job.ft.engine_start_timeout)
         mine = []
         for engine in job.engines.values():
-            if engine.state in (WAITING, HEALTHY) and engine.url not in released:
+            if engine.state in LIVE and engine.url not in released:
                 try:
                     job.client.release_memory(engine.url, RELEASED_TAGS)
                     mine.append(engine.url)

@@ -7,9 +7,10 @@ Submitted by `slurmrl submit` as `Supervisor(spec)` (Submitit pickles it), or st
 sbatch template as `python -m supervisor --job-dir DIR`.
 
 The daemon composes the parts and runs the monitor loop:
+    Engines (engines.py)              the engines' records: the one writer of every engine field
     StepLauncher (launcher.py)        launches steps; owns the table of each name's current step
     adopt (adoption.py)               keeps a crashed predecessor's steps
-    EngineRecovery (recovery.py)      starts, recovers and gives up on engines
+    EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
     TrainerWatch (trainer_watch.py)   the trainer's heartbeat, exit, restarts
     Requeue (requeue.py)              preemption: save, then requeue
@@ -23,13 +24,22 @@ Threads, and what they run:
   a hung trainer.
 - control-socket connections (control.py): ControlHandlers.
 - node watch (nodes.LostNodeWatch): while engines are stopped or started.
-Which lock guards what:
-- EngineRecovery._lock: the set of engines being recovered (check-and-mark is one step). While an
-  engine is marked, its recovery thread alone changes its state, place and restart counts.
-- Membership.lock: the current weight version, each engine's version and router membership,
-  and the WAITING/HEALTHY moves that go with them.
+
+Which lock guards what, and who writes it:
+- Engines._lock: every field of every Engine (state, version, in_router, place, restarts,
+  recent_restarts, last_restart), the set of engines being recovered and the current weight
+  version. Engines alone writes them, each state change a move engine_states.TRANSITIONS allows;
+  the others ask it ("start recovering engine-3 unless already recovering": start_recovering,
+  launched, answered, loaded, admit, published, move, count_restart, give_up, restore...).
+  Engines._router_lock: router calls with the admit/expel decisions they carry out (taken before
+  _lock; no HTTP under _lock).
+- StateStore._lock: the state document. Each engine's record there (state, restarts, weight
+  version, nodes, url, last failure) and the job's weight version are written by Engines alone;
+  a step's slurm_step and launch time by StepLauncher and the monitor; probe times by the monitor;
+  the trainer's record by TrainerWatch; job-level fields by the daemon and ControlHandlers.
+  Lock order: StateStore._lock, then Engines._lock.
 - StepLauncher._lock: the current step of each name.   Ending._lock: failure and stop flags.
-- StateStore, EventLog, NodeTracker, TrainerWatch: each its own lock around its own state.
+- EventLog, NodeTracker, TrainerWatch: each its own lock around its own state.
 """
 
 from __future__ import annotations
@@ -45,9 +55,9 @@ from pathlib import Path
 
 import submitit
 
-from ckpt_tools.tracker import read_tracker
-from contract.job_dir import JobDir
+from ckpt_tools.tracker import iteration_dirname, read_tracker
 from contract.control_protocol import CallerRun
+from contract.job_dir import JobDir
 from contract.spec import JobSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
@@ -57,7 +67,8 @@ from supervisor import layout as layouts
 from supervisor.context import Ending, JobContext
 from supervisor.control import ControlServer
 from supervisor.control_handlers import ControlHandlers
-from supervisor.engines import FAILED, HEALTHY, Engine, Membership
+from supervisor.engine_states import HEALTHY
+from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.fencing import Fence, Fenced, own_run
 from supervisor.keys import create_key
@@ -66,7 +77,7 @@ from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker, KillBudget
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
-from supervisor.state import StateStore, StepRecord
+from supervisor.state import StateStore
 from supervisor.steps import Step, StepController
 from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import REQUEUE, TrainerWatch
@@ -127,12 +138,11 @@ class Daemon:
         key = create_key(job_dir)  # a predecessor's key: its steps were started with it
         router = RouterPlace.choose(spec, layout, self.predecessor)
         client = EngineClient(key, ft.rollout_health_check_timeout)
-        membership = Membership(RouterClient(router.url, key, ft.router_request_timeout), client, key,
-                                listed_timeout_s=ft.engine_admit_timeout)
+        engines = Engines(layout.engines, RouterClient(router.url, key, ft.router_request_timeout), client, key,
+                          listed_timeout_s=ft.engine_admit_timeout, store=store)
         inbox: queue.Queue[Step] = queue.Queue()
         self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence), store=store,
-                              engines={place.name: Engine(place) for place in layout.engines},
-                              membership=membership, client=client, finished=threading.Event(), inbox=inbox)
+                              engines=engines, client=client, finished=threading.Event(), inbox=inbox)
         self.steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait, on_exit=inbox.put,
                                     fence=fence)
         self.launcher = StepLauncher(self.job, self.steps, key, router)
@@ -167,9 +177,7 @@ class Daemon:
             state.requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
             state.stop_reason = None
             state.stop_asked = self.ending.by_user  # a new job in the same directory starts without it
-            for engine in job.engines.values():
-                state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group,
-                                                      list(engine.place.nodes), url=engine.url)
+        job.engines.record_start()
         # SLURM's warning (--signal=B:USR1@preempt_grace, before a preemption or the time limit).
         signal.signal(signal.SIGUSR1, lambda signum, frame: self.requeue.preemption.warned())
         # SIGTERM (scancel, a site's preemption): save now (Submitit's handler only logs "Bypassing signal").
@@ -290,22 +298,18 @@ class Daemon:
         job = self.job
         running = self.launcher.all()
         self.steps.refresh(list(running.values()))
-        up = sum(e.state == HEALTHY for e in job.engines.values())
-        with job.store.update() as state:
+        up = job.engines.count(HEALTHY)
+        with job.store.update() as state:  # the engines' own fields: their owner saves them on each change
             for name, step in running.items():
                 if step.slurm_step and name in state.steps:
                     state.steps[name].slurm_step = step.slurm_step
-            for engine in job.engines.values():
-                record = state.steps[engine.name]
-                record.state, record.restarts, record.weight_version = engine.state, engine.restarts, engine.version
-            state.weight_version = job.membership.current
         self.cycles += 1
         self.scalars.add_scalar("supervisor/engines_up", up, self.cycles)
 
     def _relaunch_router(self) -> None:
         began = time.time()
         self.launcher.launch_router()
-        self.job.membership.rejoin_router([e for e in self.job.engines.values() if e.state == HEALTHY])
+        self.job.engines.rejoin_router()
         self.job.events.emit("router_relaunched", ROUTER, recover_s=round(time.time() - began, 3),
                              engines=sum(e.in_router for e in self.job.engines.values()))
 
@@ -315,7 +319,7 @@ class Daemon:
             iteration = read_tracker(Path(save)) if save else None
         except (FileNotFoundError, ValueError):
             return None
-        return f"{save}/iter_{iteration:07d}" if iteration is not None else None
+        return str(Path(save) / iteration_dirname(iteration)) if iteration is not None else None
 
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:
@@ -347,8 +351,10 @@ class Daemon:
                     self.steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)
                 except Exception:  # keep stopping the others
                     log.exception("could not stop %s", name)
-            failed = name in job.engines and job.engines[name].state == FAILED
-            job.store.update_step(name, state=FAILED if failed else "stopped")
+            if name in job.engines:
+                job.engines.record_stopped(name)
+            else:
+                job.store.update_step(name, state="stopped")
 
 
 

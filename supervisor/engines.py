@@ -1,11 +1,19 @@
-"""Engines as the supervisor sees them: launch one as its own step, wait until it answers, bring it
-to the current weight version, and only then let the router send it work (invariant 1).
+"""Engines as the supervisor sees them, and Engines, the one owner of their records: launched as
+steps, waited for until they answer, brought to the current weight version, and only then let
+into the router (invariant 1).
 
-Weight versions: the trainer publishes version v to every engine `ready_engines()` lists and
-reports the result (`published`). An engine is in the router only while its version is the
-current one. A replacement engine is synced at once from the newest published folder when the
-trainer publishes to disk; with an update group it waits (outside the router) for the trainer's
-next publish, which includes it.
+Weight versions (ints: the trainer's published version): the trainer publishes version v to every
+engine `serving()` lists and reports the result (`published`). An engine is in the router only
+while its version is the current one. A replacement engine is synced at once from the newest
+published folder when the trainer publishes to disk; with an update group it waits (outside the
+router) for the trainer's next publish, which includes it.
+
+One writer: every field of an Engine, the set of engines being recovered and the current version
+are written here alone, under Engines._lock, and every change of state is a move the table of
+supervisor/engine_states.py allows. The engines' records in the state store are written here too:
+each operation saves a snapshot of the engines it changed. Router calls are serialized under
+Engines._router_lock (taken before _lock, never inside it), so a decision to admit or expel an
+engine and the router's membership never disagree for long; HTTP is never done under _lock.
 """
 
 from __future__ import annotations
@@ -13,18 +21,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout.engine_client import EngineClient
+from rollout.engine_client import EngineClient, EngineError
 from rollout.router_client import RouterClient, RouterError
+from supervisor.engine_states import (
+    FAILED,
+    HEALTHY,
+    LIVE,
+    RESTARTING,
+    STARTING,
+    WAITING,
+    EngineState,
+    checked,
+)
 from supervisor.layout import EnginePlace
+from supervisor.state import JobState, StateStore, StepRecord
 
 log = logging.getLogger(__name__)
 
-# Engine states (the state store's vocabulary)
-STARTING, WAITING, HEALTHY, RESTARTING, FAILED = "starting", "waiting", "healthy", "restarting", "failed"
 # Seconds between /health_generate tries while waiting for a starting engine.
 HEALTH_POLL_S = 0.5
 
@@ -35,9 +52,11 @@ class EngineStartError(RuntimeError):
 
 @dataclass
 class Engine:
+    """One engine's record. Others read its fields; only Engines writes them."""
+
     place: EnginePlace
-    state: str = STARTING
-    version: str | None = None  # the weight version it serves (None: the initial checkpoint)
+    state: EngineState = STARTING
+    version: int | None = None  # the weight version it serves (None: the initial checkpoint, or unknown)
     restarts: int = 0  # in the job's life
     recent_restarts: int = 0  # in a row, each soon after the one before: the crash-loop count
     last_restart: float = 0.0
@@ -52,73 +71,303 @@ class Engine:
         return self.place.url
 
 
-class Membership:
-    """Which engines the router routes to, kept consistent with the current weight version."""
+class Engines(Mapping[str, Engine]):
+    """The job's engines by name (the set never changes), and every operation that changes one."""
 
-    def __init__(self, router: RouterClient, client: EngineClient, api_key: str, listed_timeout_s: float) -> None:
+    def __init__(self, places: Iterable[EnginePlace], router: RouterClient, client: EngineClient, api_key: str,
+                 listed_timeout_s: float, store: StateStore) -> None:
         """listed_timeout_s: an engine added to the router until the router lists it."""
         self.router = router
-        self.client = client
-        self.api_key = api_key
-        self.listed_timeout_s = listed_timeout_s
-        self.lock = threading.RLock()  # versions and router membership change together
-        self.current: str | None = None
+        self._client = client
+        self._api_key = api_key
+        self._listed_timeout_s = listed_timeout_s
+        self._store = store
+        self._engines = {place.name: Engine(place) for place in places}
+        self._lock = threading.Lock()  # every Engine field, _recovering and _current
+        self._router_lock = threading.Lock()  # router calls, with the decisions they carry out
+        self._current: int | None = None  # the newest version the trainer published
+        self._recovering: set[str] = set()
+
+    # ------------------------------------------------------------------ reading
+    def __getitem__(self, name: str) -> Engine:
+        return self._engines[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._engines)
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def by_url(self, url: str) -> Engine | None:
+        return next((e for e in self._engines.values() if e.url == url), None)
+
+    @property
+    def current(self) -> int | None:
+        with self._lock:
+            return self._current
+
+    def is_recovering(self, name: str) -> bool:
+        with self._lock:
+            return name in self._recovering
+
+    def serving(self) -> dict[str, Engine]:
+        """Engines that serve, or wait for, the current weights: probed, and given the next version."""
+        with self._lock:
+            return {name: e for name, e in self._engines.items() if e.state in LIVE and name not in self._recovering}
+
+    def count(self, state: EngineState) -> int:
+        with self._lock:
+            return sum(e.state == state for e in self._engines.values())
+
+    def served_version(self, engine: Engine) -> int | None:
+        """The version the engine itself reports; None when it does not answer."""
+        try:
+            return _version_of(self._client.weight_version(engine.url))
+        except EngineError:
+            return None
+
+    # ------------------------------------------------------------------ recovery
+    def start_recovering(self, engine: Engine, reason: str) -> bool:
+        """Mark it recovering (RESTARTING) and take it out of the router, unless it is being
+        recovered already or was given up: then False, and nothing changes."""
+        with self._lock:
+            if engine.name in self._recovering or engine.state == FAILED:
+                return False
+            self._recovering.add(engine.name)
+            self._move(engine, RESTARTING)
+        self.expel(engine)
+        self._save([engine], last_failure=reason)
+        return True
+
+    def finish_recovering(self, engine: Engine) -> None:
+        """Its recovery is over (however it ended): among the serving engines again if it is live."""
+        with self._lock:
+            if engine.name not in self._recovering:
+                return
+            self._recovering.discard(engine.name)
+        self._save([engine])
+
+    def forget_old_crashes(self, engine: Engine, crash_window: float) -> None:
+        """A failure long after its last restart starts a new crash loop."""
+        with self._lock:
+            if time.time() - engine.last_restart > crash_window:
+                engine.recent_restarts = 0
+
+    def count_restart(self, engine: Engine) -> None:
+        """It is launched again: one more restart, in the job's life and in its crash loop."""
+        with self._lock:
+            engine.restarts += 1
+            engine.recent_restarts += 1
+            engine.last_restart = time.time()
+        self._save([engine])
+
+    def uncount_crash(self, engine: Engine) -> None:
+        """Its relaunch failed while SLURM did not answer: not the engine's failure."""
+        with self._lock:
+            engine.recent_restarts -= 1
+
+    def move(self, engine: Engine, place: EnginePlace) -> None:
+        """To other nodes (its own were lost): a fresh start there, not part of a crash loop."""
+        self.expel(engine)  # under its old url, if it is still listed
+        with self._lock:
+            engine.place = place
+            engine.recent_restarts = 0
+        self._save([engine])
+
+    def give_up(self, engine: Engine, reason: str | None = None) -> bool:
+        """No more restarts (FAILED), unless it was given up already (then False); reason: the
+        failure to record, if it is news."""
+        with self._lock:
+            if engine.state == FAILED:
+                return False
+            self._move(engine, FAILED)
+        self._save([engine], last_failure=reason)
+        return True
+
+    # ------------------------------------------------------------------ starting and versions
+    def launched(self, engine: Engine) -> None:
+        """Its step was (re)launched: STARTING, at no known version, outside the router."""
+        self.expel(engine)
+        with self._lock:
+            self._move(engine, STARTING)
+            engine.version = None
+        self._save([engine])
+
+    def answered(self, engine: Engine, adopted: bool) -> bool:
+        """It answers /health_generate: WAITING until it serves the current version. Whether to
+        sync it from disk now: not an adopted engine off the current version (it took a publish
+        during the gap, its report is on the way, or it was being synced: a sync could take it a
+        version back; the trainer's report or next publish brings it in). Nor one a recovery took
+        over meanwhile (the first start's wait can answer just before its step is stopped)."""
+        with self._lock:  # a publish meanwhile finds it waiting, or has made its version current
+            if engine.state == RESTARTING:
+                return False
+            self._move(engine, WAITING)
+            off_version = adopted and engine.version != self._current
+        self._save([engine])
+        return not off_version
+
+    def loaded(self, engine: Engine, folder: Path, version: int, timeout_s: float) -> None:
+        """Load a published folder into the engine (timeout_s bounds it); it serves `version` then."""
+        self._client.load_from_disk(engine.url, folder, str(version), timeout_s=timeout_s)  # (the HTTP string)
+        with self._lock:
+            engine.version = version
+        self._save([engine])
 
     def admit(self, engine: Engine) -> bool:
-        """Into the router if (and only if) the engine itself reports the current version."""
-        with self.lock:
-            if self.current is None or engine.version != self.current:
-                return False
-            reported = self.client.weight_version(engine.url)
-            if reported != self.current:
-                engine.version = reported
-                return False
-            if not engine.in_router:
-                self.router.add_worker(engine.url, api_key=self.api_key, worker_type=engine.place.role,
-                                       bootstrap_port=engine.place.bootstrap_port)
-                self.router.wait_listed(engine.url, timeout_s=self.listed_timeout_s)
-                engine.in_router = True
-            engine.state = HEALTHY
-            return True
+        """Into the router if (and only if) it is live and itself reports the current version."""
+        with self._router_lock:
+            admitted = self._admit(engine)
+        self._save([engine])
+        return admitted
 
     def expel(self, engine: Engine) -> None:
-        with self.lock:
-            if engine.in_router:
-                try:
-                    self.router.remove_worker(engine.url)
-                except RouterError as err:  # a dead router forgets its workers anyway
-                    log.warning("could not remove %s from the router: %s", engine.url, err)
-                engine.in_router = False
+        with self._router_lock:
+            self._expel(engine)
 
-    def published(self, version: str, engines: list[Engine], updated: set[str]) -> list[Engine]:
-        """After the trainer published `version`: admit the engines that took it; engines still
-        on an older version leave the router. Returns the engines left behind."""
-        with self.lock:
-            self.current = version
-            behind = []
+    def published(self, version: int, updated: set[str]) -> list[Engine]:
+        """After the trainer published `version` (to the engines at `updated`): admit the live
+        engines that took it; live engines still on an older version leave the router and wait.
+        Returns the engines left behind."""
+        with self._router_lock:
+            with self._lock:
+                self._current = version
+                took, behind = [], []
+                for engine in self._engines.values():
+                    if engine.url in updated:
+                        engine.version = version
+                        took += [engine] if engine.state in LIVE else []
+                    elif engine.state in LIVE:
+                        self._move(engine, WAITING)
+                        behind.append(engine)
+            for engine in behind:
+                self._expel(engine)
+            for engine in took:
+                self._admit(engine)
+        self._save(self._engines.values())
+        return behind
+
+    def rejoin_router(self) -> None:
+        """A new router knows no one: register every healthy engine again."""
+        with self._router_lock:
+            with self._lock:
+                for engine in self._engines.values():
+                    engine.in_router = False
+                healthy = [e for e in self._engines.values() if e.state == HEALTHY]
+            for engine in healthy:
+                self._admit(engine)
+        self._save(self._engines.values())
+
+    def restore(self, current: int | None, restarts: Mapping[str, int], listed: set[str],
+                served: Mapping[str, int | None]) -> None:
+        """A crashed predecessor's engines taken over: its current version and restart counts; the
+        adopted engines (`served`: the version each reports) stay in the router only if they
+        serve the current version and the router lists them (`listed`: urls); any other leaves it."""
+        with self._router_lock:
+            with self._lock:
+                self._current = current
+                stale = []
+                for engine in self._engines.values():
+                    engine.restarts = restarts.get(engine.name, 0)
+                    engine.in_router = engine.url in listed
+                    if engine.name in served:
+                        engine.version = served[engine.name]
+                    if engine.name in served and engine.in_router and engine.version == current:
+                        self._move(engine, HEALTHY)
+                    else:
+                        stale.append(engine)
+            for engine in stale:
+                self._expel(engine)
+        self._save(self._engines.values())
+
+    # ------------------------------------------------------------------ the state store
+    def record_start(self) -> None:
+        """The job's start: a fresh record of every engine in the state store."""
+        with self._store.update() as state, self._lock:
+            for engine in self._engines.values():
+                place = engine.place
+                state.steps[engine.name] = StepRecord(engine.name, "engine", place.het_group, list(place.nodes))
+                _copy_into(state.steps[engine.name], engine)
+
+    def record_stopped(self, name: str) -> None:
+        """The supervisor stopped its step: `failed` if it was given up, else `stopped`."""
+        with self._lock:
+            failed = self._engines[name].state == FAILED
+        self._store.update_step(name, state=FAILED.value if failed else "stopped")
+
+    def _save(self, engines: Iterable[Engine], last_failure: str | None = None) -> None:
+        """The engines' records in the state store, as they are now (read under the store's lock
+        and then ours: a later save never writes an older snapshot)."""
+        with self._store.update() as state, self._lock:
+            state.weight_version = self._current
             for engine in engines:
-                if engine.url in updated:
-                    engine.version = version
-                    if engine.state in (WAITING, HEALTHY):
-                        self.admit(engine)
-                elif engine.state in (WAITING, HEALTHY):
-                    self.expel(engine)
-                    engine.state = WAITING
-                    behind.append(engine)
-            return behind
+                _copy_into(_record(state, engine), engine)
+                if last_failure is not None:
+                    state.steps[engine.name].last_failure = last_failure
 
-    def rejoin_router(self, engines: list[Engine]) -> None:
-        """A new router knows no one: register every engine at the current version."""
-        with self.lock:
-            for engine in engines:
-                engine.in_router = False
-                if engine.state == HEALTHY:
-                    self.admit(engine)
+    # ------------------------------------------------------------------ under the locks
+    def _move(self, engine: Engine, new: EngineState) -> None:
+        """(holding _lock)"""
+        engine.state = checked(engine.name, engine.state, new)
+
+    def _admit(self, engine: Engine) -> bool:
+        """(holding _router_lock)"""
+        with self._lock:
+            current, listed = self._current, engine.in_router
+            if current is None or engine.version != current or engine.state not in LIVE:
+                return False
+        reported = _version_of(self._client.weight_version(engine.url))
+        if reported != current:
+            with self._lock:
+                engine.version = reported
+            return False
+        if not listed:
+            self.router.add_worker(engine.url, api_key=self._api_key, worker_type=engine.place.role,
+                                   bootstrap_port=engine.place.bootstrap_port)
+            self.router.wait_listed(engine.url, timeout_s=self._listed_timeout_s)
+        with self._lock:
+            engine.in_router = True
+            if engine.state not in LIVE:  # a recovery took it out meanwhile: its expel (next) removes it
+                return False
+            self._move(engine, HEALTHY)
+            return True
+
+    def _expel(self, engine: Engine) -> None:
+        """(holding _router_lock)"""
+        if not engine.in_router:
+            return
+        try:
+            self.router.remove_worker(engine.url)
+        except RouterError as err:  # a dead router forgets its workers anyway
+            log.warning("could not remove %s from the router: %s", engine.url, err)
+        with self._lock:
+            engine.in_router = False
 
 
-def roles_missing(engines: list[Engine]) -> list[str]:
+def _record(state: JobState, engine: Engine) -> StepRecord:
+    if engine.name not in state.steps:
+        state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group, list(engine.place.nodes))
+    return state.steps[engine.name]
+
+
+def _copy_into(record: StepRecord, engine: Engine) -> None:
+    record.state, record.restarts, record.weight_version = engine.state.value, engine.restarts, engine.version
+    record.nodes, record.url = list(engine.place.nodes), engine.url
+
+
+def _version_of(reported: object) -> int | None:
+    """The engine's /model_info weight_version as a published version (None: an initial
+    checkpoint's name such as SGLang's "default"). The HTTP boundary parses it; this accepts its
+    int and, until then, the string."""
+    if isinstance(reported, int):
+        return reported
+    return int(reported) if isinstance(reported, str) and reported.isdigit() else None
+
+
+def roles_missing(engines: Iterable[Engine]) -> list[str]:
     """With prefill/decode engines: the roles no live engine has left (a PD router needs a prefill
     and a decode engine for every request, so the job cannot go on without one of each)."""
+    engines = list(engines)
     wanted = {e.place.role for e in engines} - {"regular"}
     return sorted(wanted - {e.place.role for e in engines if e.state != FAILED})
 
@@ -133,11 +382,3 @@ def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive:
             return
         time.sleep(HEALTH_POLL_S)
     raise EngineStartError(f"{engine.name} did not answer /health_generate within {deadline_s:.0f} s")
-
-
-def newest_weights(weights_dir: Path, version: str | None) -> Path | None:
-    """The published folder of `version`, if the trainer published it to disk."""
-    if version is None:
-        return None
-    folder = weights_dir / version
-    return folder if folder.is_dir() else None

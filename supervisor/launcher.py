@@ -10,14 +10,22 @@ import time
 from dataclasses import dataclass
 
 from contract import engine_groups
+from contract.job_dir import JOB_DIR_ENV
 from contract.spec import JobSpec
 from contract.step_options import srun_options, with_setup
-from rollout.launch import EngineLaunch, RouterLaunch, cpu_engine_command, passthrough, router_command, sglang_command
+from rollout.launch import (
+    EngineLaunch,
+    RouterLaunch,
+    cpu_engine_command,
+    passthrough,
+    router_command,
+    sglang_command,
+)
 from supervisor import layout as layouts
 from supervisor import node_rank
 from supervisor.context import JobContext
-from supervisor.engines import HEALTHY, STARTING, Engine
-from contract.job_dir import JOB_DIR_ENV
+from supervisor.engine_states import HEALTHY, STARTING
+from supervisor.engines import Engine
 from supervisor.keys import step_env
 from supervisor.layout import EnginePlace, Layout
 from supervisor.state import JobState, StepRecord
@@ -70,8 +78,10 @@ class StepLauncher:
         self.set_current(step)
         with job.store.update() as state:
             record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
-            record.state, record.slurm_step, record.launched_at = STARTING, None, time.time()
-            record.nodes = list(nodes)  # after a requeue, or a move to a spare node, not the old ones
+            record.slurm_step, record.launched_at = None, time.time()
+            if kind != "engine":  # an engine's state and nodes are its owner's to record (Engines)
+                record.state = STARTING.value
+                record.nodes = list(nodes)  # after a requeue, not the old ones
             state.steps[name] = record
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
         return step
@@ -99,15 +109,16 @@ class StepLauncher:
     def await_router(self, step: Step) -> None:
         job = self.job
         deadline = time.monotonic() + job.ft.router_start_timeout
-        while not job.membership.router.alive():
+        while not job.engines.router.alive():
             if step.returncode is not None or time.monotonic() > deadline:
                 raise JobFailed(f"the router did not start within router_start_timeout "
                                 f"{job.ft.router_start_timeout:.0f} s (see {job.dir.log(ROUTER)})")
             if job.finished.wait(_ROUTER_POLL_S):
                 raise JobFailed("the supervisor is shutting down")
-        job.store.update_step(ROUTER, state=HEALTHY, url=self.router.url)
+        job.store.update_step(ROUTER, state=HEALTHY.value, url=self.router.url)
 
     def launch_engine(self, engine: Engine) -> Step:
+        """Its step (the caller tells the engines' owner: Engines.launched)."""
         place, r = engine.place, self.job.spec.rollout
         argv, env = engine_command(self.job.spec, place, self.python_of("engine")), None
         if len(place.nodes) > 1:  # one task per node, each with its node rank (supervisor/node_rank.py)
@@ -116,11 +127,9 @@ class StepLauncher:
         # --colocate: the step shares the trainer's CPUs and GPUs (--overlap) and sees every GPU of
         # the node the trainer sees; the engine takes its slice of them with --base-gpu-id.
         gpus = self.job.spec.trainer.actor_num_gpus_per_node if r.colocate and place.gpus_per_node else place.gpus_per_node
-        step = self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
+        return self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
                            ntasks=len(place.nodes), gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine, env=env,
                            overlap=r.colocate)
-        engine.state, engine.version, engine.in_router = STARTING, None, False
-        return step
 
     def launch_trainer(self) -> Step:
         t, layout = self.job.spec.trainer, self.job.layout

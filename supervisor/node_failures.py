@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 from supervisor.context import JobContext
-from supervisor.engines import FAILED, Engine
+from supervisor.engine_states import FAILED
+from supervisor.engines import Engine
 from supervisor.nodes import LostNodeWatch, NodeTracker
 from supervisor.steps import Step
 
@@ -58,10 +59,7 @@ class NodeFailures:
         if spares is None:
             return next(iter(lost))
         job, old = self.job, engine.place.nodes
-        job.membership.expel(engine)  # under its old url, if it is still listed
-        engine.place = job.layout.moved(engine.place, dict(zip(lost, spares)))
-        engine.recent_restarts = 0
-        job.store.update_step(engine.name, nodes=list(engine.place.nodes), url=engine.url)
+        job.engines.move(engine, job.layout.moved(engine.place, dict(zip(lost, spares))))
         job.events.emit("engine_moved", engine.name, from_nodes=list(old), to_node=spares[0],
                         to_nodes=list(engine.place.nodes), url=engine.url)
         return None

@@ -1,7 +1,8 @@
-"""Engines started, recovered and given up on. EngineRecovery owns the set of engines being
-recovered, under its lock: `recover` checks and marks in one step, so the monitor, a control call
-and a trainer's report that all see one failure start one recovery. While an engine is marked,
-its recovery thread alone changes its state, place and restart counts."""
+"""Engines started, recovered and given up on. Which engines are being recovered is kept by the
+engines' owner (supervisor/engines.py): `recover` asks it to check and mark in one step, so the
+monitor, a control call and a trainer's report that all see one failure start one recovery.
+While an engine is marked, its recovery thread alone asks for changes of its state, place and
+restart counts."""
 
 from __future__ import annotations
 
@@ -14,17 +15,8 @@ from concurrent.futures import Executor
 
 from rollout.engine_client import EngineError, ProbeResult
 from supervisor.context import Ending, JobContext, restart_backoff
-from supervisor.engines import (
-    FAILED,
-    HEALTHY,
-    RESTARTING,
-    WAITING,
-    Engine,
-    EngineStartError,
-    newest_weights,
-    roles_missing,
-    wait_healthy,
-)
+from supervisor.engine_states import FAILED, HEALTHY
+from supervisor.engines import Engine, EngineStartError, roles_missing, wait_healthy
 from supervisor.fencing import Fenced
 from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
@@ -53,20 +45,15 @@ class EngineRecovery:
         self.ending = ending
         self.pool = pool
         self.scalars = scalars
-        self._lock = threading.Lock()
-        self._recovering: set[str] = set()
         self.started = threading.Event()  # start_all is over: every engine answered, or failed to
 
     # ------------------------------------------------------------------ what others may ask
     def is_recovering(self, name: str) -> bool:
-        with self._lock:
-            return name in self._recovering
+        return self.job.engines.is_recovering(name)
 
     def serving(self) -> dict[str, Engine]:
         """Engines that serve, or wait for, the current weights: probed, and given the next version."""
-        with self._lock:
-            return {name: e for name, e in self.job.engines.items()
-                    if e.state in (WAITING, HEALTHY) and name not in self._recovering}
+        return self.job.engines.serving()
 
     # ------------------------------------------------------------------ recovery
     def recover(self, engine: Engine, reason: str) -> bool:
@@ -74,16 +61,11 @@ class EngineRecovery:
         when it is being recovered already or was given up."""
         if self.ending.by_slurm:  # the job is ending: nothing is relaunched
             return False
-        with self._lock:
-            if engine.name in self._recovering or engine.state == FAILED:
-                return False
-            self._recovering.add(engine.name)
-            engine.state = RESTARTING
         detected = time.time()
         job = self.job
-        job.membership.expel(engine)
+        if not job.engines.start_recovering(engine, reason):
+            return False
         job.events.emit("engine_failed", engine.name, reason=reason, url=engine.url)
-        job.store.update_step(engine.name, state=RESTARTING, last_failure=reason)
         if not job.ft.use_fault_tolerance:
             self.ending.fail(f"{engine.name} failed ({reason}) and use_fault_tolerance is off")
             job.wake_monitor(engine.name)
@@ -116,8 +98,7 @@ class EngineRecovery:
                 except (subprocess.TimeoutExpired, TimeoutError) as err:  # scancel or squeue did not answer
                     if not self._wait_for_slurm(engine, f"stopping its step: {err}"):
                         raise
-            if time.time() - engine.last_restart > job.ft.crash_window:
-                engine.recent_restarts = 0
+            job.engines.forget_old_crashes(engine, job.ft.crash_window)
             if not self._relaunch_until_up(engine):
                 return
             self._finish(engine)  # out of the recovering set: among the ready engines again
@@ -158,9 +139,7 @@ class EngineRecovery:
             with self.job.gpus.engine_start(self.job.finished) as go:  # colocated: never beside a training trainer
                 if not go:
                     return False
-                engine.restarts += 1
-                engine.recent_restarts += 1
-                engine.last_restart = time.time()
+                self.job.engines.count_restart(engine)
                 launched = time.monotonic()
                 step = self.launch(engine)
                 try:
@@ -176,7 +155,7 @@ class EngineRecovery:
                     if self.steps.contact.failed_since(launched):
                         # SLURM did not answer meanwhile (srun gives up on a silent slurmctld): not
                         # the engine's failure, so not a restart of its crash loop.
-                        engine.recent_restarts -= 1
+                        self.job.engines.uncount_crash(engine)
                         if not self._wait_for_slurm(engine, f"its relaunch: {err}"):
                             return False
 
@@ -196,12 +175,7 @@ class EngineRecovery:
         return False
 
     def _finish(self, engine: Engine) -> None:
-        with self._lock:
-            if engine.name not in self._recovering:
-                return
-            self._recovering.discard(engine.name)
-        self.job.store.update_step(engine.name, state=engine.state, restarts=engine.restarts,
-                                   weight_version=engine.version)
+        self.job.engines.finish_recovering(engine)
 
     def _stop_step(self, engine: Engine, step: Step) -> None:
         """Cancel the engine's step (killed instead once its node is found lost: NodeFailures.watching)."""
@@ -218,12 +192,13 @@ class EngineRecovery:
         fault of the engine's). The job goes on with the engines left while min_engines are; below
         that, a crash loop fails the job and a lost node requeues it without that node."""
         job, ft = self.job, self.job.ft
-        engine.state = FAILED
+        if not job.engines.give_up(engine):
+            return  # given up already: once is enough
         reason = (f"node {lost_node} is lost and no spare node is left" if lost_node else cause or
                   f"{engine.recent_restarts} restarts in a row, each within crash_window {ft.crash_window:.0f} s")
         job.events.emit("engine_given_up", engine.name, restarts=engine.restarts, reason=reason)
         live = sum(e.state != FAILED for e in job.engines.values())
-        missing = roles_missing(list(job.engines.values()))
+        missing = roles_missing(job.engines.values())
         if live >= ft.min_engines and not missing:
             job.events.emit("engine_degraded", engine.name, engines=live, min_engines=ft.min_engines)
             return
@@ -239,6 +214,7 @@ class EngineRecovery:
     # ------------------------------------------------------------------ starting and syncing
     def launch(self, engine: Engine) -> Step:
         step = self.launcher.launch_engine(engine)
+        self.job.engines.launched(engine)
         self.tracker.started(engine.name)
         return step
 
@@ -267,11 +243,10 @@ class EngineRecovery:
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
         for name, problem in problems.items():
             job.events.emit("engine_start_failed", name, reason=problem)
-            job.engines[name].state = FAILED
-            job.store.update_step(name, state=FAILED, last_failure=problem)
+            job.engines.give_up(job.engines[name], reason=problem)
         alive = len(job.engines) - len(problems)
         if problems and (not ft.use_fault_tolerance or alive < ft.min_engines
-                         or roles_missing(list(job.engines.values()))):
+                         or roles_missing(job.engines.values())):
             raise JobFailed(f"{len(problems)} of {len(job.engines)} engines did not start: "
                             f"{'; '.join(problems.values())}")
 
@@ -280,14 +255,7 @@ class EngineRecovery:
         job = self.job
         wait_healthy(job.client, engine, job.ft.engine_start_timeout, lambda: step.returncode is None)
         self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})  # answered: first-wait is over
-        with job.membership.lock:  # a publish meanwhile finds it waiting, or has made its version current
-            engine.state = WAITING  # until it serves the current weight version
-            # An adopted engine off the current version took a publish during the gap (its report
-            # is on the way) or was being synced: the trainer's report or next publish brings it in;
-            # a sync from disk could take it a version back.
-            off_version = step.adopted and engine.version != job.membership.current
-        job.store.update_step(engine.name, state=WAITING)
-        if not off_version:
+        if job.engines.answered(engine, adopted=step.adopted):
             self.sync(engine)
 
     def sync(self, engine: Engine) -> None:
@@ -295,14 +263,11 @@ class EngineRecovery:
         The trainer may publish meanwhile: then load the newer version (a few tries)."""
         job = self.job
         for _ in range(_SYNC_TRIES):
-            with job.membership.lock:
-                current = job.membership.current
-            folder = newest_weights(job.dir.weights, current)
-            if folder is None:
+            current = job.engines.current
+            folder = job.dir.weights_of(str(current)) if current is not None else None  # (a folder's name)
+            if current is None or folder is None or not folder.is_dir():
                 return  # not on disk (an update group): the trainer's next publish includes it
             if engine.version != current:
-                job.client.load_from_disk(engine.url, folder, current, timeout_s=job.ft.weight_load_timeout)
-                engine.version = current
-            if job.membership.admit(engine):
-                job.store.update_step(engine.name, state=HEALTHY, weight_version=engine.version)
+                job.engines.loaded(engine, folder, current, timeout_s=job.ft.weight_load_timeout)
+            if job.engines.admit(engine):
                 return

@@ -14,9 +14,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from contract.job_dir import JobDir, write_atomic
 from supervisor.fencing import Fence
+
 STEP_KINDS = ("engine", "router", "trainer")
 STEP_STATES = ("starting", "waiting", "healthy", "unhealthy", "restarting", "failed", "stopped", "fenced")
 
@@ -33,7 +35,7 @@ class StepRecord:
     url: str | None = None  # engines and router only
     state: str = "starting"
     restarts: int = 0
-    weight_version: str | None = None
+    weight_version: int | None = None
     last_probe_latency_s: float | None = None
     last_probe_time: float | None = None
     last_failure: str | None = None
@@ -51,7 +53,7 @@ class JobState:
     """The whole document: job-level facts plus one record per step, by step name."""
 
     job_id: str | None = None
-    weight_version: str | None = None
+    weight_version: int | None = None  # the newest version the trainer published
     requeues: int = 0
     last_checkpoint: str | None = None
     stop_reason: str | None = None
@@ -67,12 +69,21 @@ class JobState:
     @classmethod
     def from_json(cls, text: str) -> JobState:
         raw = json.loads(text)
-        steps = {name: StepRecord(**rec) for name, rec in raw.pop("steps", {}).items()}
+        steps = {name: StepRecord(**_with_int_version(rec)) for name, rec in raw.pop("steps", {}).items()}
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown fields in the state file: {sorted(unknown)}")
-        return cls(**raw, steps=steps)
+        return cls(**_with_int_version(raw), steps=steps)
+
+
+def _with_int_version(raw: dict[str, Any]) -> dict[str, Any]:
+    """Older supervisors kept the weight version as a string ("3"): read as the int it names; one
+    that names no published version (an engine's initial "default") as None."""
+    version = raw.get("weight_version")
+    if isinstance(version, str):
+        raw["weight_version"] = int(version) if version.isdigit() else None
+    return raw
 
 
 def read_state(job_dir: JobDir) -> JobState:

@@ -11,7 +11,7 @@ from concurrent.futures import Executor
 from contract.job_dir import Phase, read_heartbeat, read_trainer_fatal
 from rollout.engine_client import EngineError
 from supervisor.context import Ending, JobContext, restart_backoff
-from supervisor.engines import HEALTHY
+from supervisor.engine_states import HEALTHY
 from supervisor.gpu_holder import RELEASED_TAGS
 from supervisor.launcher import TRAINER, JobFailed, StepLauncher
 from supervisor.requeue import Requeue
@@ -76,7 +76,7 @@ class TrainerWatch:
         beat = read_heartbeat(self.job.dir, launched)
         if beat.phase is not Phase.START and not self._beating:
             self._beating = True  # monitor thread only, like the reset in launch()
-            self.job.store.update_step(TRAINER, state=HEALTHY)
+            self.job.store.update_step(TRAINER, state=HEALTHY.value)
         age, timeout = time.time() - beat.time, self.job.ft.phase_timeout(beat.phase)
         if age <= timeout:
             return

@@ -71,7 +71,7 @@ def test_colocated_job_offloads_around_training_and_survives_an_engine_kill(devc
     wait_sacct_states(job_id, {job_id: "COMPLETED"})
     assert len(sacct_rows(job_id, "JobID")) == 1, "one job, not a hetjob"
     state = status(job_dir)
-    assert state["stop_reason"] == "completed" and state["weight_version"] == str(ROLLOUTS)
+    assert state["stop_reason"] == "completed" and state["weight_version"] == ROLLOUTS
 
     # the kill landed while the trainer held the GPUs: the restart waited for it to hand them back
     kinds = [(e["kind"], e.get("step")) for e in _all(job_dir)]

@@ -63,7 +63,7 @@ def test_a_two_node_engine_survives_the_death_of_its_rank_1(devcluster, toy, tmp
     (failed,) = events(job_dir, "engine_failed", "engine-0")
     assert "exited" in failed["reason"] or "reported by the trainer" in failed["reason"], failed
     (recovered,) = events(job_dir, "engine_recovered", "engine-0")
-    assert recovered["in_router"] and int(recovered["weight_version"]) >= 3, recovered
+    assert recovered["in_router"] and recovered["weight_version"] >= 3, recovered
     metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_id"] for m in metrics] == list(range(ROLLOUTS)), "a rollout id was skipped or repeated"
     rewards = [m["reward_mean"] for m in metrics]

@@ -81,7 +81,7 @@ def test_pd_job_survives_a_killed_prefill_engine(devcluster, toy, tmp_path: Path
         subprocess.run(["scancel", job_id], capture_output=True)
     wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
     state = status(job_dir)
-    assert state["stop_reason"] == "completed" and state["weight_version"] == str(ROLLOUTS)
+    assert state["stop_reason"] == "completed" and state["weight_version"] == ROLLOUTS
     rewards = [json.loads(line)["reward_mean"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == ROLLOUTS and rewards[0] < 0.2 and max(rewards[-4:]) > 0.5, rewards
     assert_never_stale_pd(job_dir, {"engine-0": "prefill", "engine-1": "decode", "engine-2": "decode"})

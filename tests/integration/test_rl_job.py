@@ -136,7 +136,7 @@ def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
     assert state["stop_reason"] == "completed"
     assert set(state["steps"]) == {"router", "trainer", "engine-0", "engine-1"}
     assert all(s["slurm_step"] for s in state["steps"].values()), state["steps"]
-    assert state["weight_version"] == "12" and state["last_checkpoint"].endswith("iter_0000011")
+    assert state["weight_version"] == 12 and state["last_checkpoint"].endswith("iter_0000011")
     rewards = [json.loads(line)["reward_mean"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == 12 and rewards[0] < 0.2 and max(rewards[-4:]) > 0.5, rewards
     assert_never_stale(job_dir)

@@ -12,7 +12,8 @@ from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from supervisor.context import JobContext
-from supervisor.engines import HEALTHY, Engine, Membership
+from supervisor.engine_states import HEALTHY
+from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.launcher import RouterPlace
 from supervisor.layout import EnginePlace, Layout
@@ -34,10 +35,11 @@ def two_engine_job(spec: JobSpec, head: str, node: str, het_group: int) -> tuple
     with store.update() as state:
         for place in places:
             state.steps[place.name] = StepRecord(place.name, "engine", het_group, list(place.nodes), url=place.url)
+    engines = Engines(places, RouterClient(router.url, "key", 5.0), client, "key", listed_timeout_s=5.0, store=store)
+    for engine in engines.values():
+        engine.state = HEALTHY  # the test's start: no transition of the job's own
     job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=store,
-                     engines={p.name: Engine(p, state=HEALTHY) for p in places},
-                     membership=Membership(RouterClient(router.url, "key", 5.0), client, "key", listed_timeout_s=5.0),
-                     client=client, finished=threading.Event(), inbox=queue.Queue())
+                     engines=engines, client=client, finished=threading.Event(), inbox=queue.Queue())
     return job, router
 
 

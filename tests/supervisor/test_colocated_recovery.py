@@ -22,7 +22,7 @@ from slurm.devcluster.daemons import wait_for
 from supervisor import adoption
 from supervisor.context import Ending, JobContext
 from supervisor.control_handlers import ControlHandlers
-from supervisor.engines import HEALTHY, Engine
+from supervisor.engine_states import HEALTHY
 from supervisor.gpu_holder import GpuHolder
 from supervisor.launcher import StepLauncher
 from supervisor.layout import EnginePlace
@@ -138,8 +138,8 @@ def test_a_real_engine_released_by_the_supervisor_and_taken_back_when_the_traine
                          extra=["--skip-server-warmup", "--enable-memory-saver"])
     try:
         proc.wait_ready()
-        live = Engine(EnginePlace("engine-1", 1, ("node1",), "127.0.0.1", proc.port, 0, 0), state=HEALTHY)
-        job.engines["engine-1"] = live
+        live = job.engines["engine-1"]
+        live.place = EnginePlace("engine-1", 1, ("node1",), "127.0.0.1", proc.port, 0, 0)  # the test's engine
         assert handlers.gpu_holder("trainer", [job.engines["engine-0"].url]) == {"released": [live.url]}
         assert not job.client.healthy(live.url)  # released: no answer to the probe
         watch = TrainerWatch(job, SimpleNamespace(), SimpleNamespace(), SimpleNamespace(), Ending(user_stop=False),

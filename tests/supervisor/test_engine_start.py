@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.engines import STARTING
+from supervisor.engine_states import STARTING
 from supervisor.launcher import JobFailed
 from tests.supervisor.job_context import unplaced_job
 from tests.supervisor.recovery_wiring import wire_recovery

@@ -5,17 +5,20 @@ each task of its step finds its own node rank (supervisor/node_rank.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from jobs.hetjob import het_groups
+from contract.job_dir import JobDir
 from contract.spec import JobSpec, RolloutSpec
+from jobs.hetjob import het_groups
 from supervisor import layout, node_rank
-from supervisor.engines import Engine
+from supervisor.engines import Engines
 from supervisor.launcher import engine_command
 from supervisor.node_failures import NodeFailures
 from supervisor.nodes import NodeTracker
+from supervisor.state import StateStore
 
 
 def place(rollout: RolloutSpec, nodes: int, monkeypatch: pytest.MonkeyPatch) -> layout.Layout:
@@ -98,18 +101,21 @@ class _Recorder:
 
 
 def test_an_engine_with_a_lost_node_moves_only_when_a_spare_is_left_for_each(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     lay = place(sglang(16, 16, 8, spares=1), 3, monkeypatch)
     lost = {"r2": "DOWN"}
     monkeypatch.setattr(NodeTracker, "check", lambda self, nodes: {n: lost[n] for n in nodes if n in lost})
     monkeypatch.setattr(NodeTracker, "release", lambda self, node: "released")
-    events, store = _Recorder(), _Recorder()
+    events, store = _Recorder(), StateStore(JobDir(tmp_path))
+    engines = Engines(lay.engines, _Recorder(), _Recorder(), "key", listed_timeout_s=1.0, store=store)
     job = SimpleNamespace(layout=lay, ft=SimpleNamespace(slurm_command_timeout=1.0, node_poll_interval=1.0),
-                          events=events, store=store, membership=_Recorder())
-    engine = Engine(lay.engines[0], recent_restarts=2)
+                          events=events, store=store, engines=engines)
+    engine = engines["engine-0"]
+    engine.recent_restarts = 2  # the test's start: a crash loop under way
     failures = NodeFailures(job)
     assert failures.place_on_live_node(engine) is None
     assert engine.place.nodes == ("r1", "r3") and engine.recent_restarts == 0
+    assert store.snapshot().steps["engine-0"].nodes == ["r1", "r3"]  # recorded by the engines' owner
     moved = [call for call in events.calls if call[1] == ("engine_moved", "engine-0")]
     assert moved and moved[0][2]["to_nodes"] == ["r1", "r3"] and moved[0][2]["from_nodes"] == ["r1", "r2"]
     lost.update({"r1": "DOWN", "r3": "DOWN"})  # two lost, no spare left: given back to the caller

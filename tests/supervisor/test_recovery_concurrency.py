@@ -15,7 +15,7 @@ import pytest
 from contract.control_protocol import Call, ControlClient
 from slurm.devcluster.daemons import wait_for
 from supervisor.control import ControlServer
-from supervisor.engines import FAILED
+from supervisor.engine_states import FAILED
 from tests.supervisor.job_context import unplaced_job
 from tests.supervisor.recovery_wiring import wire_recovery
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def test_saved_state_reads_back_equal(tmp_path: Path) -> None:
     store = StateStore(JobDir(tmp_path))
     with store.update() as state:
         state.job_id = "110"
-        state.weight_version = "v3"
+        state.weight_version = 3
         state.requeues = 1
         state.last_checkpoint = "/ckpt/iter_0000003"
         state.steps["engine-0"] = engine("engine-0")
@@ -37,11 +38,22 @@ def test_saved_state_reads_back_equal(tmp_path: Path) -> None:
     assert again.steps["engine-0"].slurm_step == "111.4" and again.updated_at is not None
 
 
+def test_a_state_file_of_an_older_supervisor_reads_its_string_versions_as_ints(tmp_path: Path) -> None:
+    """Older supervisors kept the weight version as a string; an engine's initial name is no version."""
+    old = {"job_id": "110", "weight_version": "12", "requeues": 0,
+           "steps": {"engine-0": {**asdict(engine("engine-0")), "weight_version": "11"},
+                     "engine-1": {**asdict(engine("engine-1")), "weight_version": "default"}}}
+    JobDir(tmp_path).state.write_text(json.dumps(old))
+    state = StateStore(JobDir(tmp_path)).snapshot()
+    assert state.weight_version == 12 and state.steps["engine-0"].weight_version == 11
+    assert state.steps["engine-1"].weight_version is None
+
+
 def test_a_failed_write_leaves_the_old_state_on_disk_and_in_memory(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     store = StateStore(JobDir(tmp_path))
     with store.update() as state:
-        state.weight_version = "v1"
+        state.weight_version = 1
     before = JobDir(tmp_path).state.read_text()
 
     def crash(*args: object) -> None:
@@ -49,9 +61,9 @@ def test_a_failed_write_leaves_the_old_state_on_disk_and_in_memory(tmp_path: Pat
 
     monkeypatch.setattr(contract.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"), store.update() as state:
-        state.weight_version = "v2"
+        state.weight_version = 2
     assert JobDir(tmp_path).state.read_text() == before
-    assert store.snapshot().weight_version == "v1"
+    assert store.snapshot().weight_version == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [JobDir(tmp_path).state.name]  # no temp file left behind
 
 

@@ -21,7 +21,7 @@ import pytest
 from contract.job_dir import JobDir
 from contract.spec import JobSpec, RolloutSpec, StepsSpec, TrainerSpec
 from supervisor.context import JobContext
-from supervisor.engines import Engine
+from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.launcher import RouterPlace, StepLauncher
 from supervisor.layout import EnginePlace, Layout
@@ -62,10 +62,10 @@ def site_launcher(tmp_path: Path, site: StepsSpec, rollout: RolloutSpec, places:
                     trainer_master_port=free_port(), engines=tuple(places),
                     addresses={n: "127.0.0.1" for n in ("node0", *nodes)})
     job_dir = JobDir(tmp_path)
-    job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=StateStore(job_dir),
-                     engines={p.name: Engine(p) for p in places},
-                     membership=SimpleNamespace(router=SimpleNamespace(alive=lambda: True)), client=None,
-                     finished=threading.Event(), inbox=queue.Queue())
+    store = StateStore(job_dir)
+    engines = Engines(places, SimpleNamespace(alive=lambda: True), None, "key", listed_timeout_s=1.0, store=store)
+    job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events), store=store,
+                     engines=engines, client=None, finished=threading.Event(), inbox=queue.Queue())
     steps = RecordingSteps() if steps is None else steps
     router = RouterPlace(f"http://127.0.0.1:{layout.router_port}", layout.router_port, layout.router_metrics_port)
     return StepLauncher(job, steps, "key", router), steps, job

@@ -17,7 +17,7 @@ import pytest
 from contract.control_protocol import Call, ControlClient
 from slurm.devcluster.daemons import wait_for
 from supervisor.control import ControlServer
-from supervisor.engines import FAILED, HEALTHY
+from supervisor.engine_states import FAILED, HEALTHY
 from tests.supervisor.job_context import unplaced_job
 from tests.supervisor.recovery_wiring import wire_recovery
 
