@@ -66,7 +66,8 @@ def slurm_calls(source: str) -> list[int]:
     a module that runs processes at all, a command line of one built to be run later."""
     tree = ast.parse(source)
     modules, functions = _runners(tree)
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and _is_runner(node.func, modules, functions)]
+    calls = [node for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and _is_runner(node.func, modules, functions)]
     direct = {node.lineno for node in calls
               if any(_names_program(arg) for arg in [*node.args, *(k.value for k in node.keywords)])}
     built = {node.lineno for node in ast.walk(tree) if _program_argv(node)} if calls else set()
