@@ -104,7 +104,7 @@ class Preemption:
         own account), and on a preemption it moves the job's end to now + GraceTime first. So an
         end time that near is the deadline: the trainer stops when less than preempt_grace is left,
         not a minute early. A signal far from the end (someone's `scancel --signal=USR1`) means now."""
-        warned_at, self._warned_at = self._warned_at, None
+        warned_at, self._warned_at = self._warned_at or time.time(), None  # (set: check calls it then)
         end = self.job.end_time()
         if end is not None and end - warned_at <= self.grace_s + SLURM_SIGNAL_EARLY_S:
             self.end_time = end

@@ -20,7 +20,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from slurm.contact import SlurmContact
 from slurm.step_spec import StepSpec
@@ -50,6 +50,7 @@ class Step:
         return None if self.proc is None else self.proc.poll()
 
 
+@runtime_checkable
 class StepControl(Protocol):
     """What the supervisor (daemon, launcher, recovery, adoption, node failures) asks of its steps."""
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from slurm import env as slurm_env
 from slurm.client import SlurmClient
 from slurm.contact import SlurmContact
 from slurm.devcluster import faults, netns
@@ -57,7 +58,7 @@ class DevCluster:
     def __init__(self, root: Path, shape: ClusterShape | None = None) -> None:
         self.paths = ClusterPaths(Path(root).resolve())
         self.shape = shape or load_shape(self.paths) or ClusterShape()
-        self.env = {"SLURM_CONF": str(self.paths.slurm_conf)}
+        self.env = {slurm_env.CONF: str(self.paths.slurm_conf)}
         # Its own record of SLURM's answers: the devcluster's calls say nothing of a job's SLURM.
         self.slurm = SlurmClient(SLURM_CALL_S, env=self.env, contact=SlurmContact())
         self.net = netns.load_plan(self.paths.root) if self.shape.isolated else None
@@ -329,7 +330,7 @@ class DevCluster:
             with contextlib.suppress(psutil.Error, OSError):
                 if namespaces and os.stat(f"/proc/{proc.pid}/ns/net").st_ino in namespaces:
                     stray[proc.pid] = proc
-                elif proc.info["name"] == "slurmstepd" and proc.environ().get("SLURM_CONF") == conf:
+                elif proc.info["name"] == "slurmstepd" and proc.environ().get(slurm_env.CONF) == conf:
                     stray |= {p.pid: p for p in (proc, *proc.children(recursive=True))}
         for proc in stray.values():
             with contextlib.suppress(psutil.Error):

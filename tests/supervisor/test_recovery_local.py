@@ -22,13 +22,15 @@ import pytest
 from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
+from slurm.step_spec import StepSpec
 from supervisor import adoption, launcher, nodes
 from supervisor.context import JobContext
 from supervisor.engines import FAILED, HEALTHY, Engine, Membership
 from supervisor.launcher import RouterPlace
 from supervisor.layout import EnginePlace
 from supervisor.local_steps import LocalSteps
-from supervisor.step_control import Step
+from supervisor.step_control import Step, StepControl
+from supervisor.steps import StepController
 from tests.supervisor.job_context import two_engine_job
 from tests.supervisor.recovery_wiring import Wiring, wire_recovery
 
@@ -126,6 +128,23 @@ def _stop(wiring: Wiring) -> None:
             wiring.steps.cancel(step, timeout_s=5, term_grace_s=2)
     wiring.pool.shutdown(wait=True)
     wiring.steps.close()
+
+
+def test_both_backends_offer_the_whole_step_control_interface(tmp_path: Path) -> None:
+    local, slurm = LocalSteps("1", tmp_path / "steps"), StepController("1", 5.0, 5.0)
+    assert isinstance(local, StepControl) and isinstance(slurm, StepControl)
+    assert local.query() == {} and local.exit_codes(["1.0"]) == {}
+
+
+def test_a_local_step_is_listed_cancelled_and_its_end_recorded(tmp_path: Path) -> None:
+    steps = LocalSteps("5", tmp_path / "steps")
+    step = steps.launch(StepSpec("engine-0", ("sleep", "60"), ("n1",), tmp_path / "engine-0.log"))
+    assert step.slurm_step == "5.0" and steps.query() == {"5.0": ("engine-0", "RUNNING")}
+    steps.cancel(step, timeout_s=5, term_grace_s=2)
+    assert step.returncode == -signal.SIGTERM and steps.query() == {}
+    assert steps.exit_codes(["5.0"]) == {"5.0": 128 + signal.SIGTERM}
+    # A successor's view of it (the step ended while no supervisor watched): its exit code.
+    assert LocalSteps("5", tmp_path / "steps").ended("engine-0", "5.0").proc.wait(5) == 128 + signal.SIGTERM
 
 
 def test_an_engine_that_exits_is_relaunched_and_back_in_the_router(local_job, tmp_path: Path) -> None:
