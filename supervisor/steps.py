@@ -92,7 +92,9 @@ class StepController:
             step_id, name, state = line.split("|")[:3]
             if name not in SLURM_OWN_STEPS:
                 rows[step_id] = (name, state)
-                self.slurm.steps.seen(int(step_id.rsplit(".", 1)[1]))  # a predecessor's launches count too
+                number = step_id.rsplit(".", 1)[-1]
+                if number.isdigit():  # a predecessor's launches count too
+                    self.slurm.steps.seen(int(number))
         return rows
 
     def refresh(self, steps: Iterable[Step]) -> dict[str, StepStatus]:
