@@ -26,6 +26,7 @@ import psutil
 from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
+from tests.slurm_helpers import listening_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,15 +41,9 @@ def events(job_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind] if path.exists() else []
 
 
-def pid_on(url: str) -> int:
-    port = int(url.rsplit(":", 1)[1])
-    return next(c.pid for c in psutil.net_connections("tcp")
-                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid)
-
-
 def one_failure(job_dir: Path, url: str, sig: signal.Signals) -> tuple[float, float]:
     failed, recovered = len(events(job_dir, "engine_failed")), len(events(job_dir, "engine_recovered"))
-    pid = pid_on(url)
+    pid = listening_pid(url)  # in its node's network namespace on an isolated devcluster
     killed = time.time()
     os.kill(pid, sig)
     wait_for(lambda: len(events(job_dir, "engine_recovered")) > recovered, 300, "the recovery")

@@ -8,7 +8,6 @@ import dataclasses
 import difflib
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from contract import bounds, engine_groups, step_options
 from jobs.hetjob import het_groups
 from contract.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
 from contract.spec_loading import spec_flags
+from slurm.client import SlurmClient
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,8 @@ class PartitionInfo:
 def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
     """Partitions as sinfo sees them (one call), with the default one also under ""; None when
     SLURM does not answer (no sinfo, no controller): the capacity checks are then skipped."""
-    if shutil.which("sinfo") is None:
-        return None
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%P|%c|%G"], capture_output=True, text=True,
-                             timeout=timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
+    out = SlurmClient(timeout_s).call("sinfo", "-h", "-N", "-o", "%N|%P|%c|%G")
+    if not out.ok:
         return None
     nodes: dict[str, dict[str, tuple[int, int]]] = {}
     default = None

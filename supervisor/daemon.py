@@ -61,6 +61,7 @@ from contract.job_dir import JobDir
 from contract.spec import JobSpec
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
+from slurm import env as slurm_env
 from slurm.watchdog import RESTARTS_ENV
 from supervisor import adoption
 from supervisor import layout as layouts
@@ -113,7 +114,7 @@ def start(spec: JobSpec) -> Daemon:
 def record_start_failure(job_dir: JobDir, reason: str) -> None:
     if not job_dir.root.is_dir():
         return  # no job dir to write to: the caller's stderr is all there is
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = slurm_env.job_id()
     fence = Fence(job_dir, job_id, own_run()) if job_id else None
     try:
         with StateStore(job_dir, fence).update() as state:
@@ -174,7 +175,7 @@ class Daemon:
         job = self.job
         with job.store.update() as state:
             state.job_id = job.layout.job_id
-            state.requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+            state.requeues = own_run()
             state.stop_reason = None
             state.stop_asked = self.ending.by_user  # a new job in the same directory starts without it
         job.engines.record_start()

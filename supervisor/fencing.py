@@ -8,11 +8,11 @@ launches, cancels or signals no SLURM step (step ids start again at 0 after a re
 
 from __future__ import annotations
 
-import os
 import threading
 
 from contract.job_dir import JobDir
-from contract.control_protocol import RUN_ENV, recorded_run
+from contract.control_protocol import recorded_run
+from slurm import env as slurm_env
 
 
 class Fenced(Exception):
@@ -21,7 +21,7 @@ class Fenced(Exception):
 
 def own_run() -> int:
     """This process's run of the job (its steps inherit the batch step's environment)."""
-    return int(os.environ.get(RUN_ENV, "0"))
+    return slurm_env.restart_count()
 
 
 class Fence:

@@ -3,7 +3,6 @@ current: the launcher owns that table, under its lock."""
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ from rollout.launch import (
     router_command,
     sglang_command,
 )
+from slurm import env as slurm_env
 from supervisor import layout as layouts
 from supervisor import node_rank
 from supervisor.context import JobContext
@@ -73,7 +73,7 @@ class StepLauncher:
                         gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task, overlap=overlap,
                         env={**self.env, **(env or {})},
                         # where the job was submitted from: relative paths and plug-ins resolve there
-                        workdir=os.environ.get("SLURM_SUBMIT_DIR"))
+                        workdir=slurm_env.submit_dir())
         step = self.steps.launch(spec)
         self.set_current(step)
         with job.store.update() as state:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from contract import engine_groups
 from contract.spec import JobSpec
+from slurm import env as slurm_env
+from slurm.client import SlurmClient
 
 # Ports: spread over jobs by job id, so two jobs on one node rarely meet; engine k gets base + 10 + k
 # (HTTP) and, spanning nodes, base + 10 + engines + k (--dist-init-addr on its node 0), and a prefill
@@ -76,21 +78,11 @@ def port_free_here(address: str, preferred: int) -> int:
     raise OSError(f"no free port on {address}")
 
 
-def hostnames(nodelist: str, timeout_s: float) -> list[str]:
-    """The node names of a SLURM node list (node[1-3],x); timeout_s bounds the scontrol call."""
-    if not any(c in nodelist for c in "[,"):
-        return [nodelist]
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True,
-                         timeout=timeout_s)
-    return out.stdout.split()
-
-
-def node_addresses(nodes: list[str], timeout_s: float) -> dict[str, str]:
+def node_addresses(nodes: list[str], slurm: SlurmClient) -> dict[str, str]:
     """NodeAddr of each node, in one scontrol call (a devcluster's nodes all live on 127.0.0.1)."""
-    out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
-                         check=True, timeout=timeout_s)
+    out = slurm.require("scontrol", "show", "node", "-o", ",".join(nodes))
     addresses = {}
-    for line in out.stdout.splitlines():
+    for line in out.splitlines():
         fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
         if "NodeName" in fields:
             addresses[fields["NodeName"]] = fields.get("NodeAddr", fields["NodeName"])
@@ -104,18 +96,18 @@ def _resolve(address: str) -> str:
         return address
 
 
-def from_environment(spec: JobSpec, timeout_s: float, env: dict[str, str] | None = None) -> Layout:
+def from_environment(spec: JobSpec, timeout_s: float, env: Mapping[str, str] | None = None) -> Layout:
     """The layout of the job this process runs in; timeout_s bounds each scontrol call."""
-    env = dict(os.environ if env is None else env)
-    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    env = os.environ if env is None else env
+    slurm = SlurmClient(timeout_s)
+    job_id = slurm_env.job_id(env)
     if not job_id:
         raise ValueError("SLURM_JOB_ID is not set: the supervisor runs as a SLURM job's batch step "
                          "(slurmrl submit, or sbatch a template of slurm/templates)")
-    groups = [hostnames(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}") or env["SLURM_JOB_NODELIST"], timeout_s)
-              for g in range(spec.het_groups)]
+    groups = [slurm.hostnames(slurm_env.job_nodelist(g, env)) for g in range(spec.het_groups)]
     trainer_nodes = groups[0]
     rollout_nodes = groups[spec.rollout_group]
-    addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)), timeout_s)
+    addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)), slurm)
     base = _PORT_BASE + (int(job_id) * _PORTS_PER_JOB) % _PORT_SPAN
     r = spec.rollout
     span = r.nodes_per_engine

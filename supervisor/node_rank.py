@@ -16,10 +16,12 @@ import runpy
 import sys
 from collections.abc import Mapping
 
+from slurm import env as slurm_env
+
 MODULE = "supervisor.node_rank"
 NODES_ENV = "SLURMRL_ENGINE_NODES"  # the engine's nodes, comma-separated, node-rank 0 first
 HOSTS_ENV = "SLURMRL_ENGINE_HOSTS"  # their addresses (each task's --host), in the same order
-NODE_NAME_ENV = "SLURMD_NODENAME"  # set by slurmd in every task: the node it runs on
+NODE_NAME_ENV = slurm_env.NODE_NAME  # set by slurmd in every task: the node it runs on
 
 
 class NodeRankError(RuntimeError):

@@ -20,14 +20,13 @@ component.
 from __future__ import annotations
 
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from supervisor.layout import hostnames
+from slurm.client import SlurmClient, SlurmUnavailable
 
 # Base states and flags (`scontrol show node`'s State=BASE+FLAG+...) of a node no step can run on.
 UNUSABLE_STATES = {"DOWN", "ERROR", "FUTURE"}
@@ -36,29 +35,26 @@ _REASON = re.compile(r"\bReason=(.*?)(?=\s+\w+=|$)")
 _EXCLUDE_RETRY_S = 0.5  # between two asks for ExcNodeList (SLURM takes it once the requeue is through)
 
 
-def _scontrol(*args: str, timeout_s: float) -> str | None:
+def _scontrol(slurm: SlurmClient, *args: str) -> str | None:
     """scontrol's output, or None when it failed or did not answer in time."""
-    try:
-        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None
-    return done.stdout if done.returncode == 0 else None
+    done = slurm.call("scontrol", *args)
+    return done.stdout if done.ok else None
 
 
 def _fields(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
 
-def _hosts(nodelist: str | None, timeout_s: float) -> list[str]:
-    return [] if nodelist in (None, "", "(null)") else hostnames(nodelist, timeout_s)
+def _hosts(slurm: SlurmClient, nodelist: str | None) -> list[str]:
+    return [] if nodelist is None or nodelist in ("", "(null)") else slurm.hostnames(nodelist)
 
 
-def unusable(nodes: Collection[str], timeout_s: float) -> dict[str, str] | None:
+def unusable(nodes: Collection[str], slurm: SlurmClient) -> dict[str, str] | None:
     """{node: its state and reason} for those of `nodes` SLURM says cannot run a step now; None when
     SLURM did not answer."""
     if not nodes:
         return {}
-    out = _scontrol("show", "node", "-o", ",".join(nodes), timeout_s=timeout_s)
+    out = _scontrol(slurm, "show", "node", "-o", ",".join(nodes))
     if out is None:
         return None
     bad = {}
@@ -78,7 +74,7 @@ class NodeTracker:
         """timeout_s: one scontrol call."""
         self.job_id = job_id
         self.keep = set(keep)  # never released: the trainer's nodes, the supervisor's among them
-        self.timeout_s = timeout_s
+        self.slurm = SlurmClient(timeout_s)
         self._lost: dict[str, str] = {}  # node -> why
         self._spares = list(spares)
         self._lock = threading.Lock()
@@ -92,7 +88,7 @@ class NodeTracker:
         """{node: why} for those of `nodes` already lost or that SLURM now calls unusable."""
         with self._lock:
             known = {node: self._lost[node] for node in nodes if node in self._lost}
-        return {**known, **(unusable([n for n in nodes if n not in known], self.timeout_s) or {})}
+        return {**known, **(unusable([n for n in nodes if n not in known], self.slurm) or {})}
 
     def lose(self, node: str, why: str) -> bool:
         """Record `node` as lost (no longer a spare); True only the first time."""
@@ -116,16 +112,15 @@ class NodeTracker:
         """Take `node` out of the job's allocation before SLURM marks it DOWN; says what happened."""
         if node in self.keep:
             return "kept: it runs the trainer"
-        out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
+        out = _scontrol(self.slurm, "show", "job", "-o", self.job_id)
         for fields in map(_fields, (out or "").splitlines()):
-            nodes = _hosts(fields.get("NodeList"), self.timeout_s)
+            nodes = _hosts(self.slurm, fields.get("NodeList"))
             if node not in nodes:
                 continue
             rest = [n for n in nodes if n != node]
             if not rest:
                 return f"kept: the last node of job {fields['JobId']}"
-            done = _scontrol("update", f"JobId={fields['JobId']}", f"NodeList={','.join(rest)}",
-                             timeout_s=self.timeout_s)
+            done = _scontrol(self.slurm, "update", f"JobId={fields['JobId']}", f"NodeList={','.join(rest)}")
             return f"released from job {fields['JobId']}" if done is not None else "kept: scontrol update failed"
         return "kept: SLURM did not answer" if out is None else "not in the job"
 
@@ -141,14 +136,17 @@ class NodeTracker:
         return True
 
     def _try_exclude(self, nodes: set[str]) -> bool:
-        out = _scontrol("show", "job", "-o", self.job_id, timeout_s=self.timeout_s)
+        out = _scontrol(self.slurm, "show", "job", "-o", self.job_id)
         if out is None:
             return False
-        excluded = {n for line in out.splitlines() for n in _hosts(_fields(line).get("ExcNodeList"), self.timeout_s)}
+        try:
+            excluded = {n for line in out.splitlines() for n in _hosts(self.slurm, _fields(line).get("ExcNodeList"))}
+        except SlurmUnavailable:
+            return False
         if nodes <= excluded:
             return True
-        update = _scontrol("update", f"JobId={self.job_id}", f"ExcNodeList={','.join(sorted(excluded | nodes))}",
-                           timeout_s=self.timeout_s)
+        update = _scontrol(self.slurm, "update", f"JobId={self.job_id}",
+                           f"ExcNodeList={','.join(sorted(excluded | nodes))}")
         return update is not None
 
 

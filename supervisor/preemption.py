@@ -5,9 +5,9 @@ says of the job as a whole: its end time, whether it is ending, the time left.""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
+from slurm.client import SlurmClient
 from supervisor.slurm_jobs import SlurmUnavailable, sacct_states
 
 # "the signal may be sent up to 60 seconds earlier than specified" (sbatch --signal)
@@ -20,14 +20,11 @@ class SlurmJob:
     def __init__(self, job_id: str, timeout_s: float) -> None:
         self.job_id = job_id
         self.timeout_s = timeout_s
+        self.slurm = SlurmClient(timeout_s)
 
     def _squeue(self, field: str) -> list[str] | None:
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", field], capture_output=True, text=True,
-                                 timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-        return out.stdout.split() if out.returncode == 0 else None
+        out = self.slurm.call("squeue", "-h", "-j", self.job_id, "-o", field)
+        return out.stdout.split() if out.ok else None
 
     def end_time(self) -> float | None:
         """The job's end (unix time), or None without a limit."""
@@ -107,7 +104,7 @@ class Preemption:
         own account), and on a preemption it moves the job's end to now + GraceTime first. So an
         end time that near is the deadline: the trainer stops when less than preempt_grace is left,
         not a minute early. A signal far from the end (someone's `scancel --signal=USR1`) means now."""
-        warned_at, self._warned_at = self._warned_at, None
+        warned_at, self._warned_at = self._warned_at or time.time(), None  # (set: check calls it then)
         end = self.job.end_time()
         if end is not None and end - warned_at <= self.grace_s + SLURM_SIGNAL_EARLY_S:
             self.end_time = end

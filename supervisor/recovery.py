@@ -22,7 +22,7 @@ from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
 from supervisor.requeue import Requeue
-from supervisor.slurm_contact import retry_delays
+from slurm.contact import retry_delays
 from supervisor.steps import Step, StepController
 from supervisor.tensorboard import ScalarWriter
 

@@ -5,9 +5,9 @@ off the nodes it lost."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 
+from slurm.client import SlurmClient
 from supervisor.context import Ending, JobContext
 from supervisor.launcher import TRAINER, StepLauncher
 from supervisor.nodes import NodeTracker
@@ -22,6 +22,7 @@ class Requeue:
         self.nodes = nodes
         self.ending = ending
         self.slurm_job = SlurmJob(job.layout.job_id, job.ft.slurm_command_timeout)
+        self.slurm = SlurmClient(job.ft.slurm_command_timeout)
         self.preemption = Preemption(job.ft.preempt_grace, self.slurm_job)
         self._lock = threading.Lock()
         self._excluding: set[str] = set()  # lost nodes the requeued job must not start on
@@ -54,9 +55,7 @@ class Requeue:
         if step is None or step.returncode is not None or step.slurm_step is None:
             return  # not running (or SLURM has not listed it yet: the next cycle retries)
         self._fence_check()  # its step id may be a newer run's
-        done = subprocess.run(["scancel", "--signal=USR1", step.slurm_step], capture_output=True, text=True,
-                              timeout=self.job.ft.slurm_command_timeout)
-        if done.returncode == 0:
+        if self.slurm.call("scancel", "--signal=USR1", step.slurm_step).ok:
             self._save_now_sent = True
             self.job.events.emit("save_now", TRAINER, reason=why)
 
@@ -82,8 +81,7 @@ class Requeue:
                 # Submitit's own checkpoint-and-requeue (it pickles Supervisor again, then scontrol requeue).
                 submitit_handler(signal.SIGUSR2, None)
             else:
-                subprocess.run(["scontrol", "requeue", self.job.layout.job_id], check=True, capture_output=True,
-                               timeout=ft.slurm_command_timeout)
+                self.slurm.require("scontrol", "requeue", self.job.layout.job_id)
         finally:  # (Submitit's handler ends in sys.exit) SLURM takes ExcNodeList only once requeued
             if excluding and not self.nodes.exclude(excluding, ft.exclude_timeout):
                 self.job.events.emit("exclude_failed", nodes=sorted(excluding),

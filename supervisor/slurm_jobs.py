@@ -3,20 +3,18 @@
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from contract.job_dir import JobDir
 from contract.spec_loading import jobs_root
+from slurm.client import SlurmClient, SlurmUnavailable
+
+__all__ = ["JobNotFound", "SlurmJob", "SlurmUnavailable", "job_dir_of", "job_state", "sacct_states"]
 
 
 class JobNotFound(ValueError):
     pass
-
-
-class SlurmUnavailable(RuntimeError):
-    """SLURM did not answer (no client, no controller, no SLURM_CONF): unknown, not gone."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,7 @@ class SlurmJob:
 
 def job_state(job_id: str, timeout_s: float) -> SlurmJob | None:
     """The job as squeue lists it, else as sacct recorded its end; None if neither knows it."""
-    queued = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout_s, unknown_job_ok=True)
+    queued = SlurmClient(timeout_s).require("squeue", "-h", "-j", job_id, "-o", "%T|%r", unknown_job_ok=True)
     rows = [line.split("|") for line in queued.splitlines() if "|" in line]
     if rows:
         state, reason = rows[0][:2]
@@ -45,7 +43,7 @@ def job_state(job_id: str, timeout_s: float) -> SlurmJob | None:
 def sacct_states(job_id: str, timeout_s: float) -> list[str]:
     """The job's states as the accounting recorded them, a line per hetjob component
     ("CANCELLED by 0" -> CANCELLED); SlurmUnavailable if sacct does not answer."""
-    ended = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], timeout_s)
+    ended = SlurmClient(timeout_s).require("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State")
     return [line.split()[0] for line in ended.splitlines() if line.strip()]
 
 
@@ -58,7 +56,7 @@ def job_dir_of(job: str, timeout_s: float) -> JobDir:
     if not job.isdigit():
         raise JobNotFound(f"{job}: neither a job directory (no spec.yaml) nor a SLURM job id")
     try:
-        shown = _run(["scontrol", "show", "job", job], timeout_s, unknown_job_ok=True)
+        shown = SlurmClient(timeout_s).require("scontrol", "show", "job", job, unknown_job_ok=True)
     except SlurmUnavailable as err:
         raise JobNotFound(f"job {job}: SLURM did not answer: {err}; or give its job directory") from None
     for field in shown.split():
@@ -82,17 +80,3 @@ def job_dir_by_id(job_id: str) -> JobDir | None:
             return JobDir(marker.parent)
     return None
 
-
-def _run(argv: list[str], timeout_s: float, unknown_job_ok: bool = False) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise SlurmUnavailable(f"{argv[0]} did not answer within {timeout_s:.0f} s") from None
-    except FileNotFoundError:
-        raise SlurmUnavailable(f"there is no {argv[0]} here (no SLURM client)") from None
-    if done.returncode != 0:
-        if unknown_job_ok and "invalid job id" in done.stderr.lower():
-            return ""
-        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise SlurmUnavailable(f"{said} (is SLURM_CONF set?)")
-    return done.stdout

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 from collections.abc import MutableMapping
 from datetime import timedelta
+
+from slurm import env as slurm_env
+from slurm.client import SlurmClient
 
 # Ports below this are the devcluster's and the usual services'; the job id spreads jobs apart.
 _PORT_BASE, _PORT_SPAN = 20000, 20000
@@ -23,10 +25,7 @@ _LISTEN_BACKLOG = 1024  # ranks connecting at once
 
 def first_node(nodelist: str) -> str:
     """The first host of a SLURM nodelist expression ("node[1-3],gpu7" -> "node1")."""
-    if "[" not in nodelist and "," not in nodelist:
-        return nodelist
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return out.stdout.split()[0]
+    return SlurmClient().hostnames(nodelist)[0]
 
 
 def master_address(host: str) -> str:
@@ -41,11 +40,11 @@ def setup(env: MutableMapping[str, str] = os.environ, master_port: int | None = 
     """Fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in `env` where missing."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return  # torchrun, or set by hand
-    if "SLURM_PROCID" in env and "SLURM_STEP_NODELIST" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_ADDR", master_address(first_node(env["SLURM_STEP_NODELIST"])))
-        job = int(env.get("SLURM_JOB_ID", "0"))
+    if slurm_env.PROCID in env and slurm_env.STEP_NODELIST in env:
+        env["RANK"], env["WORLD_SIZE"] = env[slurm_env.PROCID], env[slurm_env.NTASKS]
+        env["LOCAL_RANK"] = env.get(slurm_env.LOCALID, "0")
+        env.setdefault("MASTER_ADDR", master_address(first_node(env[slurm_env.STEP_NODELIST])))
+        job = int(slurm_env.job_id(env) or "0")
         env.setdefault("MASTER_PORT", str(master_port or _PORT_BASE + job % _PORT_SPAN))
         return
     env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import psutil
 
+from slurm import env as slurm_env
+from slurm.client import SlurmClient
+from slurm.contact import SlurmContact
 from slurm.devcluster import faults, netns
 from slurm.devcluster.config import (
     ACCOUNTING_DB,
@@ -32,6 +35,7 @@ APT_PACKAGES = ["slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-cli
 REQUIRED_PROGRAMS = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
                      "slurmd", "sbatch", "srun", "sacct", "sacctmgr", "sinfo", "scontrol", "scancel"]
 STRAY_KILL_S = 10.0  # stray step processes dying after SIGKILL
+SLURM_CALL_S = 30.0  # one sinfo/scontrol/scancel/squeue/sacctmgr call to the devcluster
 
 
 def ensure_installed() -> None:
@@ -54,7 +58,9 @@ class DevCluster:
     def __init__(self, root: Path, shape: ClusterShape | None = None) -> None:
         self.paths = ClusterPaths(Path(root).resolve())
         self.shape = shape or load_shape(self.paths) or ClusterShape()
-        self.env = {"SLURM_CONF": str(self.paths.slurm_conf)}
+        self.env = {slurm_env.CONF: str(self.paths.slurm_conf)}
+        # Its own record of SLURM's answers: the devcluster's calls say nothing of a job's SLURM.
+        self.slurm = SlurmClient(SLURM_CALL_S, env=self.env, contact=SlurmContact())
         self.net = netns.load_plan(self.paths.root) if self.shape.isolated else None
 
     # ---- daemons -------------------------------------------------------------------------
@@ -200,9 +206,9 @@ class DevCluster:
         wait_for(lambda: _port_open("127.0.0.1", self.shape.slurmdbd_port) or not daemon.is_running(), timeout_s,
                  "slurmdbd")
         daemon.check_alive()
-        clusters = self._slurm(["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"], timeout_s)
+        clusters = self._sacctmgr(["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"], timeout_s)
         if CLUSTER_NAME not in clusters.split():
-            self._slurm(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], timeout_s)
+            self._sacctmgr(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], timeout_s)
 
     def _continue_job_ids(self) -> None:
         """Start job ids past the accounting's highest. slurmctld's own state can be gone (a
@@ -266,8 +272,7 @@ class DevCluster:
             states = self.node_states()
             for node in nodes:
                 if states.get(node, "") in ("down", "drain", "drng"):  # answering (no '*'), not in service
-                    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
-                                   env={**os.environ, **self.env}, capture_output=True, timeout=30)
+                    self.slurm.call("scontrol", "update", f"NodeName={node}", "State=RESUME")
             return all(states.get(node) in ("idle", "mix", "alloc") for node in nodes)
 
         wait_for(in_service, timeout_s, f"{', '.join(nodes)} back in service", interval_s=0.5)
@@ -275,9 +280,8 @@ class DevCluster:
     # ---- status and down -----------------------------------------------------------------
     def node_states(self) -> dict[str, str]:
         """Node name -> SLURM state (idle, mix, alloc, down*, ...), or {} if slurmctld does not answer."""
-        result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env={**os.environ, **self.env},
-                                capture_output=True, text=True, timeout=30)
-        if result.returncode != 0:
+        result = self.slurm.call("sinfo", "-h", "-N", "-o", "%N %t")
+        if not result.ok:
             return {}
         return dict(line.split() for line in result.stdout.splitlines() if line.strip())
 
@@ -291,10 +295,8 @@ class DevCluster:
             proc = d.process()
             lines.append(f"  {d.name:<16} {'running, pid ' + str(proc.pid) if proc else 'stopped'}")
         if self.slurmctld().is_running():
-            for title, argv in (("nodes", ["sinfo", "-N", "-o", "%N %P %t %c %G"]),
-                                ("partitions", ["sinfo", "-o", "%P %a %l %D %N"])):
-                result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True,
-                                        timeout=30)
+            for title, args in (("nodes", ("-N", "-o", "%N %P %t %c %G")), ("partitions", ("-o", "%P %a %l %D %N"))):
+                result = self.slurm.call("sinfo", *args)
                 lines += ["", f"{title}:", *("  " + row for row in result.stdout.splitlines())]
         lines += ["", "to use it from a shell:", f"  {self.paths.env_line()}"]
         return "\n".join(lines)
@@ -304,10 +306,9 @@ class DevCluster:
         cluster's network. Returns what was stopped."""
         faults.heal_all(self.paths.root)  # first: slurmctld must reach a cut node to end its steps
         if self.slurmctld().is_running():
-            subprocess.run(["scancel", "--full", "--user", "root"], env={**os.environ, **self.env},
-                           capture_output=True, timeout=30)
+            self.slurm.call("scancel", "--full", "--user", "root")
             try:
-                wait_for(lambda: not self._slurm(["squeue", "-h", "-o", "%i"], 30).strip(), 30, "jobs to end")
+                wait_for(lambda: not self._squeue_job_ids().strip(), 30, "jobs to end")
             except (TimeoutError, DevclusterError):
                 pass  # the daemons are stopped below either way
         stopped = [d.name for d in reversed(self.daemons()) if d.stop()]
@@ -329,7 +330,7 @@ class DevCluster:
             with contextlib.suppress(psutil.Error, OSError):
                 if namespaces and os.stat(f"/proc/{proc.pid}/ns/net").st_ino in namespaces:
                     stray[proc.pid] = proc
-                elif proc.info["name"] == "slurmstepd" and proc.environ().get("SLURM_CONF") == conf:
+                elif proc.info["name"] == "slurmstepd" and proc.environ().get(slurm_env.CONF) == conf:
                     stray |= {p.pid: p for p in (proc, *proc.children(recursive=True))}
         for proc in stray.values():
             with contextlib.suppress(psutil.Error):
@@ -339,7 +340,14 @@ class DevCluster:
             raise DevclusterError(f"step processes {[p.pid for p in alive]} outlived SIGKILL by {STRAY_KILL_S} s")
         return len(stray)
 
-    def _slurm(self, argv: list[str], timeout_s: float) -> str:
+    def _squeue_job_ids(self) -> str:
+        reply = self.slurm.call("squeue", "-h", "-o", "%i")
+        if not reply.ok:
+            raise DevclusterError(f"squeue failed: {reply.why or reply.stderr.strip()}")
+        return reply.stdout
+
+    def _sacctmgr(self, argv: list[str], timeout_s: float) -> str:
+        """A call of sacctmgr (the accounting's admin tool, not a SLURM client the client runs)."""
         result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=timeout_s)
         if result.returncode != 0:
             raise DevclusterError(f"`{' '.join(argv)}` failed ({result.returncode}): {result.stderr.strip()}")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from contract.spec_loading import load_spec
+from slurm.client import SlurmClient
 from supervisor.engines import Engine
 from supervisor.launcher import StepLauncher, engine_command
 from supervisor.steps import StepSpec, srun_argv
@@ -33,7 +34,7 @@ def test_offload_defaults_follow_slime(tmp_path: Path, flags: list[str], train: 
 def _launch_kwargs(spec, monkeypatch) -> list[tuple[list[str], dict]]:
     """What StepLauncher.launch_engine asks of launch() for each engine of a colocated job on n0."""
     from supervisor import layout
-    monkeypatch.setattr(layout, "hostnames", lambda nodelist, timeout_s: nodelist.split(","))
+    monkeypatch.setattr(SlurmClient, "hostnames", lambda self, nodelist: nodelist.split(","))
     monkeypatch.setattr(layout, "node_addresses", lambda nodes, timeout_s: {n: "10.0.0.1" for n in nodes})
     places = layout.from_environment(spec, 1.0, {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST_HET_GROUP_0": "n0"}).engines
     launcher = object.__new__(StepLauncher)
@@ -62,7 +63,7 @@ def test_colocated_engine_steps_overlap_the_trainer_and_take_their_slice(tmp_pat
 
 def _places(spec, monkeypatch):
     from supervisor import layout
-    monkeypatch.setattr(layout, "hostnames", lambda nodelist, timeout_s: nodelist.split(","))
+    monkeypatch.setattr(SlurmClient, "hostnames", lambda self, nodelist: nodelist.split(","))
     monkeypatch.setattr(layout, "node_addresses", lambda nodes, timeout_s: {n: "10.0.0.1" for n in nodes})
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST_HET_GROUP_0": "n0", "SLURM_JOB_NODELIST_HET_GROUP_1": "n1"}
     return layout.from_environment(spec, 1.0, env).engines

@@ -14,6 +14,7 @@ from jobs.sglang_args import parse_errors
 from contract.spec import SpecError
 from jobs.submit import prepare, render_script
 from jobs.validate import PartitionInfo
+from slurm.client import SlurmClient
 from supervisor import layout
 from supervisor.launcher import engine_command
 from supervisor.node_rank import node_argv
@@ -29,7 +30,7 @@ TWO_NODE_CPU = ["--rollout-num-engines", "1", "--rollout-num-gpus-per-engine", "
 def node_rank_argvs(flags: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Node ranks 0 and 1 of every engine of the job, as each task runs it (with the job's key)."""
     spec = prepare(None, job_flags(tmp_path, "multinode") + flags, partitions=BIG)
-    monkeypatch.setattr(layout, "hostnames", lambda nodelist, timeout_s: nodelist.split(","))
+    monkeypatch.setattr(SlurmClient, "hostnames", lambda self, nodelist: nodelist.split(","))
     monkeypatch.setattr(layout, "node_addresses", lambda nodes, timeout_s: {n: f"10.0.0.{n[1:]}" for n in nodes})
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST_HET_GROUP_0": "n0",
            "SLURM_JOB_NODELIST_HET_GROUP_1": ",".join(f"n{k}" for k in range(1, 1 + spec.rollout.num_nodes))}

@@ -13,6 +13,7 @@ from jobs.sglang_args import ParserUnavailable, parse_errors
 from contract.spec import JobSpec, flag_value
 from contract.spec_loading import finalize, load_spec
 from rollout.launch import RouterLaunch, passthrough, router_command
+from slurm.client import SlurmClient
 from supervisor import layout
 from supervisor.launcher import engine_command
 from tests.jobs.helpers import job_flags
@@ -39,7 +40,7 @@ def _spec(path: Path | None, argv: list[str]) -> JobSpec:
 def _engine_argvs(spec: JobSpec, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """What the supervisor launches for every engine of spec, as sglang.launch_server sees it: the
     layout of a job on nodes n0..n9, each engine's command, the key supervisor.with_key adds."""
-    monkeypatch.setattr(layout, "hostnames", lambda nodelist, timeout_s: nodelist.split(","))
+    monkeypatch.setattr(SlurmClient, "hostnames", lambda self, nodelist: nodelist.split(","))
     monkeypatch.setattr(layout, "node_addresses", lambda nodes, timeout_s: {n: f"10.0.0.{n[1:]}" for n in nodes})
     trainer_nodes, rollout_nodes = ["n0"], [f"n{k}" for k in range(1, 1 + spec.rollout.num_nodes)]
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST_HET_GROUP_0": ",".join(trainer_nodes),

@@ -13,6 +13,7 @@ from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
+from supervisor.step_control import StepControl
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import TrainerWatch
@@ -20,15 +21,19 @@ from supervisor.trainer_watch import TrainerWatch
 
 @dataclass
 class Wiring:
+    steps: StepControl
+    launcher: StepLauncher
+    trainer: TrainerWatch
     recovery: EngineRecovery
     handlers: ControlHandlers
     ending: Ending
     pool: ThreadPoolExecutor
 
 
-def wire_recovery(job: JobContext, router: RouterPlace) -> Wiring:
+def wire_recovery(job: JobContext, router: RouterPlace, steps: StepControl | None = None) -> Wiring:
+    """steps: the step control to use (default: SLURM's, StepController)."""
     ft = job.ft
-    steps = StepController(job.layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait)
+    steps = steps or StepController(job.layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait)
     launcher = StepLauncher(job, steps, "key", router)
     ending = Ending(user_stop=False)
     pool = ThreadPoolExecutor(max_workers=4)
@@ -38,4 +43,4 @@ def wire_recovery(job: JobContext, router: RouterPlace) -> Wiring:
                               ScalarWriter(job.dir.supervisor_tensorboard))
     trainer = TrainerWatch(job, launcher, steps, requeue, ending, pool, restarts=0)
     handlers = ControlHandlers(job, launcher, steps, recovery, trainer, requeue, ending, pool, lambda: None)
-    return Wiring(recovery, handlers, ending, pool)
+    return Wiring(steps, launcher, trainer, recovery, handlers, ending, pool)

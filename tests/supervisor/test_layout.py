@@ -13,6 +13,7 @@ import pytest
 from contract.job_dir import JobDir
 from contract.spec import JobSpec, RolloutSpec
 from jobs.hetjob import het_groups
+from slurm.client import SlurmClient
 from supervisor import layout, node_rank
 from supervisor.engines import Engines
 from supervisor.launcher import engine_command
@@ -23,7 +24,7 @@ from supervisor.state import StateStore
 
 def place(rollout: RolloutSpec, nodes: int, monkeypatch: pytest.MonkeyPatch) -> layout.Layout:
     """The layout of a job with trainer node t0 and rollout nodes r1..r{nodes} (address 10.0.0.K)."""
-    monkeypatch.setattr(layout, "hostnames", lambda nodelist, timeout_s: nodelist.split(","))
+    monkeypatch.setattr(SlurmClient, "hostnames", lambda self, nodelist: nodelist.split(","))
     monkeypatch.setattr(layout, "node_addresses",
                         lambda names, timeout_s: {n: f"10.0.0.{n[1:]}" for n in names})
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST_HET_GROUP_0": "t0",

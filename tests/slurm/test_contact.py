@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from supervisor.slurm_contact import (
+from slurm.contact import (
     SLURM_OUTAGE_LIMIT_S,
     SLURM_RETRY_FIRST_S,
     SLURM_RETRY_MAX_S,

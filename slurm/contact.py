@@ -1,7 +1,7 @@
 """Whether SLURM answers the supervisor. A SLURM call that fails or times out (slurmctld paused,
 restarted, overloaded) is transient: what depends on it waits, with backoff, until SLURM answers
 again, and an engine start that failed meanwhile is not counted against the engine's crash-loop
-breaker. The StepController reports every squeue and scancel here."""
+breaker. The SLURM client (slurm/client.py) reports every call it makes here."""
 
 from __future__ import annotations
 
@@ -38,9 +38,13 @@ class SlurmContact:
             return self._last_failure is not None and self._last_failure >= since
 
 
+PROCESS_CONTACT = SlurmContact()  # one per process: every SlurmClient reports here unless given its own
+
+
 def retry_delays() -> list[float]:
     """The waits between two asks while SLURM is silent, summing to at least SLURM_OUTAGE_LIMIT_S."""
-    delays, delay = [], SLURM_RETRY_FIRST_S
+    delays: list[float] = []
+    delay = SLURM_RETRY_FIRST_S
     while sum(delays) < SLURM_OUTAGE_LIMIT_S:
         delays.append(delay)
         delay = min(delay * 2, SLURM_RETRY_MAX_S)

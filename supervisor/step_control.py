@@ -1,0 +1,188 @@
+"""Step control, the interface the supervisor launches, watches, signals and cancels its steps
+through, and what its two backends share: StepController (supervisor/steps.py: srun steps of a
+SLURM job) and LocalSteps (supervisor/local_steps.py: plain processes on this machine, for fast
+tests of the recovery logic without SLURM).
+
+A Step's `proc` is a child of the supervisor in its own process group (srun, a local process, or
+an adopted step's stand-in), so its exit is seen the moment it happens: one pidfd watcher thread
+for all steps calls on_exit. An adopted step (one a previous supervisor launched) has no child of
+ours: it gets a stand-in, which exits with the step's exit code once the backend sees it ended,
+so its end reaches on_exit exactly like a launched step's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from slurm.contact import SlurmContact
+from slurm.step_spec import StepSpec
+
+log = logging.getLogger(__name__)
+
+StepStatus = Literal["pending", "running", "exited", "unknown"]
+
+# The stand-in: exits with the code written to its stdin (or 255 when its supervisor dies first).
+_STAND_IN = ("/bin/sh", "-c", 'read -r code; exit "${code:-255}"')
+UNKNOWN_EXIT = 255  # the step's end was never recorded (no slurmdbd, or past exit_code_wait_s)
+CANCELLED_EXIT = 128 + signal.SIGTERM
+
+
+@dataclass
+class Step:
+    """A step this supervisor launched (proc is its srun or process) or adopted (proc is its stand-in)."""
+
+    spec_name: str
+    proc: subprocess.Popen[bytes] | None
+    slurm_step: str | None = None  # "JOBID.STEPID", once the backend lists it
+    adopted: bool = False
+    gone_since: float | None = None  # adopted: when the backend stopped listing it
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+@runtime_checkable
+class StepControl(Protocol):
+    """What the supervisor (daemon, launcher, recovery, adoption, node failures) asks of its steps."""
+
+    @property
+    def contact(self) -> SlurmContact:
+        """Whether the scheduler answered of late (recovery waits out its silence)."""
+
+    def launch(self, spec: StepSpec) -> Step:
+        """Start a step (Fenced if a newer run of the job owns the steps)."""
+
+    def query(self) -> dict[str, tuple[str, str]] | None:
+        """All live steps of the job: {step id: (name, state)}; None if unknown (no answer)."""
+
+    def refresh(self, steps: Iterable[Step]) -> dict[str, StepStatus]:
+        """Where each of `steps` stands (fills in step ids; settles adopted steps that ended)."""
+
+    def adopt(self, recorded: Mapping[str, str | None]) -> list[Step] | None:
+        """{name: step id or None} -> the steps of those names still running, each with a stand-in."""
+
+    def ended(self, name: str, step_id: str) -> Step:
+        """A step that ended unwatched, as an adopted Step whose stand-in exits with its exit code."""
+
+    def exit_codes(self, step_ids: Collection[str]) -> dict[str, int]:
+        """{step id: exit code} of those of the steps that ended and whose end is recorded."""
+
+    def cancel(self, step: Step, timeout_s: float, term_grace_s: float) -> None:
+        """Stop the step, within timeout_s, then by signals term_grace_s apart."""
+
+    def abandon(self, step: Step, wait_s: float) -> None:
+        """A fenced supervisor's step: SIGKILL its child, tell the scheduler nothing."""
+
+    def close(self) -> None:
+        """Stop watching for exits."""
+
+
+class ExitWatcher:
+    """One thread that waits on a pidfd per step child and reports each exit at once."""
+
+    def __init__(self, on_exit: Callable[[Step], None]) -> None:
+        self._on_exit = on_exit
+        self._epoll = select.epoll()
+        self._wake = os.eventfd(0)
+        self._epoll.register(self._wake, select.EPOLLIN)
+        self._steps: dict[int, Step] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="step-exits", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: Step) -> None:
+        assert step.proc is not None
+        fd = os.pidfd_open(step.proc.pid)
+        with self._lock:
+            self._steps[fd] = step
+        self._epoll.register(fd, select.EPOLLIN)
+
+    def _run(self) -> None:
+        while not self._closed:
+            for fd, _ in self._epoll.poll():
+                if fd == self._wake:
+                    continue
+                self._epoll.unregister(fd)
+                os.close(fd)
+                with self._lock:
+                    step = self._steps.pop(fd)
+                assert step.proc is not None
+                step.proc.wait()  # reap it; returncode is then set
+                try:
+                    self._on_exit(step)
+                except Exception:  # one bad callback must not end exit detection for all steps
+                    log.exception("on_exit callback failed for step %s", step.spec_name)
+
+    def close(self) -> None:
+        self._closed = True
+        os.eventfd_write(self._wake, 1)
+        self._thread.join()
+        with self._lock:
+            for fd in self._steps:
+                os.close(fd)
+            self._steps.clear()
+        self._epoll.close()
+        os.close(self._wake)
+
+
+def stand_in(name: str, step_id: str, watcher: ExitWatcher | None) -> Step:
+    """An adopted step: a stand-in child that exits when released (release)."""
+    proc = subprocess.Popen(_STAND_IN, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, process_group=0)
+    step = Step(name, proc, step_id, adopted=True)
+    if watcher is not None:
+        watcher.watch(step)
+    return step
+
+
+_release_lock = threading.Lock()
+
+
+def release(step: Step, code: int) -> None:
+    """Let an adopted step's stand-in exit with `code` (once: later calls do nothing)."""
+    with _release_lock:
+        stdin = step.proc.stdin if step.proc is not None else None
+        if stdin is None or stdin.closed:
+            return
+        try:
+            os.write(stdin.fileno(), f"{code}\n".encode())
+        except BrokenPipeError:  # it is gone already
+            pass
+        stdin.close()
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], term_grace_s: float) -> None:
+    """SIGTERM, then SIGKILL, to the child's own process group, term_grace_s apart; TimeoutExpired
+    if even SIGKILL did not end it."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(term_grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait(0)
+
+
+def kill_process_group(step: Step, wait_s: float) -> None:
+    """SIGKILL the step's child's process group (nothing else is told) and wait for it."""
+    if step.proc is None or step.proc.poll() is not None:
+        return
+    try:
+        os.killpg(step.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    step.proc.wait(wait_s)

@@ -1,0 +1,245 @@
+"""The supervisor's recovery, crash-loop breaker, adoption and lost-node logic against the local
+step backend (supervisor/local_steps.py): engine steps are plain processes here (a stand-in engine,
+tests/supervisor/local_engine.py), the router an in-process stand-in; no SLURM, seconds a test.
+The same paths run against SLURM in tests/integration (test_node_failure, test_supervisor_restart)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
+from rollout.router_client import RouterClient
+from slurm.devcluster.daemons import wait_for
+from slurm.step_spec import StepSpec
+from supervisor import adoption, launcher, nodes
+from supervisor.context import JobContext
+from supervisor.engines import FAILED, HEALTHY, Engine, Membership
+from supervisor.launcher import RouterPlace
+from supervisor.layout import EnginePlace
+from supervisor.local_steps import LocalSteps
+from supervisor.step_control import Step, StepControl
+from supervisor.steps import StepController
+from tests.supervisor.job_context import two_engine_job
+from tests.supervisor.recovery_wiring import Wiring, wire_recovery
+
+VERSION = "3"  # the weights the engines serve (published to disk, so a relaunched engine loads them)
+WAIT_S = 30.0  # for a recovery to end: each takes well under a second here
+crashing: set[str] = set()  # engines whose next launches exit at once (a crash loop)
+
+
+class _Router(BaseHTTPRequestHandler):
+    """sglang-router's worker API (rollout/router_client.py), in memory."""
+
+    workers: dict[str, str] = {}
+
+    def _answer(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._answer({"workers": [{"url": url, "id": wid} for url, wid in _Router.workers.items()]})
+
+    def do_POST(self) -> None:
+        url = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["url"]
+        _Router.workers[url] = f"w{len(_Router.workers)}"
+        self._answer({"worker_id": _Router.workers[url]})
+
+    def do_DELETE(self) -> None:
+        _Router.workers = {u: w for u, w in _Router.workers.items() if w != self.path.rsplit("/", 1)[1]}
+        self._answer({})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
+    crash = ["--exit-code", "3"] if place.name in crashing else []
+    return [sys.executable, "-m", "tests.supervisor.local_engine", "--port", str(place.port), *crash]
+
+
+@pytest.fixture
+def local_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[JobContext, RouterPlace]]:
+    """Two engines on node n1 (spare node n2), the router stand-in listening, VERSION on disk."""
+    monkeypatch.setattr(launcher, "engine_command", _engine_command)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the engine steps import tests.*
+    crashing.clear()
+    _Router.workers = {}
+    ft = FaultToleranceSpec(use_fault_tolerance=True, max_engine_restarts=2, min_engines=0, restart_backoff=0.1,
+                            engine_start_timeout=20.0, step_stop_timeout=5.0, step_term_grace=2.0,
+                            slurm_command_timeout=5.0, rollout_health_check_timeout=2.0, engine_admit_timeout=5.0)
+    spec = JobSpec(job_dir=str(tmp_path / "job"), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
+    job, router = two_engine_job(spec, head="n0", node="n1", het_group=1)
+    job = dataclasses.replace(job, layout=dataclasses.replace(job.layout, spare_nodes=("n2",),
+                                                              addresses={"n0": "127.0.0.1", "n1": "127.0.0.1",
+                                                                         "n2": "127.0.0.1"}))
+    server = ThreadingHTTPServer(("127.0.0.1", int(router.url.rsplit(":", 1)[1])), _Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    job.dir.weights_of(VERSION).mkdir(parents=True)
+    job.membership.current = VERSION
+    try:
+        yield job, router
+    finally:
+        server.shutdown()
+        server.server_close()
+        job.events.close()
+        job.client.close()
+
+
+def _wire(job: JobContext, router: RouterPlace, registry: Path) -> Wiring:
+    return wire_recovery(job, router, LocalSteps(job.layout.job_id, registry, on_exit=job.inbox.put))
+
+
+def _start(job: JobContext, wiring: Wiring) -> None:
+    wiring.recovery.start_all(adopted=set())
+    assert all(e.state == HEALTHY and e.in_router for e in job.engines.values())
+    assert set(_Router.workers) == {e.url for e in job.engines.values()}
+
+
+def _on_exits(job: JobContext, wiring: Wiring) -> None:
+    """What the daemon's monitor does with an engine step's exit: recover the engine."""
+    step: Step = job.inbox.get(timeout=WAIT_S)
+    engine = job.engines[step.spec_name]
+    if wiring.launcher.current(step.spec_name) is step:
+        wiring.recovery.recover(engine, f"process exited with code {step.returncode}")
+
+
+def _kinds(job: JobContext) -> list[tuple[str, str]]:
+    return [(e["kind"], e.get("step") or "") for e in map(json.loads, job.dir.events.read_text().splitlines())]
+
+
+def _stop(wiring: Wiring) -> None:
+    for step in wiring.launcher.all().values():
+        if step.returncode is None:
+            wiring.steps.cancel(step, timeout_s=5, term_grace_s=2)
+    wiring.pool.shutdown(wait=True)
+    wiring.steps.close()
+
+
+def test_both_backends_offer_the_whole_step_control_interface(tmp_path: Path) -> None:
+    local, slurm = LocalSteps("1", tmp_path / "steps"), StepController("1", 5.0, 5.0)
+    assert isinstance(local, StepControl) and isinstance(slurm, StepControl)
+    assert local.query() == {} and local.exit_codes(["1.0"]) == {}
+
+
+def test_a_local_step_is_listed_cancelled_and_its_end_recorded(tmp_path: Path) -> None:
+    steps = LocalSteps("5", tmp_path / "steps")
+    step = steps.launch(StepSpec("engine-0", ("sleep", "60"), ("n1",), tmp_path / "engine-0.log"))
+    assert step.slurm_step == "5.0" and steps.query() == {"5.0": ("engine-0", "RUNNING")}
+    steps.cancel(step, timeout_s=5, term_grace_s=2)
+    assert step.returncode == -signal.SIGTERM and steps.query() == {}
+    assert steps.exit_codes(["5.0"]) == {"5.0": 128 + signal.SIGTERM}
+    # A successor's view of it (the step ended while no supervisor watched): its exit code.
+    assert LocalSteps("5", tmp_path / "steps").ended("engine-0", "5.0").proc.wait(5) == 128 + signal.SIGTERM
+
+
+def test_an_engine_that_exits_is_relaunched_and_back_in_the_router(local_job, tmp_path: Path) -> None:
+    job, router = local_job
+    wiring = _wire(job, router, tmp_path / "steps")
+    try:
+        _start(job, wiring)
+        engine = job.engines["engine-0"]
+        first = wiring.launcher.current("engine-0")
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        _on_exits(job, wiring)
+        wait_for(lambda: ("engine_recovered", "engine-0") in _kinds(job), WAIT_S, "engine-0 recovered")
+        again = wiring.launcher.current("engine-0")
+        assert again is not first and again.returncode is None and again.slurm_step == "999999.2"
+        assert engine.state == HEALTHY and engine.in_router and engine.version == VERSION and engine.restarts == 1
+        assert engine.url in _Router.workers
+        assert job.engines["engine-1"].restarts == 0  # the other engine was not touched
+    finally:
+        _stop(wiring)
+
+
+def test_an_engine_that_keeps_crashing_is_given_up(local_job, tmp_path: Path) -> None:
+    job, router = local_job
+    wiring = _wire(job, router, tmp_path / "steps")
+    try:
+        _start(job, wiring)
+        crashing.add("engine-0")
+        os.killpg(wiring.launcher.current("engine-0").proc.pid, signal.SIGKILL)
+        _on_exits(job, wiring)
+        wait_for(lambda: ("engine_given_up", "engine-0") in _kinds(job), WAIT_S, "engine-0 given up")
+        engine = job.engines["engine-0"]
+        assert engine.state == FAILED and not engine.in_router and engine.url not in _Router.workers
+        assert _kinds(job).count(("engine_restart_failed", "engine-0")) == job.ft.max_engine_restarts
+        assert job.engines["engine-1"].state == HEALTHY and ("engine_degraded", "engine-0") in _kinds(job)
+    finally:
+        _stop(wiring)
+
+
+def test_a_restarted_supervisor_adopts_the_live_engines_and_relaunches_none(local_job, tmp_path: Path) -> None:
+    job, router = local_job
+    first = _wire(job, router, tmp_path / "steps")
+    _start(job, first)
+    with job.store.update() as state:  # as the daemon's monitor records them each cycle
+        for name, step in first.launcher.all().items():
+            state.steps[name].slurm_step = step.slurm_step
+        state.weight_version = VERSION
+    pids = {name: step.proc.pid for name, step in first.launcher.all().items()}
+    first.steps.close()  # the supervisor dies; its steps run on
+    first.pool.shutdown(wait=True)
+
+    places = [e.place for e in job.engines.values()]
+    membership = Membership(RouterClient(router.url, "key", 5.0), job.client, "key", listed_timeout_s=5.0)
+    successor = dataclasses.replace(job, engines={p.name: Engine(p) for p in places}, membership=membership,
+                                    inbox=queue.Queue(), finished=threading.Event())
+    wiring = _wire(successor, router, tmp_path / "steps")
+    try:
+        adopted = adoption.adopt(successor, job.store.snapshot(), wiring.steps, wiring.launcher, wiring.trainer)
+        assert adopted == {"engine-0", "engine-1"}
+        wiring.recovery.start_all(adopted)
+        assert all(e.state == HEALTHY and e.in_router for e in successor.engines.values())
+        assert len(list((tmp_path / "steps").glob("*.json"))) == 2  # nothing launched twice
+        # An adopted engine that dies is seen (its stand-in exits) and relaunched.
+        os.kill(pids["engine-1"], signal.SIGKILL)
+        wait_for(lambda: wiring.steps.refresh(wiring.launcher.all().values())["engine-1"] == "exited", WAIT_S,
+                 "the monitor's look to see engine-1 gone")
+        _on_exits(successor, wiring)
+        wait_for(lambda: ("engine_recovered", "engine-1") in _kinds(job), WAIT_S, "engine-1 recovered")
+        assert wiring.launcher.current("engine-1").slurm_step == "999999.2"
+        assert successor.engines["engine-1"].in_router
+    finally:
+        _stop(wiring)
+        for step in first.launcher.all().values():  # the first supervisor's children: reaped here
+            step.proc.kill()
+            step.proc.wait(5)
+
+
+def test_the_engines_of_a_lost_node_move_to_the_spare_node(local_job, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    job, router = local_job
+    wiring = _wire(job, router, tmp_path / "steps")
+    lost = {"n1": "DOWN+NOT_RESPONDING (Not responding)"}
+    try:
+        _start(job, wiring)
+        monkeypatch.setattr(nodes, "unusable", lambda names, slurm: {n: why for n, why in lost.items() if n in names})
+        for engine, why in wiring.recovery.nodes.check_due():
+            wiring.recovery.recover(engine, why)
+        wait_for(lambda: sum(k == ("engine_recovered", e) for k in _kinds(job) for e in ("engine-0", "engine-1")) == 1
+                 and all(not wiring.recovery.is_recovering(e) for e in job.engines), WAIT_S, "the recoveries end")
+        events = [json.loads(line) for line in job.dir.events.read_text().splitlines()]
+        assert [e["node"] for e in events if e["kind"] == "node_failed"] == ["n1"]
+        moved = [e for e in job.engines.values() if e.place.nodes == ("n2",)]
+        given_up = [e for e in job.engines.values() if e.state == FAILED]
+        # One spare node: one engine moves there and serves, the other is given up (no spare left).
+        assert len(moved) == 1 and moved[0].state == HEALTHY and moved[0].in_router
+        assert len(given_up) == 1 and given_up[0].url not in _Router.workers
+    finally:
+        _stop(wiring)
+
