@@ -92,17 +92,18 @@ def het_groups(spec: JobSpec) -> list[HetGroup]:
     runs on its first node), 1 = rollout nodes (absent with --colocate: the engines share
     group 0's nodes and GPUs, their tasks added to group 0's)."""
     t, r = spec.trainer, spec.rollout
-    common = {"partition": spec.partition, "account": spec.account, "qos": spec.qos,
-              "time_min": spec.time_minutes, "exclude": spec.exclude}
+
+    def group(nodes: int, ntasks_per_node: int, cpus_per_task: int, gpus_per_node: int) -> HetGroup:
+        return HetGroup(nodes=nodes, ntasks_per_node=ntasks_per_node, cpus_per_task=cpus_per_task,
+                        gpus_per_node=gpus_per_node, partition=spec.partition, account=spec.account, qos=spec.qos,
+                        time_min=spec.time_minutes, exclude=spec.exclude)
+
     if r.colocate:
         per_node = -(-r.engine_count // max(1, t.actor_num_nodes))
         cpus = max(t.cpus_per_task, r.cpus_per_engine)
-        return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node + per_node, cpus_per_task=cpus,
-                         gpus_per_node=t.actor_num_gpus_per_node, **common)]
-    return [HetGroup(nodes=t.actor_num_nodes, ntasks_per_node=t.tasks_per_node, cpus_per_task=t.cpus_per_task,
-                     gpus_per_node=t.actor_num_gpus_per_node, **common),
-            HetGroup(nodes=r.num_nodes + r.spare_nodes, ntasks_per_node=r.engines_on_each_node,
-                     cpus_per_task=r.cpus_per_engine, gpus_per_node=r.gpus_per_node, **common)]
+        return [group(t.actor_num_nodes, t.tasks_per_node + per_node, cpus, t.actor_num_gpus_per_node)]
+    return [group(t.actor_num_nodes, t.tasks_per_node, t.cpus_per_task, t.actor_num_gpus_per_node),
+            group(r.num_nodes + r.spare_nodes, r.engines_on_each_node, r.cpus_per_engine, r.gpus_per_node)]
 
 
 class HetInfoWatcher(submitit_slurm.SlurmInfoWatcher):

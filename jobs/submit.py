@@ -20,9 +20,9 @@ from pathlib import Path
 
 from contract import step_options
 from contract.job_dir import JOB_DIR_ENV, JobDir, write_atomic
-from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
 from contract.spec import JobSpec, SpecError
 from contract.spec_loading import finalize, load_spec
+from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
 from jobs.validate import PartitionInfo, validate
 
 # sacct states after which the job will not run again (REQUEUED, PREEMPTED... are not ends)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import bounds, engine_groups, step_options
-from jobs.hetjob import het_groups
 from contract.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
 from contract.spec_loading import spec_flags
+from jobs.hetjob import het_groups
 from slurm.client import SlurmClient
 
 
@@ -280,7 +280,8 @@ def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
         notes.append(f"the engine flags were not checked by SGLang's own parser: {err}")
         return []
     return [f"rollout.sglang_args: SGLang refuses the {'' if role == 'regular' else role + ' '}engine "
-            f"command line: {error}; fix or drop that --sglang-* flag" for role, error in zip(roles, errors) if error][:1]
+            f"command line: {error}; fix or drop that --sglang-* flag"
+            for role, error in zip(roles, errors) if error][:1]
 
 
 def _numbers(spec: JobSpec) -> list[str]:
