@@ -76,7 +76,8 @@ def from_slime_dict(d: dict[str, Any], where: str) -> Sample:
                   response_length=d.get("response_length", 0), label=d.get("label"), reward=d.get("reward"),
                   loss_mask=list(d.get("loss_mask") or []), status=status,
                   rollout_log_probs=list(d.get("rollout_log_probs") or []),
-                  weight_version=version_from_wire(versions[-1]) if versions else None, metadata=dict(d.get("metadata") or {}),
+                  weight_version=version_from_wire(versions[-1]) if versions else None,
+                  metadata=dict(d.get("metadata") or {}),
                   spans=list(d.get("spans") or []))  # dumps older than rollout.trace have none
 
 

@@ -1,8 +1,8 @@
 """The one client for SGLang engines' HTTP routes (reference/sglang-http.md), shared by the
 supervisor and the trainer: health probes (of one engine, or of every engine at once), the weight
 version, updates from disk, and any other route by name. Weight versions are ints in slurmrl and
-strings on SGLang's wire: version_to_wire and version_from_wire are the only conversions. The API key only ever travels in the
-Authorization header: no error names it.
+strings on SGLang's wire: version_to_wire and version_from_wire are the only conversions. The API
+key only ever travels in the Authorization header: no error names it.
 
 Probing every engine runs on one asyncio loop in a background thread, started by the first
 probe_all and kept for the client's life, so a cycle lasts about one probe timeout however many
@@ -62,6 +62,15 @@ def _raise_fd_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
 
 
+@dataclass(frozen=True)
+class _ProbeLoop:
+    """The probes' event loop, the thread running it, and their HTTP session (of that loop)."""
+
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    session: aiohttp.ClientSession
+
+
 class EngineClient:
     """Calls to engines by base url, from any thread; timeout_s (seconds) bounds every request
     (each of its socket waits, for the blocking calls) unless a call names its own."""
@@ -74,9 +83,7 @@ class EngineClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # guards starting and stopping the probe loop
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._prober: _ProbeLoop | None = None  # started by the first probe
 
     # ---- health ----
 
@@ -88,17 +95,18 @@ class EngineClient:
         """{engine name: base url} -> {engine name: result}, all probed at once; each probe is
         bounded by timeout_s, so this returns after about that long at most."""
         _raise_fd_limit(len(targets) + FD_HEADROOM)
-        return asyncio.run_coroutine_threadsafe(self._probe_many(targets), self._probe_loop()).result()
+        prober = self._probe_loop()
+        return asyncio.run_coroutine_threadsafe(self._probe_many(prober.session, targets), prober.loop).result()
 
-    def _probe_loop(self) -> asyncio.AbstractEventLoop:
+    def _probe_loop(self) -> _ProbeLoop:
         with self._lock:
-            if self._loop is None:
+            if self._prober is None:
                 loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=loop.run_forever, name="engine-probes", daemon=True)
-                self._thread.start()
-                self._session = asyncio.run_coroutine_threadsafe(self._open_session(), loop).result()
-                self._loop = loop
-            return self._loop
+                thread = threading.Thread(target=loop.run_forever, name="engine-probes", daemon=True)
+                thread.start()
+                session = asyncio.run_coroutine_threadsafe(self._open_session(), loop).result()
+                self._prober = _ProbeLoop(loop, thread, session)
+            return self._prober
 
     async def _open_session(self) -> aiohttp.ClientSession:
         # force_close: a fresh connection per probe, so a restarted engine never fails its first
@@ -106,16 +114,16 @@ class EngineClient:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         return aiohttp.ClientSession(connector=connector, headers=self._headers)
 
-    async def _probe_many(self, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
+    async def _probe_many(self, session: aiohttp.ClientSession, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
         names = list(targets)
-        results = await asyncio.gather(*(self._probe(targets[n]) for n in names))
+        results = await asyncio.gather(*(self._probe(session, targets[n]) for n in names))
         return dict(zip(names, results))
 
-    async def _probe(self, url: str) -> ProbeResult:
+    async def _probe(self, session: aiohttp.ClientSession, url: str) -> ProbeResult:
         start = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self._session.get(url.rstrip("/") + HEALTH_PATH) as resp:
+                async with session.get(url.rstrip("/") + HEALTH_PATH) as resp:
                     await resp.read()
                     ok = resp.status == 200
                     return ProbeResult(ok, time.monotonic() - start, None if ok else f"HTTP {resp.status}")
@@ -186,13 +194,14 @@ class EngineClient:
     def close(self) -> None:
         """Stop the probe loop, if a probe started it."""
         with self._lock:
-            loop, self._loop = self._loop, None
-            if loop is None:
+            prober, self._prober = self._prober, None
+            if prober is None:
                 return
-            asyncio.run_coroutine_threadsafe(self._session.close(), loop).result(CLOSE_WAIT_S)
+            loop = prober.loop
+            asyncio.run_coroutine_threadsafe(prober.session.close(), loop).result(CLOSE_WAIT_S)
             loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(CLOSE_WAIT_S)
-            if not self._thread.is_alive():  # a loop still running cannot be closed; the thread is a daemon
+            prober.thread.join(CLOSE_WAIT_S)
+            if not prober.thread.is_alive():  # a loop still running cannot be closed; the thread is a daemon
                 loop.close()
 
     def __enter__(self) -> Self:

@@ -129,7 +129,8 @@ class Evaluator:
                              if log_function_path else None)
         self.sources = {s.name: JsonlDataSource(
             s.path, input_key=s.input_key, label_key=s.label_key, metadata_key=s.metadata_key, tokenizer=tokenizer,
-            apply_chat_template=apply_chat_template, apply_chat_template_kwargs=apply_chat_template_kwargs, shuffle=False, n_samples_per_prompt=s.n_samples_per_eval_prompt)
+            apply_chat_template=apply_chat_template, apply_chat_template_kwargs=apply_chat_template_kwargs,
+            shuffle=False, n_samples_per_prompt=s.n_samples_per_eval_prompt)
             for s in sets} if self.function is None else {}
         self.start = {name: source.state_dict() for name, source in self.sources.items()}
 
@@ -161,5 +162,5 @@ class Evaluator:
         groups = generate_rollout(args, rollout_id, DataBuffer(source), evaluation=True)
         samples: list[Sample] = sorted((x for g in groups for x in g), key=lambda x: x.index)
         key = getattr(self.plugin_args, "eval_reward_key", None)  # slime's: defaults to --reward-key
-        return {"rewards": [x.reward_value(key) for x in samples], "truncated": [x.status is Status.TRUNCATED for x in samples],
-                "samples": samples}
+        return {"rewards": [x.reward_value(key) for x in samples],
+                "truncated": [x.status is Status.TRUNCATED for x in samples], "samples": samples}

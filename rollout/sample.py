@@ -49,7 +49,7 @@ class Sample:
 
     @truncated.setter
     def truncated(self, value: bool) -> None:
-        self._set_flag(Status.TRUNCATED, value)
+        _set_flag(self, Status.TRUNCATED, value)
 
     @property
     def aborted(self) -> bool:
@@ -57,20 +57,14 @@ class Sample:
 
     @aborted.setter
     def aborted(self, value: bool) -> None:
-        self._set_flag(Status.ABORTED, value)
-
-    def _set_flag(self, status: Status, value: bool) -> None:
-        if value:
-            self.status = status
-        elif self.status in (Status.PENDING, status):
-            self.status = Status.COMPLETED
+        _set_flag(self, Status.ABORTED, value)
 
     def reward_value(self, reward_key: str | None) -> float:
         """The number trained on: the reward, or its `reward_key` entry when it is a dict."""
         if isinstance(self.reward, dict):
             if not reward_key:
-                raise ValueError(f"sample {self.index}: the reward is a dict (keys {', '.join(map(str, self.reward))}): "
-                                 "give --reward-key naming the value to train on")
+                raise ValueError(f"sample {self.index}: the reward is a dict (keys {', '.join(map(str, self.reward))}):"
+                                 " give --reward-key naming the value to train on")
             if reward_key not in self.reward:
                 raise ValueError(f"--reward-key {reward_key}: sample {self.index}'s reward has only the keys "
                                  f"{', '.join(map(str, self.reward))}")
@@ -92,6 +86,15 @@ class Sample:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
         return cls(**{**d, "status": Status(d["status"])})
+
+
+def _set_flag(sample: Sample, status: Status, value: bool) -> None:
+    """A slime flag set (to `status`) or cleared (a pending sample, or one of that status, is then
+    complete). Outside the class: there, `Status` names the ClassVar, not the enum."""
+    if value:
+        sample.status = status
+    elif sample.status in (Status.PENDING, status):
+        sample.status = Status.COMPLETED
 
 
 def group_positions(group_index: Iterable[int]) -> list[list[int]]:

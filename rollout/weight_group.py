@@ -49,7 +49,10 @@ class UpdateGroup:
         """Send (on src) or receive (elsewhere) one tensor, in place."""
         options = dist.BroadcastOptions()
         options.rootRank = src
-        self.pg.broadcast([tensor], options).wait(self.timeout)
+        if self.pg is None:
+            raise WeightSyncError(f"update group {self.name!r} is closed")
+        # torch 2.13's stubs lack Backend.broadcast, which both backends have at run time
+        self.pg.broadcast([tensor], options).wait(self.timeout)  # type: ignore[union-attr]
 
     def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
         """Receive one CPU tensor per name, in order, from rank 0."""
@@ -91,6 +94,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
                             multi_tenant=True)
         store = dist.PrefixStore(_DEVICE_PREFIX[backend],
                                  dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp)))
+        pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
             pg = _gloo(store, rank, world_size, timeout, route_address(master_address, master_port))
         else:
@@ -102,7 +106,8 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, timeout: timedelta, address: str) -> dist.ProcessGroupGloo:
-    options = dist.ProcessGroupGloo._Options()
+    # torch 2.13's stubs name only Options (at run time Backend.Options, which lacks _devices)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return dist.ProcessGroupGloo(store, rank, world_size, options)
