@@ -9,7 +9,7 @@ from supervisor.context import JobContext
 from supervisor.fencing import own_run
 from supervisor.launcher import ROUTER, TRAINER, JobFailed, StepLauncher
 from supervisor.state import JobState, StateStore
-from supervisor.steps import StepController
+from supervisor.step_control import StepControl
 from supervisor.trainer_watch import TrainerWatch
 
 
@@ -30,7 +30,7 @@ def left_over(state: JobState, job_id: str) -> dict[str, str | None]:
     return {name: record.slurm_step for name, record in state.steps.items() if record.kind == "engine"}
 
 
-def stop_left_over(job: JobContext, steps: StepController, recorded: dict[str, str | None]) -> None:
+def stop_left_over(job: JobContext, steps: StepControl, recorded: dict[str, str | None]) -> None:
     """Those still running are stopped before this run launches its own: they would hold the CPUs
     and GPUs its engines wait for, and answer on the addresses its engines take (their weights
     are an older run's). Only before: SLURM numbers the requeued job's steps from 0 again, so
@@ -45,7 +45,7 @@ def stop_left_over(job: JobContext, steps: StepController, recorded: dict[str, s
         steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)
 
 
-def adopt(job: JobContext, previous: JobState | None, steps: StepController, launcher: StepLauncher,
+def adopt(job: JobContext, previous: JobState | None, steps: StepControl, launcher: StepLauncher,
           trainer: TrainerWatch) -> set[str]:
     """Steps the predecessor left running are kept, not duplicated, and its engines re-checked; a
     trainer that ended meanwhile ends here as if seen. (After a requeue SLURM has ended them all:
@@ -62,12 +62,13 @@ def adopt(job: JobContext, previous: JobState | None, steps: StepController, lau
     adopted = {step.spec_name for step in found}
     if TRAINER in adopted:
         trainer.adopted()
-    elif recorded.get(TRAINER):
+    elif trainer_step := recorded.get(TRAINER):
         # It ended while no supervisor watched: its end reaches the monitor like any trainer exit,
         # with the exit code SLURM's accounting has (0: the job is complete).
-        step = steps.ended(TRAINER, recorded[TRAINER])
+        step = steps.ended(TRAINER, trainer_step)
+        assert step.proc is not None  # ended() gives it a stand-in
         launcher.set_current(step)
-        job.events.emit("step_ended_unseen", TRAINER, slurm_step=recorded[TRAINER], exit_code=step.proc.wait())
+        job.events.emit("step_ended_unseen", TRAINER, slurm_step=trainer_step, exit_code=step.proc.wait())
         adopted.add(TRAINER)
     # --colocate: a trainer that held the GPUs still holds them (or, if it ended, the trainer's
     # exit hands them back and resumes the released engines, as for a trainer seen ending).

@@ -13,8 +13,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from contract.job_dir import JobDir, read_heartbeat
 from contract.control_protocol import Call, ControlClient, ControlError
+from contract.job_dir import JobDir, read_heartbeat
 from contract.spec import FaultToleranceSpec
 from supervisor import slurm_jobs, status_view
 from supervisor.events import follow

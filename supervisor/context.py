@@ -15,7 +15,7 @@ from supervisor.events import EventLog
 from supervisor.gpu_holder import GpuHolder
 from supervisor.layout import Layout
 from supervisor.state import StateStore
-from supervisor.steps import Step
+from supervisor.step_control import Step
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
-from contract.job_dir import JobDir
 from contract.control_protocol import MAX_LINE, Call, CallerRun, ControlError, Request
+from contract.job_dir import JobDir
 
 Handler = Callable[..., dict[str, Any]]
 
@@ -70,7 +70,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             request = Request.decode(line)
         except ValueError as err:
             return {"ok": False, "error": str(err)}
-        if _older(request.run, self.run):
+        if request.run is not None and self.run is not None and _older(request.run, self.run):
             # A trainer of a run SLURM requeued away (its node was cut off, then healed) must not steer this one.
             return {"ok": False, "fenced": True, "error": f"fenced: the caller is of run {request.run.run} of job "
                                                          f"{request.run.job_id}, this supervisor of run {self.run.run}"}
@@ -80,8 +80,8 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             return {"ok": False, "error": f"{request.call.value} failed: {type(err).__name__}: {err}"}
 
 
-def _older(caller: CallerRun | None, own: CallerRun | None) -> bool:
-    return caller is not None and own is not None and caller.job_id == own.job_id and caller.run < own.run
+def _older(caller: CallerRun, own: CallerRun) -> bool:
+    return caller.job_id == own.job_id and caller.run < own.run
 
 
 class ControlServer:

@@ -18,12 +18,12 @@ from supervisor.launcher import ROUTER, TRAINER, StepLauncher
 from supervisor.profiling import Profiling
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
-from supervisor.steps import StepController
+from supervisor.step_control import StepControl
 from supervisor.trainer_watch import TrainerWatch
 
 
 class ControlHandlers:
-    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, recovery: EngineRecovery,
+    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepControl, recovery: EngineRecovery,
                  trainer: TrainerWatch, requeue: Requeue, ending: Ending, pool: Executor,
                  last_checkpoint: Callable[[], str | None]) -> None:
         self.job = job

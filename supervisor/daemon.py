@@ -79,7 +79,8 @@ from supervisor.probe import HealthTracker, KillBudget
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
 from supervisor.state import StateStore
-from supervisor.steps import Step, StepController
+from supervisor.step_control import Step, StepControl
+from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_watch import REQUEUE, TrainerWatch
 
@@ -107,7 +108,8 @@ def start(spec: JobSpec) -> Daemon:
         return Daemon(spec)
     except Exception as err:
         reason = f"the supervisor could not start: {err}"
-        record_start_failure(JobDir(Path(spec.job_dir)), reason)
+        if spec.job_dir is not None:  # else no job dir to write to: the caller's stderr is all there is
+            record_start_failure(JobDir(Path(spec.job_dir)), reason)
         raise JobFailed(reason) from err
 
 
@@ -131,9 +133,12 @@ class Daemon:
     def __init__(self, spec: JobSpec) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
         ft = spec.fault_tolerance
+        if spec.job_dir is None:
+            raise ValueError("the spec names no job_dir (submit fills it in before the supervisor starts)")
         job_dir = JobDir(Path(spec.job_dir))
         layout = layouts.from_environment(spec, timeout_s=ft.slurm_command_timeout)
         fence = Fence(job_dir, layout.job_id, own_run())  # once a newer run of the job starts
+        self.fence = fence
         store = StateStore(job_dir, fence)
         self.predecessor = adoption.predecessor(store, layout.job_id)
         key = create_key(job_dir)  # a predecessor's key: its steps were started with it
@@ -142,10 +147,10 @@ class Daemon:
         engines = Engines(layout.engines, RouterClient(router.url, key, ft.router_request_timeout), client, key,
                           listed_timeout_s=ft.engine_admit_timeout, store=store)
         inbox: queue.Queue[Step] = queue.Queue()
-        self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence), store=store,
-                              engines=engines, client=client, finished=threading.Event(), inbox=inbox)
-        self.steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait, on_exit=inbox.put,
-                                    fence=fence)
+        self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence),
+                              store=store, engines=engines, client=client, finished=threading.Event(), inbox=inbox)
+        self.steps: StepControl = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
+                                                 on_exit=inbox.put, fence=fence)
         self.launcher = StepLauncher(self.job, self.steps, key, router)
         saved = store.snapshot()  # a `slurmrl stop` holds for every later start of the same job
         self.ending = Ending(user_stop=saved.stop_asked and saved.job_id == layout.job_id)
@@ -218,7 +223,7 @@ class Daemon:
             log.warning("%s", err)
             return FENCED
         except JobFailed as err:
-            if job.store.fence.fenced:  # a newer run of the job goes on: its state is not ours to write
+            if self.fence.fenced:  # a newer run of the job goes on: its state is not ours to write
                 log.warning("fenced, after: %s", err)
                 return FENCED
             self._set_stop_reason(f"failed: {err}")
@@ -242,7 +247,7 @@ class Daemon:
                 step = self.job.inbox.get(timeout=timeout)
             except queue.Empty:
                 step = None
-            self.job.store.fence.check()  # a newer run started: nothing more of this one's acts
+            self.fence.check()  # a newer run started: nothing more of this one's acts
             if self.ending.failure:
                 raise JobFailed(self.ending.failure)
             self.requeue.check()
@@ -257,7 +262,8 @@ class Daemon:
             self.trainer.check_heartbeat()
             for engine, why in self.nodes.check_due():
                 self.recovery.recover(engine, why)
-            next_probe = self.tracker.next_cycle(began, time.monotonic(), interval, self.job.ft.rollout_health_check_timeout)
+            next_probe = self.tracker.next_cycle(began, time.monotonic(), interval,
+                                                 self.job.ft.rollout_health_check_timeout)
 
     def _on_exit(self, step: Step) -> str | None:
         name = step.spec_name
@@ -324,7 +330,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:
-        if self.job.store.fence.fenced:
+        if self.fence.fenced:
             # Its steps' ids may now be the newer run's: no scancel; its srun clients are killed
             # so that none cancels or signals a step later. SLURM ends the step processes left on
             # the cut node once that node registers again (the job no longer runs there).

@@ -209,7 +209,7 @@ class Engines(Mapping[str, Engine]):
 
     def loaded(self, engine: Engine, folder: Path, version: int, timeout_s: float) -> None:
         """Load a published folder into the engine (timeout_s bounds it); it serves `version` then."""
-        self._client.load_from_disk(engine.url, folder, str(version), timeout_s=timeout_s)  # (the HTTP string)
+        self._client.load_from_disk(engine.url, folder, version, timeout_s=timeout_s)
         with self._lock:
             engine.version = version
         self._save([engine])

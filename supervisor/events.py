@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Self
+from typing import IO, Any, Self
 
 from supervisor.fencing import Fence
 
@@ -63,8 +63,8 @@ class EventLog:
 
 
 def follow(path: Path, from_start: bool = True, poll_s: float = 0.2,
-           stop: threading.Event | None = None) -> Iterator[dict[str, object]]:
-    """Yield events as they are appended (like tail -f), waiting for the file to appear.
+           stop: threading.Event | None = None) -> Iterator[dict[str, Any]]:
+    """Yield events (parsed JSON objects) as they are appended (like tail -f), waiting for the file to appear.
 
     from_start=False skips what is there at the time of this call. A line is yielded only once
     its newline is written, so a reader never sees half an event. Ends when `stop` is set.
@@ -75,7 +75,7 @@ def follow(path: Path, from_start: bool = True, poll_s: float = 0.2,
     return _follow(path, offset, poll_s, stop or threading.Event())
 
 
-def _follow(path: Path, offset: int, poll_s: float, stop: threading.Event) -> Iterator[dict[str, object]]:
+def _follow(path: Path, offset: int, poll_s: float, stop: threading.Event) -> Iterator[dict[str, Any]]:
     while not path.exists():
         if stop.wait(poll_s):
             return

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 
-from contract.job_dir import JobDir
 from contract.control_protocol import recorded_run
+from contract.job_dir import JobDir
 from slurm import env as slurm_env
 
 

@@ -11,7 +11,9 @@ import os
 import re
 import secrets
 import stat
+
 from contract.job_dir import API_KEY_ENV, JobDir
+
 _KEY_BYTES = 32
 # Values that look like credentials even when the exact key is not known to the caller.
 _PATTERNS = (

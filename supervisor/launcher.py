@@ -21,6 +21,7 @@ from rollout.launch import (
     sglang_command,
 )
 from slurm import env as slurm_env
+from slurm.step_spec import StepSpec
 from supervisor import layout as layouts
 from supervisor import node_rank
 from supervisor.context import JobContext
@@ -29,7 +30,7 @@ from supervisor.engines import Engine
 from supervisor.keys import step_env
 from supervisor.layout import EnginePlace, Layout
 from supervisor.state import JobState, StepRecord
-from supervisor.steps import Step, StepController, StepSpec
+from supervisor.step_control import Step, StepControl
 
 ROUTER, TRAINER = "router", "trainer"
 _ROUTER_POLL_S = 0.2  # between two checks that a starting router answers
@@ -40,7 +41,7 @@ class JobFailed(RuntimeError):
 
 
 class StepLauncher:
-    def __init__(self, job: JobContext, steps: StepController, key: str, router: RouterPlace) -> None:
+    def __init__(self, job: JobContext, steps: StepControl, key: str, router: RouterPlace) -> None:
         self.job = job
         self.steps = steps
         self.router = router
@@ -126,7 +127,8 @@ class StepLauncher:
             env = node_rank.step_env(place.nodes, tuple(self.job.layout.addresses[n] for n in place.nodes))
         # --colocate: the step shares the trainer's CPUs and GPUs (--overlap) and sees every GPU of
         # the node the trainer sees; the engine takes its slice of them with --base-gpu-id.
-        gpus = self.job.spec.trainer.actor_num_gpus_per_node if r.colocate and place.gpus_per_node else place.gpus_per_node
+        colocated = r.colocate and place.gpus_per_node
+        gpus = self.job.spec.trainer.actor_num_gpus_per_node if colocated else place.gpus_per_node
         return self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
                            ntasks=len(place.nodes), gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine, env=env,
                            overlap=r.colocate)
@@ -134,7 +136,8 @@ class StepLauncher:
     def launch_trainer(self) -> Step:
         t, layout = self.job.spec.trainer, self.job.layout
         host, port = self.router.url.split("//")[1].rsplit(":", 1)
-        argv = [self.python_of(TRAINER), "-m", "trainer", *t.train_args, "--job-dir", str(self.job.dir.root), "--supervised",
+        argv = [self.python_of(TRAINER), "-m", "trainer", *t.train_args,
+                "--job-dir", str(self.job.dir.root), "--supervised",
                 "--sglang-router-ip", host, "--sglang-router-port", port,
                 "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
         r = self.job.spec.rollout

@@ -14,7 +14,7 @@ from supervisor.context import JobContext
 from supervisor.engine_states import FAILED
 from supervisor.engines import Engine
 from supervisor.nodes import LostNodeWatch, NodeTracker
-from supervisor.steps import Step
+from supervisor.step_control import Step
 
 
 class NodeFailures:
@@ -70,9 +70,11 @@ class NodeFailures:
         kill the step's srun (or an adopted step's stand-in), which ends the block's wait on the
         step, and set the event yielded. Seen on a dead node: scancel ends the step's srun after some
         seconds, but an srun launched there again waits for the dead step's CPUs."""
+        proc = step.proc
+        assert proc is not None  # a launched or adopted step: it has a child
         def kill_srun() -> None:
             with suppress(ProcessLookupError):
-                os.killpg(step.proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
 
         with self.watch.watching(engine.place.nodes, kill_srun) as lost:
             yield lost

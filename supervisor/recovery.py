@@ -12,8 +12,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import cast
 
 from rollout.engine_client import EngineError, ProbeResult
+from slurm.contact import retry_delays
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engine_states import FAILED, HEALTHY
 from supervisor.engines import Engine, EngineStartError, roles_missing, wait_healthy
@@ -22,8 +24,7 @@ from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
 from supervisor.requeue import Requeue
-from slurm.contact import retry_delays
-from supervisor.steps import Step, StepController
+from supervisor.step_control import Step, StepControl
 from supervisor.tensorboard import ScalarWriter
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ _ADMIT_POLL_S = 0.2  # between two looks whether a recovered engine is in the ro
 
 
 class EngineRecovery:
-    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, nodes: NodeFailures,
+    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepControl, nodes: NodeFailures,
                  tracker: HealthTracker, requeue: Requeue, ending: Ending, pool: Executor,
                  scalars: ScalarWriter) -> None:
         self.job = job
@@ -238,7 +239,8 @@ class EngineRecovery:
                 self.tracker.record({engine.name: ProbeResult(ok=True, latency_s=0.0)})
         if then is not None:
             then()
-        waits = {name: self.pool.submit(self.await_engine, engine, self.launcher.current(name))
+        # each engine was launched or adopted above: its step is the current one
+        waits = {name: self.pool.submit(self.await_engine, engine, cast(Step, self.launcher.current(name)))
                  for name, engine in job.engines.items() if engine.state != HEALTHY}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
         for name, problem in problems.items():
@@ -264,7 +266,7 @@ class EngineRecovery:
         job = self.job
         for _ in range(_SYNC_TRIES):
             current = job.engines.current
-            folder = job.dir.weights_of(str(current)) if current is not None else None  # (a folder's name)
+            folder = job.dir.weights_of(current) if current is not None else None
             if current is None or folder is None or not folder.is_dir():
                 return  # not on disk (an update group): the trainer's next publish includes it
             if engine.version != current:

@@ -120,14 +120,14 @@ def _events(events: list[dict[str, Any]], path: Path) -> Path:
     drawn = [e for e in events if e.get("kind") in FAILURES + RECOVERIES + INTERRUPTIONS]
     rows = sorted({e.get("step") or "job" for e in drawn}) or ["job"]
     fig, ax = plt.subplots(figsize=(10, 1.5 + 0.45 * len(rows)))
-    for kinds, style, label in ((FAILURES, dict(marker="x", color="tab:red", s=70), "failure"),
-                                (RECOVERIES, dict(marker="o", color="tab:green", s=45), "recovery"),
-                                (INTERRUPTIONS, dict(marker="s", color="tab:orange", s=45), "preemption/requeue/stop")):
+    for kinds, (marker, color, size), label in ((FAILURES, ("x", "tab:red", 70), "failure"),
+                                                (RECOVERIES, ("o", "tab:green", 45), "recovery"),
+                                                (INTERRUPTIONS, ("s", "tab:orange", 45), "preemption/requeue/stop")):
         hits = [e for e in drawn if e["kind"] in kinds]
         if not hits:
             continue
         ax.scatter([(float(e["time"]) - start) / 60 for e in hits], [rows.index(e.get("step") or "job") for e in hits],
-                   label=f"{label} ({len(hits)})", zorder=3, **style)
+                   label=f"{label} ({len(hits)})", zorder=3, marker=marker, color=color, s=size)
     for e in events:
         if e.get("kind") == "weights_published":  # the rollout boundaries, on the same axis
             ax.axvline((float(e["time"]) - start) / 60, color="0.85", lw=0.8, zorder=1)

@@ -15,7 +15,7 @@ from supervisor.engine_states import HEALTHY
 from supervisor.gpu_holder import RELEASED_TAGS
 from supervisor.launcher import TRAINER, JobFailed, StepLauncher
 from supervisor.requeue import Requeue
-from supervisor.steps import Step, StepController
+from supervisor.step_control import Step, StepControl
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ REQUEUE = "preempted: saved, then requeued"
 
 
 class TrainerWatch:
-    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepController, requeue: Requeue,
+    def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepControl, requeue: Requeue,
                  ending: Ending, pool: Executor, restarts: int) -> None:
         self.job = job
         self.launcher = launcher
