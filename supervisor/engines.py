@@ -122,7 +122,7 @@ class Engines(Mapping[str, Engine]):
     def served_version(self, engine: Engine) -> int | None:
         """The version the engine itself reports; None when it does not answer."""
         try:
-            return _version_of(self._client.weight_version(engine.url))
+            return self._client.weight_version(engine.url)
         except EngineError:
             return None
 
@@ -316,7 +316,7 @@ class Engines(Mapping[str, Engine]):
             current, listed = self._current, engine.in_router
             if current is None or engine.version != current or engine.state not in LIVE:
                 return False
-        reported = _version_of(self._client.weight_version(engine.url))
+        reported = self._client.weight_version(engine.url)
         if reported != current:
             with self._lock:
                 engine.version = reported
@@ -354,14 +354,6 @@ def _copy_into(record: StepRecord, engine: Engine) -> None:
     record.state, record.restarts, record.weight_version = engine.state.value, engine.restarts, engine.version
     record.nodes, record.url = list(engine.place.nodes), engine.url
 
-
-def _version_of(reported: object) -> int | None:
-    """The engine's /model_info weight_version as a published version (None: an initial
-    checkpoint's name such as SGLang's "default"). The HTTP boundary parses it; this accepts its
-    int and, until then, the string."""
-    if isinstance(reported, int):
-        return reported
-    return int(reported) if isinstance(reported, str) and reported.isdigit() else None
 
 
 def roles_missing(engines: Iterable[Engine]) -> list[str]:

@@ -99,13 +99,14 @@ class _Router:
 
 
 class _Client:
-    """Each engine reports the version `served` names (SGLang's string, or the parsed int)."""
+    """Each engine reports the version `served` names (None: the initial checkpoint), as
+    EngineClient.weight_version parses it from the wire."""
 
     def __init__(self) -> None:
-        self.served: dict[str, object] = {}
+        self.served: dict[str, int | None] = {}
 
-    def weight_version(self, url: str) -> object:
-        return self.served.get(url, "default")
+    def weight_version(self, url: str) -> int | None:
+        return self.served.get(url)
 
 
 def _engines(tmp_path: Path, n: int = 2) -> tuple[Engines, _Router, _Client, StateStore]:
@@ -126,7 +127,7 @@ def test_a_publish_admits_the_engines_that_took_it_and_records_them(tmp_path: Pa
     e0, e1 = engines["engine-0"], engines["engine-1"]
     for engine in (e0, e1):
         _answering(engines, engine)
-    client.served = {e0.url: "3", e1.url: 2}  # engine-1 missed the update
+    client.served = {e0.url: 3, e1.url: 2}  # engine-1 missed the update
     behind = engines.published(3, {e0.url})
     assert behind == [e1] and e0.state == HEALTHY and e0.in_router and e0.version == 3
     assert e1.state == WAITING and not e1.in_router and router.workers == [e0.url]
@@ -175,6 +176,6 @@ def test_an_engine_reporting_another_version_stays_out(tmp_path: Path) -> None:
     engines, router, client, _ = _engines(tmp_path, n=1)
     e0 = engines["engine-0"]
     _answering(engines, e0)
-    client.served = {e0.url: "4"}
+    client.served = {e0.url: 4}
     engines.published(5, {e0.url})  # reported updated, but it serves 4
     assert e0.version == 4 and e0.state == WAITING and router.workers == []

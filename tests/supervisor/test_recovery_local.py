@@ -25,7 +25,7 @@ from slurm.devcluster.daemons import wait_for
 from slurm.step_spec import StepSpec
 from supervisor import adoption, launcher, nodes
 from supervisor.context import JobContext
-from supervisor.engines import FAILED, HEALTHY, Engine, Membership
+from supervisor.engines import FAILED, HEALTHY, Engines
 from supervisor.launcher import RouterPlace
 from supervisor.layout import EnginePlace
 from supervisor.local_steps import LocalSteps
@@ -34,7 +34,7 @@ from supervisor.steps import StepController
 from tests.supervisor.job_context import two_engine_job
 from tests.supervisor.recovery_wiring import Wiring, wire_recovery
 
-VERSION = "3"  # the weights the engines serve (published to disk, so a relaunched engine loads them)
+VERSION = 3  # the weights the engines serve (published to disk, so a relaunched engine loads them)
 WAIT_S = 30.0  # for a recovery to end: each takes well under a second here
 crashing: set[str] = set()  # engines whose next launches exit at once (a crash loop)
 
@@ -90,7 +90,7 @@ def local_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     server = ThreadingHTTPServer(("127.0.0.1", int(router.url.rsplit(":", 1)[1])), _Router)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     job.dir.weights_of(VERSION).mkdir(parents=True)
-    job.membership.current = VERSION
+    job.engines.published(VERSION, set())  # the trainer's current version: no engine serves it yet
     try:
         yield job, router
     finally:
@@ -196,8 +196,9 @@ def test_a_restarted_supervisor_adopts_the_live_engines_and_relaunches_none(loca
     first.pool.shutdown(wait=True)
 
     places = [e.place for e in job.engines.values()]
-    membership = Membership(RouterClient(router.url, "key", 5.0), job.client, "key", listed_timeout_s=5.0)
-    successor = dataclasses.replace(job, engines={p.name: Engine(p) for p in places}, membership=membership,
+    engines = Engines(places, RouterClient(router.url, "key", 5.0), job.client, "key", listed_timeout_s=5.0,
+                      store=job.store)
+    successor = dataclasses.replace(job, engines=engines,
                                     inbox=queue.Queue(), finished=threading.Event())
     wiring = _wire(successor, router, tmp_path / "steps")
     try:
