@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> None:
 
     dist_env.setup(master_port=args.master_port)
     if args.debug_rollout_only:
-        from trainer import rollout_only
+        from trainer.loop_builder import build_rollout_only
 
-        rollout_only.run(args)
+        rollout_only = build_rollout_only(args)
+        if rollout_only is None:
+            logging.getLogger("trainer").info("--debug-rollout-only: rank 0 generates the rollouts; "
+                                              "this rank has nothing to do")
+        else:
+            rollout_only.run()
         return
     try:
         loop, initial, load_reference = build(args)

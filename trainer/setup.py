@@ -12,6 +12,7 @@ from ckpt_tools.tracker import resolve_checkpoint
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, read_hf_config
 from trainer.loop import Loop, seed_everything
+from trainer.loop_builder import build_loop
 from trainer.numerics import apply_deterministic_mode
 
 
@@ -26,7 +27,7 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
         from trainer.fsdp_backend import FSDPBackend
 
         backend = FSDPBackend.from_args(args)
-        return Loop(args, backend), None, None
+        return build_loop(args, backend), None, None
     # Imported only when chosen: the fsdp backend runs without megatron-core installed.
     from trainer.megatron.backend import MegatronBackend
 
@@ -35,7 +36,7 @@ def build(args: argparse.Namespace) -> tuple[Loop, Path | None, Callable[[], Non
     if args.opd_teacher_load:
         backend.load_teacher(_resolve("--opd-teacher-load", args.opd_teacher_load, args.opd_teacher_ckpt_step))
     load_reference = (lambda: backend.load_reference(initial)) if args.ref_model_needed else None
-    return Loop(args, backend), initial, load_reference
+    return build_loop(args, backend), initial, load_reference
 
 
 def _resolve(flag: str, path: str, step: int | None = None) -> Path:

@@ -117,7 +117,7 @@ def test_bad_reward_and_data_flags_are_refused(model: Path, tmp_path: Path, flag
 
 
 def test_reward_flags_reach_the_rollout(model: Path, tmp_path: Path) -> None:
-    from trainer.loop import rollout_args
+    from trainer.loop_builder import rollout_args
 
     args = _parse(model, tmp_path, "--rm-type", "boxed_dapo", "--reward-key", "score", "--group-rm",
                   "--rm-url", "http://rm:8000/score", "--rm-timeout", "5", "--apply-chat-template",

@@ -15,7 +15,7 @@ from rollout.tiny_model import write_tiny_model
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, parse_args
 from trainer.batch import TrainSample
-from trainer.loop import OffPolicyError, logp_mismatch
+from trainer.train_step import OffPolicyError, logp_mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 

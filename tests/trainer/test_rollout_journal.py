@@ -4,17 +4,24 @@ trainer replaying after a kill, exactly: tests/trainer/test_rl_loop.py.)"""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from rollout.sample import Sample, Status
-from trainer.rollout_journal import FOLDER, INITIAL, RolloutJournal, new_lineage
+from trainer.rollout_journal import (
+    FOLDER,
+    INITIAL,
+    LINEAGE_KEY,
+    RolloutJournal,
+    fingerprint,
+    new_lineage,
+)
 
 
-def flags(**changed: object) -> argparse.Namespace:
+def flags(**changed: object) -> str:
+    """The fingerprint of a trainer's flags, with `changed` ones."""
     base = {"lr": 1e-2, "num_rollout": 10, "seed": 7, "master_port": 29500, "sglang_router_ip": "10.0.0.1",
             "sglang_router_port": 30000, "api_key": "k1", "engine_urls": None}
-    return argparse.Namespace(**{**base, **changed})
+    return fingerprint({**base, **changed})
 
 
 GROUPS = [[Sample(index=0, group_index=0, prompt="1+1", tokens=[5, 6, 7], response="2", response_length=1,
@@ -78,3 +85,19 @@ def test_an_unreadable_entry_is_generated_again(tmp_path: Path) -> None:
     (tmp_path / FOLDER).mkdir()
     (tmp_path / FOLDER / "rollout_3.pt").write_bytes(b"not a torch file")
     assert RolloutJournal(tmp_path / FOLDER, flags()).replay(3) is None
+
+
+def test_the_lineage_travels_through_the_checkpoint_state(tmp_path: Path) -> None:
+    journal = RolloutJournal(tmp_path / FOLDER, flags())
+    journal.record(2, GROUPS, BUFFER)
+    state = journal.state_dict()
+    assert state[LINEAGE_KEY] != journal.state_dict()[LINEAGE_KEY], "each save has its own lineage"
+    journal.checkpointed(state)  # the checkpoint holding `state` is written: the entries go
+    assert journal.replay(2) is None and journal.lineage == state[LINEAGE_KEY]
+    journal.record(3, GROUPS, BUFFER)
+    resumed = RolloutJournal(tmp_path / FOLDER, flags())
+    resumed.load_state_dict(state)
+    assert resumed.replay(3) is not None
+    before_the_journal = RolloutJournal(tmp_path / FOLDER, flags())
+    before_the_journal.load_state_dict({})  # a checkpoint without a lineage: nothing replays
+    assert before_the_journal.replay(3) is None
