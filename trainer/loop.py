@@ -14,7 +14,6 @@ publish and adds it to that rollout's line, so a resumed run reports what an uni
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable
@@ -30,12 +29,14 @@ from contract.spec_loading import spec_from_yaml
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.eval import Evaluator, pass_at_k
-from rollout.generate import RolloutArgs, generate_rollout
+from rollout.generate import generate_rollout
 from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from trainer import checkpoint, rl_step, rollout_journal, save_now
 from trainer.backend import Backend
 from trainer.colocation import Colocation, EngineSide
+from trainer.config import TrainerConfig
+from trainer.config.rollout_args import rollout_args
 from trainer.batch import TrainSample
 from trainer.metrics import Reporter
 from trainer.profiling import TrainProfiler
@@ -51,63 +52,56 @@ class OffPolicyError(RuntimeError):
     """--true-on-policy-mode: the trainer's log-probs differ from the engine's."""
 
 
-def rollout_args(args: argparse.Namespace, router_url: str, router_timeout_s: float,
-                 on_engine_failure: Callable[[str], None] | None,
-                 on_engine_unresponsive: Callable[[str, str], None] | None = None) -> RolloutArgs:
-    names = set(RolloutArgs.__dataclass_fields__) - {"router_url", "router_timeout_s", "api_key",
-                                                     "engine_failure_handler", "engine_unresponsive_handler",
-                                                     "decode_speed", "engine_check_timeout_s", "plugin_args"}
-    return RolloutArgs(router_url=router_url, router_timeout_s=router_timeout_s, api_key=args.api_key,
-                       engine_failure_handler=on_engine_failure, engine_unresponsive_handler=on_engine_unresponsive,
-                       plugin_args=args,
-                       **{name: getattr(args, name) for name in names})
-
-
 class Driver:
     """Rank 0's side: data, rollouts, engines, weight publishing and reports."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, config: TrainerConfig) -> None:
         from transformers import AutoTokenizer
 
-        self.args = args
-        job_dir = JobDir(Path(args.job_dir))
+        self.config = config
+        job_dir = JobDir(Path(config.run.job_dir))
         # Supervised, the job's waits are its spec's (JOB_DIR/spec.yaml); else their defaults.
-        ft = spec_from_yaml(job_dir.spec).fault_tolerance if args.supervised else FaultToleranceSpec()
-        self.router_url = (f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-                           if args.sglang_router_ip else None)
-        self.router = RouterClient(self.router_url, args.api_key, ft.router_request_timeout) if self.router_url else None
-        self.supervisor = SupervisorLink.of(job_dir, ft) if args.supervised else None
-        tokenizer = (AutoTokenizer.from_pretrained(args.hf_checkpoint)
-                     if args.apply_chat_template or args.rollout_max_prompt_len is not None else None)
+        ft = spec_from_yaml(job_dir.spec).fault_tolerance if config.run.supervised else FaultToleranceSpec()
+        self.router_url = config.publish.router_url
+        self.router = RouterClient(self.router_url, config.publish.api_key, ft.router_request_timeout) \
+            if self.router_url else None
+        self.supervisor = SupervisorLink.of(job_dir, ft) if config.run.supervised else None
+        ro = config.rollout
+        tokenizer = (AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+                     if ro.apply_chat_template or ro.rollout_max_prompt_len is not None else None)
         self.buffer = DataBuffer(JsonlDataSource(
-            args.prompt_data, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-            tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
-            apply_chat_template_kwargs=args.apply_chat_template_kwargs, tool_key=args.tool_key,
-            max_prompt_len=args.rollout_max_prompt_len, shuffle=args.rollout_shuffle,
-            seed=args.rollout_seed, n_samples_per_prompt=args.n_samples_per_prompt)) if args.prompt_data else None
-        self.rollout = rollout_args(args, self.router_url or "", ft.router_request_timeout,
+            ro.prompt_data, input_key=ro.input_key, label_key=ro.label_key, metadata_key=ro.metadata_key,
+            tokenizer=tokenizer, apply_chat_template=ro.apply_chat_template,
+            apply_chat_template_kwargs=ro.apply_chat_template_kwargs, tool_key=ro.tool_key,
+            max_prompt_len=ro.rollout_max_prompt_len, shuffle=ro.rollout_shuffle,
+            seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt)) if ro.prompt_data else None
+        self.rollout = rollout_args(config, self.router_url or "", ft.router_request_timeout,
                                     (lambda url: self.fence(url, "a request to it failed")) if self.router else None,
                                     self.unresponsive if self.router else None)
-        self.reporter = Reporter(job_dir, args.tensorboard_dir, WandbRun(args, job_dir) if args.use_wandb else None)
+        wandb = WandbRun(config.logging, job_dir, steps_per_rollout=config.steps_per_rollout,
+                         run_config=config.flat()) if config.logging.use_wandb else None
+        self.reporter = Reporter(job_dir, config.logging.tensorboard_dir, wandb)
         # Rollouts since the last checkpoint, for a restart from it (only where there are checkpoints).
-        self.journal = RolloutJournal(job_dir.root / rollout_journal.FOLDER, args) if args.save else None
+        self.journal = RolloutJournal(job_dir.root / rollout_journal.FOLDER, config.flat()) \
+            if config.checkpoint.save else None
         self.evaluator = Evaluator(
-            self.rollout, args.eval_datasets, args, tokenizer=tokenizer, apply_chat_template=args.apply_chat_template,
-            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
-            eval_function_path=args.eval_function_path or args.rollout_function_path,
-            log_function_path=args.custom_eval_rollout_log_function_path) if args.eval_interval is not None else None
+            self.rollout, config.eval.eval_datasets, self.rollout.for_plugins, tokenizer=tokenizer,
+            apply_chat_template=ro.apply_chat_template, apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
+            eval_function_path=config.eval.eval_function_path or ro.rollout_function_path,
+            log_function_path=config.eval.custom_eval_rollout_log_function_path) if config.eval.eval_interval is not None else None
         self.publisher = None
-        if not args.debug_train_only:
+        if not config.run.debug_train_only:
             from trainer.publish import WeightPublisher
 
+            pub = config.publish
             self.publisher = WeightPublisher(
-                args.update_weight_transport, Path(args.job_dir), Path(args.hf_checkpoint), args.api_key,
-                bucket_bytes=args.update_weight_buffer_size, keep_versions=args.keep_weight_versions,
-                timeout_s=args.update_weight_timeout, on_fence=self.fence)
+                pub.update_weight_transport, Path(config.run.job_dir), Path(config.model.hf_checkpoint), pub.api_key,
+                bucket_bytes=pub.update_weight_buffer_size, keep_versions=pub.keep_weight_versions,
+                timeout_s=pub.update_weight_timeout, on_fence=self.fence)
 
     def engines(self) -> list[str]:
-        if self.args.engine_urls:
-            return list(self.args.engine_urls)
+        if self.config.publish.engine_urls:
+            return list(self.config.publish.engine_urls)
         if self.supervisor:
             return self.supervisor.ready_engines()
         return sorted(self.router.workers()) if self.router else []
@@ -146,7 +140,7 @@ class Driver:
             groups = generate_rollout(self.rollout, rollout_id, self.buffer)
             if self.journal:
                 self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
-        return [TrainSample.from_sample(s, self.args.reward_key) for group in groups for s in group]
+        return [TrainSample.from_sample(s, self.config.reward.reward_key) for group in groups for s in group]
 
     def generate_abandonable(self, rollout_id: int, signal: save_now.SaveNowSignal) -> list[TrainSample] | None:
         """generate(), or None if a save-now request abandoned it: the data buffer is then put
@@ -170,25 +164,25 @@ class Driver:
 
 
 class Loop:
-    def __init__(self, args: argparse.Namespace, backend: Backend) -> None:
-        self.args, self.backend = args, backend
+    def __init__(self, config: TrainerConfig, backend: Backend) -> None:
+        self.config, self.backend = config, backend
         self.rank0 = backend.rank == 0
-        self.driver = Driver(args) if self.rank0 else None
+        self.driver = Driver(config) if self.rank0 else None
         self.next_rollout, self.weight_version = 0, 0
         self.last_saved: int | None = None
         self.eval_owed: int | None = None  # the rollout whose eval a save-now left undone
         self.eval_before_train: dict[str, float] = {}  # reported in rollout 0's line
         self.save_now = save_now.install()
-        self.loss_cfg = rl_step.loss_config(args)
-        self.colocation = colocation(args, backend, self.driver)
+        self.loss_cfg = rl_step.loss_config(config.loss)
+        self.colocation = colocation(config, backend, self.driver)
         self.profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
 
     # ---------------------------------------------------------------- start
     def start(self, initial_weights: Path | None, load_reference: Callable[[], None] | None) -> None:
         """Resume from --load if it holds a checkpoint, else start from `initial_weights` (None:
         the backend loaded them itself); then load the reference model, if there is one."""
-        args = self.args
-        resume = checkpoint.find_loadable(Path(args.load), args.ckpt_step) if args.load else None
+        config, ckpt = self.config, self.config.checkpoint
+        resume = checkpoint.find_loadable(Path(ckpt.load), ckpt.ckpt_step) if ckpt.load else None
         if resume is not None:
             common = self.backend.load(resume, weights_only=False)
             self.next_rollout, self.weight_version = common["rollout_id"] + 1, common["weight_version"]
@@ -207,7 +201,7 @@ class Loop:
         if self.colocation:
             self.colocation.to_engines()
         if self.driver and self.driver.evaluator:
-            if resume is None and not args.skip_eval_before_train:
+            if resume is None and not config.eval.skip_eval_before_train:
                 self.eval_before_train = before_train(self.driver.evaluate(0))
             elif self.eval_owed is not None:
                 self.driver.reporter.amend(self.eval_owed, self.driver.evaluate(self.eval_owed))
@@ -215,7 +209,7 @@ class Loop:
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
-        for rollout_id in range(self.next_rollout, self.args.num_rollout):
+        for rollout_id in range(self.next_rollout, self.config.run.num_rollout):
             if self.stop_requested(rollout_id):
                 log.info("stopping before rollout %d, as the supervisor asked", rollout_id)
                 self.save_before_stop(rollout_id - 1)  # the last finished rollout
@@ -245,7 +239,7 @@ class Loop:
         return bool(stop)
 
     def save_before_stop(self, rollout_id: int) -> None:
-        if self.args.save and rollout_id >= 0 and self.last_saved != rollout_id:
+        if self.config.checkpoint.save and rollout_id >= 0 and self.last_saved != rollout_id:
             if self.colocation:
                 self.colocation.to_trainer()
             self.save(rollout_id)
@@ -267,40 +261,41 @@ class Loop:
         metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rolled - began, Metric.TRAIN_SECONDS: time.monotonic() - rolled})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
-        if self.args.log_passrate:  # slime's passrate/pass@k over the rollout's groups
-            passrate = pass_at_k([s.reward for s in samples], self.args.n_samples_per_prompt)
+        if self.config.logging.log_passrate:  # slime's passrate/pass@k over the rollout's groups
+            passrate = pass_at_k([s.reward for s in samples], self.config.rollout.n_samples_per_prompt)
             metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         return metrics
 
     def train(self, samples: list[TrainSample], rollout_id: int) -> dict[str, Any]:
-        args, ids = self.args, list(range(len(samples)))
+        config, ids = self.config, list(range(len(samples)))
         began = time.monotonic()
-        need_entropy = args.entropy_coef != 0
+        need_entropy = config.loss.entropy_coef != 0
         old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
         for i, s in enumerate(samples):
             s.old_log_probs = old[i][0]
         out: dict[str, Any] = {}
-        if args.true_on_policy_mode:
+        if config.loss.true_on_policy_mode:
             out["logp_mismatch_max"] = self.check_on_policy(samples)
-        if args.ref_model_needed:
+        if config.loss.ref_model_needed:
             ref = self.backend.log_probs(samples, ids, "ref")
             for i, s in enumerate(samples):
                 s.ref_log_probs = ref[i][0]
-        if args.opd_teacher_load:
+        if config.checkpoint.opd_teacher_load:
             teacher = self.backend.log_probs(samples, ids, "teacher")
             for i, s in enumerate(samples):
                 s.teacher_log_probs = teacher[i][0]
             out["teacher_kl"] = _masked_token_mean([s.old_log_probs - s.teacher_log_probs for s in samples], samples)
-        if args.advantage_estimator == "ppo":
+        if config.loss.advantage_estimator == "ppo":
             values = self.backend.values(samples, ids)
             for i, s in enumerate(samples):
                 s.values = values[i]
-        rl_step.compute_advantages(args, samples)
+        rl_step.compute_advantages(config.loss, config.rollout.n_samples_per_prompt, samples)
         out["entropy"] = _masked_token_mean([old[i][1] for i in ids], samples)
         # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
         out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
         totals: dict[str, float] = {}
-        steps = [ids[i:i + args.global_batch_size] for i in range(0, len(ids), args.global_batch_size)]
+        size = config.batching.global_batch_size
+        steps = [ids[i:i + size] for i in range(0, len(ids), size)]
         for step_id, batch in enumerate(steps):
             if self.driver:
                 self.driver.reporter.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
@@ -308,8 +303,9 @@ class Loop:
                 step_metrics = self.backend.train_step(samples, batch,
                                                        rl_step.make_pack_loss(self.loss_cfg, samples, batch),
                                                        need_entropy, rollout_id=rollout_id, step_id=step_id)
-            if args.advantage_estimator == "ppo":
-                critic_loss = rl_step.make_value_pack_loss(args.value_clip, args.calculate_per_token_loss, samples, batch)
+            if config.loss.advantage_estimator == "ppo":
+                critic_loss = rl_step.make_value_pack_loss(config.loss.value_clip, config.loss.calculate_per_token_loss,
+                                                           samples, batch)
                 critic_metrics = self.backend.train_step(samples, batch, critic_loss, False, role="critic")
                 step_metrics.update(value_loss=critic_metrics["value_loss"], value_clipfrac=critic_metrics["value_clipfrac"],
                                     critic_grad_norm=critic_metrics["grad_norm"])
@@ -321,9 +317,9 @@ class Loop:
 
     def check_on_policy(self, samples: list[TrainSample]) -> float:
         worst = logp_mismatch(samples)
-        if worst > self.args.true_on_policy_tolerance:
+        if worst > self.config.loss.true_on_policy_tolerance:
             raise OffPolicyError(f"--true-on-policy-mode: max |logp_train - logp_rollout| = {worst:.3g} exceeds "
-                                 f"--true-on-policy-tolerance {self.args.true_on_policy_tolerance:g}: the trainer "
+                                 f"--true-on-policy-tolerance {self.config.loss.true_on_policy_tolerance:g}: the trainer "
                                  "and the engines no longer compute the same distribution")
         return worst
 
@@ -348,19 +344,20 @@ class Loop:
         metrics["weight_version"] = self.weight_version
         self.weight_version += 1
         self.next_rollout = rollout_id + 1
-        last = rollout_id == self.args.num_rollout - 1
-        save_due = self.args.save and (last or (self.args.save_interval and (rollout_id + 1) % self.args.save_interval == 0))
+        last = rollout_id == self.config.run.num_rollout - 1
+        ckpt = self.config.checkpoint
+        save_due = ckpt.save and (last or (ckpt.save_interval and (rollout_id + 1) % ckpt.save_interval == 0))
         if self.colocation and publish:
             # Colocated, the trainer saves while it holds the GPUs, before it publishes; the eval
             # that follows is owed in that checkpoint, as after a save-now.
             if save_due:
-                metrics[Metric.SAVE_SECONDS] = self.timed_save(rollout_id, eval_due(self.args, rollout_id))
+                metrics[Metric.SAVE_SECONDS] = self.timed_save(rollout_id, self.config.eval.due(rollout_id))
                 save_due = False
             self.colocation.before_publish()
         metrics.update(self.publish() if publish else {}, published_version=self.weight_version)
         if self.colocation and publish:
             self.colocation.to_engines()
-        if eval_due(self.args, rollout_id):
+        if self.config.eval.due(rollout_id):
             if not publish:
                 self.eval_owed = rollout_id  # the engines are a version behind: the resumed run evaluates
             elif self.driver:
@@ -385,35 +382,31 @@ class Loop:
     def save(self, rollout_id: int) -> None:
         # A trainer of a run SLURM requeued away (its node cut off, then back, SIGTERM saving it)
         # must not write over the newer run's checkpoints.
-        if self.backend.broadcast_object(bool(self.args.job_dir) and superseded(JobDir(Path(self.args.job_dir)))):
-            raise CallerFenced(f"not saving rollout {rollout_id}: a newer run of the job owns {self.args.job_dir}")
+        job_dir = self.config.run.job_dir
+        if self.backend.broadcast_object(bool(job_dir) and superseded(JobDir(Path(job_dir)))):
+            raise CallerFenced(f"not saving rollout {rollout_id}: a newer run of the job owns {job_dir}")
         if self.driver:
             self.driver.reporter.heartbeat(Phase.SAVE, rollout_id)
         common = {"rollout_id": rollout_id, "weight_version": self.weight_version, "eval_owed": self.eval_owed,
                   rollout_journal.LINEAGE_KEY: rollout_journal.new_lineage(),
                   **(self.driver.state() if self.driver else {})}
         common = self.backend.broadcast_object(common)
-        checkpoint.save(Path(self.args.save), rollout_id, lambda folder: self.backend.save(folder, common),
-                        keep=self.args.keep_checkpoints, needs_bytes=tensor_bytes(self.backend))
+        checkpoint.save(Path(self.config.checkpoint.save), rollout_id, lambda folder: self.backend.save(folder, common),
+                        keep=self.config.checkpoint.keep_checkpoints, needs_bytes=tensor_bytes(self.backend))
         self.last_saved = rollout_id
         if self.driver and self.driver.journal:
             self.driver.journal.saved(common[rollout_journal.LINEAGE_KEY])
 
 
-def colocation(args: argparse.Namespace, backend: Backend, driver: Driver | None) -> Colocation | None:
+def colocation(config: TrainerConfig, backend: Backend, driver: Driver | None) -> Colocation | None:
     """The phase order of --offload-train / --offload-rollout (trainer.colocation), or None."""
-    if not (args.offload_train or args.offload_rollout):
+    if not (config.run.offload_train or config.run.offload_rollout):
         return None
     engines = None
-    if driver and args.offload_rollout:
-        engines = EngineSide(EngineClient(args.api_key, args.update_weight_timeout), driver.engines, driver.fence,
-                             driver.supervisor)
-    return Colocation(backend, args.offload_train, engines)
-
-
-def eval_due(args: argparse.Namespace, rollout_id: int) -> bool:
-    """slime's schedule: after every --eval-interval-th rollout (rollout_id + 1 a multiple of it)."""
-    return args.eval_interval is not None and (rollout_id + 1) % args.eval_interval == 0
+    if driver and config.run.offload_rollout:
+        client = EngineClient(config.publish.api_key, config.publish.update_weight_timeout)
+        engines = EngineSide(client, driver.engines, driver.fence, driver.supervisor)
+    return Colocation(backend, config.run.offload_train, engines)
 
 
 def before_train(metrics: dict[str, float]) -> dict[str, float]:

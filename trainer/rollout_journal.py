@@ -22,11 +22,11 @@ Entries are written atomically (temporary file, then rename) and all removed at 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,9 @@ INITIAL = "initial"  # the lineage of a trainer that started from the initial we
 PLACEMENT_FLAGS = frozenset({"master_port", "sglang_router_ip", "sglang_router_port", "api_key", "engine_urls"})
 
 
-def fingerprint(args: argparse.Namespace) -> str:
+def fingerprint(flags: Mapping[str, Any]) -> str:
     """A digest of every flag but the placement ones (a flag added later joins it by itself)."""
-    items = sorted((k, repr(v)) for k, v in vars(args).items() if k not in PLACEMENT_FLAGS)
+    items = sorted((k, repr(v)) for k, v in flags.items() if k not in PLACEMENT_FLAGS)
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
@@ -54,9 +54,10 @@ def new_lineage() -> str:
 
 
 class RolloutJournal:
-    def __init__(self, folder: Path, args: argparse.Namespace) -> None:
+    def __init__(self, folder: Path, flags: Mapping[str, Any]) -> None:
+        """flags: every flag by slime's name (TrainerConfig.flat())."""
         self.folder = folder
-        self.fingerprint = fingerprint(args)
+        self.fingerprint = fingerprint(flags)
         self.lineage: str | None = INITIAL  # None: resumed from a checkpoint without one (nothing replays)
 
     def _path(self, rollout_id: int) -> Path:

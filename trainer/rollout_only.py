@@ -11,7 +11,6 @@ rollout 0 and regenerates the same rollouts.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -23,7 +22,8 @@ import torch
 from ckpt_tools.hf_checkpoint import IGNORED_SUFFIXES, HFCheckpoint
 from contract.job_dir import Metric, Phase
 from trainer import save_now
-from trainer.loop import Driver, before_train, eval_due
+from trainer.config import TrainerConfig
+from trainer.loop import Driver, before_train
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +35,20 @@ def hf_weights(hf_checkpoint: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, checkpoint.read([name])[0]
 
 
-def run(args: argparse.Namespace) -> None:
+def run(config: TrainerConfig) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         log.info("--debug-rollout-only: rank 0 generates the rollouts; this rank has nothing to do")
         return
-    driver, signal = Driver(args), save_now.install()
+    driver, signal = Driver(config), save_now.install()
     driver.reporter.drop_from(0)  # a restart redoes every rollout
     assert driver.publisher is not None
     driver.reporter.heartbeat(Phase.PUBLISH, 0)
-    result = driver.publisher.publish("0", driver.engines(), hf_weights(args.hf_checkpoint))
+    result = driver.publisher.publish("0", driver.engines(), hf_weights(config.model.hf_checkpoint))
     if driver.supervisor:
         driver.supervisor.published(0, result.updated, result.fenced)
     first_eval = (before_train(driver.evaluate(0))
-                  if driver.evaluator and not args.skip_eval_before_train else {})
-    for rollout_id in range(args.num_rollout):
+                  if driver.evaluator and not config.eval.skip_eval_before_train else {})
+    for rollout_id in range(config.run.num_rollout):
         if signal.requested or (driver.supervisor and driver.supervisor.stop_requested(rollout_id)):
             log.info("stopping before rollout %d, as asked", rollout_id)
             break
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
             break
         metrics = {"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
                    Metric.ROLLOUT_SECONDS: time.monotonic() - began, "weight_version": 0}
-        if eval_due(args, rollout_id):
+        if config.eval.due(rollout_id):
             metrics.update(driver.evaluate(rollout_id))
         if rollout_id == 0:
             metrics.update(first_eval)

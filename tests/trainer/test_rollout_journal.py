@@ -4,17 +4,16 @@ trainer replaying after a kill, exactly: tests/trainer/test_rl_loop.py.)"""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from rollout.sample import Sample, Status
 from trainer.rollout_journal import FOLDER, INITIAL, RolloutJournal, new_lineage
 
 
-def flags(**changed: object) -> argparse.Namespace:
+def flags(**changed: object) -> dict[str, object]:
     base = {"lr": 1e-2, "num_rollout": 10, "seed": 7, "master_port": 29500, "sglang_router_ip": "10.0.0.1",
             "sglang_router_port": 30000, "api_key": "k1", "engine_urls": None}
-    return argparse.Namespace(**{**base, **changed})
+    return {**base, **changed}
 
 
 GROUPS = [[Sample(index=0, group_index=0, prompt="1+1", tokens=[5, 6, 7], response="2", response_length=1,
