@@ -88,7 +88,8 @@ class Driver:
             self.rollout, config.eval.eval_datasets, self.rollout.for_plugins, tokenizer=tokenizer,
             apply_chat_template=ro.apply_chat_template, apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
             eval_function_path=config.eval.eval_function_path or ro.rollout_function_path,
-            log_function_path=config.eval.custom_eval_rollout_log_function_path) if config.eval.eval_interval is not None else None
+            log_function_path=config.eval.custom_eval_rollout_log_function_path) \
+            if config.eval.eval_interval is not None else None
         self.publisher = None
         if not config.run.debug_train_only:
             from trainer.publish import WeightPublisher

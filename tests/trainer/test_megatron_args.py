@@ -37,9 +37,9 @@ def test_the_30b_a3b_recipe_is_accepted(tmp_path: Path) -> None:
 
 def test_defaults_are_slimes(tmp_path: Path) -> None:
     args = parse_args(_base(tmp_path, moe=False))
-    optimizer = args.optimizer
+    optimizer, parallel = args.optimizer, args.parallel
     assert (optimizer.optimizer, optimizer.sgd_momentum, optimizer.use_distributed_optimizer,
-            args.parallel.expert_tensor_parallel_size, args.parallel.sequence_parallel) == ("adam", 0.9, True, None, False)
+            parallel.expert_tensor_parallel_size, parallel.sequence_parallel) == ("adam", 0.9, True, None, False)
 
 
 @pytest.mark.parametrize("moe, flags, message", [
