@@ -107,6 +107,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         "ref_model_needed": bool(args.use_kl_loss or args.kl_coef),
         "api_key": os.environ.get(API_KEY_ENV),  # never on the command line: ps would show it
     }
+
     def section(cls: type[Section]) -> Section:
         names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
         return cls(**{name: derived[name] if name in derived else getattr(args, name) for name in names})
