@@ -222,7 +222,8 @@ class RewardOptions:
 
 @dataclass(frozen=True)
 class EvalOptions:
-    """Named eval sets run on the live engines between rollouts (rollout.eval)."""
+    """Named eval sets run on the live engines between rollouts (rollout.eval); when they run is
+    trainer.evals.EvalSchedule's."""
 
     eval_interval: int | None
     eval_prompt_data: list[str] | None
@@ -237,10 +238,6 @@ class EvalOptions:
     eval_max_response_len: int | None
     eval_function_path: str | None
     custom_eval_rollout_log_function_path: str | None
-
-    def due(self, rollout_id: int) -> bool:
-        """slime's schedule: after every --eval-interval-th rollout (rollout_id + 1 a multiple of it)."""
-        return self.eval_interval is not None and (rollout_id + 1) % self.eval_interval == 0
 
 
 @dataclass(frozen=True)
