@@ -1,6 +1,7 @@
 """The one place that reads the trainer's configuration for the loop: it builds every part of the
 loop (trainer.loop) and of --debug-rollout-only (trainer.rollout_only) from TrainerConfig's
-sections. Every part takes plain typed values; nothing past this module sees the whole config.
+sections. Every part takes plain typed values; only this module (and trainer.config's own
+rollout_args) reads the whole config.
 """
 
 from __future__ import annotations
