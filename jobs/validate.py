@@ -51,7 +51,7 @@ def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
 
 
 def _train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
-    from trainer.args import ArgsError, build_parser, check_model_flags, read_hf_config, validate
+    from trainer.args import ArgsError, build_config, build_parser, check_model_flags, read_hf_config
 
     problems: list[str] = []
     args = spec.trainer.train_args
@@ -89,11 +89,10 @@ def _train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
                    "(resuming from --save is the default)")
     if not own:
         # The trainer's own cross-flag checks; the router address is the supervisor's to give.
-        check = argparse.Namespace(**vars(parsed))
-        check.sglang_router_ip, check.sglang_router_port = "127.0.0.1", 1
+        check = argparse.Namespace(**{**vars(parsed), "sglang_router_ip": "127.0.0.1", "sglang_router_port": 1})
         try:
-            validate(check)
-            check_model_flags(check, read_hf_config(hf))
+            config = build_config(check)
+            check_model_flags(config.shape, hf, read_hf_config(hf))
         except ArgsError as err:
             own.append(str(err))
     if parsed.prompt_data and Path(parsed.prompt_data).is_file() and Path(hf, "config.json").is_file():
@@ -107,7 +106,7 @@ def _prompt_data_problems(parsed: argparse.Namespace, notes: list[str]) -> list[
 
     max_prompt_len = parsed.rollout_max_prompt_len
     if max_prompt_len is None and parsed.rollout_max_context_len is not None:
-        max_prompt_len = parsed.rollout_max_context_len - 1  # the trainer's default, trainer/args.py
+        max_prompt_len = parsed.rollout_max_context_len - 1  # the trainer's default, trainer/config/build.py
     return check_prompt_data(Path(parsed.prompt_data), input_key=parsed.input_key, label_key=parsed.label_key,
                              metadata_key=parsed.metadata_key, tool_key=parsed.tool_key,
                              hf_checkpoint=parsed.hf_checkpoint, max_prompt_len=max_prompt_len, notes=notes)

@@ -10,7 +10,6 @@ import warnings
 from trainer import save_now
 from trainer.args import ArgsError, main_error, parse_args
 
-
 # Intel's conditions for run-to-run identical MKL results on CPU (exact resume compares losses bit
 # for bit): no dynamic thread counts, and CNR mode, strict for gemm (no measurable cost here). Set
 # before torch is imported.
@@ -23,12 +22,12 @@ _EXPECTED_WARNINGS = (r"(Transformer Engine and )?Apex (is|are) not installed", 
 _CHATTY_LOGGERS = ("megatron.core.distributed.fsdp",)
 
 
-def skip_unused_imports(args) -> None:
+def skip_unused_imports(use_wandb: bool) -> None:
     """megatron-core imports wandb at its own import only to learn whether it is installed: half a
     second of every trainer start (restarts included). Without --use-wandb, `import wandb` now
     fails at once and megatron-core goes on without it, as where it is not installed."""
-    if not args.use_wandb:
-        sys.modules.setdefault("wandb", None)
+    if not use_wandb:
+        sys.modules.setdefault("wandb", None)  # type: ignore[arg-type]  # None: the import fails
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,22 +40,27 @@ def main(argv: list[str] | None = None) -> None:
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        args = parse_args(argv)
+        config = parse_args(argv)
     except ArgsError as err:
         main_error(err)
     logging.getLogger("trainer").info("megatron-core runs without TransformerEngine and Apex (torch kernels)")
-    skip_unused_imports(args)
+    skip_unused_imports(config.logging.use_wandb)
     from trainer import dist_env
     from trainer.setup import build
 
-    dist_env.setup(master_port=args.master_port)
-    if args.debug_rollout_only:
-        from trainer import rollout_only
+    dist_env.setup(master_port=config.run.master_port)
+    if config.run.debug_rollout_only:
+        from trainer.loop_builder import build_rollout_only
 
-        rollout_only.run(args)
+        rollout_only = build_rollout_only(config)
+        if rollout_only is None:
+            logging.getLogger("trainer").info("--debug-rollout-only: rank 0 generates the rollouts; "
+                                              "this rank has nothing to do")
+        else:
+            rollout_only.run()
         return
     try:
-        loop, initial, load_reference = build(args)
+        loop, initial, load_reference = build(config)
     except ArgsError as err:
         main_error(err)
     from trainer.fatal import Fatal, exit_fatal
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         loop.start(initial, load_reference)
         loop.run()
     except Fatal as err:  # a restart would repeat it: the supervisor fails the job with this reason
-        exit_fatal(err, args.job_dir, loop.backend.rank)
+        exit_fatal(err, config.run.job_dir, loop.backend.rank)
     dist_env.shutdown()
 
 

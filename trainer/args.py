@@ -1,4 +1,5 @@
-"""The trainer's flags (slime's names; declared in trainer/args_parser.py) and their validation.
+"""The trainer's flags (slime's names; declared in trainer/args_parser.py), parsed into one
+validated TrainerConfig (trainer.config).
 
 Model-shape flags (--num-layers, --hidden-size, ...) are optional: the shape comes from
 --hf-checkpoint's config.json, and a flag that is given must agree with it, so a slime model
@@ -7,266 +8,26 @@ script can be passed unchanged and a mismatch is caught before anything is built
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
-from typing import Any
 
-from contract.job_dir import API_KEY_ENV
-from rollout.data import PROMPT_SUFFIXES
-from rollout.rewards import DICT_REWARDS
-from trainer.args_parser import _MODEL_FLAGS, ArgsError, _Parser, build_parser, refused
+from trainer.args_parser import ArgsError, build_parser, refused
+from trainer.config import TrainerConfig, build_config, check_model_flags, read_hf_config
 
 __all__ = [
     "ArgsError",
-    "_Parser",
+    "build_config",
     "build_parser",
     "check_model_flags",
     "main_error",
     "parse_args",
     "read_hf_config",
     "refused",
-    "validate",
 ]
 
-# slime's default --rollout-function-path: given explicitly, it means the built-in rollout.
-SLIME_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    validate(args)
-    return args
-
-
-def validate(args: argparse.Namespace) -> None:
-    """Cheap checks that need no model; model-shape checks are in check_model_flags."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ArgsError(message)
-
-    if args.rollout_function_path == SLIME_ROLLOUT:  # slime's default, named: the built-in rollout
-        args.rollout_function_path = None
-    need(Path(args.hf_checkpoint, "config.json").is_file(),
-         f"--hf-checkpoint {args.hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
-    need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
-    need(args.pipeline_model_parallel_size >= 1,
-         f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
-    need(args.context_parallel_size >= 1, f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
-    need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
-         f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
-         "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
-    _validate_megatron_parallel(args, need)
-    need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
-         "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
-    need(not (args.optimizer_cpu_offload and args.train_backend != "megatron"),
-         "--optimizer-cpu-offload needs --train-backend megatron")
-    need(args.optimizer == "adam" or args.train_backend == "megatron",
-         f"--optimizer {args.optimizer}: the fsdp backend uses AdamW; use --optimizer adam or --train-backend megatron")
-    need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
-    need(args.advantage_estimator not in ("grpo", "gspo") or args.n_samples_per_prompt >= 2
-         or args.disable_grpo_std_normalization,
-         f"--advantage-estimator {args.advantage_estimator} needs --n-samples-per-prompt >= 2 (a group's std)")
-    total = args.rollout_batch_size * args.n_samples_per_prompt
-    if args.num_steps_per_rollout:
-        need(total % args.num_steps_per_rollout == 0, f"--num-steps-per-rollout {args.num_steps_per_rollout} must "
-             f"divide rollout-batch-size x n-samples-per-prompt = {total}")
-        need(args.global_batch_size in (None, total // args.num_steps_per_rollout), "--num-steps-per-rollout and "
-             "--global-batch-size disagree; give one of them")
-    gbs = args.global_batch_size or (total // args.num_steps_per_rollout if args.num_steps_per_rollout else total)
-    need(total % gbs == 0, f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt = {total}")
-    need(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
-    need(args.opd_type != "sglang", "--opd-type sglang: teacher log-probs from a separate SGLang server are not "
-                                    "supported; load the teacher into the trainer with --opd-type megatron "
-                                    "--opd-teacher-load")
-    need(not args.use_opd or args.opd_type, "--use-opd needs --opd-type megatron (and --opd-teacher-load)")
-    need(args.use_opd or not (args.opd_type or args.opd_teacher_load), "--opd-type/--opd-teacher-load take effect "
-                                                                       "only with --use-opd (as in slime); add it")
-    need(not args.use_opd or args.opd_teacher_load, "--use-opd --opd-type megatron needs --opd-teacher-load "
-                                                    "(the teacher's torch_dist checkpoint)")
-    need(args.opd_teacher_ckpt_step is None or args.opd_teacher_load, "--opd-teacher-ckpt-step needs --opd-teacher-load")
-    need(args.ref_ckpt_step is None or args.ref_load, "--ref-ckpt-step needs --ref-load")
-    need(not args.opd_teacher_load or args.train_backend == "megatron", "--opd-teacher-load needs --train-backend megatron")
-    need(not (args.train_backend == "fsdp" and args.ref_load), "--ref-load: the fsdp backend starts from "
-         "--hf-checkpoint and does not read torch_dist weights; drop --ref-load or use --train-backend megatron")
-    need(args.advantage_estimator != "ppo" or args.train_backend == "megatron", "--advantage-estimator ppo needs "
-         "--train-backend megatron")
-    if args.train_backend == "fsdp":
-        megatron_only = {"--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
-                         "--sequence-parallel": args.sequence_parallel,
-                         "--context-parallel-size": args.context_parallel_size != 1,
-                         "--pipeline-model-parallel-size": args.pipeline_model_parallel_size != 1,
-                         "--expert-model-parallel-size": args.expert_model_parallel_size != 1,
-                         "--recompute-granularity": args.recompute_granularity is not None,
-                         "--recompute-method": args.recompute_method is not None,
-                         "--recompute-num-layers": args.recompute_num_layers is not None,
-                         "--torch-compile": args.torch_compile,
-                         "--custom-megatron-init-path": args.custom_megatron_init_path,
-                         "--custom-megatron-before-log-prob-hook-path": args.custom_megatron_before_log_prob_hook_path,
-                         "--custom-megatron-before-train-step-hook-path":
-                             args.custom_megatron_before_train_step_hook_path}
-        given = [flag for flag, on in megatron_only.items() if on]
-        need(not given, f"{given[0] if given else ''} is the megatron backend's; the fsdp backend shards one "
-                        "model over data-parallel ranks: drop it or use --train-backend megatron")
-    need(args.recompute_granularity != "full" or args.recompute_method is not None,
-         "--recompute-granularity full needs --recompute-method uniform or block and --recompute-num-layers")
-    need(args.micro_batch_size >= 1, f"--micro-batch-size must be 1 or more, got {args.micro_batch_size}")
-    if args.use_dynamic_batch_size:
-        need(args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu >= 1,
-             "--use-dynamic-batch-size needs --max-tokens-per-gpu N (N >= 1), the token budget of a micro-batch")
-        need(args.micro_batch_size == 1, f"--micro-batch-size {args.micro_batch_size} is not used with "
-             "--use-dynamic-batch-size (micro-batches are packed to --max-tokens-per-gpu); drop one of them")
-    else:
-        for flag in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
-            need(getattr(args, flag) is None, f"--{flag.replace('_', '-')} only applies with --use-dynamic-batch-size "
-                 "(otherwise micro-batches hold --micro-batch-size samples); add it or drop the flag")
-    need(args.log_probs_max_tokens_per_gpu is None or args.log_probs_max_tokens_per_gpu >= 1,
-         "--log-probs-max-tokens-per-gpu must be 1 or more")
-    need(not (args.use_rollout_logprobs and args.use_tis),
-         "--use-rollout-logprobs and --use-tis cannot be set together (TIS corrects the trainer's log-probs "
-         "towards the engines'); drop one")
-    need(not (args.kl_coef and args.kl_loss_coef), "only one of --kl-coef and --kl-loss-coef can be non-zero")
-    need(args.loss_type == "policy_loss" or args.advantage_estimator != "ppo",
-         "--loss-type sft_loss has no critic: drop --advantage-estimator ppo")
-    # The layer spec takes slurmrl's two implementations; the flag's kernel choice is kept apart.
-    args.attention_kernels = args.attention_backend
-    args.attention_backend = "local" if args.attention_backend in ("unfused", "local") else "sdpa"
-    need(not (args.debug_train_only and args.debug_rollout_only),
-         "--debug-train-only and --debug-rollout-only exclude each other; give one")
-    need(not (args.debug_rollout_only and args.load_debug_rollout_data),
-         "--debug-rollout-only generates its rollouts; drop --load-debug-rollout-data")
-    need(args.eval_interval is None or args.eval_interval >= 1, f"--eval-interval must be 1 or more, got {args.eval_interval}")
-    need(args.eval_interval is None or bool(args.eval_prompt_data),
-         "--eval-interval needs eval sets: give --eval-prompt-data NAME PATH [NAME PATH ...]")
-    need(args.eval_interval is None or not args.debug_train_only,
-         "--eval-interval: --debug-train-only has no engines to evaluate on; drop --eval-interval")
-    need(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be 1 or more")
-    if args.eval_prompt_data:
-        from rollout.eval import EvalConfigError, eval_sets
-
-        try:
-            args.eval_datasets = eval_sets(args)
-        except EvalConfigError as err:
-            raise ArgsError(str(err)) from None
-    else:
-        args.eval_datasets = []
-    if args.debug_train_only:
-        need(bool(args.load_debug_rollout_data),
-             "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on)")
-    else:
-        need(bool(args.prompt_data) or bool(args.rollout_function_path),
-             "--prompt-data is required (a jsonl file), unless --rollout-function-path supplies the samples")
-        need(bool(args.sglang_router_ip and args.sglang_router_port) or bool(args.engine_urls),
-             "give --sglang-router-ip and --sglang-router-port (or --engine-urls for debugging)")
-    need(args.rollout_global_dataset or (args.rollout_function_path and not args.prompt_data),
-         "--disable-rollout-global-dataset: --rollout-function-path supplies the prompts; give it and drop --prompt-data")
-    if args.rollout_max_context_len is not None:
-        need(args.rollout_max_context_len >= 2, "--rollout-max-context-len must be 2 or more")
-        if args.rollout_max_prompt_len is None:  # slime's: room for at least one generated token
-            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
-        need(args.rollout_max_prompt_len <= args.rollout_max_context_len - 1, "--rollout-max-prompt-len must be below "
-             "--rollout-max-context-len, leaving room for at least one generated token")
-    if args.prompt_data:
-        need(Path(args.prompt_data).is_file(), f"--prompt-data {args.prompt_data} does not exist")
-        need(Path(args.prompt_data).suffix in PROMPT_SUFFIXES,
-             f"--prompt-data {args.prompt_data}: read by its suffix, one of {', '.join(PROMPT_SUFFIXES)}")
-    rm_type = (args.rm_type or "").removeprefix("boxed_")
-    need(rm_type != "remote_rm" or bool(args.rm_url), "--rm-type remote_rm needs --rm-url (the reward server's URL)")
-    need(rm_type not in DICT_REWARDS or bool(args.reward_key) or bool(args.custom_rm_path),
-         f"--rm-type {args.rm_type} gives a dict reward ({', '.join(DICT_REWARDS.get(rm_type, ()))}): "
-         "add --reward-key naming the one to train on (slime's recipes use score)")
-    need(args.rm_concurrency >= 1, f"--rm-concurrency must be 1 or more, got {args.rm_concurrency}")
-    need(args.rm_timeout > 0, f"--rm-timeout must be > 0 seconds, got {args.rm_timeout}")
-    need(args.rm_max_retries >= 1, f"--rm-max-retries must be 1 or more (attempts in all), got {args.rm_max_retries}")
-    need(args.rm_retry_backoff >= 0, f"--rm-retry-backoff must be >= 0 seconds, got {args.rm_retry_backoff}")
-    if args.eval_reward_key is None:
-        args.eval_reward_key = args.reward_key
-    for flag in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
-                 "custom_megatron_before_train_step_hook_path", "custom_rm_path", "custom_generate_function_path",
-                 "rollout_function_path", "dynamic_sampling_filter_path", "eval_function_path",
-                 "custom_eval_rollout_log_function_path"):
-        value = getattr(args, flag)
-        need(value is None or "." in value, f"--{flag.replace('_', '-')} must be module.function, got {value!r}")
-    wandb_given = [f"--{n.replace('_', '-')}" for n in ("wandb_mode", "wandb_dir", "wandb_key", "wandb_host",
-                   "wandb_team", "wandb_project", "wandb_group", "wandb_run_id") if getattr(args, n)]
-    need(args.use_wandb or not wandb_given, f"{wandb_given[0] if wandb_given else ''} has no effect without "
-                                            "--use-wandb; add --use-wandb or drop it")
-    need(args.tb_project_name or not args.tb_experiment_name,
-         "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
-    # Absolute: engines read published weights from here, from their own working directory.
-    args.job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
-    if not args.tensorboard_dir and (os.environ.get("TENSORBOARD_DIR") or args.tb_project_name):
-        args.tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or str(Path(
-            args.job_dir, "tensorboard_log", args.tb_project_name, args.tb_experiment_name or Path(args.job_dir).name))
-    args.global_batch_size = gbs
-    # Megatron's schedule: decay over the whole run unless told; a warmup fraction is of that.
-    args.lr_decay_iters = args.lr_decay_iters or args.num_rollout * (total // gbs)
-    if args.lr_warmup_fraction is not None:
-        need(args.lr_warmup_iters == 0, "give --lr-warmup-iters or --lr-warmup-fraction, not both")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    args.ref_model_needed = bool(args.use_kl_loss or args.kl_coef)
-    args.api_key = os.environ.get(API_KEY_ENV)  # never on the command line: ps would show it
-
-
-def _validate_megatron_parallel(args: argparse.Namespace, need: Any) -> None:
-    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
-    need(etp is None or (etp >= 1 and tp % etp == 0),
-         f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
-    config = read_hf_config(args.hf_checkpoint)
-    _validate_pipeline_stages(args, config.get("num_hidden_layers"), need)
-    pp = args.pipeline_model_parallel_size
-    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
-    need(not moe or pp == 1 or args.moe_token_dispatcher_type == "alltoall", f"--pipeline-model-parallel-size {pp} "
-         "with a MoE model needs --moe-token-dispatcher-type alltoall (GPU): megatron-core's allgather dispatcher "
-         "does not support the variable sequence lengths pipeline stages exchange")
-    need(not moe or tp == 1 or args.sequence_parallel or args.train_backend != "megatron",
-         f"--tensor-model-parallel-size {tp} with a MoE model needs --sequence-parallel (megatron-core's MoE layer "
-         "requires it when training with TP > 1)")
-
-
-def _validate_pipeline_stages(args: argparse.Namespace, layers: Any, need: Any) -> None:
-    """As megatron: the first and last stages take the layers given them, the stages between
-    share the rest evenly."""
-    pp, first, last = (args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers,
-                       args.decoder_last_pipeline_num_layers)
-    given = [f for f, n in (("--decoder-first-pipeline-num-layers", first),
-                            ("--decoder-last-pipeline-num-layers", last)) if n is not None]
-    need(not given or pp > 1, f"{given[0] if given else ''} needs --pipeline-model-parallel-size > 1")
-    if pp == 1:
-        return
-    need(all(n is None or n >= 1 for n in (first, last)), "--decoder-first/last-pipeline-num-layers must be 1 or more")
-    rest, middle = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
-    need(rest >= 0 and (rest % middle == 0 if middle else rest == 0), f"--pipeline-model-parallel-size {pp} "
-         f"cannot split the model's {layers} layers: with {first} in the first stage and {last} in the last "
-         "(none given: an even split), the other stages must share the rest evenly")
-
-
-def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
-    """--hf-checkpoint's config.json (validate checked that there is one)."""
-    return json.loads((Path(hf_checkpoint) / "config.json").read_text())
-
-
-def check_model_flags(args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
-    """Every model-shape flag that was given must equal the HF config's value, and the model
-    has no dropout (train_step's log-probs must be those of log_probs for the same weights)."""
-    dropout = hf_config.get("attention_dropout", 0.0)
-    if dropout:
-        raise ArgsError(f"{args.hf_checkpoint}/config.json has attention_dropout {dropout}: dropout is not supported "
-                        "in RL training; set it to 0.0")
-    for flag, read in _MODEL_FLAGS.items():
-        given = getattr(args, flag)
-        if given is None:
-            continue
-        try:
-            expected = read(hf_config)
-        except (KeyError, IndexError, TypeError):
-            raise ArgsError(f"--{flag.replace('_', '-')} {given}: {args.hf_checkpoint}/config.json lacks the field "
-                            "to check it against; drop the flag or fix the checkpoint") from None
-        if given != expected:
-            raise ArgsError(f"--{flag.replace('_', '-')} {given} disagrees with {args.hf_checkpoint}/config.json "
-                            f"({expected}); drop the flag or fix the checkpoint")
+def parse_args(argv: list[str] | None = None) -> TrainerConfig:
+    """The flags -> the validated configuration (ArgsError on a wrong flag)."""
+    return build_config(build_parser().parse_args(argv))
 
 
 def main_error(err: Exception) -> None:

@@ -8,7 +8,6 @@ per-response tensor (loss mask, advantages, log-probs) has response_length entri
 
 from __future__ import annotations
 
-import argparse
 import heapq
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor
 
 from rollout.sample import Sample
+from trainer.config import BatchingOptions
 
 
 @dataclass
@@ -88,14 +88,14 @@ class Batching:
             raise ValueError(f"micro_batch_size must be 1 or more, got {self.micro_batch_size}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, for_log_probs: bool = False) -> Batching:
+    def of(cls, options: BatchingOptions, for_log_probs: bool = False) -> Batching:
         """The training micro-batches, or (for_log_probs) those of the no-grad log-prob passes,
         packed to --log-probs-max-tokens-per-gpu when dynamic (slime's default: the same budget)."""
-        budget = args.max_tokens_per_gpu
-        if for_log_probs and args.log_probs_max_tokens_per_gpu:
-            budget = args.log_probs_max_tokens_per_gpu
-        return cls(dynamic=args.use_dynamic_batch_size, micro_batch_size=args.micro_batch_size,
-                   max_tokens=budget, balance=args.balance_data)
+        budget = options.max_tokens_per_gpu
+        if for_log_probs and options.log_probs_max_tokens_per_gpu:
+            budget = options.log_probs_max_tokens_per_gpu
+        return cls(dynamic=options.use_dynamic_batch_size, micro_batch_size=options.micro_batch_size,
+                   max_tokens=budget, balance=options.balance_data)
 
 
 def schedule(lengths: list[int], dp_size: int, batching: Batching) -> list[list[list[int]]]:

@@ -15,7 +15,6 @@ number of forward (and backward) passes: a rank with fewer packs pads with one-t
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
+from trainer.config import TrainerConfig
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.loop import seed_everything
 from trainer.lr_schedule import lr_lambda
@@ -87,16 +87,17 @@ class FSDPBackend(Backend):
         self.flash = self.model.config._attn_implementation.startswith("flash_attention")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> FSDPBackend:
-        """From the trainer's flags. The reference model (KL) is --hf-checkpoint itself."""
-        return cls(args.hf_checkpoint, lr=args.lr, weight_decay=args.weight_decay,
-                   adam_betas=(args.adam_beta1, args.adam_beta2), adam_eps=args.adam_eps,
-                   clip_grad=args.clip_grad, batching=Batching.from_args(args),
-                   log_probs_batching=Batching.from_args(args, for_log_probs=True), seed=args.seed,
-                   dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                   ref_checkpoint=args.hf_checkpoint if args.ref_model_needed else None,
-                   lr_schedule=lr_lambda(args), attention_backend=args.attention_kernels,
-                   attn_implementation="eager" if args.attention_backend == "local" else "sdpa")
+    def from_config(cls, config: TrainerConfig) -> FSDPBackend:
+        """From the trainer's configuration. The reference model (KL) is --hf-checkpoint itself."""
+        model, opt, batching = config.model, config.optimizer, config.batching
+        return cls(model.hf_checkpoint, lr=opt.lr, weight_decay=opt.weight_decay,
+                   adam_betas=(opt.adam_beta1, opt.adam_beta2), adam_eps=opt.adam_eps,
+                   clip_grad=opt.clip_grad, batching=Batching.of(batching),
+                   log_probs_batching=Batching.of(batching, for_log_probs=True), seed=model.seed,
+                   dtype=torch.bfloat16 if model.bf16 else torch.float32,
+                   ref_checkpoint=model.hf_checkpoint if config.loss.ref_model_needed else None,
+                   lr_schedule=lr_lambda(opt), attention_backend=model.attention_kernels,
+                   attn_implementation="eager" if model.attention_backend == "local" else "sdpa")
 
     def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
               trainable: bool) -> nn.Module:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
@@ -73,3 +74,17 @@ def flat_span(grads: list[Tensor]) -> Tensor | None:
             return None
         end += g.numel()
     return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.storage_offset(),))
+
+
+def all_reduce_sum(grads: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """One coalesced all-reduce of these tensors, in place: of the buffer they tile where they do
+    (the main grads), else of a flattened copy."""
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    if (span := flat_span(grads)) is not None:
+        dist.all_reduce(span, group=group)
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)

@@ -1,6 +1,6 @@
 """Numerics flags with a process-wide effect: --attention-backend's kernels, --deterministic-mode.
 
---attention-backend takes Megatron's names (slime passes them through; trainer.args maps them to
+--attention-backend takes Megatron's names (slime passes them through; trainer.config maps them to
 slurmrl's two implementations): auto and sdpa run torch's scaled_dot_product_attention and let it
 pick a kernel; flash restricts it to the flash kernel (CUDA, or torch's CPU flash kernel) and
 fused to the cuDNN / memory-efficient ones (what TransformerEngine's fused attention is;

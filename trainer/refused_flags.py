@@ -1,8 +1,9 @@
 """slime's flags that slurmrl does not implement, each with why and what to use instead.
 
-The trainer's parser registers each one with trainer.args.refused(): given, it stops the job at
-submission with its reason, unless its value is `allowed` (what slurmrl does anyway). The flags
-slurmrl implements are in trainer/args_parser.py; docs/flags.md lists both (python -m jobs.submit_flags).
+The trainer's parser registers each one with trainer.args_actions.refused(): given, it stops the
+job at submission with its reason, unless its value is `allowed` (what slurmrl does anyway). The
+flags slurmrl implements are in trainer/args_parser.py and trainer/args_rollout_flags.py;
+docs/flags.md lists both (python -m jobs.submit_flags).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Samples carry [R]-shaped tensors of different lengths; the estimators and losses
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 from trainer import advantages as adv
 from trainer.backend import PackLoss
 from trainer.batch import Pack, TrainSample
+from trainer.config import LossOptions
 from trainer.losses import LossConfig, total_loss, value_loss
 
 
@@ -23,20 +24,21 @@ def padded(rows: list[Tensor]) -> Tensor:
     return pad_sequence([r.float() for r in rows], batch_first=True)
 
 
-def loss_config(args: argparse.Namespace) -> LossConfig:
-    return LossConfig(eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c,
-                      entropy_coef=args.entropy_coef, use_kl_loss=args.use_kl_loss, kl_loss_coef=args.kl_loss_coef,
-                      kl_loss_type=args.kl_loss_type, use_unbiased_kl=args.use_unbiased_kl, use_tis=args.use_tis,
-                      tis_clip=args.tis_clip, tis_clip_low=args.tis_clip_low, per_token_loss=args.calculate_per_token_loss,
-                      importance="sequence" if args.advantage_estimator == "gspo" else "token",
-                      sft=args.loss_type == "sft_loss")
+def loss_config(loss: LossOptions) -> LossConfig:
+    return LossConfig(eps_clip=loss.eps_clip, eps_clip_high=loss.eps_clip_high, eps_clip_c=loss.eps_clip_c,
+                      entropy_coef=loss.entropy_coef, use_kl_loss=loss.use_kl_loss, kl_loss_coef=loss.kl_loss_coef,
+                      kl_loss_type=cast(adv.KLKind, loss.kl_loss_type), use_unbiased_kl=loss.use_unbiased_kl,
+                      use_tis=loss.use_tis, tis_clip=loss.tis_clip, tis_clip_low=loss.tis_clip_low,
+                      per_token_loss=loss.calculate_per_token_loss,
+                      importance="sequence" if loss.advantage_estimator == "gspo" else "token",
+                      sft=loss.loss_type == "sft_loss")
 
 
-def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> None:
+def compute_advantages(loss: LossOptions, samples: list[TrainSample]) -> None:
     """Fill sample.advantages (and .returns) in place. Deterministic, so every rank that runs it
     on the same batch gets the same result. With --use-rollout-logprobs the engines' log-probs
     replace the trainer's as old_log_probs first (for the KL penalty and the PPO ratio, as slime)."""
-    if args.use_rollout_logprobs:
+    if loss.use_rollout_logprobs:
         use_rollout_log_probs(samples)
     mask = padded([s.loss_mask for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -46,31 +48,32 @@ def compute_advantages(args: argparse.Namespace, samples: list[TrainSample]) -> 
     # towards the teacher's tokens.
     old = padded([s.old_log_probs for s in samples])
     penalty = torch.zeros_like(mask)
-    if args.kl_coef:
-        penalty += args.kl_coef * adv.kl(old, padded([s.ref_log_probs for s in samples]), args.kl_loss_type)
-    if args.opd_teacher_load:
-        penalty += args.opd_kl_coef * (old - padded([s.teacher_log_probs for s in samples]))
+    if loss.kl_coef:
+        penalty += loss.kl_coef * adv.kl(old, padded([s.ref_log_probs for s in samples]),
+                                         cast(adv.KLKind, loss.kl_loss_type))
+    if loss.use_opd:  # validated: exactly when --opd-teacher-load is given
+        penalty += loss.opd_kl_coef * (old - padded([s.teacher_log_probs for s in samples]))
     penalty *= mask
-    estimator = args.advantage_estimator
+    estimator = loss.advantage_estimator
     if estimator in ("grpo", "gspo"):
         # --disable-rewards-normalization: the raw rewards, no group normalization.
-        scores = adv.grpo_advantages(rewards, groups, normalize_std=not args.disable_grpo_std_normalization) \
-            if args.rewards_normalization else rewards
+        scores = adv.grpo_advantages(rewards, groups, normalize_std=not loss.disable_grpo_std_normalization) \
+            if loss.rewards_normalization else rewards
         # The penalty enters as REINFORCE++ does: its discounted sum from each token on.
         token_adv = scores[:, None] * mask + adv.reinforce_plus_plus_returns(
-            torch.zeros_like(rewards), penalty, 1.0, mask, args.gamma)
+            torch.zeros_like(rewards), penalty, 1.0, mask, loss.gamma)
     elif estimator == "reinforce_plus_plus":
-        token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
-    elif estimator == "reinforce_plus_plus_baseline" and args.rewards_normalization:
-        token_adv = adv.reinforce_plus_plus_baseline_advantages(rewards, groups, penalty, 1.0, mask, args.gamma)
+        token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, loss.gamma)
+    elif estimator == "reinforce_plus_plus_baseline" and loss.rewards_normalization:
+        token_adv = adv.reinforce_plus_plus_baseline_advantages(rewards, groups, penalty, 1.0, mask, loss.gamma)
     elif estimator == "reinforce_plus_plus_baseline":  # no group baseline: REINFORCE++ on the raw rewards
-        token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, args.gamma)
+        token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, loss.gamma)
     else:  # ppo: per-token rewards (the reward on the last token, minus the penalty), GAE on the critic
         token_rewards = (-penalty).scatter_add(-1, adv.last_token_index(mask)[:, None], rewards[:, None])
-        token_adv, returns = adv.gae(token_rewards, padded([s.values for s in samples]), mask, args.gamma, args.lambd)
+        token_adv, returns = adv.gae(token_rewards, padded([s.values for s in samples]), mask, loss.gamma, loss.lambd)
         for s, row in zip(samples, returns):
             s.returns = row[: s.response_length].clone()
-    if args.normalize_advantages:
+    if loss.normalize_advantages:
         token_adv = adv.whiten(token_adv, mask)
     for s, row in zip(samples, token_adv):
         s.advantages = row[: s.response_length].clone()

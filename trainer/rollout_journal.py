@@ -17,16 +17,17 @@ lineage or other flags, is generated again.
     JOB_DIR/rollout_journal/rollout_<id>.pt   {"rollout_id", "lineage", "fingerprint",
                                                "groups": [[Sample.to_dict()]], "buffer"}
 
-Entries are written atomically (temporary file, then rename) and all removed at each save.
+Entries are written atomically (temporary file, then rename) and all removed at each save. The
+lineage travels in the checkpoint through `state_dict` / `load_state_dict` (trainer.checkpointer).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ INITIAL = "initial"  # the lineage of a trainer that started from the initial we
 PLACEMENT_FLAGS = frozenset({"master_port", "sglang_router_ip", "sglang_router_port", "api_key", "engine_urls"})
 
 
-def fingerprint(args: argparse.Namespace) -> str:
-    """A digest of every flag but the placement ones (a flag added later joins it by itself)."""
-    items = sorted((k, repr(v)) for k, v in vars(args).items() if k not in PLACEMENT_FLAGS)
+def fingerprint(flags: Mapping[str, Any]) -> str:
+    """A digest of every flag (name -> value) but the placement ones (a flag added later joins it by itself)."""
+    items = sorted((k, repr(v)) for k, v in flags.items() if k not in PLACEMENT_FLAGS)
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
@@ -53,9 +54,10 @@ def new_lineage() -> str:
 
 
 class RolloutJournal:
-    def __init__(self, folder: Path, args: argparse.Namespace) -> None:
+    def __init__(self, folder: Path, flags_fingerprint: str) -> None:
+        """flags_fingerprint: `fingerprint` of the trainer's flags."""
         self.folder = folder
-        self.fingerprint = fingerprint(args)
+        self.fingerprint = flags_fingerprint
         self.lineage: str | None = INITIAL  # None: resumed from a checkpoint without one (nothing replays)
 
     def _path(self, rollout_id: int) -> Path:
@@ -79,7 +81,7 @@ class RolloutJournal:
             return None
         try:
             entry = torch.load(path, weights_only=False)
-        except Exception as err:  # a torn or foreign file: generate the rollout again
+        except Exception as err:  # noqa: BLE001 - a torn or foreign file: generate the rollout again
             log.warning("rollout journal %s is unreadable (%s): generating rollout %d again", path, err, rollout_id)
             return None
         if (entry.get("rollout_id"), entry.get("lineage"), entry.get("fingerprint")) != (
@@ -97,3 +99,15 @@ class RolloutJournal:
         for pattern in ("rollout_*.pt", ".rollout_*.tmp-*"):  # and what a killed trainer left half-written
             for path in self.folder.glob(pattern) if self.folder.is_dir() else ():
                 path.unlink(missing_ok=True)
+
+    # ---- as a part of the checkpoint (trainer.checkpointer)
+    def state_dict(self) -> dict[str, Any]:
+        """The new checkpoint's lineage: each save has its own."""
+        return {LINEAGE_KEY: new_lineage()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resumed(state.get(LINEAGE_KEY))
+
+    def checkpointed(self, state: dict[str, Any]) -> None:
+        """The checkpoint holding `state` (this journal's state_dict among it) is written."""
+        self.saved(state[LINEAGE_KEY])

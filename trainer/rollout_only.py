@@ -6,62 +6,69 @@ one is dumped, for --debug-train-only to replay. The weights are published once,
 and straight from --hf-checkpoint's files, because engines serve only once they report the
 trainer's version (and engines shared with an earlier run are brought back to those weights).
 Only rank 0 works; other ranks end at once. Without checkpoints a restarted run begins again at
-rollout 0 and regenerates the same rollouts.
+rollout 0 and regenerates the same rollouts. Built by trainer.loop_builder.build_rollout_only.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ckpt_tools.hf_checkpoint import IGNORED_SUFFIXES, HFCheckpoint
 from contract.job_dir import Metric, Phase
-from trainer import save_now
-from trainer.loop import Driver, before_train, eval_due
+from trainer.evals import before_train
+from trainer.save_now import SaveNowSignal
+
+if TYPE_CHECKING:
+    from trainer.loop_builder import Rank0Parts
 
 log = logging.getLogger(__name__)
 
 
-def hf_weights(hf_checkpoint: str) -> Iterator[tuple[str, torch.Tensor]]:
-    checkpoint = HFCheckpoint(Path(hf_checkpoint))
+def hf_weights(hf_checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    checkpoint = HFCheckpoint(hf_checkpoint)
     for name in checkpoint.weight_map:
         if not name.endswith(IGNORED_SUFFIXES):
             yield name, checkpoint.read([name])[0]
 
 
-def run(args: argparse.Namespace) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
-        log.info("--debug-rollout-only: rank 0 generates the rollouts; this rank has nothing to do")
-        return
-    driver, signal = Driver(args), save_now.install()
-    driver.reporter.drop_from(0)  # a restart redoes every rollout
-    assert driver.publisher is not None
-    driver.reporter.heartbeat(Phase.PUBLISH, 0)
-    result = driver.publisher.publish(0, driver.engines(), hf_weights(args.hf_checkpoint))
-    if driver.supervisor:
-        driver.supervisor.published(0, result.updated, result.fenced)
-    first_eval = (before_train(driver.evaluate(0))
-                  if driver.evaluator and not args.skip_eval_before_train else {})
-    for rollout_id in range(args.num_rollout):
-        if signal.requested or (driver.supervisor and driver.supervisor.stop_requested(rollout_id)):
-            log.info("stopping before rollout %d, as asked", rollout_id)
-            break
-        began = time.monotonic()
-        samples = driver.generate_abandonable(rollout_id, signal)
-        if samples is None:
-            log.warning("abandoned rollout %d, as asked", rollout_id)
-            break
-        metrics = {"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
-                   Metric.ROLLOUT_SECONDS: time.monotonic() - began, "weight_version": 0}
-        if eval_due(args, rollout_id):
-            metrics.update(driver.evaluate(rollout_id))
-        if rollout_id == 0:
-            metrics.update(first_eval)
-        driver.reporter.rollout(rollout_id, metrics)
-    driver.reporter.close()
+class RolloutOnly:
+    def __init__(self, parts: Rank0Parts, signal: SaveNowSignal, num_rollout: int, hf_checkpoint: Path) -> None:
+        self.parts = parts
+        self.signal = signal
+        self.num_rollout = num_rollout
+        self.hf_checkpoint = hf_checkpoint
+
+    def run(self) -> None:
+        parts, evals = self.parts, self.parts.evals
+        supervisor = parts.fleet.supervisor
+        parts.reporter.drop_from(0)  # a restart redoes every rollout
+        assert parts.transport is not None
+        parts.reporter.heartbeat(Phase.PUBLISH, 0)
+        result = parts.transport.publish(0, parts.fleet.engines(), hf_weights(self.hf_checkpoint))
+        if supervisor:
+            supervisor.published(0, result.updated, result.fenced)
+        first_eval = before_train(evals.evaluate(0)) if evals.evaluator and not evals.skip_before_train else {}
+        for rollout_id in range(self.num_rollout):
+            if self.signal.requested or (supervisor and supervisor.stop_requested(rollout_id)):
+                log.info("stopping before rollout %d, as asked", rollout_id)
+                break
+            began = time.monotonic()
+            groups = parts.generator.generate_abandonable(rollout_id)
+            if groups is None:
+                log.warning("abandoned rollout %d, as asked", rollout_id)
+                break
+            samples = [s for group in groups for s in group]
+            metrics = {"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
+                       Metric.ROLLOUT_SECONDS: time.monotonic() - began, "weight_version": 0}
+            if evals.due(rollout_id):
+                metrics.update(evals.evaluate(rollout_id))
+            if rollout_id == 0:
+                metrics.update(first_eval)
+            parts.reporter.rollout(rollout_id, metrics)
+        parts.reporter.close()

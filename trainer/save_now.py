@@ -11,9 +11,10 @@ kills a trainer that is still loading.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 
 class SaveNow(BaseException):
@@ -54,3 +55,29 @@ def install() -> SaveNowSignal:
     if _installed is None:
         _installed = SaveNowSignal()
     return _installed
+
+
+class StopRequests:
+    """Whether the loop stops, decided by rank 0 and broadcast (collective): before a rollout, on
+    a save-now request or the supervisor's stop (whose answer may also arm the profiler); after
+    training, on a save-now request that came meanwhile (the publish is then skipped)."""
+
+    def __init__(self, signal: SaveNowSignal, poll: Callable[[int], tuple[bool, dict[str, Any] | None]] | None,
+                 broadcast: Callable[[Any], Any], arm_profiler: Callable[[dict[str, Any]], None]) -> None:
+        """poll: rank 0's supervisor link (stop?, profile request); None without a supervisor."""
+        self.signal = signal
+        self.poll = poll
+        self.broadcast = broadcast
+        self.arm_profiler = arm_profiler
+
+    def before_rollout(self, rollout_id: int) -> bool:
+        stop, profile = self.signal.requested, None
+        if not stop and self.poll:
+            stop, profile = self.poll(rollout_id)
+        stop, profile = self.broadcast((stop, profile))
+        if profile:
+            self.arm_profiler(profile)
+        return bool(stop)
+
+    def after_train(self) -> bool:
+        return bool(self.broadcast(self.signal.requested))

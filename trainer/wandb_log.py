@@ -11,7 +11,6 @@ W&B's init timeout and fail); `wandb sync` uploads it later, as the log line say
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from contract.job_dir import JobDir, write_atomic
+from trainer.config import LoggingOptions
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,11 @@ def reachable(url: str, timeout_s: float = SERVER_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def _mode(args: argparse.Namespace, directory: str) -> str:
-    chosen = args.wandb_mode or os.environ.get("WANDB_MODE")
+def _mode(options: LoggingOptions, directory: str) -> str:
+    chosen = options.wandb_mode or os.environ.get("WANDB_MODE")
     if chosen:
         return chosen
-    server = args.wandb_host or os.environ.get("WANDB_BASE_URL") or WANDB_SERVER
+    server = options.wandb_host or os.environ.get("WANDB_BASE_URL") or WANDB_SERVER
     if reachable(server):
         return "online"
     log.warning("W&B server %s cannot be reached from this node: the run is kept offline under %s; upload it "
@@ -58,14 +58,14 @@ def _mode(args: argparse.Namespace, directory: str) -> str:
     return "offline"
 
 
-def _run_identity(args: argparse.Namespace, job_dir: JobDir, new_id: Callable[[], str]) -> dict[str, str]:
+def _run_identity(options: LoggingOptions, job_dir: JobDir, new_id: Callable[[], str]) -> dict[str, str]:
     """The run's id and group: --wandb-run-id, else the job's saved ones, else new ones (saved)."""
-    if args.wandb_run_id:
-        return {"id": args.wandb_run_id, "group": args.wandb_group or job_dir.root.name}
+    if options.wandb_run_id:
+        return {"id": options.wandb_run_id, "group": options.wandb_group or job_dir.root.name}
     if job_dir.wandb_run.is_file():
         return json.loads(job_dir.wandb_run.read_text())
-    group = args.wandb_group or job_dir.root.name
-    if args.wandb_random_suffix:
+    group = options.wandb_group or job_dir.root.name
+    if options.wandb_random_suffix:
         group = f"{group}_{new_id()}"
     identity = {"id": new_id(), "group": group}
     write_atomic(job_dir.wandb_run, json.dumps(identity))
@@ -73,22 +73,24 @@ def _run_identity(args: argparse.Namespace, job_dir: JobDir, new_id: Callable[[]
 
 
 class WandbRun:
-    def __init__(self, args: argparse.Namespace, job_dir: JobDir) -> None:
+    def __init__(self, options: LoggingOptions, job_dir: JobDir, *, steps_per_rollout: int,
+                 run_config: dict[str, Any]) -> None:
+        """run_config: every flag by slime's name (TrainerConfig.flat()), W&B's record of the run."""
         try:
             import wandb
         except ImportError:
             raise WandbError("--use-wandb needs the wandb package on the trainer's nodes: pip install wandb") from None
-        directory = args.wandb_dir or str(job_dir.root)
-        mode = _mode(args, directory)
-        if mode == "online" and args.wandb_key:
-            wandb.login(key=args.wandb_key, host=args.wandb_host)
-        identity = _run_identity(args, job_dir, lambda: secrets.token_hex(4))
-        self.steps_per_rollout = max(1, args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
-        self.use_train_step = args.wandb_always_use_train_step
+        directory = options.wandb_dir or str(job_dir.root)
+        mode = _mode(options, directory)
+        if mode == "online" and options.wandb_key:
+            wandb.login(key=options.wandb_key, host=options.wandb_host)
+        identity = _run_identity(options, job_dir, lambda: secrets.token_hex(4))
+        self.steps_per_rollout = steps_per_rollout
+        self.use_train_step = options.wandb_always_use_train_step
         os.makedirs(directory, exist_ok=True)
-        self.run = wandb.init(id=identity["id"], resume="allow", entity=args.wandb_team, project=args.wandb_project,
+        self.run = wandb.init(id=identity["id"], resume="allow", entity=options.wandb_team, project=options.wandb_project,
                               group=identity["group"], name=identity["group"], dir=directory, mode=mode,
-                              config={k: v for k, v in vars(args).items() if k not in _SECRETS})
+                              config={k: v for k, v in run_config.items() if k not in _SECRETS})
         log.info("logging to W&B run %s (%s mode)", identity["id"], mode)
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:

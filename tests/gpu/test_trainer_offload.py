@@ -57,7 +57,7 @@ def _backend(kind: str, model: Path, ckpt: Path):
 
         dist_env.init_process_group()
         return FSDPBackend(model, lr=1e-2, batching=Batching(dynamic=True, max_tokens=24), dtype=torch.float32), 100
-    from trainer.args import build_parser, validate
+    from trainer.args import build_config, build_parser
     from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
@@ -65,7 +65,7 @@ def _backend(kind: str, model: Path, ckpt: Path):
         "--load-debug-rollout-data", "unused/{rollout_id}", "--lr", "1e-2", "--lr-decay-style", "constant",
         "--use-dynamic-batch-size",
         "--max-tokens-per-gpu", "24", *(["--bf16"] if kind == "megatron-bf16" else [])])
-    validate(args)
+    args = build_config(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
     return backend, 100

@@ -118,14 +118,14 @@ def test_bad_reward_and_data_flags_are_refused(model: Path, tmp_path: Path, flag
 
 
 def test_reward_flags_reach_the_rollout(model: Path, tmp_path: Path) -> None:
-    from trainer.loop import rollout_args
+    from trainer.config.rollout_args import rollout_args
 
     args = _parse(model, tmp_path, "--rm-type", "boxed_dapo", "--reward-key", "score", "--group-rm",
                   "--rm-url", "http://rm:8000/score", "--rm-timeout", "5", "--apply-chat-template",
                   "--apply-chat-template-kwargs", '{"enable_thinking": false}')
-    assert args.eval_reward_key == "score"  # slime's default: --reward-key
+    assert args.reward.eval_reward_key == "score"  # slime's default: --reward-key
     rollout = rollout_args(args, "http://127.0.0.1:30000", 10.0, None)
     assert (rollout.rm_type, rollout.reward_key, rollout.group_rm, rollout.rm_url, rollout.rm_timeout) == (
         "boxed_dapo", "score", True, "http://rm:8000/score", 5.0)
     assert rollout.apply_chat_template_kwargs == {"enable_thinking": False}
-    assert _parse(model, tmp_path).rm_type is None  # slime's default
+    assert _parse(model, tmp_path).reward.rm_type is None  # slime's default

@@ -3,6 +3,7 @@ becomes torch.distributed's; --true-on-policy-mode's check."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from rollout.tiny_model import write_tiny_model
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, parse_args
 from trainer.batch import TrainSample
-from trainer.loop import OffPolicyError, logp_mismatch
+from trainer.train_step import OffPolicyError, logp_mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,9 +89,9 @@ def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], mess
 
 
 def test_a_refused_flag_accepts_only_what_slurmrl_does_anyway() -> None:
-    from trainer.args import _Parser, refused
+    from trainer.args_parser import Parser, refused
 
-    parser = _Parser()
+    parser = Parser()
     refused(parser, "--hidden-dropout", "dropout is not supported; use 0.0", allowed=0.0, type=float)
     refused(parser, "--use-wandb", "wandb is not supported; use --tensorboard-dir", switch=True)
     assert parser.parse_args(["--hidden-dropout", "0"]).hidden_dropout == 0.0
@@ -108,14 +109,16 @@ def test_slime_recipe_batching_and_numerics_flags(model: Path, tmp_path: Path) -
         "--kl-loss-coef", "0.00", "--kl-loss-type", "low_var_kl", "--attention-dropout", "0.0", "--hidden-dropout",
         "0.0", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-backend", "flash",
         "--deterministic-mode", "--calculate-per-token-loss"])
-    assert (args.use_dynamic_batch_size, args.max_tokens_per_gpu, args.balance_data) == (True, 9216, True)
-    assert args.kl_loss_type == "low_var_kl" and args.ref_model_needed and args.deterministic_mode
+    batching = args.batching
+    assert (batching.use_dynamic_batch_size, batching.max_tokens_per_gpu, batching.balance_data) == (True, 9216, True)
+    assert args.loss.kl_loss_type == "low_var_kl" and args.loss.ref_model_needed and args.model.deterministic_mode
     # flash: SDPA (the layer spec's implementation) limited to its flash kernel.
-    assert (args.attention_backend, args.attention_kernels) == ("sdpa", "flash")
+    assert (args.model.attention_backend, args.model.attention_kernels) == ("sdpa", "flash")
     defaults = parse_args(_base(model, tmp_path))
-    assert (defaults.use_dynamic_batch_size, defaults.micro_batch_size, defaults.max_tokens_per_gpu) == (False, 1, None)
-    assert (defaults.attention_backend, defaults.attention_kernels) == ("sdpa", "auto")
-    assert parse_args(_base(model, tmp_path) + ["--attention-backend", "unfused"]).attention_backend == "local"
+    assert (defaults.batching.use_dynamic_batch_size, defaults.batching.micro_batch_size,
+            defaults.batching.max_tokens_per_gpu) == (False, 1, None)
+    assert (defaults.model.attention_backend, defaults.model.attention_kernels) == ("sdpa", "auto")
+    assert parse_args(_base(model, tmp_path) + ["--attention-backend", "unfused"]).model.attention_backend == "local"
 
 
 def test_a_checkpoint_with_dropout_is_refused(model: Path, tmp_path: Path) -> None:
@@ -123,9 +126,9 @@ def test_a_checkpoint_with_dropout_is_refused(model: Path, tmp_path: Path) -> No
 
     args = parse_args(_base(model, tmp_path))
     config = json.loads((model / "config.json").read_text())
-    check_model_flags(args, config)
+    check_model_flags(args.shape, str(model), config)
     with pytest.raises(ArgsError, match="attention_dropout 0.1: dropout is not supported"):
-        check_model_flags(args, {**config, "attention_dropout": 0.1})
+        check_model_flags(args.shape, str(model), {**config, "attention_dropout": 0.1})
 
 
 def test_missing_inputs_are_named(model: Path, tmp_path: Path) -> None:
@@ -144,10 +147,10 @@ def test_model_flags_must_agree_with_the_checkpoint(model: Path, tmp_path: Path)
 
     config = json.loads((model / "config.json").read_text())
     args = parse_args(_base(model, tmp_path) + ["--num-layers", "2", "--hidden-size", "64", "--qk-layernorm"])
-    check_model_flags(args, config)  # slime's model flags for the same shape pass
+    check_model_flags(args.shape, str(model), config)  # slime's model flags for the same shape pass
     args = parse_args(_base(model, tmp_path) + ["--hidden-size", "128"])
     with pytest.raises(ArgsError, match="--hidden-size 128 disagrees with .*config.json \\(64\\)"):
-        check_model_flags(args, config)
+        check_model_flags(args.shape, str(model), config)
 
 
 def test_command_line_error_is_one_line_and_exit_2(model: Path, tmp_path: Path) -> None:
@@ -181,15 +184,14 @@ def test_true_on_policy_check_measures_the_largest_gap() -> None:
 def test_the_schedule_spans_the_run_and_steps_follow_num_steps_per_rollout(model: Path, tmp_path: Path) -> None:
     args = parse_args(_base(model, tmp_path) + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
                                                 "--num-steps-per-rollout", "2", "--lr-warmup-fraction", "0.25"])
-    assert args.global_batch_size == 4
-    assert args.lr_decay_iters == 2 * 2  # --num-rollout 2 x 2 steps
-    assert args.lr_warmup_iters == 1
+    assert args.batching.global_batch_size == 4
+    assert args.optimizer.lr_decay_iters == 2 * 2  # --num-rollout 2 x 2 steps
+    assert args.optimizer.lr_warmup_iters == 1
 
 
 def test_ckpt_step_flags_pick_that_iteration_of_ref_load(tmp_path: Path) -> None:
-    import argparse
-
     from ckpt_tools.tracker import iteration_dirname, write_tracker
+    from trainer.config import CheckpointOptions
     from trainer.setup import initial_weights
 
     ref = tmp_path / "ref"
@@ -197,13 +199,16 @@ def test_ckpt_step_flags_pick_that_iteration_of_ref_load(tmp_path: Path) -> None
         (ref / iteration_dirname(step)).mkdir(parents=True)
         (ref / iteration_dirname(step) / ".metadata").write_bytes(b"")
     write_tracker(ref, 2)
-    args = argparse.Namespace(ref_load=str(ref), ref_ckpt_step=None)
-    assert initial_weights(args, True, None) == ref / iteration_dirname(2)  # the tracker's
-    args.ref_ckpt_step = 1
-    assert initial_weights(args, True, None) == ref / iteration_dirname(1)
-    args.ref_ckpt_step = 3
+    ckpt = CheckpointOptions(load=None, ckpt_step=None, ref_load=str(ref), ref_ckpt_step=None, opd_teacher_load=None,
+                             opd_teacher_ckpt_step=None, save=None, save_interval=0, keep_checkpoints=None)
+
+    def initial(step: int | None) -> Path:
+        return initial_weights(dataclasses.replace(ckpt, ref_ckpt_step=step), "unused", "unused", True, None)
+
+    assert initial(None) == ref / iteration_dirname(2)  # the tracker's
+    assert initial(1) == ref / iteration_dirname(1)
     with pytest.raises(ArgsError, match="--ref-load: .*iter_0000003 is not a complete torch_dist checkpoint"):
-        initial_weights(args, True, None)
+        initial(3)
 
 
 def test_deterministic_mode_turns_on_deterministic_algorithms() -> None:

@@ -255,14 +255,14 @@ def test_hf_weights_keep_the_checkpoint_dtype_and_names(arch: str, tmp_path: Pat
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, saved[name]), name
 
 
-def test_from_args_reads_the_trainer_flags(models, tmp_path: Path) -> None:
+def test_from_config_reads_the_trainer_flags(models, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("")
     argv = ["--hf-checkpoint", str(models["actor"]), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--prompt-data", str(prompts),
             "--engine-urls", "http://127.0.0.1:1", "--train-backend", "fsdp", "--use-kl-loss",
             "--lr", "0.5", "--lr-warmup-iters", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(MAX_TOKENS),
             "--log-probs-max-tokens-per-gpu", "64", "--balance-data"]
-    backend = FSDPBackend.from_args(parse_args(argv))
+    backend = FSDPBackend.from_config(parse_args(argv))
     samples = _samples()
     assert backend.batching == Batching(dynamic=True, max_tokens=MAX_TOKENS, balance=True)
     assert backend.log_probs_batching == Batching(dynamic=True, max_tokens=64, balance=True)
@@ -272,4 +272,4 @@ def test_from_args_reads_the_trainer_flags(models, tmp_path: Path) -> None:
     # Megatron's warmup: the first step's lr is 0, then it rises by --lr / --lr-warmup-iters a step
     assert [backend.train_step(samples, [0], _nll_loss(1), need_entropy=False)["lr"] for _ in range(2)] == [0.0, 0.5 / 4]
     with pytest.raises(ArgsError, match="--ref-load"):
-        FSDPBackend.from_args(parse_args(argv + ["--ref-load", str(tmp_path)]))
+        FSDPBackend.from_config(parse_args(argv + ["--ref-load", str(tmp_path)]))

@@ -3,11 +3,10 @@ OptimizerParamScheduler's for the same flags (warmup, then constant, linear or c
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
+from trainer.config import OptimizerOptions
 from trainer.lr_schedule import lr_lambda
 
 
@@ -28,6 +27,10 @@ def _megatron_lrs(lr: float, min_lr: float, warmup: int, decay: int, style: str,
 @pytest.mark.parametrize("style, warmup", [("constant", 3), ("linear", 2), ("cosine", 2), ("cosine", 0)])
 def test_each_step_lr_equals_megatron_cores(style: str, warmup: int) -> None:
     lr, min_lr, decay, steps = 1e-5, 1e-6, 10, 14
-    args = argparse.Namespace(lr=lr, min_lr=min_lr, lr_warmup_iters=warmup, lr_decay_iters=decay, lr_decay_style=style)
-    ours = [lr * lr_lambda(args)(step) for step in range(steps)]
+    options = OptimizerOptions(lr=lr, min_lr=min_lr, lr_warmup_iters=warmup, lr_warmup_fraction=None,
+                               lr_decay_style=style, lr_decay_iters=decay, weight_decay=0.0, adam_beta1=0.9,
+                               adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, optimizer="adam", sgd_momentum=0.9,
+                               use_distributed_optimizer=True, optimizer_cpu_offload=False,
+                               overlap_cpu_optimizer_d2h_h2d=False, use_precision_aware_optimizer=False, critic_lr=None)
+    ours = [lr * lr_lambda(options)(step) for step in range(steps)]
     assert ours == pytest.approx(_megatron_lrs(lr, min_lr, warmup, decay, style, steps), rel=1e-9)

@@ -45,8 +45,6 @@ def test_tensors_that_do_not_tile_one_run_have_no_span() -> None:
 def _reduce_worker(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    from trainer.megatron.backend import _all_reduce_sum
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         params = _bf16_params((3, 4), (5,), (2, 2))
@@ -57,13 +55,13 @@ def _reduce_worker(rank: int, port: int) -> None:
         flatten = torch._utils._flatten_dense_tensors
         torch._utils._flatten_dense_tensors = None  # the main grads' reduce must not copy them
         try:
-            _all_reduce_sum(grads, dist.group.WORLD)
+            main_grads.all_reduce_sum(grads, dist.group.WORLD)
         finally:
             torch._utils._flatten_dense_tensors = flatten
         for k, g in enumerate(grads):
             assert torch.all(g == 10 + 2 * k), (rank, k, g)
         separate = [torch.full((3,), float(rank)), torch.full((2,), float(rank + 1))]
-        _all_reduce_sum(separate, dist.group.WORLD)  # no span: through a flattened copy
+        main_grads.all_reduce_sum(separate, dist.group.WORLD)  # no span: through a flattened copy
         assert torch.all(separate[0] == 1) and torch.all(separate[1] == 3)
     finally:
         dist.destroy_process_group()

@@ -27,16 +27,19 @@ def _base(tmp_path: Path, moe: bool) -> list[str]:
 
 def test_the_30b_a3b_recipe_is_accepted(tmp_path: Path) -> None:
     args = parse_args(_base(tmp_path, moe=True) + RECIPE_30B_A3B)
-    assert (args.tensor_model_parallel_size, args.sequence_parallel, args.expert_model_parallel_size,
-            args.expert_tensor_parallel_size) == (4, True, 8, 1)
-    assert args.optimizer_cpu_offload and args.overlap_cpu_optimizer_d2h_h2d and args.use_precision_aware_optimizer
-    assert args.use_distributed_optimizer, "slime always uses megatron's distributed optimizer"
+    parallel, optimizer = args.parallel, args.optimizer
+    assert (parallel.tensor_model_parallel_size, parallel.sequence_parallel, parallel.expert_model_parallel_size,
+            parallel.expert_tensor_parallel_size) == (4, True, 8, 1)
+    assert (optimizer.optimizer_cpu_offload and optimizer.overlap_cpu_optimizer_d2h_h2d
+            and optimizer.use_precision_aware_optimizer)
+    assert optimizer.use_distributed_optimizer, "slime always uses megatron's distributed optimizer"
 
 
 def test_defaults_are_slimes(tmp_path: Path) -> None:
     args = parse_args(_base(tmp_path, moe=False))
-    assert (args.optimizer, args.sgd_momentum, args.use_distributed_optimizer, args.expert_tensor_parallel_size,
-            args.sequence_parallel) == ("adam", 0.9, True, None, False)
+    optimizer, parallel = args.optimizer, args.parallel
+    assert (optimizer.optimizer, optimizer.sgd_momentum, optimizer.use_distributed_optimizer,
+            parallel.expert_tensor_parallel_size, parallel.sequence_parallel) == ("adam", 0.9, True, None, False)
 
 
 @pytest.mark.parametrize("moe, flags, message", [

@@ -21,7 +21,7 @@ from ckpt_tools.convert import hf_to_torch_dist
 from rollout.tiny_model import write_tiny_model
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
-from trainer.args import build_parser, validate
+from trainer.args import build_config, build_parser
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
 from trainer.rl_step import make_pack_loss, make_value_pack_loss
@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
         # Adam's first step is about lr * sign(g): float noise in a near-zero gradient element would
         # flip it. With eps = 1 the update follows the gradient, so layouts can be compared.
         "--adam-eps", "1", *extra])
-    validate(args)
+    args = build_config(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
     before = {name: t.clone() for name, t in backend.hf_weights()}  # they may share the live model's memory

@@ -19,7 +19,7 @@ from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
 from tests.trainer.test_megatron_optimizer import _step
-from trainer.args import ArgsError, build_parser, validate
+from trainer.args import ArgsError, build_config, build_parser
 
 CP2 = ["--context-parallel-size", "2"]
 
@@ -57,7 +57,7 @@ def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ck
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
         "--load-debug-rollout-data", "unused/{rollout_id}", "--lr", "1e-2", "--adam-eps", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--context-parallel-size", str(world)])
-    validate(args)
+    args = build_config(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     if phase == "uninterrupted":
         backend.load(ckpt, weights_only=True)
@@ -90,4 +90,4 @@ def test_context_parallel_with_unfused_attention_is_refused(tiny) -> None:  # no
                                       "--debug-train-only", "--load-debug-rollout-data", "x", *CP2,
                                       "--attention-backend", "local"])
     with pytest.raises(ArgsError, match="--context-parallel-size 2 needs a fused --attention-backend"):
-        validate(args)
+        build_config(args)

@@ -18,7 +18,7 @@ from rollout.tiny_model import write_tiny_model
 from tests.rollout.servers import free_port
 from tests.trainer.megatron_hooks import HOOK_LOG_ENV
 from tests.trainer.test_megatron_backend import _samples
-from trainer.args import build_parser, validate
+from trainer.args import build_config, build_parser
 from trainer.losses import LossConfig
 from trainer.rl_step import make_pack_loss
 
@@ -36,7 +36,7 @@ def _worker(rank: int, port: int, model: Path, ckpt: Path, out: Path) -> None:
         "--custom-megatron-init-path", f"{HOOKS}.init",
         "--custom-megatron-before-log-prob-hook-path", f"{HOOKS}.before_log_prob",
         "--custom-megatron-before-train-step-hook-path", f"{HOOKS}.before_train_step"])
-    validate(args)
+    args = build_config(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     backend.load(ckpt, weights_only=True)
     samples, result = _samples(backend.shape.vocab_size), {}

@@ -50,10 +50,10 @@ def test_moe_tp2_with_sequence_parallel_matches_tp1(results) -> None:
 
 
 def test_moe_tp2_without_sequence_parallel_is_refused(tmp_path: Path) -> None:
-    from trainer.args import ArgsError, build_parser, validate
+    from trainer.args import ArgsError, build_config, build_parser
 
     model = make_tiny_hf("qwen3_moe", tmp_path / "model", tied=False)
     args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
                                       "--load-debug-rollout-data", "x", "--tensor-model-parallel-size", "2"])
     with pytest.raises(ArgsError, match="needs --sequence-parallel"):
-        validate(args)
+        build_config(args)

@@ -20,7 +20,7 @@ from rollout.tiny_model import write_tiny_model
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.test_megatron_backend import ATOL, _samples
-from trainer.args import build_parser, validate
+from trainer.args import build_config, build_parser
 from trainer.losses import LossConfig
 from trainer.rl_step import make_pack_loss
 
@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
         "unused/{rollout_id}", "--lr", "1e-2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24",
         # constant: the linear decay of a one-rollout run would leave the resumed step a zero LR
         "--lr-decay-style", "constant", *extra])
-    validate(args)
+    args = build_config(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     result: dict = {}
     if phase == "uninterrupted":

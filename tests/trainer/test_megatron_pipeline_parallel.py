@@ -24,7 +24,7 @@ from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
 from tests.trainer.test_megatron_optimizer import _step
-from trainer.args import ArgsError, build_parser, validate
+from trainer.args import ArgsError, build_config, build_parser
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
@@ -73,7 +73,7 @@ def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ck
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
         "--load-debug-rollout-data", "unused/{rollout_id}", "--lr", "1e-2", "--adam-eps", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "24", "--pipeline-model-parallel-size", str(world)])
-    validate(args)
+    args = build_config(args)
     backend = MegatronBackend(args, json.loads((model / "config.json").read_text()))
     save = out / f"save_{phase.split('_')[-1]}"
     if phase.startswith("uninterrupted"):
@@ -110,12 +110,12 @@ def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny) -> Non
                                       "--debug-train-only", "--load-debug-rollout-data", "x",
                                       "--pipeline-model-parallel-size", "3"])
     with pytest.raises(ArgsError, match="--pipeline-model-parallel-size 3 cannot split the model's 2 layers"):
-        validate(args)
+        build_config(args)
     args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
                                       "--debug-train-only", "--load-debug-rollout-data", "x",
                                       "--decoder-last-pipeline-num-layers", "1"])
     with pytest.raises(ArgsError, match="--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size > 1"):
-        validate(args)
+        build_config(args)
 
 
 def test_pipeline_parallel_moe_with_the_allgather_dispatcher_is_refused(tmp_path: Path) -> None:
@@ -123,4 +123,4 @@ def test_pipeline_parallel_moe_with_the_allgather_dispatcher_is_refused(tmp_path
     args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
                                       "--debug-train-only", "--load-debug-rollout-data", "x", *PP2])
     with pytest.raises(ArgsError, match="needs --moe-token-dispatcher-type alltoall"):
-        validate(args)
+        build_config(args)

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from trainer.args import build_parser
 from trainer.batch import TrainSample
-from trainer.rl_step import compute_advantages
+from trainer.config import LossOptions
+from trainer.rl_step import compute_advantages as _compute_advantages
+
+N_SAMPLES_PER_PROMPT = 2
 
 
-def _args(*flags: str):
-    return build_parser().parse_args(["--hf-checkpoint", "unused", "--num-rollout", "1", "--n-samples-per-prompt",
-                                      "2", *flags])
+def _args(*flags: str) -> LossOptions:
+    parsed = build_parser().parse_args(["--hf-checkpoint", "unused", "--num-rollout", "1", "--n-samples-per-prompt",
+                                        str(N_SAMPLES_PER_PROMPT), *flags])
+    return LossOptions(**{f.name: getattr(parsed, f.name, False) for f in dataclasses.fields(LossOptions)})
+
+
+def compute_advantages(loss: LossOptions, samples: list[TrainSample]) -> None:
+    _compute_advantages(loss, samples)
 
 
 def _samples(rewards: list[float]) -> list[TrainSample]:

@@ -4,18 +4,24 @@ trainer replaying after a kill, exactly: tests/trainer/test_rl_loop.py.)"""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from contract.job_dir import JobDir
 from rollout.sample import Sample, Status
-from trainer.rollout_journal import INITIAL, RolloutJournal, new_lineage
+from trainer.rollout_journal import (
+    INITIAL,
+    LINEAGE_KEY,
+    RolloutJournal,
+    fingerprint,
+    new_lineage,
+)
 
 
-def flags(**changed: object) -> argparse.Namespace:
+def flags(**changed: object) -> str:
+    """The fingerprint of a trainer's flags, with `changed` ones."""
     base = {"lr": 1e-2, "num_rollout": 10, "seed": 7, "master_port": 29500, "sglang_router_ip": "10.0.0.1",
             "sglang_router_port": 30000, "api_key": "k1", "engine_urls": None}
-    return argparse.Namespace(**{**base, **changed})
+    return fingerprint({**base, **changed})
 
 
 GROUPS = [[Sample(index=0, group_index=0, prompt="1+1", tokens=[5, 6, 7], response="2", response_length=1,
@@ -79,3 +85,19 @@ def test_an_unreadable_entry_is_generated_again(tmp_path: Path) -> None:
     (JobDir(tmp_path).rollout_journal).mkdir()
     (JobDir(tmp_path).rollout_journal / "rollout_3.pt").write_bytes(b"not a torch file")
     assert RolloutJournal(JobDir(tmp_path).rollout_journal, flags()).replay(3) is None
+
+
+def test_the_lineage_travels_through_the_checkpoint_state(tmp_path: Path) -> None:
+    journal = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
+    journal.record(2, GROUPS, BUFFER)
+    state = journal.state_dict()
+    assert state[LINEAGE_KEY] != journal.state_dict()[LINEAGE_KEY], "each save has its own lineage"
+    journal.checkpointed(state)  # the checkpoint holding `state` is written: the entries go
+    assert journal.replay(2) is None and journal.lineage == state[LINEAGE_KEY]
+    journal.record(3, GROUPS, BUFFER)
+    resumed = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
+    resumed.load_state_dict(state)
+    assert resumed.replay(3) is not None
+    before_the_journal = RolloutJournal(JobDir(tmp_path).rollout_journal, flags())
+    before_the_journal.load_state_dict({})  # a checkpoint without a lineage: nothing replays
+    assert before_the_journal.replay(3) is None

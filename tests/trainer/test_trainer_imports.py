@@ -12,9 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
-import argparse, sys
+import sys
 from trainer.__main__ import skip_unused_imports
-skip_unused_imports(argparse.Namespace(use_wandb={use_wandb}))
+skip_unused_imports({use_wandb})
 import megatron.core, megatron.core.timers
 print("wandb loaded" if sys.modules.get("wandb") is not None else "wandb not loaded")
 """

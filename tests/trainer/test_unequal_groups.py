@@ -4,6 +4,7 @@ group (by each sample's group_index), never by slicing the batch into runs of
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -14,6 +15,7 @@ from rollout.generate import RolloutArgs, generate_rollout
 from rollout.sample import Sample, Status
 from trainer.args import build_parser
 from trainer.batch import TrainSample
+from trainer.config import LossOptions
 from trainer.rl_step import compute_advantages
 
 # Two prompts: the first with 3 responses, the second with 5 (--n-samples-per-prompt says 4).
@@ -43,9 +45,10 @@ def test_a_rollout_function_with_unequal_groups_gets_per_group_advantages() -> N
     assert {s.weight_version for s in samples} == {7}
     for s in samples:
         s.old_log_probs = torch.tensor([-0.5, -0.5])
-    args = build_parser().parse_args(["--hf-checkpoint", "unused", "--num-rollout", "1",
-                                      "--n-samples-per-prompt", "4", "--advantage-estimator", "grpo"])
-    compute_advantages(args, samples)
+    parsed = build_parser().parse_args(["--hf-checkpoint", "unused", "--num-rollout", "1",
+                                        "--n-samples-per-prompt", "4", "--advantage-estimator", "grpo"])
+    compute_advantages(LossOptions(**{f.name: getattr(parsed, f.name, False) for f in dataclasses.fields(LossOptions)}),
+                       samples)
     want = [a for rewards in REWARDS for a in _by_hand(rewards)]
     assert [s.advantages[0].item() for s in samples] == pytest.approx(want, abs=1e-5)
 

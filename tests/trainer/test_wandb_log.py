@@ -58,12 +58,13 @@ def test_each_rollout_reaches_one_run_and_a_resume_continues_it(flags: list[str]
 
     args = parse_args(flags + ["--use-wandb", "--wandb-mode", "offline", "--wandb-project", "p",
                                "--wandb-group", "g", "--wandb-always-use-train-step"])
-    job_dir = JobDir(Path(args.job_dir))
-    first = WandbRun(args, job_dir)
+    job_dir = JobDir(Path(args.run.job_dir))
+    first = WandbRun(args.logging, job_dir, steps_per_rollout=args.steps_per_rollout, run_config=args.flat())
     first.log(0, {"loss": 0.5, "reward_mean": 0.25, "note": "text is not a number"})
     first.close()
-    second = WandbRun(parse_args(flags + ["--use-wandb", "--wandb-mode", "offline", "--wandb-project", "p",
-                                          "--wandb-group", "g", "--wandb-always-use-train-step"]), job_dir)
+    again = parse_args(flags + ["--use-wandb", "--wandb-mode", "offline", "--wandb-project", "p",
+                                "--wandb-group", "g", "--wandb-always-use-train-step"])
+    second = WandbRun(again.logging, job_dir, steps_per_rollout=again.steps_per_rollout, run_config=again.flat())
     assert second.run.id == first.run.id and second.run.group == first.run.group
     assert first.run.group.startswith("g_")  # slime's random suffix, chosen once per job
     second.log(1, {"loss": 0.25, "reward_mean": 0.75})
@@ -88,9 +89,9 @@ def test_tb_project_and_experiment_name_the_tensorboard_folder(flags: list[str],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
     args = parse_args(flags + ["--use-tensorboard", "--tb-project-name", "proj", "--tb-experiment-name", "exp"])
-    assert args.tensorboard_dir == str(tmp_path / "job" / "tensorboard_log" / "proj" / "exp")
+    assert args.logging.tensorboard_dir == str(tmp_path / "job" / "tensorboard_log" / "proj" / "exp")
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
-    assert parse_args(flags + ["--use-tensorboard"]).tensorboard_dir == str(tmp_path / "tb")
+    assert parse_args(flags + ["--use-tensorboard"]).logging.tensorboard_dir == str(tmp_path / "tb")
 
 
 def test_without_a_mode_and_without_network_the_run_is_kept_offline(flags: list[str], tmp_path: Path,
@@ -106,9 +107,9 @@ def test_without_a_mode_and_without_network_the_run_is_kept_offline(flags: list[
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", server)
     args = parse_args(flags + ["--use-wandb", "--wandb-project", "p"])
-    job_dir = JobDir(Path(args.job_dir))
+    job_dir = JobDir(Path(args.run.job_dir))
     with caplog.at_level("WARNING", logger="trainer.wandb_log"):
-        run = WandbRun(args, job_dir)
+        run = WandbRun(args.logging, job_dir, steps_per_rollout=args.steps_per_rollout, run_config=args.flat())
     run.log(0, {"loss": 0.5})
     run.close()
     assert run.run.settings.mode == "offline"

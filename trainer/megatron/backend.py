@@ -9,10 +9,8 @@ in fp32, as megatron's DDP does with its main grads.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,6 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import param_is_not_shared
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
@@ -35,9 +32,11 @@ from trainer.megatron import pipeline as megatron_pipeline, state as megatron_st
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
+from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron.attention import gpt_block_spec
 from trainer.megatron.compile import compile_layers
+from trainer.megatron.hf_export import HFExport
 from trainer.megatron.optimizer import ShardedOptimizer
 from trainer.megatron.rope import PackedRope
 from trainer.offload import Offloadable
@@ -45,13 +44,6 @@ from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.token_stats import log_probs_and_entropy
 
 log = logging.getLogger(__name__)
-
-# The local layer spec names two norms differently from the checkpoint (and ckpt_tools.mapping).
-_LOCAL_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
-
 
 CRITIC_DIR = "critic"  # PPO's critic is saved in this sub-folder of each checkpoint
 
@@ -85,10 +77,12 @@ class ValueHead(torch.nn.Module):
 
 
 class MegatronBackend(Backend):
-    def __init__(self, args: argparse.Namespace, hf_config: dict[str, Any]) -> None:
-        self.args = args
-        init_parallel(args.tensor_model_parallel_size, args.expert_model_parallel_size, args.seed,
-                      args.expert_tensor_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size)
+    def __init__(self, config: TrainerConfig, hf_config: dict[str, Any]) -> None:
+        self.config = config
+        parallel = config.parallel
+        init_parallel(parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size, config.model.seed,
+                      parallel.expert_tensor_parallel_size, parallel.context_parallel_size,
+                      parallel.pipeline_model_parallel_size)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -96,28 +90,31 @@ class MegatronBackend(Backend):
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.pp_size, self.last_stage = ps.get_pipeline_model_parallel_world_size(), ps.is_pipeline_last_stage()
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
-        self.sequence_parallel = args.sequence_parallel and self.tp_size > 1
+        self.sequence_parallel = config.parallel.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        check_attention_backend(args.attention_kernels, self.device)
+        check_attention_backend(config.model.attention_kernels, self.device)
         self.hf_config = hf_config
-        self.shape = mapping.ModelShape.from_hf_config(hf_config, args.make_vocab_size_divisible_by * self.tp_size)
-        if args.custom_megatron_init_path:  # slime's: once megatron is initialised, before any model is built
-            load_function(args.custom_megatron_init_path, "--custom-megatron-init-path")(args)
-        self.actor = self._trainee(self._build_model(), args.lr)
+        self.shape = mapping.ModelShape.from_hf_config(hf_config, config.model.make_vocab_size_divisible_by * self.tp_size)
+        self.plugin_args = config.plugin_namespace()  # what slime's megatron hooks get as args
+        if config.model.custom_megatron_init_path:  # slime's: once megatron is initialised, before any model is built
+            init = load_function(config.model.custom_megatron_init_path, "--custom-megatron-init-path")
+            init(self.plugin_args)
+        self.actor = self._trainee(self._build_model(), config.optimizer.lr)
         self.model = self.actor.model
-        self.ref_model = self._build_model() if args.ref_model_needed else None
+        self.ref_model = self._build_model() if config.loss.ref_model_needed else None
         # On-policy distillation's teacher: frozen, the student's architecture, its own weights.
-        self.teacher_model = self._build_model() if args.opd_teacher_load else None
-        self.critic = self._trainee(self._build_critic(), args.critic_lr or args.lr) \
-            if args.advantage_estimator == "ppo" else None
+        self.teacher_model = self._build_model() if config.checkpoint.opd_teacher_load else None
+        self.critic = self._trainee(self._build_critic(), config.optimizer.critic_lr or config.optimizer.lr) \
+            if config.loss.advantage_estimator == "ppo" else None
         # The log-probs over the vocabulary read and write [tokens, vocab] fp32 tensors a dozen
         # times; compiled, they fuse into a few passes. Under TP the collectives stay eager.
         self._token_stats = torch.compile(log_probs_and_entropy, dynamic=True) \
-            if args.torch_compile and self.tp_size == 1 else log_probs_and_entropy
+            if config.model.torch_compile and self.tp_size == 1 else log_probs_and_entropy
         self._hooks = {name: load_function(path, flag) for name, path, flag in (
-            ("log_prob", args.custom_megatron_before_log_prob_hook_path, "--custom-megatron-before-log-prob-hook-path"),
-            ("train_step", args.custom_megatron_before_train_step_hook_path,
+            ("log_prob", config.model.custom_megatron_before_log_prob_hook_path,
+             "--custom-megatron-before-log-prob-hook-path"),
+            ("train_step", config.model.custom_megatron_before_train_step_hook_path,
              "--custom-megatron-before-train-step-hook-path")) if path}
 
     def offloadable(self) -> Offloadable:
@@ -129,30 +126,31 @@ class MegatronBackend(Backend):
 
     # ---------------------------------------------------------------- model
     def _build_model(self, tied: bool | None = None) -> GPTModel:
-        args = self.args
+        options = self.config
         config, model_kwargs = transformer_config_from_hf(
-            self.hf_config, self.tp_size, args.expert_model_parallel_size, args.make_vocab_size_divisible_by,
-            sequence_parallel=self.sequence_parallel, etp=self.etp_size, cp=self.cp_size, pp=self.pp_size,
-            pp_first=args.decoder_first_pipeline_num_layers, pp_last=args.decoder_last_pipeline_num_layers,
-            params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+            self.hf_config, self.tp_size, options.parallel.expert_model_parallel_size,
+            options.model.make_vocab_size_divisible_by, sequence_parallel=self.sequence_parallel, etp=self.etp_size,
+            cp=self.cp_size, pp=self.pp_size, pp_first=options.parallel.decoder_first_pipeline_num_layers,
+            pp_last=options.parallel.decoder_last_pipeline_num_layers,
+            params_dtype=torch.bfloat16 if options.model.bf16 else torch.float32)
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
         config.bias_activation_fusion = self.device.type == "cuda"
-        config.recompute_granularity = args.recompute_granularity
-        config.recompute_method = args.recompute_method
-        config.recompute_num_layers = args.recompute_num_layers
+        config.recompute_granularity = options.parallel.recompute_granularity
+        config.recompute_method = options.parallel.recompute_method
+        config.recompute_num_layers = options.parallel.recompute_num_layers
         if config.num_moe_experts:
-            if args.moe_token_dispatcher_type == "alltoall" and self.device.type != "cuda":
+            if options.model.moe_token_dispatcher_type == "alltoall" and self.device.type != "cuda":
                 raise ArgsError("--moe-token-dispatcher-type alltoall needs CUDA streams; use allgather on CPU")
-            config.moe_token_dispatcher_type = args.moe_token_dispatcher_type or "allgather"
-            config.moe_router_dtype = args.moe_router_dtype
-        spec = gpt_block_spec(config, args.attention_backend)
+            config.moe_token_dispatcher_type = options.model.moe_token_dispatcher_type or "allgather"
+            config.moe_router_dtype = options.model.moe_router_dtype
+        spec = gpt_block_spec(config, options.model.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                          post_process=self.last_stage, **model_kwargs).to(self.device)
-        if args.attention_backend != "local" and self.cp_size == 1:
+        if options.model.attention_backend != "local" and self.cp_size == 1:
             model.packed_rope = PackedRope(model)
-        if args.torch_compile:
+        if options.model.torch_compile:
             compile_layers(model)
         return model
 
@@ -161,7 +159,7 @@ class MegatronBackend(Backend):
         critic = self._build_model(tied=False)
         if self.last_stage:
             critic.output_layer = ValueHead(self.shape.hidden_size, self.sequence_parallel).to(
-                self.device, torch.bfloat16 if self.args.bf16 else torch.float32)
+                self.device, torch.bfloat16 if self.config.model.bf16 else torch.float32)
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
@@ -170,8 +168,9 @@ class MegatronBackend(Backend):
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         main_grads.accumulate_in_fp32(p for _, p in named)
-        optimizer = ShardedOptimizer(named, self.args, lr, data_parallel_group, _is_expert)
-        return Trainee(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.args)))
+        optimizer = ShardedOptimizer(named, self.config.optimizer, lr, data_parallel_group, _is_expert)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.config.optimizer))
+        return Trainee(model, optimizer, schedule)
 
     def _layout(self, pack: Pack, samples: list[TrainSample]) -> context_parallel.RowLayout:
         return context_parallel.layout(pack, samples, self.tp_size if self.sequence_parallel else 1,
@@ -182,7 +181,7 @@ class MegatronBackend(Backend):
         [1, t, V / tp]; on other pipeline stages the hidden states for the next."""
         tokens, positions, cu = rows.tokens.to(self.device)[None], rows.positions.to(self.device)[None], rows.cu_seqlens
         inputs: dict[str, Any] = {}
-        if self.args.attention_backend == "local":
+        if self.config.model.attention_backend == "local":
             # Block-diagonal causal mask (True = masked): no sample sees another.
             seq = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()).to(self.device)
             causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=self.device).triu(1)
@@ -197,8 +196,9 @@ class MegatronBackend(Backend):
         if rope is not None:
             rope.positions = positions[0]
         try:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16 and self.device.type == "cuda"), \
-                    attention_kernels(self.args.attention_kernels):
+            bf16 = self.config.model.bf16 and self.device.type == "cuda"
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16), \
+                    attention_kernels(self.config.model.attention_kernels):
                 return model(tokens, positions, **inputs)
         finally:
             if rope is not None:
@@ -221,7 +221,7 @@ class MegatronBackend(Backend):
         return megatron_pipeline.each_pack(model, packs, self._run_model, step, train)
 
     def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
-        batching = Batching.from_args(self.args, for_log_probs)
+        batching = Batching.of(self.config.batching, for_log_probs)
         if batching.dynamic and self.cp_size > 1:  # as slime: each rank holds 1 / CP of a pack's tokens
             batching = dataclasses.replace(batching, max_tokens=batching.max_tokens * self.cp_size)
         return rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
@@ -242,7 +242,7 @@ class MegatronBackend(Backend):
         if net is None:
             raise RuntimeError(f"no {model} model was loaded")
         if "log_prob" in self._hooks:  # slime's signature: the model's chunks and where its log-probs go
-            self._hooks["log_prob"](self.args, [net], "" if model == "actor" else f"{model}_")
+            self._hooks["log_prob"](self.plugin_args, [net], "" if model == "actor" else f"{model}_")
         net.eval()
         mine: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -271,7 +271,7 @@ class MegatronBackend(Backend):
                    need_entropy: bool, role: str = "actor", rollout_id: int = 0, step_id: int = 0) -> dict[str, float]:
         trainee = self.critic if role == "critic" else self.actor
         if "train_step" in self._hooks and role == "actor":  # slime's signature
-            self._hooks["train_step"](self.args, rollout_id, step_id, [self.model], self.actor.optimizer,
+            self._hooks["train_step"](self.plugin_args, rollout_id, step_id, [self.model], self.actor.optimizer,
                                       self.actor.scheduler)
         trainee.model.train()
         trainee.optimizer.zero_grad()
@@ -288,9 +288,9 @@ class MegatronBackend(Backend):
         self._reduce_gradients(trainee.model)
         grad_norm = self._grad_norm(trainee.model)
         check_finite(grad_norm, role)
-        if self.args.clip_grad > 0 and grad_norm > self.args.clip_grad:
+        if self.config.optimizer.clip_grad > 0 and grad_norm > self.config.optimizer.clip_grad:
             grads = [g for p in trainee.model.parameters() if (g := main_grads.grad_of(p)) is not None]
-            torch._foreach_mul_(grads, self.args.clip_grad / (grad_norm + 1e-6))
+            torch._foreach_mul_(grads, self.config.optimizer.clip_grad / (grad_norm + 1e-6))
         trainee.optimizer.step()
         lr = trainee.scheduler.get_last_lr()[0]
         trainee.scheduler.step()
@@ -307,9 +307,10 @@ class MegatronBackend(Backend):
         named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
         partial = [g for n, p, g in named if "q_layernorm" in n or "k_layernorm" in n
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
-        _all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
-        _all_reduce_sum([g for n, _, g in named if not _is_expert(n)], ps.get_data_parallel_group(with_context_parallel=True))
-        _all_reduce_sum([g for n, _, g in named if _is_expert(n)], ps.get_expert_data_parallel_group())
+        main_grads.all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
+        dense_group = ps.get_data_parallel_group(with_context_parallel=True)
+        main_grads.all_reduce_sum([g for n, _, g in named if not _is_expert(n)], dense_group)
+        main_grads.all_reduce_sum([g for n, _, g in named if _is_expert(n)], ps.get_expert_data_parallel_group())
 
     def _grad_norm(self, model: GPTModel) -> float:
         """The global L2 norm: each TP shard once, replicated weights (norms) once per TP group,
@@ -343,68 +344,8 @@ class MegatronBackend(Backend):
 
     # ---------------------------------------------------------------- weights
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        rules = {rule.megatron: rule for rule in mapping.rules(self.shape)}
-        dtype = getattr(torch, self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
-        if self.pp_size == 1:
-            yield from self._stage_hf_weights(rules, dtype)
-        else:
-            yield from megatron_pipeline.from_every_stage(self._stage_hf_weights(rules, dtype))
-
-    def _stage_hf_weights(self, rules: dict[str, mapping.Rule], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """This pipeline stage's weights, on its leader (global rank 0 without PP)."""
-        offset = get_transformer_layer_offset(self.model.config)
-        for name, param in self.model.named_parameters():
-            if getattr(param, "shared", False):  # the last stage's copy of tied embeddings
-                continue
-            key, layer, experts = self._checkpoint_key(name)
-            for expert, full in self._gather(name, param, experts):
-                if not megatron_pipeline.is_stage_leader():
-                    continue
-                rule = rules[key]
-                layer_id = None if layer is None else layer + offset
-                for hf_name, tensor in zip(rule.hf_names(layer_id, expert), mapping.to_hf(rule, full, self.shape)):
-                    yield hf_name, tensor.to(dtype).cpu()
-
-    def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:
-        """(checkpoint key, layer, (local expert, experts per rank) or None) of a parameter name."""
-        match = _LAYER.fullmatch(name)
-        if not match:
-            return name, None, None
-        layer, rest = int(match.group(1)), match.group(2)
-        expert = _EXPERT.fullmatch(rest)
-        if expert:
-            per_rank = self.shape.num_experts // self.args.expert_model_parallel_size
-            return "decoder.layers.mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
-        return "decoder.layers." + _LOCAL_NAMES.get(rest, rest), layer, None
-
-    def _gather(self, name: str, param: torch.Tensor,
-                experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:
-        """The full tensor (TP shards joined), once per global expert for expert weights.
-        Expert weights are split over the expert-TP group (--expert-tensor-parallel-size), the rest
-        over the TP group."""
-        data = param.detach()
-        if experts is None:
-            tp_size, tp_group = self.tp_size, ps.get_tensor_model_parallel_group()
-        else:
-            tp_size, tp_group = self.etp_size, ps.get_expert_tensor_parallel_group()
-        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-            parts = [torch.empty_like(data) for _ in range(tp_size)]
-            dist.all_gather(parts, data.contiguous(), group=tp_group)
-            dim = param.partition_dim
-            if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
-                # Each rank holds [gate shard; up shard]: join the gates, then the ups.
-                halves = [p.chunk(2, dim=0) for p in parts]
-                data = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-            else:
-                data = torch.cat(parts, dim=dim)
-        if experts is not None and self.args.expert_model_parallel_size > 1:
-            parts = [torch.empty_like(data) for _ in range(self.args.expert_model_parallel_size)]
-            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
-            local, per_rank = experts
-            for ep_rank, part in enumerate(parts):
-                yield ep_rank * per_rank + local, part
-            return
-        yield (experts[0] if experts else None), data
+        return HFExport(self.model, self.shape, self.hf_config, self.tp_size, self.etp_size,
+                        self.config.parallel.expert_model_parallel_size, self.pp_size).weights()
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
@@ -450,17 +391,3 @@ def _is_expert(name: str) -> bool:
     allreduce=False only when EP > 1, but with --expert-tensor-parallel-size != TP their
     data-parallel group differs from the dense weights' at EP 1 too."""
     return ".mlp.experts." in name
-
-
-def _all_reduce_sum(grads: list[torch.Tensor], group) -> None:
-    """One coalesced all-reduce of these tensors, in place: of the buffer they tile where they do
-    (the main grads), else of a flattened copy."""
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    if (span := main_grads.flat_span(grads)) is not None:
-        dist.all_reduce(span, group=group)
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)

@@ -25,7 +25,6 @@ On a CPU-only machine the parameters are already in host memory and both change 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 
 import torch
@@ -33,20 +32,21 @@ import torch.distributed as dist
 from torch.nn import Parameter
 
 from trainer import main_grads
+from trainer.config import OptimizerOptions
 
 
 class ShardedOptimizer:
     """This rank's share of the optimizer step (all of it without --use-distributed-optimizer)."""
 
-    def __init__(self, named: list[tuple[str, Parameter]], args: argparse.Namespace, lr: float,
+    def __init__(self, named: list[tuple[str, Parameter]], options: OptimizerOptions, lr: float,
                  groups: Callable[[bool], dist.ProcessGroup], is_expert: Callable[[str], bool]) -> None:
         # Dense weights first, then experts: their main grads then tile one buffer run per reduce group.
         self.params = [p for n, p in named if not is_expert(n)] + [p for n, p in named if is_expert(n)]
-        self.distributed: bool = args.use_distributed_optimizer
+        self.distributed: bool = options.use_distributed_optimizer
         # (group, owner's global rank, its parameters): every rank takes part in every broadcast.
         self._broadcasts: list[tuple[dist.ProcessGroup, int, list[Parameter]]] = []
         owned = [p for _, p in named]  # the torch optimizer's order, which checkpoints keep
-        if args.use_distributed_optimizer:
+        if options.use_distributed_optimizer:
             owned = []
             for expert in (False, True):
                 group = groups(expert)
@@ -57,8 +57,8 @@ class ShardedOptimizer:
                     self._broadcasts += [(group, dist.get_global_rank(group, r), share)
                                          for r, share in enumerate(shares) if share]
         self.owned: list[Parameter] = owned  # model parameters, in the torch optimizer's order
-        self._offload = args.optimizer_cpu_offload and any(p.device.type != "cpu" for p in owned)
-        self._overlap = args.overlap_cpu_optimizer_d2h_h2d
+        self._offload = options.optimizer_cpu_offload and any(p.device.type != "cpu" for p in owned)
+        self._overlap = options.overlap_cpu_optimizer_d2h_h2d
         self._stream = torch.cuda.Stream() if self._offload and self._overlap else None
         if self._offload:
             self.masters = [Parameter(p.detach().to("cpu", torch.float32).pin_memory()) for p in owned]
@@ -66,7 +66,7 @@ class ShardedOptimizer:
             self.masters = [Parameter(p.detach().to(torch.float32, copy=True)) for p in owned]
         else:
             self.masters = owned
-        self.optimizer = _torch_optimizer(self.masters, args, lr)
+        self.optimizer = _torch_optimizer(self.masters, options, lr)
 
     def device_masters(self) -> list[Parameter]:
         """fp32 masters that are neither model parameters nor on the host (what offload must move)."""
@@ -141,10 +141,10 @@ def _partition(params: list[Parameter], size: int) -> list[list[Parameter]]:
     return shares
 
 
-def _torch_optimizer(params: list[Parameter], args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=args.sgd_momentum, weight_decay=args.weight_decay)
+def _torch_optimizer(params: list[Parameter], options: OptimizerOptions, lr: float) -> torch.optim.Optimizer:
+    if options.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=options.sgd_momentum, weight_decay=options.weight_decay)
     # megatron's Adam is AdamW (decoupled weight decay), as is apex's FusedAdam it uses on GPU.
     # fused: one kernel for all parameters where they are all on a GPU
-    return torch.optim.AdamW(params, lr=lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                             weight_decay=args.weight_decay, fused=bool(params) and all(p.is_cuda for p in params))
+    return torch.optim.AdamW(params, lr=lr, betas=(options.adam_beta1, options.adam_beta2), eps=options.adam_eps,
+                             weight_decay=options.weight_decay, fused=bool(params) and all(p.is_cuda for p in params))

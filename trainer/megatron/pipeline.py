@@ -49,7 +49,7 @@ def each_pack(model: GPTModel, packs: list[tuple[Pack, RowLayout]], run_model: C
     # Megatron's schedule scales nothing with per-token losses: `step`'s loss is already scaled.
     model.config.calculate_per_token_loss = True
     # Packs differ in length: stages send each activation's shape first. (Set here, not in the
-    # config's constructor, which refuses it with MoE's allgather dispatcher: args.py refuses that.)
+    # config's constructor, which refuses it with MoE's allgather dispatcher: trainer.config refuses that.)
     model.config.variable_seq_lengths = True
     data = iter(packs)
 

@@ -1,0 +1,89 @@
+"""The trainer parser's machinery: its error type, the parser that names unknown flags, the help
+formatter, and the action of slime's flags that slurmrl refuses."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from typing import Any
+
+
+def moe_layer_freq(text: str) -> int:
+    """Megatron's --moe-layer-freq: N (every Nth layer is MoE) or a per-layer list "[1, 1, 0, ...]";
+    1 when every layer is MoE, the only layout slurmrl builds; 0 for any other pattern."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            pattern = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of 0/1") from None
+        return 1 if pattern and all(x == 1 for x in pattern) else 0
+    return int(text)
+
+
+class ArgsError(ValueError):
+    """A flag's value is wrong; the message names the flag and the fix."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # Unknown flags get a suggestion ("--lrr: did you mean --lr?").
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = []
+            for flag in message.split(":", 1)[1].split():
+                if flag.startswith("--"):
+                    close = difflib.get_close_matches(flag.split("=")[0], known, n=1)
+                    hints.append(f"{flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+            message = "unknown flag " + ", ".join(hints or [message])
+        raise ArgsError(message)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag shows its default (build_parser gives each flag some help: argparse shows a
+    default only within a help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and not action.required and action.default not in (None, False, argparse.SUPPRESS) \
+                and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class RefusedFlag(argparse.Action):
+    """A slime flag slurmrl does not implement: a value other than `allowed` (the one that is
+    what slurmrl does anyway) is refused with `reason`, never accepted and ignored."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, reason: str, allowed: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason, self.allowed = reason, allowed
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = True if self.nargs == 0 else values
+        if self.allowed is None or given != self.allowed:
+            shown = option_string if self.nargs == 0 else f"{option_string} {values}"
+            raise ArgsError(f"{shown}: {self.reason}")
+        setattr(namespace, self.dest, given)
+
+
+def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any = None, type: Any = str,
+            switch: bool = False, nargs: str | None = None) -> None:
+    """Register slime's `flag` as refused: with `reason` whenever given (allowed None), or unless
+    its value equals `allowed`. `switch`: a store_true flag (it takes no value)."""
+    kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type, "nargs": nargs}
+    p.add_argument(flag, action=RefusedFlag, reason=reason, allowed=allowed, default=None,
+                   help=f"refused: {reason}" + ("" if allowed is None else f" (accepted: {allowed})"), **kwargs)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): give a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON object: give one, e.g. '{{\"enable_thinking\": false}}'")
+    return value

@@ -1,0 +1,76 @@
+"""The checks that read --hf-checkpoint's config.json: parallel layouts the model allows, and
+model-shape flags that must equal the config's values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from trainer.args_parser import _MODEL_FLAGS, ArgsError
+from trainer.config.sections import ShapeFlags
+
+Need = Callable[[bool, str], None]
+
+
+def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
+    """--hf-checkpoint's config.json (build_config checked that there is one)."""
+    result: dict[str, Any] = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    return result
+
+
+def validate_megatron_parallel(args: argparse.Namespace, config: dict[str, Any], need: Need) -> None:
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
+    need(etp is None or (etp >= 1 and tp % etp == 0),
+         f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
+    _validate_pipeline_stages(args, config.get("num_hidden_layers"), need)
+    pp = args.pipeline_model_parallel_size
+    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    need(not moe or pp == 1 or args.moe_token_dispatcher_type == "alltoall", f"--pipeline-model-parallel-size {pp} "
+         "with a MoE model needs --moe-token-dispatcher-type alltoall (GPU): megatron-core's allgather dispatcher "
+         "does not support the variable sequence lengths pipeline stages exchange")
+    need(not moe or tp == 1 or args.sequence_parallel or args.train_backend != "megatron",
+         f"--tensor-model-parallel-size {tp} with a MoE model needs --sequence-parallel (megatron-core's MoE layer "
+         "requires it when training with TP > 1)")
+
+
+def _validate_pipeline_stages(args: argparse.Namespace, layers: Any, need: Need) -> None:
+    """As megatron: the first and last stages take the layers given them, the stages between
+    share the rest evenly."""
+    pp, first, last = (args.pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers,
+                       args.decoder_last_pipeline_num_layers)
+    given = [f for f, n in (("--decoder-first-pipeline-num-layers", first),
+                            ("--decoder-last-pipeline-num-layers", last)) if n is not None]
+    need(not given or pp > 1, f"{given[0] if given else ''} needs --pipeline-model-parallel-size > 1")
+    if pp == 1:
+        return
+    need(all(n is None or n >= 1 for n in (first, last)), "--decoder-first/last-pipeline-num-layers must be 1 or more")
+    rest, middle = layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    need(rest >= 0 and (rest % middle == 0 if middle else rest == 0), f"--pipeline-model-parallel-size {pp} "
+         f"cannot split the model's {layers} layers: with {first} in the first stage and {last} in the last "
+         "(none given: an even split), the other stages must share the rest evenly")
+
+
+def check_model_flags(shape: ShapeFlags, hf_checkpoint: str, hf_config: dict[str, Any]) -> None:
+    """Every model-shape flag that was given must equal the HF config's value, and the model
+    has no dropout (train_step's log-probs must be those of log_probs for the same weights)."""
+    dropout = hf_config.get("attention_dropout", 0.0)
+    if dropout:
+        raise ArgsError(f"{hf_checkpoint}/config.json has attention_dropout {dropout}: dropout is not supported "
+                        "in RL training; set it to 0.0")
+    given_flags = {f.name: getattr(shape, f.name) for f in fields(shape)}
+    for flag, read in _MODEL_FLAGS.items():
+        given = given_flags[flag]
+        if given is None:
+            continue
+        try:
+            expected = read(hf_config)
+        except (KeyError, IndexError, TypeError):
+            raise ArgsError(f"--{flag.replace('_', '-')} {given}: {hf_checkpoint}/config.json lacks the field "
+                            "to check it against; drop the flag or fix the checkpoint") from None
+        if given != expected:
+            raise ArgsError(f"--{flag.replace('_', '-')} {given} disagrees with {hf_checkpoint}/config.json "
+                            f"({expected}); drop the flag or fix the checkpoint")

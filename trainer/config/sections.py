@@ -1,0 +1,295 @@
+"""The trainer's configuration sections: frozen, grouped, each field named as slime's flag (its
+argparse dest), so the plug-in boundary can hand slime's Namespace back (trainer.config.plugins).
+Fields marked "derived" are computed by trainer.config.build from other flags (or the environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the run is: where it writes, how long it runs, which parts run."""
+
+    job_dir: str  # derived: absolute --job-dir, else --save, else the cwd
+    num_rollout: int
+    supervised: bool
+    master_port: int | None
+    debug_train_only: bool
+    debug_rollout_only: bool
+    offload_train: bool  # colocation: the trainer's state leaves the GPU while engines generate
+    offload_rollout: bool  # colocation: the engines release their memory while the trainer trains
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The policy model and how it computes (shape flags are in ShapeFlags)."""
+
+    hf_checkpoint: str
+    train_backend: str
+    seed: int
+    bf16: bool
+    torch_compile: bool
+    attention_backend: Literal["local", "sdpa"]  # derived: the layer spec's implementation (local: unfused)
+    attention_kernels: str  # the --attention-backend flag as given: which SDPA kernels may run
+    deterministic_mode: bool
+    make_vocab_size_divisible_by: int
+    moe_token_dispatcher_type: str | None
+    moe_router_dtype: str | None
+    custom_megatron_init_path: str | None
+    custom_megatron_before_log_prob_hook_path: str | None
+    custom_megatron_before_train_step_hook_path: str | None
+    # slime's model flags slurmrl accepts with no effect of their own (the HF config decides)
+    group_query_attention: bool
+    normalization: str
+    position_embedding_type: str
+    use_rotary_position_embeddings: bool
+    seq_length: int | None
+
+
+@dataclass(frozen=True)
+class ShapeFlags:
+    """Model-shape flags as given (None: not given); each must equal --hf-checkpoint's config.json
+    (trainer.args.check_model_flags)."""
+
+    num_layers: int | None
+    hidden_size: int | None
+    ffn_hidden_size: int | None
+    num_attention_heads: int | None
+    num_query_groups: int | None
+    kv_channels: int | None
+    vocab_size: int | None
+    rotary_base: float | None
+    rotary_percent: float | None
+    norm_epsilon: float | None
+    max_position_embeddings: int | None
+    qk_layernorm: bool | None
+    untie_embeddings_and_output_weights: bool | None
+    swiglu: bool | None
+    add_qkv_bias: bool | None
+    disable_bias_linear: bool | None
+    num_experts: int | None
+    moe_ffn_hidden_size: int | None
+    moe_router_topk: int | None
+    moe_router_score_function: str | None
+    moe_router_pre_softmax: bool | None
+    moe_layer_freq: int | None
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """Megatron's model parallelism and activation recomputation."""
+
+    tensor_model_parallel_size: int
+    sequence_parallel: bool
+    expert_tensor_parallel_size: int | None
+    pipeline_model_parallel_size: int
+    decoder_first_pipeline_num_layers: int | None
+    decoder_last_pipeline_num_layers: int | None
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """The optimizer and its learning-rate schedule."""
+
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int  # derived from --lr-warmup-fraction when that is given
+    lr_warmup_fraction: float | None
+    lr_decay_style: str
+    lr_decay_iters: int  # derived: default, every optimizer step of the run
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    optimizer: str
+    sgd_momentum: float
+    use_distributed_optimizer: bool
+    optimizer_cpu_offload: bool
+    overlap_cpu_optimizer_d2h_h2d: bool
+    use_precision_aware_optimizer: bool
+    critic_lr: float | None
+
+
+@dataclass(frozen=True)
+class BatchingOptions:
+    """Optimizer steps per rollout and the micro-batches of each (trainer.batch.Batching)."""
+
+    global_batch_size: int  # derived: default, the whole rollout (or it / --num-steps-per-rollout)
+    num_steps_per_rollout: int | None
+    micro_batch_size: int
+    use_dynamic_batch_size: bool
+    max_tokens_per_gpu: int | None
+    log_probs_max_tokens_per_gpu: int | None
+    balance_data: bool
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Advantages and the policy loss (trainer.rl_step, trainer.losses.LossConfig)."""
+
+    advantage_estimator: str
+    disable_grpo_std_normalization: bool
+    normalize_advantages: bool
+    rewards_normalization: bool
+    gamma: float
+    lambd: float
+    kl_coef: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    use_unbiased_kl: bool
+    eps_clip: float
+    eps_clip_high: float | None
+    eps_clip_c: float | None
+    value_clip: float
+    entropy_coef: float
+    calculate_per_token_loss: bool
+    use_tis: bool
+    tis_clip: float
+    tis_clip_low: float
+    true_on_policy_mode: bool
+    true_on_policy_tolerance: float
+    use_rollout_logprobs: bool
+    loss_type: str
+    use_opd: bool  # on-policy distillation: validated to go with --opd-teacher-load
+    opd_type: str | None
+    opd_kl_coef: float
+    ref_model_needed: bool  # derived: a KL loss or a KL penalty needs the reference model
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """The prompts, the sampling and the rollout plug-ins (rollout.generate.RolloutArgs)."""
+
+    prompt_data: str | None
+    input_key: str
+    label_key: str | None
+    metadata_key: str
+    tool_key: str
+    apply_chat_template: bool
+    apply_chat_template_kwargs: dict[str, Any]
+    rollout_shuffle: bool
+    rollout_global_dataset: bool
+    rollout_seed: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    rollout_max_response_len: int
+    rollout_temperature: float
+    rollout_top_p: float
+    rollout_top_k: int
+    rollout_stop: list[str] | None
+    rollout_stop_token_ids: list[int] | None
+    rollout_skip_special_tokens: bool
+    rollout_max_prompt_len: int | None  # derived: default, --rollout-max-context-len - 1
+    rollout_max_context_len: int | None
+    rollout_concurrency: int
+    retry_timeout_s: float
+    rollout_function_path: str | None  # derived: None for slime's default (the built-in rollout)
+    custom_generate_function_path: str | None
+    over_sampling_batch_size: int | None
+    dynamic_sampling_filter_path: str | None
+    partial_rollout: bool
+    mask_offpolicy_in_partial_rollout: bool
+    rollout_sample_hook_path: list[str]
+    save_debug_rollout_data: str | None
+    load_debug_rollout_data: str | None
+    loss_mask_type: str
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """How samples are scored (rollout.rewards, rollout.remote_rm)."""
+
+    rm_type: str | None
+    custom_rm_path: str | None
+    group_rm: bool
+    reward_key: str | None
+    eval_reward_key: str | None  # derived: default, --reward-key
+    rm_url: str | None
+    rm_concurrency: int
+    rm_timeout: float
+    rm_max_retries: int
+    rm_retry_backoff: float
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """Named eval sets run on the live engines between rollouts (rollout.eval); when they run is
+    trainer.evals.EvalSchedule's."""
+
+    eval_interval: int | None
+    eval_prompt_data: list[str] | None
+    eval_datasets: list[Any]  # derived: rollout.eval.EvalSet of each NAME PATH pair
+    skip_eval_before_train: bool
+    eval_input_key: str | None
+    eval_label_key: str | None
+    n_samples_per_eval_prompt: int
+    eval_temperature: float | None
+    eval_top_p: float | None
+    eval_top_k: int | None
+    eval_max_response_len: int | None
+    eval_function_path: str | None
+    custom_eval_rollout_log_function_path: str | None
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    """The engines and how weights reach them (trainer.publish)."""
+
+    sglang_router_ip: str | None
+    sglang_router_port: int | None
+    engine_urls: list[str] | None
+    api_key: str | None  # derived: the job's key from the environment, never a flag (ps would show it)
+    update_weight_transport: Literal["disk", "nccl"]
+    update_weight_buffer_size: int
+    keep_weight_versions: int
+    update_weight_timeout: float
+
+    @property
+    def router_url(self) -> str | None:
+        return f"http://{self.sglang_router_ip}:{self.sglang_router_port}" if self.sglang_router_ip else None
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Where weights start, resume and are saved (trainer.checkpoint, ckpt_tools.tracker)."""
+
+    load: str | None
+    ckpt_step: int | None
+    ref_load: str | None
+    ref_ckpt_step: int | None
+    opd_teacher_load: str | None
+    opd_teacher_ckpt_step: int | None
+    save: str | None
+    save_interval: int
+    keep_checkpoints: int | None
+
+
+@dataclass(frozen=True)
+class LoggingOptions:
+    """metrics.jsonl always; TensorBoard and W&B (trainer.metrics, trainer.wandb_log)."""
+
+    tensorboard_dir: str | None  # derived: TENSORBOARD_DIR, or from --tb-project-name
+    use_tensorboard: bool
+    tb_project_name: str | None
+    tb_experiment_name: str | None
+    log_passrate: bool
+    use_wandb: bool
+    wandb_mode: str | None
+    wandb_dir: str | None
+    wandb_key: str | None
+    wandb_host: str | None
+    wandb_team: str | None
+    wandb_project: str | None
+    wandb_group: str | None
+    wandb_random_suffix: bool
+    wandb_always_use_train_step: bool
+    wandb_run_id: str | None

@@ -1,0 +1,166 @@
+"""The one place that reads the trainer's configuration for the loop: it builds every part of the
+loop (trainer.loop) and of --debug-rollout-only (trainer.rollout_only) from TrainerConfig's
+sections. Every part takes plain typed values; only this module (and trainer.config's own
+rollout_args) reads the whole config.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contract.job_dir import JobDir, Phase
+from contract.spec import FaultToleranceSpec
+from contract.spec_loading import spec_from_yaml
+from rollout.buffer import DataBuffer
+from rollout.data import JsonlDataSource
+from rollout.engine_client import EngineClient
+from rollout.eval import Evaluator
+from rollout.router_client import RouterClient
+from trainer import rl_step, rollout_journal, save_now
+from trainer.backend import Backend
+from trainer.checkpointer import CheckpointConfig, Checkpointer, Stateful
+from trainer.colocation import Colocation, EngineSide
+from trainer.config import TrainerConfig
+from trainer.config.rollout_args import rollout_args
+from trainer.engine_fleet import EngineFleet
+from trainer.evals import EvalSchedule
+from trainer.loop import Loop, Progress
+from trainer.metrics import Reporter
+from trainer.profiling import TrainProfiler
+from trainer.publish import WeightPublisher
+from trainer.publisher import Publisher
+from trainer.rollout_journal import RolloutJournal
+from trainer.rollout_only import RolloutOnly
+from trainer.rollout_source import RolloutGenerator, SyncRolloutSource
+from trainer.save_now import StopRequests
+from trainer.supervisor_link import SupervisorLink
+from trainer.train_step import TrainStep, TrainStepConfig
+from trainer.wandb_log import WandbRun
+
+
+@dataclass
+class Rank0Parts:
+    """What rank 0 alone holds: the engines, the reports, generation, evals and the weight transport."""
+    fleet: EngineFleet
+    reporter: Reporter
+    generator: RolloutGenerator
+    journal: RolloutJournal | None  # rollouts since the last checkpoint (only where there are checkpoints)
+    evals: EvalSchedule
+    transport: WeightPublisher | None  # None with --debug-train-only
+
+
+def build_rank0(config: TrainerConfig) -> Rank0Parts:
+    from transformers import AutoTokenizer
+
+    run, ro, ev, pub = config.run, config.rollout, config.eval, config.publish
+    job_dir = JobDir(Path(run.job_dir))
+    # Supervised, the job's waits are its spec's (JOB_DIR/spec.yaml); else their defaults.
+    ft = spec_from_yaml(job_dir.spec).fault_tolerance if run.supervised else FaultToleranceSpec()
+    router_url = pub.router_url
+    router = RouterClient(router_url, pub.api_key, ft.router_request_timeout) if router_url else None
+    fleet = EngineFleet(pub.engine_urls, SupervisorLink.of(job_dir, ft) if run.supervised else None, router)
+    tokenizer = (AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+                 if ro.apply_chat_template or ro.rollout_max_prompt_len is not None else None)
+    buffer = DataBuffer(JsonlDataSource(
+        ro.prompt_data, input_key=ro.input_key, label_key=ro.label_key, metadata_key=ro.metadata_key,
+        tokenizer=tokenizer, apply_chat_template=ro.apply_chat_template,
+        apply_chat_template_kwargs=ro.apply_chat_template_kwargs, tool_key=ro.tool_key,
+        max_prompt_len=ro.rollout_max_prompt_len, shuffle=ro.rollout_shuffle,
+        seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt)) if ro.prompt_data else None
+    rollout = rollout_args(config, router_url or "", ft.router_request_timeout,
+                           (lambda url: fleet.fence(url, "a request to it failed")) if router else None,
+                           fleet.unresponsive if router else None)
+    wandb = WandbRun(config.logging, job_dir, steps_per_rollout=config.steps_per_rollout,
+                     run_config=config.flat()) if config.logging.use_wandb else None
+    reporter = Reporter(job_dir, config.logging.tensorboard_dir, wandb)
+    journal = (RolloutJournal(job_dir.rollout_journal, rollout_journal.fingerprint(config.flat()))
+               if config.checkpoint.save else None)
+    evaluator = Evaluator(
+        rollout, ev.eval_datasets, rollout.for_plugins, tokenizer=tokenizer,
+        apply_chat_template=ro.apply_chat_template, apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
+        eval_function_path=ev.eval_function_path or ro.rollout_function_path,
+        log_function_path=ev.custom_eval_rollout_log_function_path) if ev.eval_interval is not None else None
+    transport = None if run.debug_train_only else WeightPublisher(
+        pub.update_weight_transport, Path(run.job_dir), Path(config.model.hf_checkpoint), pub.api_key,
+        bucket_bytes=pub.update_weight_buffer_size, keep_versions=pub.keep_weight_versions,
+        timeout_s=pub.update_weight_timeout, on_fence=fleet.fence)
+    return Rank0Parts(
+        fleet=fleet, reporter=reporter,
+        generator=RolloutGenerator(rollout, buffer, journal, config.reward.reward_key, save_now.install()),
+        journal=journal,
+        evals=EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, evaluator, buffer, reporter.heartbeat,
+                           reporter.amend),
+        transport=transport)
+
+
+def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
+    rank0 = build_rank0(config) if backend.rank == 0 else None
+    heartbeat = rank0.reporter.heartbeat if rank0 else _no_heartbeat
+    ev = config.eval
+    evals = rank0.evals if rank0 else EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, None, None,
+                                                   heartbeat, _no_amend)
+    progress = Progress()
+    source = SyncRolloutSource(rank0.generator if rank0 else None, backend.broadcast_object, heartbeat)
+    parts: list[Stateful] = [progress, evals, source]
+    if rank0 and rank0.journal:
+        parts.append(rank0.journal)
+    ckpt, run, loss = config.checkpoint, config.run, config.loss
+    checkpointer = Checkpointer(backend, CheckpointConfig(
+        save_dir=Path(ckpt.save) if ckpt.save else None, load_dir=Path(ckpt.load) if ckpt.load else None,
+        load_step=ckpt.ckpt_step, save_interval=ckpt.save_interval, keep=ckpt.keep_checkpoints,
+        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None),
+        parts, [rank0.journal.checkpointed] if rank0 and rank0.journal else [], heartbeat)
+    profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
+    train_step = TrainStep(backend, TrainStepConfig(
+        global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
+        on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
+        ref_model=loss.ref_model_needed, teacher=bool(ckpt.opd_teacher_load),
+        critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
+        per_token_loss=loss.calculate_per_token_loss),
+        rl_step.loss_config(loss),
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat)
+    supervisor = rank0.fleet.supervisor if rank0 else None
+    publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
+                          supervisor, heartbeat)
+    stops = StopRequests(save_now.install(), supervisor.poll if supervisor else None, backend.broadcast_object,
+                         profiler.arm)
+    return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops,
+                colocation(config, backend, rank0.fleet if rank0 else None), rank0.reporter if rank0 else None,
+                profiler, run.num_rollout, config.logging.log_passrate)
+
+
+def colocation(config: TrainerConfig, backend: Backend, fleet: EngineFleet | None) -> Colocation | None:
+    """The phase order of --offload-train / --offload-rollout (trainer.colocation), or None."""
+    run, pub = config.run, config.publish
+    if not (run.offload_train or run.offload_rollout):
+        return None
+    engines = None
+    if fleet and run.offload_rollout:
+        engines = EngineSide(EngineClient(pub.api_key, pub.update_weight_timeout), fleet.engines, fleet.fence,
+                             fleet.supervisor)
+    return Colocation(backend, run.offload_train, engines)
+
+
+def build_rollout_only(config: TrainerConfig) -> RolloutOnly | None:
+    """--debug-rollout-only's run on rank 0; None on the other ranks (they have nothing to do)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    return RolloutOnly(build_rank0(config), save_now.install(), config.run.num_rollout,
+                       Path(config.model.hf_checkpoint))
+
+
+def _no_heartbeat(phase: Phase, rollout_id: int) -> None:
+    """Ranks other than 0 write no heartbeat."""
+
+
+def _no_engines() -> list[str]:
+    """Ranks other than 0 send no weights."""
+    return []
+
+
+def _no_amend(rollout_id: int, metrics: dict[str, Any]) -> None:
+    """Ranks other than 0 write no reports."""

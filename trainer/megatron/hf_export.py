@@ -1,0 +1,103 @@
+"""The trained model's weights as Hugging Face tensors (what publishing sends to the engines): each
+parameter gathered over its tensor-parallel shards and, for experts, over the expert-parallel
+ranks, renamed and reshaped by ckpt_tools.mapping, on the leader of each pipeline stage."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from ckpt_tools import mapping
+from trainer.megatron import pipeline as megatron_pipeline
+
+# The local layer spec names two norms differently from the checkpoint (and ckpt_tools.mapping).
+_LOCAL_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """One model's export: its shape, the HF dtype, and the parallel sizes that split it."""
+
+    model: GPTModel
+    shape: mapping.ModelShape
+    hf_config: dict[str, Any]
+    tp_size: int
+    etp_size: int  # the expert weights' tensor parallelism
+    ep_size: int
+    pp_size: int
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every (HF name, tensor), on global rank 0; a collective: every rank iterates it."""
+        rules = {rule.megatron: rule for rule in mapping.rules(self.shape)}
+        dtype = getattr(torch, self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
+        if self.pp_size == 1:
+            yield from self._stage_weights(rules, dtype)
+        else:
+            yield from megatron_pipeline.from_every_stage(self._stage_weights(rules, dtype))
+
+    def _stage_weights(self, rules: dict[str, mapping.Rule], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's weights, on its leader (global rank 0 without PP)."""
+        offset = get_transformer_layer_offset(self.model.config)
+        for name, param in self.model.named_parameters():
+            if getattr(param, "shared", False):  # the last stage's copy of tied embeddings
+                continue
+            key, layer, experts = self._checkpoint_key(name)
+            for expert, full in self._gather(name, param, experts):
+                if not megatron_pipeline.is_stage_leader():
+                    continue
+                rule = rules[key]
+                layer_id = None if layer is None else layer + offset
+                for hf_name, tensor in zip(rule.hf_names(layer_id, expert), mapping.to_hf(rule, full, self.shape)):
+                    yield hf_name, tensor.to(dtype).cpu()
+
+    def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:
+        """(checkpoint key, layer, (local expert, experts per rank) or None) of a parameter name."""
+        match = _LAYER.fullmatch(name)
+        if not match:
+            return name, None, None
+        layer, rest = int(match.group(1)), match.group(2)
+        expert = _EXPERT.fullmatch(rest)
+        if expert:
+            per_rank = self.shape.num_experts // self.ep_size
+            return "decoder.layers.mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
+        return "decoder.layers." + _LOCAL_NAMES.get(rest, rest), layer, None
+
+    def _gather(self, name: str, param: torch.Tensor,
+                experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:
+        """The full tensor (TP shards joined), once per global expert for expert weights.
+        Expert weights are split over the expert-TP group (--expert-tensor-parallel-size), the rest
+        over the TP group."""
+        data = param.detach()
+        if experts is None:
+            tp_size, tp_group = self.tp_size, ps.get_tensor_model_parallel_group()
+        else:
+            tp_size, tp_group = self.etp_size, ps.get_expert_tensor_parallel_group()
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            parts = [torch.empty_like(data) for _ in range(tp_size)]
+            dist.all_gather(parts, data.contiguous(), group=tp_group)
+            dim = param.partition_dim
+            if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
+                # Each rank holds [gate shard; up shard]: join the gates, then the ups.
+                halves = [p.chunk(2, dim=0) for p in parts]
+                data = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+            else:
+                data = torch.cat(parts, dim=dim)
+        if experts is not None and self.ep_size > 1:
+            parts = [torch.empty_like(data) for _ in range(self.ep_size)]
+            dist.all_gather(parts, data.contiguous(), group=ps.get_expert_model_parallel_group())
+            local, per_rank = experts
+            for ep_rank, part in enumerate(parts):
+                yield ep_rank * per_rank + local, part
+            return
+        yield (experts[0] if experts else None), data

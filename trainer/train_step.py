@@ -1,0 +1,130 @@
+"""The train step: one rollout's samples -> old (and ref, teacher) log-probs, values, advantages
+-> optimizer steps over global batches. Collective: every rank runs it on the same samples."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from contract.job_dir import Metric, Phase
+from trainer import rl_step
+from trainer.backend import Backend
+from trainer.batch import TrainSample
+from trainer.losses import LossConfig
+from trainer.profiling import TrainProfiler
+from trainer.rollout_source import Heartbeat
+
+
+class OffPolicyError(RuntimeError):
+    """--true-on-policy-mode: the trainer's log-probs differ from the engine's."""
+
+
+@dataclass(frozen=True)
+class TrainStepConfig:
+    global_batch_size: int  # samples per optimizer step
+    need_entropy: bool  # the loss has an entropy term (--entropy-coef)
+    on_policy_tolerance: float | None  # --true-on-policy-mode: the largest |logp_train - logp_rollout|
+    ref_model: bool  # ref log-probs are needed (KL)
+    teacher: bool  # on-policy distillation: the teacher's log-probs
+    critic: bool  # PPO: values, and a critic step after each actor step
+    value_clip: float
+    per_token_loss: bool
+
+
+class TrainStep:
+    def __init__(self, backend: Backend, config: TrainStepConfig, loss: LossConfig,
+                 advantages: Callable[[list[TrainSample]], None], profiler: TrainProfiler,
+                 heartbeat: Heartbeat) -> None:
+        """advantages: fills each sample's advantages (and returns) in place."""
+        self.backend = backend
+        self.config = config
+        self.loss = loss
+        self.advantages = advantages
+        self.profiler = profiler
+        self.heartbeat = heartbeat
+
+    def run(self, rollout_id: int, samples: list[TrainSample]) -> dict[str, Any]:
+        began = time.monotonic()
+        out = self.prepare(samples)
+        # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
+        out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
+        out.update(self.optimize(rollout_id, samples))
+        return out
+
+    def prepare(self, samples: list[TrainSample]) -> dict[str, Any]:
+        """Fill every sample's log-probs, values and advantages; returns their metrics."""
+        cfg, ids = self.config, list(range(len(samples)))
+        old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
+        for i, s in enumerate(samples):
+            s.old_log_probs = old[i][0]
+        out: dict[str, Any] = {}
+        if cfg.on_policy_tolerance is not None:
+            out["logp_mismatch_max"] = check_on_policy(samples, cfg.on_policy_tolerance)
+        if cfg.ref_model:
+            ref = self.backend.log_probs(samples, ids, "ref")
+            for i, s in enumerate(samples):
+                s.ref_log_probs = ref[i][0]
+        if cfg.teacher:
+            teacher = self.backend.log_probs(samples, ids, "teacher")
+            for i, s in enumerate(samples):
+                s.teacher_log_probs = teacher[i][0]
+            out["teacher_kl"] = masked_token_mean([old[i][0] - teacher[i][0] for i in ids], samples)
+        if cfg.critic:
+            values = self.backend.values(samples, ids)
+            for i, s in enumerate(samples):
+                s.values = values[i]
+        self.advantages(samples)
+        entropies = [old[i][1] for i in ids]  # asked for: never None
+        out["entropy"] = masked_token_mean(cast(list[torch.Tensor], entropies), samples)
+        return out
+
+    def optimize(self, rollout_id: int, samples: list[TrainSample]) -> dict[str, float]:
+        """The optimizer steps over the rollout's global batches; their metrics, averaged."""
+        cfg, ids = self.config, list(range(len(samples)))
+        totals: dict[str, float] = {}
+        steps = [ids[i:i + cfg.global_batch_size] for i in range(0, len(ids), cfg.global_batch_size)]
+        for step_id, batch in enumerate(steps):
+            self.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
+            with self.profiler.step(f"rollout={rollout_id} step={step_id}"):
+                step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss, samples, batch),
+                                                       cfg.need_entropy, rollout_id=rollout_id, step_id=step_id)
+            if cfg.critic:
+                critic_loss = rl_step.make_value_pack_loss(cfg.value_clip, cfg.per_token_loss, samples, batch)
+                critic_metrics = self.backend.train_step(samples, batch, critic_loss, False, role="critic")
+                step_metrics.update(value_loss=critic_metrics["value_loss"], value_clipfrac=critic_metrics["value_clipfrac"],
+                                    critic_grad_norm=critic_metrics["grad_norm"])
+            self.profiler.after_step()
+            for name, value in step_metrics.items():
+                totals[name] = totals.get(name, 0.0) + value / len(steps)
+        return totals
+
+
+def check_on_policy(samples: list[TrainSample], tolerance: float) -> float:
+    worst = logp_mismatch(samples)
+    if worst > tolerance:
+        raise OffPolicyError(f"--true-on-policy-mode: max |logp_train - logp_rollout| = {worst:.3g} exceeds "
+                             f"--true-on-policy-tolerance {tolerance:g}: the trainer "
+                             "and the engines no longer compute the same distribution")
+    return worst
+
+
+def masked_token_mean(values: list[torch.Tensor], samples: list[TrainSample]) -> float:
+    """The mean of per-token values over every counted response token of the rollout."""
+    total = sum(float((v * s.loss_mask).sum()) for v, s in zip(values, samples))
+    return total / max(1.0, sum(float(s.loss_mask.sum()) for s in samples))
+
+
+def logp_mismatch(samples: list[TrainSample]) -> float:
+    """max |logp_train - logp_rollout| over every counted response token."""
+    worst = 0.0
+    for s in samples:
+        trained, generated = s.old_log_probs, s.rollout_log_probs
+        if trained is None or generated is None or generated.shape != trained.shape:
+            raise OffPolicyError("--true-on-policy-mode needs the engines' log-prob of every response token")
+        diff = (trained - generated).abs() * s.loss_mask
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    return worst
