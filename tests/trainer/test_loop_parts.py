@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from contract.job_dir import Phase
+from contract.job_dir import JobDir, Phase
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.sample import Sample
@@ -25,7 +25,7 @@ from trainer.loop import Loop, Progress
 from trainer.losses import LossConfig
 from trainer.profiling import TrainProfiler
 from trainer.publisher import Publisher
-from trainer.rollout_journal import FOLDER, RolloutJournal
+from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import (
     Rollout,
     RolloutGenerator,
@@ -76,8 +76,9 @@ class FakeBackend(Backend):
         return obj
 
 
-def sample(reward: float) -> TrainSample:
-    return TrainSample(tokens=torch.arange(5), response_length=2, loss_mask=torch.ones(2), reward=reward)
+def sample(reward: float, group_index: int, weight_version: int) -> TrainSample:
+    return TrainSample(tokens=torch.arange(5), response_length=2, loss_mask=torch.ones(2), reward=reward,
+                       group_index=group_index, weight_version=weight_version)
 
 
 class FakeSource:
@@ -88,7 +89,8 @@ class FakeSource:
 
     def rollout(self, rollout_id: int, weight_version: int) -> Rollout | None:
         self.asked.append((rollout_id, weight_version))
-        return Rollout(rollout_id, [SampleGroup(weight_version, [sample(1.0), sample(0.0)]) for _ in range(2)])
+        return Rollout(rollout_id, [SampleGroup(weight_version, [sample(1.0, g, weight_version), sample(0.0, g, weight_version)])
+                                    for g in range(2)])
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -205,7 +207,7 @@ def test_the_checkpoint_manager_restores_every_part(tmp_path: Path) -> None:
 
     def parts() -> tuple[Progress, EvalSchedule, SyncRolloutSource, RolloutJournal, DataBuffer]:
         buffer = DataBuffer(JsonlDataSource(data, label_key="label", seed=3, n_samples_per_prompt=2))
-        journal = RolloutJournal(tmp_path / FOLDER, "flags")
+        journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
         generator = RolloutGenerator(None, buffer, journal, None, save_now.install())  # type: ignore[arg-type]
         return (Progress(), EvalSchedule(2, True, None, None, Lines().heartbeat, Lines().amend),
                 SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat), journal, buffer)
