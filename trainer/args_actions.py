@@ -85,5 +85,6 @@ def json_object(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): give a JSON object") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text} is not a JSON object: give one, e.g. '{{\"enable_thinking\": false}}'")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a JSON object: give one, e.g. '{{\"enable_thinking\": false}}'")
     return value

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
     refused(p, "--moe-grouped-gemm", "accepted: experts run as megatron's SequentialMLP, one GEMM per expert (the "
-            "same numbers; grouped GEMM needs TransformerEngine or the grouped_gemm package)", switch=True, allowed=True)
+            "same numbers; grouped GEMM needs TransformerEngine or the grouped_gemm package)",
+            switch=True, allowed=True)
     refused(p, "--moe-permute-fusion", "accepted: tokens are permuted by megatron's unfused code (the same numbers; "
             "the fused kernels need TransformerEngine)", switch=True, allowed=True)
     add("--group-query-attention", action="store_true",
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adam-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, default=1.0)
     # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron.optimizer)
-    add("--optimizer", choices=("adam", "sgd"), default="adam", help="adam: AdamW (decoupled weight decay), as megatron's")
+    add("--optimizer", choices=("adam", "sgd"), default="adam",
+        help="adam: AdamW (decoupled weight decay), as megatron's")
     add("--sgd-momentum", type=float, default=0.9)
     add("--use-distributed-optimizer", action="store_true", default=True,
         help="shard optimizer state over data-parallel ranks (always on, as slime sets it)")

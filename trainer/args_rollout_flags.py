@@ -42,7 +42,8 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     add("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false",
         help="no --prompt-data: --rollout-function-path supplies every prompt")
     refused(p, "--data-source-path", "prompts come from --prompt-data (jsonl or parquet); a custom rollout "
-            "brings its own with --rollout-function-path", allowed="slime.rollout.data_source.RolloutDataSourceWithBuffer")
+            "brings its own with --rollout-function-path",
+            allowed="slime.rollout.data_source.RolloutDataSourceWithBuffer")
     refused(p, "--buffer-filter-path", "groups left over by partial rollout go back in their prompt order; a "
             "filter over them is not supported")
     refused(p, "--rollout-data-postprocess-path", "a hook after the log-probs is not supported; set loss_mask in a "

@@ -62,7 +62,8 @@ class Pack:
 
     def __post_init__(self) -> None:
         lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
-        self.position_ids = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.int64)
+        self.position_ids = (torch.cat([torch.arange(n) for n in lengths]) if lengths
+                             else torch.zeros(0, dtype=torch.int64))
 
     @property
     def num_tokens(self) -> int:

@@ -75,7 +75,8 @@ class Checkpointer:
     def due(self, rollout_id: int) -> bool:
         cfg = self.config
         last = rollout_id == cfg.num_rollout - 1
-        return cfg.save_dir is not None and (last or bool(cfg.save_interval and (rollout_id + 1) % cfg.save_interval == 0))
+        on_interval = bool(cfg.save_interval and (rollout_id + 1) % cfg.save_interval == 0)
+        return cfg.save_dir is not None and (last or on_interval)
 
     def resume(self) -> Path | None:
         """Restore the backend and every part from --load's checkpoint, if it holds one."""

@@ -110,7 +110,8 @@ def cp_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, 
         chunks = [kv[j, local:local + seg] if j < cp else kv[2 * cp - 1 - j, local + seg:local + 2 * seg]
                   for j in range(2 * cp)]
         k, v = torch.cat(chunks).unbind(1)
-        q_pos = torch.cat([torch.arange(me * seg, (me + 1) * seg), torch.arange((2 * cp - 1 - me) * seg, (2 * cp - me) * seg)])
+        q_pos = torch.cat([torch.arange(me * seg, (me + 1) * seg),
+                           torch.arange((2 * cp - 1 - me) * seg, (2 * cp - me) * seg)])
         visible = (q_pos[:, None] >= torch.arange(end - start)[None]).to(query.device)  # True = attend
         q = query[local:local + 2 * seg]
         out.append(F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

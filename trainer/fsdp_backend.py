@@ -39,12 +39,12 @@ from transformers.core_model_loading import revert_weight_conversion
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
-from trainer.config import TrainerConfig
 from trainer.checkpoint import process_rng_state, set_process_rng_state
+from trainer.config import TrainerConfig
 from trainer.loop import seed_everything
 from trainer.lr_schedule import lr_lambda
-from trainer.offload import Offloadable
 from trainer.numerics import attention_kernels, check_attention_backend
+from trainer.offload import Offloadable
 
 Result = tuple[Tensor, Tensor | None]  # per-token log-probs [R], entropies [R] or None
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -53,7 +53,7 @@ _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
 class FSDPBackend(Backend):
     def __init__(self, hf_checkpoint: str | Path, lr: float = 1e-6, weight_decay: float = 0.0,
                  adam_betas: tuple[float, float] = (0.9, 0.98), adam_eps: float = 1e-8,
-                 clip_grad: float = 1.0, batching: Batching = Batching(),
+                 clip_grad: float = 1.0, batching: Batching | None = None,
                  log_probs_batching: Batching | None = None, seed: int = 1234,
                  dtype: torch.dtype = torch.bfloat16, ref_checkpoint: str | Path | None = None,
                  lr_schedule: Callable[[int], float] | None = None,
@@ -74,7 +74,8 @@ class FSDPBackend(Backend):
         check_attention_backend(attention_backend, self.device)
         self.attention_backend = attention_backend
         self.clip_grad = clip_grad
-        self.batching, self.log_probs_batching = batching, log_probs_batching or batching
+        self.batching = batching if batching is not None else Batching()
+        self.log_probs_batching = log_probs_batching or self.batching
         seed_everything(seed)
         self.hf_dtype = _checkpoint_dtype(hf_checkpoint)
         mesh = init_device_mesh(self.device.type, (self.world_size,))

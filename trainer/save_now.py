@@ -2,10 +2,10 @@
 (`scancel --signal=USR1` to the trainer step) when SLURM's grace before a preemption or the time
 limit is too short to wait for the rollout boundary; SLURM sends SIGTERM KillWait seconds before
 SIGKILL when it ends the job outright (scancel, `scontrol requeue`, a preemption without grace):
-a save that fits in those seconds keeps the work, one that does not is never half-visible. Rank 0 then abandons the rollout it is generating (it is redone,
-identically, after the resume); a rank that is training finishes that rollout's optimizer steps,
-skips the publish and saves. Installed first thing in `python -m trainer`, so the signal never
-kills a trainer that is still loading.
+a save that fits in those seconds keeps the work, one that does not is never half-visible. Rank 0
+then abandons the rollout it is generating (it is redone, identically, after the resume); a rank
+that is training finishes that rollout's optimizer steps, skips the publish and saves. Installed
+first thing in `python -m trainer`, so the signal never kills a trainer that is still loading.
 """
 
 from __future__ import annotations

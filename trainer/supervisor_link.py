@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from contract.job_dir import JobDir
 from contract.control_protocol import Call, CallerFenced, ControlClient, ControlError, SupervisorUnreachable
+from contract.job_dir import JobDir
 from contract.spec import FaultToleranceSpec
 
 log = logging.getLogger(__name__)

@@ -90,12 +90,14 @@ class TrainStep:
         for step_id, batch in enumerate(steps):
             self.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
             with self.profiler.step(f"rollout={rollout_id} step={step_id}"):
-                step_metrics = self.backend.train_step(samples, batch, rl_step.make_pack_loss(self.loss, samples, batch),
-                                                       cfg.need_entropy, rollout_id=rollout_id, step_id=step_id)
+                pack_loss = rl_step.make_pack_loss(self.loss, samples, batch)
+                step_metrics = self.backend.train_step(samples, batch, pack_loss, cfg.need_entropy,
+                                                       rollout_id=rollout_id, step_id=step_id)
             if cfg.critic:
                 critic_loss = rl_step.make_value_pack_loss(cfg.value_clip, cfg.per_token_loss, samples, batch)
                 critic_metrics = self.backend.train_step(samples, batch, critic_loss, False, role="critic")
-                step_metrics.update(value_loss=critic_metrics["value_loss"], value_clipfrac=critic_metrics["value_clipfrac"],
+                step_metrics.update(value_loss=critic_metrics["value_loss"],
+                                    value_clipfrac=critic_metrics["value_clipfrac"],
                                     critic_grad_norm=critic_metrics["grad_norm"])
             self.profiler.after_step()
             for name, value in step_metrics.items():

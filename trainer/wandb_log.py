@@ -17,7 +17,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlsplit
 
 from contract.job_dir import JobDir, write_atomic
@@ -46,10 +46,13 @@ def reachable(url: str, timeout_s: float = SERVER_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def _mode(options: LoggingOptions, directory: str) -> str:
+WandbMode = Literal["online", "offline", "disabled", "shared"]
+
+
+def _mode(options: LoggingOptions, directory: str) -> WandbMode:
     chosen = options.wandb_mode or os.environ.get("WANDB_MODE")
     if chosen:
-        return chosen
+        return cast(WandbMode, chosen)  # passed on as given: wandb.init refuses a mode it does not know
     server = options.wandb_host or os.environ.get("WANDB_BASE_URL") or WANDB_SERVER
     if reachable(server):
         return "online"
@@ -88,8 +91,9 @@ class WandbRun:
         self.steps_per_rollout = steps_per_rollout
         self.use_train_step = options.wandb_always_use_train_step
         os.makedirs(directory, exist_ok=True)
-        self.run = wandb.init(id=identity["id"], resume="allow", entity=options.wandb_team, project=options.wandb_project,
-                              group=identity["group"], name=identity["group"], dir=directory, mode=mode,
+        self.run = wandb.init(id=identity["id"], resume="allow", entity=options.wandb_team,
+                              project=options.wandb_project, group=identity["group"], name=identity["group"],
+                              dir=directory, mode=mode,
                               config={k: v for k, v in run_config.items() if k not in _SECRETS})
         log.info("logging to W&B run %s (%s mode)", identity["id"], mode)
 

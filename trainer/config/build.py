@@ -125,7 +125,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
 def _check_parallel(args: argparse.Namespace) -> None:
     need(args.pipeline_model_parallel_size >= 1,
          f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
-    need(args.context_parallel_size >= 1, f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
+    need(args.context_parallel_size >= 1,
+         f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
     need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
          f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
          "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
@@ -165,9 +166,11 @@ def _check_training(args: argparse.Namespace) -> None:
                                                                        "only with --use-opd (as in slime); add it")
     need(not args.use_opd or args.opd_teacher_load, "--use-opd --opd-type megatron needs --opd-teacher-load "
                                                     "(the teacher's torch_dist checkpoint)")
-    need(args.opd_teacher_ckpt_step is None or args.opd_teacher_load, "--opd-teacher-ckpt-step needs --opd-teacher-load")
+    need(args.opd_teacher_ckpt_step is None or args.opd_teacher_load,
+         "--opd-teacher-ckpt-step needs --opd-teacher-load")
     need(args.ref_ckpt_step is None or args.ref_load, "--ref-ckpt-step needs --ref-load")
-    need(not args.opd_teacher_load or args.train_backend == "megatron", "--opd-teacher-load needs --train-backend megatron")
+    need(not args.opd_teacher_load or args.train_backend == "megatron",
+         "--opd-teacher-load needs --train-backend megatron")
     need(not (args.train_backend == "fsdp" and args.ref_load), "--ref-load: the fsdp backend starts from "
          "--hf-checkpoint and does not read torch_dist weights; drop --ref-load or use --train-backend megatron")
     need(args.advantage_estimator != "ppo" or args.train_backend == "megatron", "--advantage-estimator ppo needs "
@@ -221,7 +224,8 @@ def _check_eval(args: argparse.Namespace) -> list[Any]:
          "--debug-train-only and --debug-rollout-only exclude each other; give one")
     need(not (args.debug_rollout_only and args.load_debug_rollout_data),
          "--debug-rollout-only generates its rollouts; drop --load-debug-rollout-data")
-    need(args.eval_interval is None or args.eval_interval >= 1, f"--eval-interval must be 1 or more, got {args.eval_interval}")
+    need(args.eval_interval is None or args.eval_interval >= 1,
+         f"--eval-interval must be 1 or more, got {args.eval_interval}")
     need(args.eval_interval is None or bool(args.eval_prompt_data),
          "--eval-interval needs eval sets: give --eval-prompt-data NAME PATH [NAME PATH ...]")
     need(args.eval_interval is None or not args.debug_train_only,
@@ -247,7 +251,8 @@ def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None) 
         need(bool(args.sglang_router_ip and args.sglang_router_port) or bool(args.engine_urls),
              "give --sglang-router-ip and --sglang-router-port (or --engine-urls for debugging)")
     need(args.rollout_global_dataset or bool(rollout_function_path and not args.prompt_data),
-         "--disable-rollout-global-dataset: --rollout-function-path supplies the prompts; give it and drop --prompt-data")
+         "--disable-rollout-global-dataset: --rollout-function-path supplies the prompts; "
+         "give it and drop --prompt-data")
 
 
 def _check_rewards(args: argparse.Namespace) -> None:

@@ -28,19 +28,20 @@ from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
 from trainer import context_parallel, main_grads
-from trainer.megatron import pipeline as megatron_pipeline, state as megatron_state
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
+from trainer.megatron import pipeline as megatron_pipeline
+from trainer.megatron import state as megatron_state
 from trainer.megatron.attention import gpt_block_spec
 from trainer.megatron.compile import compile_layers
 from trainer.megatron.hf_export import HFExport
 from trainer.megatron.optimizer import ShardedOptimizer
 from trainer.megatron.rope import PackedRope
-from trainer.offload import Offloadable
 from trainer.numerics import attention_kernels, check_attention_backend
+from trainer.offload import Offloadable
 from trainer.token_stats import log_probs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,12 @@ class MegatronBackend(Backend):
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
         self.sequence_parallel = config.parallel.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
         check_attention_backend(config.model.attention_kernels, self.device)
         self.hf_config = hf_config
-        self.shape = mapping.ModelShape.from_hf_config(hf_config, config.model.make_vocab_size_divisible_by * self.tp_size)
+        self.shape = mapping.ModelShape.from_hf_config(
+            hf_config, config.model.make_vocab_size_divisible_by * self.tp_size)
         self.plugin_args = config.plugin_namespace()  # what slime's megatron hooks get as args
         if config.model.custom_megatron_init_path:  # slime's: once megatron is initialised, before any model is built
             init = load_function(config.model.custom_megatron_init_path, "--custom-megatron-init-path")
@@ -164,7 +167,9 @@ class MegatronBackend(Backend):
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
         def data_parallel_group(expert: bool) -> dist.ProcessGroup:
-            return ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
+            if expert:
+                return ps.get_expert_data_parallel_group()
+            return ps.get_data_parallel_group(with_context_parallel=True)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         main_grads.accumulate_in_fp32(p for _, p in named)
@@ -318,7 +323,8 @@ class MegatronBackend(Backend):
         squares = []
         for expert, group in ((False, ps.get_model_parallel_group()),
                               (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
-            grads = [g for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None and param_is_not_shared(p)
+            grads = [g for n, p in model.named_parameters()
+                     if (g := main_grads.grad_of(p)) is not None and param_is_not_shared(p)
                      and _is_expert(n) == expert
                      and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -373,7 +379,8 @@ class MegatronBackend(Backend):
             return {}
         self.actor.scheduler.load_state_dict(common.pop("lr_scheduler"))
         if self.critic is not None:
-            critic_common = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer)
+            critic_common = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model,
+                                                         self.critic.optimizer)
             self.critic.scheduler.load_state_dict(critic_common["lr_scheduler"])
         return common
 

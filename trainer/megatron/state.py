@@ -145,7 +145,8 @@ def _parts(optimizer: Optimizer) -> tuple[torch.optim.Optimizer, list[torch.nn.P
     return optimizer, [p for group in optimizer.param_groups for p in group["params"]], False
 
 
-def _optimizer_state(optimizer: Optimizer, model_state: dict[str, Any], with_masters: bool | None = None) -> dict[str, Any]:
+def _optimizer_state(optimizer: Optimizer, model_state: dict[str, Any],
+                     with_masters: bool | None = None) -> dict[str, Any]:
     """The optimizer's state with each per-parameter tensor as a ShardedTensor shaped like its
     parameter (as megatron's FP32Optimizer does for a torch optimizer); Adam's step is one value
     for all parameters. with_masters (default: where the model's parameters are not fp32): the fp32
