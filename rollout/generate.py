@@ -99,13 +99,16 @@ class RolloutArgs:
         return urlsplit(self.router_url).port
 
 
-def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer,
+def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
                      evaluation: bool = False) -> list[list[Sample]]:
+    """data_buffer is None only where --rollout-function-path supplies every prompt."""
     if args.rollout_function_path:
         return load_function(args.rollout_function_path, "--rollout-function-path")(
             args.for_plugins, rollout_id, data_buffer, evaluation)
     if args.load_debug_rollout_data:
         return debug_data.load(args.load_debug_rollout_data, rollout_id)
+    if data_buffer is None:
+        raise ValueError("the built-in rollout draws prompts from a data buffer: give --prompt-data")
     groups = asyncio.run(_Round(args, rollout_id, data_buffer, evaluation).run())
     if args.save_debug_rollout_data:
         debug_data.save(args.save_debug_rollout_data, rollout_id, [s for group in groups for s in group])

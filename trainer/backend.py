@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -27,6 +27,16 @@ PackLoss = Callable[[Pack, list[Tensor], list[Tensor] | None], tuple[Tensor, dic
 class NonFiniteGradient(FloatingPointError):
     """A NaN or infinite gradient norm: the step is not taken and the trainer stops (Megatron's
     check_for_nan_in_loss_and_grad, always on), so no NaN ever reaches the weights or a checkpoint."""
+
+
+_Part = TypeVar("_Part")
+
+
+def built(part: _Part | None, what: str) -> _Part:
+    """A part a backend builds only when this run's flags need it: asking for one they did not is a bug."""
+    if part is None:
+        raise RuntimeError(f"this run built no {what}")
+    return part
 
 
 def check_finite(grad_norm: float, role: str) -> None:

@@ -348,8 +348,9 @@ def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def _broadcast(obj: Path | str | None, group: dist.ProcessGroup | None) -> Path | str:
-    if not dist.is_initialized():
-        return obj
+    """Rank 0's value (the other ranks pass None), on every rank."""
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    assert box[0] is not None, "rank 0 has the temporary folder or why there is no room"
     return box[0]

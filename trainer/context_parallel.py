@@ -45,6 +45,7 @@ class RowLayout:
     def per_sample(self, values: Tensor) -> list[Tensor]:
         """values [m] (one per entry of `rows`) -> one [R] tensor per sample of the pack."""
         if self.group is not None:
+            assert self.order is not None, "a CP pack's rows carry their gathered order"
             values = _GatherRows.apply(values, self.counts, self.group)[self.order.to(values.device)]
         return list(values.split(self.lengths))
 
@@ -125,14 +126,14 @@ class _GatherKV(torch.autograd.Function):
     of this rank's part (a reduce-scatter; gloo has none, so an all-reduce there)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group) -> Tensor:
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.stack(parts)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous()
         if dist.get_backend(ctx.group) == "nccl":
             out = torch.empty_like(grad[0])
@@ -147,7 +148,7 @@ class _GatherRows(torch.autograd.Function):
     gradient (every rank computed the same loss from the gathered rows)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, counts: list[int], group) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, counts: list[int], group) -> Tensor:
         me = dist.get_rank(group)
         ctx.span = (sum(counts[:me]), sum(counts[:me + 1]))
         longest = max(counts)
@@ -157,5 +158,5 @@ class _GatherRows(torch.autograd.Function):
         return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return grad[ctx.span[0]:ctx.span[1]], None, None

@@ -101,7 +101,7 @@ class FSDPBackend(Backend):
                    attn_implementation="eager" if model.attention_backend == "local" else "sdpa")
 
     def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
-              trainable: bool) -> nn.Module:
+              trainable: bool) -> transformers.PreTrainedModel:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementation)
         # No dropout ever: train_step's log-probs must equal log_probs()'s for the same weights.
@@ -156,7 +156,7 @@ class FSDPBackend(Backend):
         return {i: result for part in gathered for i, result in part.items()}
 
     def offloadable(self) -> Offloadable:
-        models = [m for m in (self.model, self.ref_model) if m is not None]
+        models: list[nn.Module] = [m for m in (self.model, self.ref_model) if m is not None]
         return Offloadable(models, [self.optimizer], self.device)
 
     def _model(self, name: str) -> nn.Module:
@@ -188,7 +188,7 @@ class FSDPBackend(Backend):
         check_finite(float(_full(grad_norm)), role)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         totals = self._sum_over_ranks(sums)
         totals.update(grad_norm=float(_full(grad_norm)), lr=lr)
@@ -237,12 +237,12 @@ class FSDPBackend(Backend):
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         ckpt_dir = Path(ckpt_dir)
         if weights_only:
-            state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, checkpoint_id=ckpt_dir)
-            set_model_state_dict(self.model, state["model"])
+            weights = {"model": get_model_state_dict(self.model)}
+            dcp.load(weights, checkpoint_id=ckpt_dir)
+            set_model_state_dict(self.model, weights["model"])
             return {}
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=ckpt_dir)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])

@@ -13,26 +13,32 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
+# The fp32 gradient's attribute on a Parameter (megatron-core's name), set and read dynamically
+_MAIN_GRAD = "main_grad"
+
 
 def accumulate_in_fp32(params: Iterable[Parameter]) -> None:
     """Give every trainable low-precision parameter an fp32 main_grad, filled by a hook."""
     for p in params:
-        if p.requires_grad and p.dtype != torch.float32 and not hasattr(p, "main_grad"):
-            p.main_grad = None
+        if p.requires_grad and p.dtype != torch.float32 and not hasattr(p, _MAIN_GRAD):
+            setattr(p, _MAIN_GRAD, None)
             p.register_post_accumulate_grad_hook(_into_main_grad)
 
 
 def _into_main_grad(p: Parameter) -> None:
-    if p.main_grad is None:
-        p.main_grad = p.grad.float()
+    grad = p.grad
+    assert grad is not None, "the hook runs once autograd has accumulated .grad"
+    main: Tensor | None = getattr(p, _MAIN_GRAD)
+    if main is None:
+        setattr(p, _MAIN_GRAD, grad.float())
     else:
-        p.main_grad.add_(p.grad)
+        main.add_(grad)
     p.grad = None
 
 
 def grad_of(p: Parameter) -> Tensor | None:
     """The gradient the optimizer will apply: main_grad where there is one, else .grad."""
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
+    return getattr(p, _MAIN_GRAD) if hasattr(p, _MAIN_GRAD) else p.grad
 
 
 def zero_grads(params: Iterable[Parameter]) -> None:
@@ -41,7 +47,7 @@ def zero_grads(params: Iterable[Parameter]) -> None:
     sampled or not); plain grads zeroed in place."""
     hooked: dict[torch.device, list[Parameter]] = {}
     for p in params:
-        if hasattr(p, "main_grad"):
+        if hasattr(p, _MAIN_GRAD):
             hooked.setdefault(p.device, []).append(p)
         elif p.grad is not None:
             p.grad.zero_()
@@ -49,15 +55,15 @@ def zero_grads(params: Iterable[Parameter]) -> None:
         flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=device)
         offset = 0
         for p in group:
-            p.main_grad = flat[offset:offset + p.numel()].view_as(p)
+            setattr(p, _MAIN_GRAD, flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
 
 def free_main_grads(params: Iterable[Parameter]) -> None:
     """After the optimizer step: the fp32 buffers go (their memory serves rollouts, offload moves nothing)."""
     for p in params:
-        if hasattr(p, "main_grad"):
-            p.main_grad = None
+        if hasattr(p, _MAIN_GRAD):
+            setattr(p, _MAIN_GRAD, None)
 
 
 def flat_span(grads: list[Tensor]) -> Tensor | None:
@@ -73,7 +79,7 @@ def flat_span(grads: list[Tensor]) -> Tensor | None:
                 or g.dtype != first.dtype or not g.is_contiguous()):
             return None
         end += g.numel()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.storage_offset(),))
+    return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.storage_offset(),), (1,))
 
 
 def all_reduce_sum(grads: list[Tensor], group: dist.ProcessGroup | None) -> None:

@@ -89,8 +89,8 @@ class TrainerOffload:
                     param.grad = grad.to(param.device, non_blocking=True)
                 self._host_grads.clear()
             for optimizer in self.held.optimizers:
-                for param, state in optimizer.state.items():
-                    where = HOST if device == HOST else param.device
+                for owner, state in optimizer.state.items():
+                    where = HOST if device == HOST else owner.device
                     for key, value in state.items():
                         # Adam's scalar step count stays on the host (torch keeps it there)
                         if torch.is_tensor(value) and value.dim() > 0:

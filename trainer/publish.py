@@ -242,6 +242,8 @@ class WeightPublisher:
         join are fenced and None is returned; a failure of the trainer's own side raises."""
         name = f"slurmrl_weights_{os.getpid()}_{next(self._group_ids)}"  # unique: a stale group never clashes
         engine = urlsplit(layout[0][0])
+        if engine.hostname is None:
+            raise EngineError(f"{layout[0][0]} names no host")
         address = route_address(engine.hostname, engine.port or 80)
         port = free_port(address)
         world_size = 1 + sum(tp for _, tp in layout)

@@ -24,6 +24,14 @@ def padded(rows: list[Tensor]) -> Tensor:
     return pad_sequence([r.float() for r in rows], batch_first=True)
 
 
+def padded_field(samples: list[TrainSample], name: str) -> Tensor:
+    """padded() of a per-sample tensor that an earlier stage must have set on every sample."""
+    rows = [getattr(s, name) for s in samples]
+    if any(r is None for r in rows):
+        raise ValueError(f"{sum(r is None for r in rows)} of {len(rows)} samples have no {name}")
+    return padded(rows)
+
+
 def loss_config(loss: LossOptions) -> LossConfig:
     return LossConfig(eps_clip=loss.eps_clip, eps_clip_high=loss.eps_clip_high, eps_clip_c=loss.eps_clip_c,
                       entropy_coef=loss.entropy_coef, use_kl_loss=loss.use_kl_loss, kl_loss_coef=loss.kl_loss_coef,
@@ -46,13 +54,13 @@ def compute_advantages(loss: LossOptions, samples: list[TrainSample]) -> None:
     # Per-token penalties on the reward: KL to the reference (--kl-coef) and, for on-policy
     # distillation, the reverse KL to the teacher (log pi - log teacher), which pushes the student
     # towards the teacher's tokens.
-    old = padded([s.old_log_probs for s in samples])
+    old = padded_field(samples, "old_log_probs")
     penalty = torch.zeros_like(mask)
     if loss.kl_coef:
-        penalty += loss.kl_coef * adv.kl(old, padded([s.ref_log_probs for s in samples]),
+        penalty += loss.kl_coef * adv.kl(old, padded_field(samples, "ref_log_probs"),
                                          cast(adv.KLKind, loss.kl_loss_type))
     if loss.use_opd:  # validated: exactly when --opd-teacher-load is given
-        penalty += loss.opd_kl_coef * (old - padded([s.teacher_log_probs for s in samples]))
+        penalty += loss.opd_kl_coef * (old - padded_field(samples, "teacher_log_probs"))
     penalty *= mask
     estimator = loss.advantage_estimator
     if estimator in ("grpo", "gspo"):
@@ -70,7 +78,7 @@ def compute_advantages(loss: LossOptions, samples: list[TrainSample]) -> None:
         token_adv = adv.reinforce_plus_plus_advantages(rewards, penalty, 1.0, mask, loss.gamma)
     else:  # ppo: per-token rewards (the reward on the last token, minus the penalty), GAE on the critic
         token_rewards = (-penalty).scatter_add(-1, adv.last_token_index(mask)[:, None], rewards[:, None])
-        token_adv, returns = adv.gae(token_rewards, padded([s.values for s in samples]), mask, loss.gamma, loss.lambd)
+        token_adv, returns = adv.gae(token_rewards, padded_field(samples, "values"), mask, loss.gamma, loss.lambd)
         for s, row in zip(samples, returns):
             s.returns = row[: s.response_length].clone()
     if loss.normalize_advantages:
@@ -117,8 +125,8 @@ def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[
                entropies: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         device = mask.device
         value, metrics = total_loss(
-            cfg, pad_sequence(logps, batch_first=True), _column(group, "old_log_probs", device),
-            _column(group, "advantages", device), mask,
+            cfg, pad_sequence(logps, batch_first=True), padded_field(group, "old_log_probs").to(device),
+            padded_field(group, "advantages").to(device), mask,
             entropy=pad_sequence(entropies, batch_first=True) if entropies is not None else None,
             ref_logp=_column(group, "ref_log_probs", device), rollout_logp=_column(group, "rollout_log_probs", device))
         metrics["loss"] = value.detach()
@@ -133,8 +141,8 @@ def make_value_pack_loss(value_clip: float, per_token: bool, samples: list[Train
     def critic(group: list[TrainSample], mask: Tensor, values: list[Tensor],
                _: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         device = mask.device
-        loss, metrics = value_loss(pad_sequence(values, batch_first=True), _column(group, "values", device),
-                                   _column(group, "returns", device), mask, value_clip, per_token)
+        loss, metrics = value_loss(pad_sequence(values, batch_first=True), padded_field(group, "values").to(device),
+                                   padded_field(group, "returns").to(device), mask, value_clip, per_token)
         return loss, {**metrics, "value_loss": loss.detach()}
 
     return _scaled(samples, batch_ids, per_token, critic)

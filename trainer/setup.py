@@ -53,7 +53,7 @@ def initial_weights(ckpt: CheckpointOptions, hf_checkpoint: str, job_dir: str, r
     """--ref-load's checkpoint; without one, --hf-checkpoint converted once into the job dir."""
     if ckpt.ref_load:
         return _resolve("--ref-load", ckpt.ref_load, ckpt.ref_ckpt_step)
-    converted = JobDir(job_dir).hf_torch_dist
+    converted = JobDir(Path(job_dir)).hf_torch_dist
     if rank0 and not converted.exists():
         from ckpt_tools.convert import hf_to_torch_dist
 

@@ -18,13 +18,13 @@ class _AllReduceSum(torch.autograd.Function):
     """All-reduce (sum) forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group) -> Tensor:
         x = x.clone()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
 
 

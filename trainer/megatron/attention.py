@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -40,8 +41,11 @@ from torch import Tensor
 from trainer.context_parallel import cp_attention
 from trainer.megatron.norm import HeadNorm, HiddenStateNorm
 
-try:  # flash-attention varlen kernel (torch >= 2.10); CUDA with 16-bit inputs only
-    from torch.nn.attention.varlen import varlen_attn
+# flash-attention varlen kernel (torch >= 2.10); CUDA with 16-bit inputs only
+varlen_attn: Callable[..., Tensor | tuple[Tensor, Tensor]] | None
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    varlen_attn = _varlen_attn
 except ImportError:
     varlen_attn = None
 
@@ -53,6 +57,12 @@ if varlen_attn is not None:
         _VARLEN_KWARGS["enable_gqa"] = True
 
 AttentionKind = Literal["sdpa", "local"]
+
+
+def _causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    """Causal attention over one sequence, [s, heads, head_dim] in and out."""
+    q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
 
 
 class SDPAttention(MegatronModule):
@@ -110,13 +120,10 @@ class SDPAttention(MegatronModule):
             max_len = int(params.max_seqlen_q)
             cu = cu.to(query.device, non_blocking=True)
             out = varlen_attn(query, key, value, cu, cu, max_len, max_len, scale=self.softmax_scale, **_VARLEN_KWARGS)
+            assert isinstance(out, Tensor), "without return_aux, varlen_attn returns the output alone"
         else:  # CPU / fp32: one causal SDPA call per sequence
-            out = torch.cat([
-                F.scaled_dot_product_attention(
-                    *(x[a:b].transpose(0, 1) for x in (query, key, value)),
-                    is_causal=True, scale=self.softmax_scale, enable_gqa=True).transpose(0, 1)
-                for a, b in itertools.pairwise(cu.tolist())
-            ])
+            out = torch.cat([_causal_sdpa(query[a:b], key[a:b], value[a:b], self.softmax_scale)
+                             for a, b in itertools.pairwise(cu.tolist())])
         return out.reshape(out.shape[0], -1)
 
 

@@ -29,7 +29,7 @@ from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
 from trainer import context_parallel, main_grads
 from trainer.args import ArgsError
-from trainer.backend import Backend, PackLoss, check_finite
+from trainer.backend import Backend, PackLoss, built, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
@@ -167,9 +167,8 @@ class MegatronBackend(Backend):
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
         def data_parallel_group(expert: bool) -> dist.ProcessGroup:
-            if expert:
-                return ps.get_expert_data_parallel_group()
-            return ps.get_data_parallel_group(with_context_parallel=True)
+            return (ps.get_expert_data_parallel_group() if expert
+                    else ps.get_data_parallel_group(with_context_parallel=True))
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         main_grads.accumulate_in_fp32(p for _, p in named)
@@ -262,19 +261,20 @@ class MegatronBackend(Backend):
 
     @torch.no_grad()
     def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, torch.Tensor]:
-        self.critic.model.eval()
-        mine = {}
+        critic = built(self.critic, "the critic (--advantage-estimator ppo)")
+        critic.model.eval()
+        mine: dict[int, torch.Tensor] = {}
 
         def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
             mine.update((i, v.cpu()) for i, v in zip(pack.sample_ids, self._values_of(output, rows)))
             return output.new_zeros(()), {}
 
-        self._each_pack(self.critic.model, samples, ids, collect, train=False)
+        self._each_pack(critic.model, samples, ids, collect, train=False)
         return self._gather_per_sample(mine)
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
                    need_entropy: bool, role: str = "actor", rollout_id: int = 0, step_id: int = 0) -> dict[str, float]:
-        trainee = self.critic if role == "critic" else self.actor
+        trainee = built(self.critic, "the critic (--advantage-estimator ppo)") if role == "critic" else self.actor
         if "train_step" in self._hooks and role == "actor":  # slime's signature
             self._hooks["train_step"](self.plugin_args, rollout_id, step_id, [self.model], self.actor.optimizer,
                                       self.actor.scheduler)
@@ -299,7 +299,7 @@ class MegatronBackend(Backend):
         trainee.optimizer.step()
         lr = trainee.scheduler.get_last_lr()[0]
         trainee.scheduler.step()
-        return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": lr}
+        return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": float(lr)}
 
     def _reduce_gradients(self, model: GPTModel) -> None:
         """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
@@ -324,8 +324,7 @@ class MegatronBackend(Backend):
         for expert, group in ((False, ps.get_model_parallel_group()),
                               (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
             grads = [g for n, p in model.named_parameters()
-                     if (g := main_grads.grad_of(p)) is not None and param_is_not_shared(p)
-                     and _is_expert(n) == expert
+                     if (g := main_grads.grad_of(p)) is not None and param_is_not_shared(p) and _is_expert(n) == expert
                      and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             if grads:  # one kernel for all the per-tensor norms, not three per tensor
@@ -333,13 +332,13 @@ class MegatronBackend(Backend):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
             squares.append(sq)
-        return float(sum(squares).sqrt())
+        return float(torch.stack(squares).sum().sqrt())
 
     def _sum_over_data_parallel(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         # Ranks with no samples, and pipeline stages before the last, still join.
-        names = [None] * self.world_size
-        dist.all_gather_object(names, sorted(totals), group=self.cpu_group)
-        names = sorted(set().union(*names))
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, sorted(totals), group=self.cpu_group)
+        names = sorted(set().union(*gathered))
         values = torch.stack([torch.as_tensor(totals.get(n, 0.0), dtype=torch.float64) for n in names]) \
             if names else torch.zeros(0, dtype=torch.float64)
         # One TP and CP rank per data-parallel rank contributes, so each sample is counted once.
@@ -379,18 +378,19 @@ class MegatronBackend(Backend):
             return {}
         self.actor.scheduler.load_state_dict(common.pop("lr_scheduler"))
         if self.critic is not None:
-            critic_common = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model,
-                                                         self.critic.optimizer)
-            self.critic.scheduler.load_state_dict(critic_common["lr_scheduler"])
+            critic_state = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer)
+            self.critic.scheduler.load_state_dict(critic_state["lr_scheduler"])
         return common
 
     def load_teacher(self, ckpt_dir: Path) -> None:
-        megatron_state.load_megatron(ckpt_dir, self.teacher_model, None)
-        self.teacher_model.requires_grad_(False)
+        teacher = built(self.teacher_model, "the teacher (--opd-teacher-load)")
+        megatron_state.load_megatron(ckpt_dir, teacher, None)
+        teacher.requires_grad_(False)
 
     def load_reference(self, ckpt_dir: Path) -> None:
-        megatron_state.load_megatron(ckpt_dir, self.ref_model, None)
-        self.ref_model.requires_grad_(False)
+        reference = built(self.ref_model, "the reference model (--ref-load, needed by the loss)")
+        megatron_state.load_megatron(ckpt_dir, reference, None)
+        reference.requires_grad_(False)
 
 
 def _is_expert(name: str) -> bool:

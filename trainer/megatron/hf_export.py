@@ -86,7 +86,7 @@ class HFExport:
         if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
             parts = [torch.empty_like(data) for _ in range(tp_size)]
             dist.all_gather(parts, data.contiguous(), group=tp_group)
-            dim = param.partition_dim
+            dim = param.partition_dim  # type: ignore[attr-defined]  # megatron's, on a TP-split weight
             if name.endswith("linear_fc1.weight") and self.model.config.gated_linear_unit:
                 # Each rank holds [gate shard; up shard]: join the gates, then the ups.
                 halves = [p.chunk(2, dim=0) for p in parts]

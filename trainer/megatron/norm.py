@@ -37,19 +37,26 @@ class _AutocastRMSNorm(torch.nn.RMSNorm):
         return out.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else out
 
 
+# megatron's mark on a parameter whose gradient is summed over the sequence-parallel ranks
+_SEQUENCE_PARALLEL = "sequence_parallel"
+
+
 class HiddenStateNorm:
     """The input, pre-MLP and final norms: over a sequence slice per TP rank under SP.
     Takes WrappedTorchNorm's constructor arguments."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
+    # A factory class, not a function: megatron's build_module calls a class, returns a function uncalled
+    def __new__(  # type: ignore[misc]
+            cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
         norm = _rms_norm(config, hidden_size, eps, _AutocastRMSNorm)
         if config.sequence_parallel:
-            norm.weight.sequence_parallel = True
+            setattr(norm.weight, _SEQUENCE_PARALLEL, True)
         return norm
 
 
 class HeadNorm:
     """The q/k norms (over head_dim, on this rank's heads, the whole sequence)."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
+    def __new__(  # type: ignore[misc]  # a factory class, as HiddenStateNorm
+            cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> torch.nn.RMSNorm:
         return _rms_norm(config, hidden_size, eps)

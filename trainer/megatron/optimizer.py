@@ -26,9 +26,11 @@ On a CPU-only machine the parameters are already in host memory and both change 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn import Parameter
 
 from trainer import main_grads
@@ -102,6 +104,8 @@ class ShardedOptimizer:
             if not self._offload:
                 master.grad = grad  # fp32 already, on the same device
                 continue
+            if grad is None:
+                raise RuntimeError("a parameter the optimizer owns has no gradient")
             if master.grad is None:
                 master.grad = torch.empty_like(master).pin_memory()
             master.grad.copy_(grad, non_blocking=self._overlap)
@@ -111,7 +115,8 @@ class ShardedOptimizer:
     @torch.no_grad()
     def _masters_to_params(self) -> None:
         if not self._offload:
-            torch._foreach_copy_(self.owned, self.masters)  # rounds to the parameters' dtype
+            # rounds to the parameters' dtype (Parameters are Tensors: the stub's list is invariant)
+            torch._foreach_copy_(cast(list[Tensor], self.owned), cast(list[Tensor], self.masters))
             return
         stream = self._stream or torch.cuda.current_stream()
         stream.wait_stream(torch.cuda.current_stream())
