@@ -72,8 +72,8 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
     validate(args)
     backend = MegatronBackend(args, read_hf_config(job["model"]))
     backend.load(Path(job["ckpt"]), weights_only=True)
-    fenced: dict[str, str] = {}
-    engines = EngineSide(EngineClient(None, ENGINE_CALL_S), lambda: job["urls"], fenced.__setitem__, None) \
+    dropped: dict[str, str] = {}
+    engines = EngineSide(EngineClient(None, ENGINE_CALL_S), lambda: job["urls"], dropped.__setitem__, None) \
         if rank == 0 else None
     colocation = Colocation(backend, args.offload_train, engines)
     colocation.to_engines()  # the engines hold the GPUs first, as after the start-up publish
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, records)
     if rank == 0:
-        torch.save({"ranks": gathered, "fenced": fenced}, job["out"])
+        torch.save({"ranks": gathered, "dropped": dropped}, job["out"])
     dist_env.shutdown()
 
 
@@ -165,7 +165,8 @@ def run(model: Path, ckpt: Path, shape: dict, batch: dict, steps: int, fraction:
         for engine in engines:
             stop_engine(engine)
     summary = {"steps": steps, "ranks": world, "engines": len(ports), "mem_fraction": fraction,
-               "fenced": result["fenced"], "wall_s": time.monotonic() - began, "phases": _summary(result["ranks"], fraction)}
+               "dropped": result["dropped"], "wall_s": time.monotonic() - began,
+               "phases": _summary(result["ranks"], fraction)}
     (out / "colocate_steps.json").write_text(json.dumps(result["ranks"]))
     print("RESULT " + json.dumps({"part": "colocate", **summary}), flush=True)
     return summary

@@ -130,7 +130,7 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: bool, work: Path) -
             _sync()
             result = publisher.publish(i + 1, [url], iter(weights.items()))
             if result.updated != [url]:
-                raise RuntimeError(f"the engine was fenced: {result.fenced}")
+                raise RuntimeError(f"the engine was dropped: {result.dropped}")
             times.append(result.seconds)
         checksum = post(url, "/bench_checksum", {})["checksum"]
         want = sum(float(t.float().sum()) for t in weights.values())

@@ -28,7 +28,7 @@ class Call(str, Enum):
     RESTART = "restart"              # CLI: restart one step -> {"restarting": target}
     STOP = "stop"                    # CLI: save at the next rollout boundary, then end
     READY_ENGINES = "ready_engines"  # trainer: engines to get the next version -> {"engines": [url], "starting": bool}
-    PUBLISHED = "published"          # trainer: a version went out (to `updated`; `fenced` failed)
+    PUBLISHED = "published"          # trainer: a version went out (to `updated`; `dropped` failed)
     ENGINE_FAILED = "engine_failed"  # trainer: a request to an engine failed
     ENGINE_UNRESPONSIVE = "engine_unresponsive"  # trainer: requests time out or do not parse; probes may pass
     TRAINER_POLL = "trainer_poll"    # trainer, between rollouts: -> {"stop": bool, "profile": request | None}
@@ -42,7 +42,7 @@ ARGUMENTS: dict[Call, dict[str, type]] = {
     Call.RESTART: {"target": str},
     Call.STOP: {},
     Call.READY_ENGINES: {},
-    Call.PUBLISHED: {"version": int, "updated": list, "fenced": dict},
+    Call.PUBLISHED: {"version": int, "updated": list, "dropped": dict},
     Call.ENGINE_FAILED: {"url": str, "reason": str},
     Call.ENGINE_UNRESPONSIVE: {"url": str, "reason": str},
     Call.TRAINER_POLL: {"rollout_id": int},

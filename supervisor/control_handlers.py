@@ -83,10 +83,9 @@ class ControlHandlers:
         urls = [e.url for e in self.recovery.serving().values()]
         return {"engines": urls, "starting": not urls and not self.recovery.started.is_set()}
 
-    def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> dict[str, Any]:
-        """fenced (the protocol's name of the argument): the engines dropped from this update,
-        url -> why; each is recovered. "Fence" is the supervisor's word for an older run of the job."""
-        job, dropped = self.job, fenced
+    def published(self, version: int, updated: list[str], dropped: dict[str, str]) -> dict[str, Any]:
+        """dropped: the engines left out of this update, url -> why; each is recovered."""
+        job = self.job
         behind = job.engines.published(version, set(updated))
         for url, reason in dropped.items():
             if (engine := job.engines.by_url(url)) is not None:

@@ -13,7 +13,7 @@ so that the two never hold their peaks at once:
 
 Every method is collective: each rank moves its own state; rank 0 alone calls the engines and the
 supervisor, and the ranks meet (a broadcast) between the two halves of a switch. An engine whose
-release or resume fails is fenced, as a failed weight update is: the supervisor replaces it.
+release or resume fails is dropped, as a failed weight update is: the supervisor replaces it.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ class EngineSide:
     """Rank 0's half: the engines' memory and the supervisor's word on who holds the GPUs."""
 
     def __init__(self, client: EngineClient, engines: Callable[[], list[str]],
-                 fence: Callable[[str, str], None], supervisor: SupervisorLink | None) -> None:
+                 drop: Callable[[str, str], None], supervisor: SupervisorLink | None) -> None:
         self.client = client
         self.engines = engines
-        self.fence = fence
+        self.drop = drop
         self.supervisor = supervisor
         self.released: dict[str, set[str]] = {}  # url -> the tags this trainer released there
 
@@ -67,7 +67,7 @@ class EngineSide:
             call(url, tags)
         except EngineError as err:
             self.released.pop(url, None)
-            self.fence(url, f"{'resume' if resume else 'release'} of {', '.join(tags)} failed: {err}")
+            self.drop(url, f"{'resume' if resume else 'release'} of {', '.join(tags)} failed: {err}")
             return False
         if not resume:
             self.released[url] = set(tags)

@@ -28,10 +28,10 @@ class EngineFleet:
             return self.supervisor.ready_engines()
         return sorted(self.router.workers()) if self.router else []
 
-    def fence(self, url: str, reason: str) -> None:
+    def drop(self, url: str, reason: str) -> None:
         """An engine that failed a request or an update stops getting work: the supervisor takes
         it out and brings it back at the current version; without one it leaves the router."""
-        log.warning("fencing engine %s: %s", url, reason)
+        log.warning("dropping engine %s: %s", url, reason)
         if self.supervisor:
             self.supervisor.engine_failed(url, reason)
         elif self.router:

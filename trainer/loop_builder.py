@@ -72,7 +72,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
         max_prompt_len=ro.rollout_max_prompt_len, shuffle=ro.rollout_shuffle,
         seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt)) if ro.prompt_data else None
     rollout = rollout_args(config, router_url or "", ft.router_request_timeout,
-                           (lambda url: fleet.fence(url, "a request to it failed")) if router else None,
+                           (lambda url: fleet.drop(url, "a request to it failed")) if router else None,
                            fleet.unresponsive if router else None)
     wandb = WandbRun(config.logging, job_dir, steps_per_rollout=config.steps_per_rollout,
                      run_config=config.flat()) if config.logging.use_wandb else None
@@ -87,7 +87,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
     transport = None if run.debug_train_only else WeightPublisher(
         pub.update_weight_transport, Path(run.job_dir), Path(config.model.hf_checkpoint), pub.api_key,
         bucket_bytes=pub.update_weight_buffer_size, keep_versions=pub.keep_weight_versions,
-        timeout_s=pub.update_weight_timeout, on_fence=fleet.fence)
+        timeout_s=pub.update_weight_timeout, on_drop=fleet.drop)
     return Rank0Parts(
         fleet=fleet, reporter=reporter,
         generator=RolloutGenerator(rollout, buffer, journal, config.reward.reward_key, save_now.install()),
@@ -140,7 +140,7 @@ def colocation(config: TrainerConfig, backend: Backend, fleet: EngineFleet | Non
         return None
     engines = None
     if fleet and run.offload_rollout:
-        engines = EngineSide(EngineClient(pub.api_key, pub.update_weight_timeout), fleet.engines, fleet.fence,
+        engines = EngineSide(EngineClient(pub.api_key, pub.update_weight_timeout), fleet.engines, fleet.drop,
                              fleet.supervisor)
     return Colocation(backend, run.offload_train, engines)
 

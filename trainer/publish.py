@@ -8,7 +8,7 @@ Two transports, named as slime names them:
   /begin_weight_update and /end_weight_update. Without a GPU, or with a CPU engine in the group
   (its /server_info says device cpu), it runs on gloo, as the CPU engine does.
 
-An engine whose update fails or times out is fenced: reported, handed to on_fence and left out,
+An engine whose update fails or times out is dropped: reported, handed to on_drop and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only
 ever travels in the Authorization header: it is never printed, logged or put in a reason.
 """
@@ -35,7 +35,7 @@ from trainer.weight_folders import WeightFolders
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # --update-weight-buffer-size
 Transport = Literal["disk", "nccl"]
 Weights = Iterable[tuple[str, torch.Tensor]]
-OnFence = Callable[[str, str], None]
+OnDrop = Callable[[str, str], None]
 # Seconds: bounds every single wait of a publish (one engine call, the group's rendezvous, one
 # broadcast) unless the caller names its own (--update-weight-timeout).
 DEFAULT_TIMEOUT_S = 600.0
@@ -49,7 +49,7 @@ class PublishError(Exception):
 class PublishResult:
     version: int
     updated: list[str]  # engines that now serve `version`
-    fenced: dict[str, str]  # url -> reason
+    dropped: dict[str, str]  # url -> reason
     seconds: float
     bytes: int
 
@@ -69,7 +69,7 @@ class _Group:
 
 class _Engines(EngineClient):
     """The engine client fanned out: one thread per engine so the calls run at once, each bounded
-    by the timeout. A failed call (EngineError) is the reason its engine is fenced."""
+    by the timeout. A failed call (EngineError) is the reason its engine is dropped."""
 
     def start(self, urls: list[str], fn: Callable[[str], Any]) -> dict[str, Future]:
         pool = ThreadPoolExecutor(max_workers=max(len(urls), 1))
@@ -103,12 +103,12 @@ class WeightPublisher:
     """Publishes trainer rank 0's full HF-named weights to engines; see the module docstring.
 
     bucket_bytes bounds one broadcast bucket (nccl) and one safetensors shard (disk); timeout_s
-    bounds every single wait; on_fence(url, reason) is called once per fenced engine, as soon as
-    it is fenced. Call close() when done, to destroy the update group."""
+    bounds every single wait; on_drop(url, reason) is called once per dropped engine, as soon as
+    it is dropped. Call close() when done, to destroy the update group."""
 
     def __init__(self, transport: Transport, job_dir: Path, hf_checkpoint: Path, api_key: str | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 on_fence: OnFence | None = None, backend: Backend | None = None) -> None:
+                 on_drop: OnDrop | None = None, backend: Backend | None = None) -> None:
         if transport not in ("disk", "nccl"):
             raise ValueError(f"transport must be disk or nccl, got {transport!r}")
         if bucket_bytes <= 0 or keep_versions < 1 or timeout_s <= 0:
@@ -117,7 +117,7 @@ class WeightPublisher:
         self.bucket_bytes = bucket_bytes
         self._folders = WeightFolders(JobDir(job_dir), Path(hf_checkpoint), bucket_bytes, keep_versions)
         self.timeout_s = timeout_s
-        self.on_fence = on_fence or (lambda url, reason: None)
+        self.on_drop = on_drop or (lambda url, reason: None)
         # NCCL needs the trainer's GPU; SGLang engines join with nccl, CPU engines with gloo (a group
         # with a CPU engine in it is gloo: a trainer on a GPU asking it for nccl would wait forever).
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -139,42 +139,42 @@ class WeightPublisher:
         if version < 0:
             raise ValueError(f"weight versions count from 0, got {version}")
         start = time.monotonic()
-        fenced: dict[str, str] = {}
+        dropped: dict[str, str] = {}
         weights = iter(weights)
         try:
             if self.transport == "disk":
-                updated, nbytes = self._publish_disk(version, list(engines), weights, fenced)
+                updated, nbytes = self._publish_disk(version, list(engines), weights, dropped)
             else:
-                updated, nbytes = self._publish_distributed(version, list(engines), weights, fenced)
+                updated, nbytes = self._publish_distributed(version, list(engines), weights, dropped)
         finally:
             for _ in weights:  # whatever was not sent is still drawn: the other ranks gather it with us
                 pass
-        updated = self._verify(version, updated, fenced)
-        return PublishResult(version, updated, fenced, time.monotonic() - start, nbytes)
+        updated = self._verify(version, updated, dropped)
+        return PublishResult(version, updated, dropped, time.monotonic() - start, nbytes)
 
     def close(self) -> None:
         """Destroy the update group on the engines and here."""
         self._drop_group()
 
-    def _fence(self, failed: dict[str, str], fenced: dict[str, str]) -> None:
+    def _drop_engines(self, failed: dict[str, str], dropped: dict[str, str]) -> None:
         for url, reason in failed.items():
-            if url not in fenced:
-                fenced[url] = reason
-                self.on_fence(url, reason)
+            if url not in dropped:
+                dropped[url] = reason
+                self.on_drop(url, reason)
 
-    def _verify(self, version: int, engines: list[str], fenced: dict[str, str]) -> list[str]:
+    def _verify(self, version: int, engines: list[str], dropped: dict[str, str]) -> list[str]:
         """Fence every engine whose /model_info does not name the new version."""
         versions, failed = self._engines.each(engines, self._engines.weight_version)
         for url, served in versions.items():
             if served != version:
                 failed[url] = f"/model_info says weight_version {served}, expected {version}"
-        self._fence(failed, fenced)
-        return [url for url in engines if url not in fenced]
+        self._drop_engines(failed, dropped)
+        return [url for url in engines if url not in dropped]
 
     # ---- disk ----
 
     def _publish_disk(self, version: int, engines: list[str], weights: Weights,
-                      fenced: dict[str, str]) -> tuple[list[str], int]:
+                      dropped: dict[str, str]) -> tuple[list[str], int]:
         # Held whole (on the CPU): the writer plans every shard's header before its first byte.
         tensors = [(name, tensor.detach().cpu()) for name, tensor in weights]
         if not tensors:
@@ -182,50 +182,50 @@ class WeightPublisher:
         folder, nbytes = self._folders.write(version, tensors)
         done, failed = self._engines.each(
             engines, lambda url: self._engines.load_from_disk(url, folder, version, self.timeout_s))
-        self._fence(failed, fenced)
+        self._drop_engines(failed, dropped)
         self._folders.prune(folder)
         return [url for url in engines if url in done], nbytes
 
     # ---- nccl (gloo on CPU) ----
 
     def _publish_distributed(self, version: int, engines: list[str], weights: Weights,
-                             fenced: dict[str, str]) -> tuple[list[str], int]:
-        group = self._ready_group(engines, fenced)
+                             dropped: dict[str, str]) -> tuple[list[str], int]:
+        group = self._ready_group(engines, dropped)
         if group is None:
             return [], 0
         members = group.engines
         try:
-            done, nbytes = self._send_buckets(version, group, weights, fenced)
+            done, nbytes = self._send_buckets(version, group, weights, dropped)
         finally:  # even when the caller's weights fail: engines must not stay held
             ending = self._engines.start_call(members, "/end_weight_update", {})
-        # A fenced engine is ended too, in case it lives, but not waited for: it may hang.
-        _, end_failed = self._engines.settle({url: f for url, f in ending.items() if url not in fenced})
-        self._fence({url: reason for url, reason in end_failed.items() if url in done}, fenced)
-        if any(url in fenced for url in members):
-            self._drop_group(fenced)  # a member failed: the group may hang; the next publish rebuilds it
-        return [url for url in members if url not in fenced], nbytes
+        # A dropped engine is ended too, in case it lives, but not waited for: it may hang.
+        _, end_failed = self._engines.settle({url: f for url, f in ending.items() if url not in dropped})
+        self._drop_engines({url: reason for url, reason in end_failed.items() if url in done}, dropped)
+        if any(url in dropped for url in members):
+            self._drop_group(dropped)  # a member failed: the group may hang; the next publish rebuilds it
+        return [url for url in members if url not in dropped], nbytes
 
-    def _ready_group(self, engines: list[str], fenced: dict[str, str]) -> _Group | None:
+    def _ready_group(self, engines: list[str], dropped: dict[str, str]) -> _Group | None:
         """The group of the live engines with the update begun on each. An engine failing on the
-        way is fenced and the group rebuilt without it; each round drops one, so this ends."""
+        way is dropped and the group rebuilt without it; each round drops one, so this ends."""
         while engines:
             tp_sizes, failed = self._engines.each(engines, self._tp_size)
-            self._fence(failed, fenced)
+            self._drop_engines(failed, dropped)
             layout = tuple((url, tp_sizes[url]) for url in engines if url in tp_sizes)
             if not layout:
                 return None
             if self._group is None or self._group.layout != layout:
-                self._drop_group(fenced)
-                self._group = self._build_group(layout, fenced)
+                self._drop_group(dropped)
+                self._group = self._build_group(layout, dropped)
                 if self._group is None:
-                    engines = [url for url, _ in layout if url not in fenced]
+                    engines = [url for url, _ in layout if url not in dropped]
                     continue
             begun, failed = self._engines.on_all(self._group.engines, "/begin_weight_update", {"selector": "all"})
             if not failed:
                 return self._group
-            self._fence(failed, fenced)
+            self._drop_engines(failed, dropped)
             self._engines.on_all(list(begun), "/end_weight_update", {})
-            self._drop_group(fenced)
+            self._drop_group(dropped)
             engines = list(begun)
         return None
 
@@ -237,9 +237,9 @@ class WeightPublisher:
         self._on_cpu[url] = info.get("device") == "cpu"  # SGLang's --device, as its server_info shows it
         return size
 
-    def _build_group(self, layout: tuple[tuple[str, int], ...], fenced: dict[str, str]) -> _Group | None:
+    def _build_group(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str]) -> _Group | None:
         """Rank 0 here, engine i's ranks from 1 + the tp sizes before it. Engines that fail to
-        join are fenced and None is returned; a failure of the trainer's own side raises."""
+        join are dropped and None is returned; a failure of the trainer's own side raises."""
         name = f"slurmrl_weights_{os.getpid()}_{next(self._group_ids)}"  # unique: a stale group never clashes
         engine = urlsplit(layout[0][0])
         if engine.hostname is None:
@@ -267,11 +267,11 @@ class WeightPublisher:
         self._engines.on_all(list(joined), "/destroy_weights_update_group", {"group_name": name})
         if not failed:
             raise PublishError(f"the trainer could not form the weight update group: {error}")
-        self._fence(failed, fenced)
+        self._drop_engines(failed, dropped)
         return None
 
     def _send_buckets(self, version: int, group: _Group, weights: Weights,
-                      fenced: dict[str, str]) -> tuple[list[str], int]:
+                      dropped: dict[str, str]) -> tuple[list[str], int]:
         """Broadcast bucket by bucket while every member receives it; returns the members that
         took every bucket and the bytes sent. The version (and cache flush) ride on the last."""
         members, nbytes, last = group.engines, 0, None
@@ -287,25 +287,25 @@ class WeightPublisher:
             done, failed = self._engines.settle(futures)
             nbytes += sum(t.numel() * t.element_size() for t in tensors)
             failed.update({url: broken for url in members if broken and url not in done and url not in failed})
-            self._fence(failed, fenced)
+            self._drop_engines(failed, dropped)
             members = [url for url in members if url in done]
             if broken or not members:
                 break
         if last is None:
             raise PublishError("no weights to publish")
         if not last:  # broke off early: those that took the buckets so far still lack the rest
-            self._fence({url: "the weight update broke off before its last bucket" for url in members}, fenced)
+            self._drop_engines({url: "the weight update broke off before its last bucket" for url in members}, dropped)
             return [], nbytes
         return members, nbytes
 
-    def _drop_group(self, fenced: dict[str, str] | None = None) -> None:
+    def _drop_group(self, dropped: dict[str, str] | None = None) -> None:
         """Close the trainer's side first (so engines blocked on it fail fast), then destroy it
-        on the engines not fenced (those may hang, and are replaced anyway), best effort."""
+        on the engines not dropped (those may hang, and are replaced anyway), best effort."""
         if self._group is None:
             return
         group, self._group = self._group, None
         group.group.close()
-        alive = [url for url in group.engines if url not in (fenced or {})]
+        alive = [url for url in group.engines if url not in (dropped or {})]
         self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": group.group.name})
 
 

@@ -36,6 +36,6 @@ class Publisher:
         self.heartbeat(Phase.PUBLISH, rollout_id)
         result = self.transport.publish(version, self.engines(), weights)
         if self.supervisor:
-            self.supervisor.published(version, result.updated, result.fenced)
+            self.supervisor.published(version, result.updated, result.dropped)
         return {Metric.PUBLISH_SECONDS: result.seconds, "engines_updated": len(result.updated),
-                "engines_fenced": len(result.fenced)}
+                "engines_dropped": len(result.dropped)}

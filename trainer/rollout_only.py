@@ -52,7 +52,7 @@ class RolloutOnly:
         parts.reporter.heartbeat(Phase.PUBLISH, 0)
         result = parts.transport.publish(0, parts.fleet.engines(), hf_weights(self.hf_checkpoint))
         if supervisor:
-            supervisor.published(0, result.updated, result.fenced)
+            supervisor.published(0, result.updated, result.dropped)
         first_eval = before_train(evals.evaluate(0)) if evals.evaluator and not evals.skip_before_train else {}
         for rollout_id in range(self.num_rollout):
             if self.signal.requested or (supervisor and supervisor.stop_requested(rollout_id)):

@@ -62,9 +62,9 @@ class SupervisorLink:
         # Its requests time out or come back unparseable while its probes may pass: replaced, not probed.
         self._tell(self.client.call, Call.ENGINE_UNRESPONSIVE, url=url, reason=reason)
 
-    def published(self, version: int, updated: list[str], fenced: dict[str, str]) -> None:
+    def published(self, version: int, updated: list[str], dropped: dict[str, str]) -> None:
         # Waited for: a restarted supervisor must learn the version the engines now serve.
-        self._tell(self._call, Call.PUBLISHED, version=version, updated=updated, fenced=fenced)
+        self._tell(self._call, Call.PUBLISHED, version=version, updated=updated, dropped=dropped)
 
     def gpus_to_trainer(self, released: list[str]) -> list[str]:
         """--colocate: the trainer takes the GPUs (it released `released`). The supervisor defers

@@ -200,7 +200,7 @@ def internal_sequence(engine: Engine, rid: str, prompt: list[int], max_new_token
 
 # Idle keep-alive connections outlive sglang-router's pool idle timeout (50 s). With uvicorn's 5 s
 # a request the router sends on a connection the engine is just closing fails ("error sending
-# request"): any 5 s pause between rollouts (a supervisor restart, a slow save) fenced engines.
+# request"): any 5 s pause between rollouts (a supervisor restart, a slow save) dropped engines.
 KEEP_ALIVE_S = 75
 _ROUTER_GRPC_PROBE = "Invalid HTTP request received."
 

@@ -102,7 +102,7 @@ def test_disk_publish_reaches_every_engine_and_keeps_the_last_versions(
                                       (4, 0.03, torch.float32), (4, 0.04, torch.float32)):
             weights = shifted(base, delta, dtype)
             result, seconds = timed(publisher, version, urls, iter(weights))
-            assert result.updated == urls and result.fenced == {}
+            assert result.updated == urls and result.dropped == {}
             assert result.bytes == sum(t.numel() * t.element_size() for _, t in weights)
             for url in urls:
                 assert_serving(url, version, weights)
@@ -123,20 +123,20 @@ def _fail() -> tuple[str, torch.Tensor]:
     raise RuntimeError("trainer failed while gathering weights")
 
 
-def test_dead_or_failing_engines_are_fenced_and_the_others_still_update(
+def test_dead_or_failing_engines_are_dropped_and_the_others_still_update(
         engines: list[servers.Server], model: Path, base: dict[str, torch.Tensor], tmp_path: Path) -> None:
     live = engines[0].url
     dead = f"http://127.0.0.1:{servers.free_port()}"  # nothing listens there
     failing = engines[1].url + "/no-such-prefix"  # a live server answering 404
     calls: list[tuple[str, str]] = []
     publisher = WeightPublisher("disk", tmp_path, model, servers.API_KEY, timeout_s=30,
-                                on_fence=lambda url, reason: calls.append((url, reason)))
+                                on_drop=lambda url, reason: calls.append((url, reason)))
     weights = shifted(base, 0.06)
     result = publisher.publish(6, [dead, live, failing], iter(weights))
     assert result.updated == [live]
-    assert set(result.fenced) == {dead, failing} and dict(calls) == result.fenced and len(calls) == 2
-    assert "ConnectionError" in result.fenced[dead] and "404" in result.fenced[failing]
-    assert all(servers.API_KEY not in reason for reason in result.fenced.values())
+    assert set(result.dropped) == {dead, failing} and dict(calls) == result.dropped and len(calls) == 2
+    assert "ConnectionError" in result.dropped[dead] and "404" in result.dropped[failing]
+    assert all(servers.API_KEY not in reason for reason in result.dropped.values())
     assert_serving(live, 6, weights)
 
 
@@ -154,7 +154,7 @@ def test_gloo_publish_in_buckets_keeps_its_group(engines: list[servers.Server], 
                                       (9, 0.09, torch.float32)):
             weights = shifted(base, delta, dtype)
             result, seconds = timed(publisher, version, urls, iter(weights))
-            assert result.updated == urls and result.fenced == {}
+            assert result.updated == urls and result.dropped == {}
             for url in urls:
                 assert_serving(url, version, weights)
             names.append(publisher.group_name)
@@ -183,24 +183,24 @@ def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Serv
     """Last in the file: it freezes the second module engine for good."""
     timeout = 5.0
     (a, b), hung = (e.url for e in engines), engines[1]
-    fenced: list[str] = []
+    dropped: list[str] = []
     publisher = WeightPublisher("nccl", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=timeout,
-                                backend="gloo", on_fence=lambda url, reason: fenced.append(url))
+                                backend="gloo", on_drop=lambda url, reason: dropped.append(url))
     fresh = None
     try:
-        # Frozen mid-broadcast: bounded by the timeout, the engine is fenced, the group dropped.
+        # Frozen mid-broadcast: bounded by the timeout, the engine is dropped, the group dropped.
         weights = shifted(base, 0.11)
         stream = stop_process_at(weights, len(weights) // 2, hung.proc.pid)
         result, seconds = timed(publisher, 11, [a, b], stream)
-        print(f"gloo publish with an engine frozen mid-broadcast: {seconds:.1f} s, fenced {result.fenced}")
-        assert b in result.fenced and fenced == list(result.fenced)
+        print(f"gloo publish with an engine frozen mid-broadcast: {seconds:.1f} s, dropped {result.dropped}")
+        assert b in result.dropped and dropped == list(result.dropped)
         assert seconds < 2 * timeout and publisher.group_engines == []
         assert next(stream, None) is None  # drawn to the end all the same: gathering it is collective
 
         # The next publish, without it, works.
         weights = shifted(base, 0.12)
         result = publisher.publish(12, [a], iter(weights))
-        assert result.updated == [a], result.fenced
+        assert result.updated == [a], result.dropped
         assert_serving(a, 12, weights)
         alone = publisher.group_name
 
@@ -213,17 +213,17 @@ def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Serv
         for url in (a, fresh.url):
             assert_serving(url, 13, weights)
 
-        # Dead before the publish: fenced at once, the other still updated.
+        # Dead before the publish: dropped at once, the other still updated.
         fresh.stop()
         weights = shifted(base, 0.14)
         result, seconds = timed(publisher, 14, [a, fresh.url], iter(weights))
-        assert result.updated == [a] and list(result.fenced) == [fresh.url] and seconds < timeout
+        assert result.updated == [a] and list(result.dropped) == [fresh.url] and seconds < timeout
         assert_serving(a, 14, weights)
 
         # No engine left: nothing is sent, yet every tensor is still drawn.
         stream = iter(shifted(base, 0.15))
         result = publisher.publish(15, [fresh.url], stream)
-        assert result.updated == [] and list(result.fenced) == [fresh.url] and next(stream, None) is None
+        assert result.updated == [] and list(result.dropped) == [fresh.url] and next(stream, None) is None
     finally:
         os.kill(hung.proc.pid, signal.SIGCONT)
         publisher.close()

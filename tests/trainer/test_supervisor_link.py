@@ -59,7 +59,7 @@ def test_calls_wait_for_a_supervisor_that_appears_late(late: LateSupervisor, tmp
 
 def test_a_published_version_reaches_a_late_supervisor(late: LateSupervisor, tmp_path: Path) -> None:
     SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1).published(3, ["http://e0"], {})
-    assert late.calls == [("published", {"version": 3, "updated": ["http://e0"], "fenced": {}})]
+    assert late.calls == [("published", {"version": 3, "updated": ["http://e0"], "dropped": {}})]
 
 
 def test_past_the_gap_the_call_fails_and_a_failure_report_does_not_wait(tmp_path: Path) -> None:
