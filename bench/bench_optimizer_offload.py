@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ckpt_tools.megatron_model import destroy_parallel
-from trainer.args import build_parser, validate
+from trainer.args import build_config, build_parser
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
 from trainer.rl_step import make_pack_loss
@@ -51,12 +51,11 @@ def _sync() -> None:
 def run_variant(model_dir: Path, flags: list[str], samples: list[TrainSample], steps: int) -> dict[str, float]:
     from trainer.megatron.backend import MegatronBackend
 
-    args = build_parser().parse_args([
+    config = build_config(build_parser().parse_args([
         "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--n-samples-per-prompt", "2",
         "--debug-train-only", "--load-debug-rollout-data", "unused/{rollout_id}", "--bf16",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192", "--lr", "1e-6", *flags])
-    validate(args)
-    backend = MegatronBackend(args, json.loads((model_dir / "config.json").read_text()))
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "8192", "--lr", "1e-6", *flags]))
+    backend = MegatronBackend(config, json.loads((model_dir / "config.json").read_text()))
     ids = list(range(len(samples)))
     loss = make_pack_loss(LossConfig(), samples, ids)
     backend.train_step(samples, ids, loss, need_entropy=False)  # warm-up: allocations, host copies

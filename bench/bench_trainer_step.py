@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from trainer.args import build_parser, read_hf_config, validate
+from trainer.args import build_config, build_parser, read_hf_config
 from bench.bench_gpu_megatron import model_flops
 from trainer.batch import Batching, TrainSample, rank_packs
 from trainer.losses import LossConfig, total_loss
@@ -150,13 +150,12 @@ def main() -> None:
         # On GPU the local attention's [heads, T, T] scores of a whole pack do not fit: sdpa only.
         variants = [("sdpa", []), ("sdpa", ["--torch-compile"])] if device == "cuda" else [("local", []), ("sdpa", [])]
         for attention, extra in variants:
-            args = build_parser().parse_args([
+            config = build_config(build_parser().parse_args([
                 "--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
                 "--load-debug-rollout-data", "unused/{rollout_id}", "--attention-backend", attention,
                 "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(opts.max_tokens_per_gpu), "--lr", "1e-6",
-                *(["--bf16"] if device == "cuda" else []), *extra])
-            validate(args)
-            backend = MegatronBackend(args, read_hf_config(str(model_dir)))
+                *(["--bf16"] if device == "cuda" else []), *extra]))
+            backend = MegatronBackend(config, read_hf_config(str(model_dir)))
             loss = make_pack_loss(LossConfig(), samples, ids)
             seconds = time_steps(partial(backend.train_step, samples, ids, loss, False), opts.repeats)
             name = f"megatron backend, {attention} attention{' compiled' if extra else ''}:"

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from bench.bench_trainer_step import make_samples
 from bench.multigpu_weights import qwen3_params, start_engine, stop_engine
 from tests.rollout.servers import free_port
-from trainer.args import build_parser, read_hf_config, validate
+from trainer.args import build_config, build_parser, read_hf_config
 from trainer.losses import LossConfig
 from trainer.rl_step import make_pack_loss
 
@@ -68,14 +68,13 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
     from trainer.colocation import Colocation, EngineSide
     from trainer.megatron.backend import MegatronBackend
 
-    args = build_parser().parse_args(job["flags"])
-    validate(args)
-    backend = MegatronBackend(args, read_hf_config(job["model"]))
+    config = build_config(build_parser().parse_args(job["flags"]))
+    backend = MegatronBackend(config, read_hf_config(job["model"]))
     backend.load(Path(job["ckpt"]), weights_only=True)
     dropped: dict[str, str] = {}
     engines = EngineSide(EngineClient(None, ENGINE_CALL_S), lambda: job["urls"], dropped.__setitem__, None) \
         if rank == 0 else None
-    colocation = Colocation(backend, args.offload_train, engines)
+    colocation = Colocation(backend, config.run.offload_train, engines)
     colocation.to_engines()  # the engines hold the GPUs first, as after the start-up publish
     samples = make_samples(job["samples"], job["min_len"], job["max_len"], backend.shape.vocab_size)
     ids = list(range(len(samples)))

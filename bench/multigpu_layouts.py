@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from bench.bench_gpu_megatron import H200_BF16_PEAK, model_flops
 from bench.bench_trainer_step import make_samples
 from tests.rollout.servers import free_port
-from trainer.args import build_parser, read_hf_config, validate
+from trainer.args import build_config, build_parser, read_hf_config
 from trainer.losses import LossConfig
 from trainer.rl_step import make_pack_loss
 
@@ -58,9 +58,8 @@ def _backend(job: dict):
         MegatronBackend,  # imports megatron: only in the workers
     )
 
-    args = build_parser().parse_args(_base_flags(Path(job["model"])) + job["flags"])
-    validate(args)
-    return MegatronBackend(args, read_hf_config(job["model"]))
+    config = build_config(build_parser().parse_args(_base_flags(Path(job["model"])) + job["flags"]))
+    return MegatronBackend(config, read_hf_config(job["model"]))
 
 
 def _layout_step(backend, job: dict) -> dict:
