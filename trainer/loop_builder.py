@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from trainer.metrics import Reporter
 from trainer.profiling import TrainProfiler
 from trainer.publish import WeightPublisher
 from trainer.publisher import Publisher
+from trainer.rank0_parts import Rank0Parts
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_only import RolloutOnly
 from trainer.rollout_source import RolloutGenerator, SyncRolloutSource
@@ -40,17 +40,6 @@ from trainer.save_now import StopRequests
 from trainer.supervisor_link import SupervisorLink
 from trainer.train_step import TrainStep, TrainStepConfig
 from trainer.wandb_log import WandbRun
-
-
-@dataclass
-class Rank0Parts:
-    """What rank 0 alone holds: the engines, the reports, generation, evals and the weight transport."""
-    fleet: EngineFleet
-    reporter: Reporter
-    generator: RolloutGenerator
-    journal: RolloutJournal | None  # rollouts since the last checkpoint (only where there are checkpoints)
-    evals: EvalSchedule
-    transport: WeightPublisher | None  # None with --debug-train-only
 
 
 def build_rank0(config: TrainerConfig) -> Rank0Parts:

@@ -15,17 +15,14 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ckpt_tools.hf_checkpoint import IGNORED_SUFFIXES, HFCheckpoint
 from contract.job_dir import Metric, Phase
 from trainer.evals import before_train
+from trainer.rank0_parts import Rank0Parts
 from trainer.save_now import SaveNowSignal
-
-if TYPE_CHECKING:
-    from trainer.loop_builder import Rank0Parts
 
 log = logging.getLogger(__name__)
 
