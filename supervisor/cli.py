@@ -68,6 +68,7 @@ def _status_text(job_dir: JobDir, since: float | None) -> tuple[str, int, bool]:
     elif not live and (slurm := _slurm_job(job_dir)) is not None and not slurm.queued:
         lines.append(f"ended: SLURM says {slurm.state} (the supervisor wrote no reason: see {job_dir.root}/submitit)")
         over = True
+    lines += [f"node {node} lost: {what}" for node, what in (state.get("lost_nodes") or {}).items()]
     launched = (state["steps"].get(TRAINER) or {}).get("launched_at")
     beat = read_heartbeat(job_dir, launched) if launched else None
     lines.append(status_view.table(state["steps"], state["job_id"], beat))

@@ -4,6 +4,7 @@ off the nodes it lost."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 
@@ -13,6 +14,10 @@ from supervisor.launcher import TRAINER, StepLauncher
 from supervisor.nodes import NodeTracker
 from supervisor.preemption import Preemption, SlurmJob
 from supervisor.trainer_files import seconds_to_boundary
+
+# scancel's words when slurmctld signalled a step but a node of it did not answer (seen on slurm 22.05:
+# "Kill job error on job step id 483: Communication connection failure").
+_NODE_UNREACHED = re.compile(r"Kill job error on job step")
 
 
 class Requeue:
@@ -55,9 +60,13 @@ class Requeue:
         if step is None or step.returncode is not None or step.slurm_step is None:
             return  # not running (or SLURM has not listed it yet: the next cycle retries)
         self._fence_check()  # its step id may be a newer run's
-        if self.slurm.call("scancel", "--signal=USR1", step.slurm_step).ok:
+        done = self.slurm.call("scancel", "--signal=USR1", step.slurm_step)
+        # A node of the step that does not answer (a lost one) fails the call after MessageTimeout,
+        # the others got the signal: asking again would reach no more, and hold up the monitor.
+        if done.ok or _NODE_UNREACHED.search(done.stderr):
             self._save_now_sent = True
-            self.job.events.emit("save_now", TRAINER, reason=why)
+            unreached = {} if done.ok else {"unreached": done.stderr.strip()}
+            self.job.events.emit("save_now", TRAINER, reason=why, **unreached)
 
     def _fence_check(self) -> None:
         if self.job.store.fence is not None:
