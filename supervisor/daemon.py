@@ -183,6 +183,8 @@ class Daemon:
     def run(self) -> str:
         job = self.job
         with job.store.update() as state:
+            if state.job_id != job.layout.job_id:  # a new job in the same directory: not its lost nodes
+                state.lost_nodes = {}
             state.job_id = job.layout.job_id
             state.requeues = own_run()
             state.stop_reason = None

@@ -40,7 +40,7 @@ def test_lost_trainer_node_requeues_the_job_without_it(devcluster: DevCluster, t
         devcluster.kill_slurmd(node)
         killed_at = time.monotonic()
         # (rollouts_done fails at once if the job failed)
-        wait_for(lambda: rollouts_done(job_dir) >= 0 and events(job_dir, "requeue"), REQUEUED_S, "the requeue")
+        wait_for(lambda: rollouts_done(job_dir) >= 0 and bool(events(job_dir, "requeue")), REQUEUED_S, "the requeue")
         requeued_s = time.monotonic() - killed_at
         state = finish(job_id, job_dir, ROLLOUTS)
     finally:
