@@ -37,8 +37,9 @@ from supervisor.step_control import Step, StepControl
 from supervisor.trainer_files import seconds_to_boundary
 
 # The least a trainer is given to show life after its node is lost (twice a rollout and a save, as
-# measured, when that is longer); before its first rollout nothing is lost by ending it.
-MIN_SIGN_OF_LIFE_S = 30.0
+# measured, when that is longer). A live one beats at once: told to save now, it abandons its rollout
+# and enters its save; before its first rollout nothing is lost by ending it.
+MIN_SIGN_OF_LIFE_S = 10.0
 
 
 class TrainerNodeLoss:
@@ -63,7 +64,7 @@ class TrainerNodeLoss:
         without the node. Says what is done."""
         step = self.launcher.current(TRAINER)
         if step is not None and step.returncode is None:
-            done = f"the trainer is told to save now, then the job requeues without {node}"
+            done = f"the trainer is told to save now (ended if it cannot), then the job requeues without {node}"
         else:
             done = f"the job requeues without {node}, from the last checkpoint and the rollout journal"
         if not self._lost.is_set():
