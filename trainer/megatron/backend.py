@@ -154,7 +154,7 @@ class MegatronBackend(Backend):
         if options.model.attention_backend != "local" and self.cp_size == 1:
             model.packed_rope = PackedRope(model)
         if options.model.torch_compile:
-            compile_layers(model)
+            compile_layers(model, max(self.tp_size, self.etp_size, options.parallel.expert_model_parallel_size) > 1)
         return model
 
     def _build_critic(self) -> GPTModel:
