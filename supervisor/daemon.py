@@ -13,7 +13,7 @@ The daemon composes the parts and runs the monitor loop:
     EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
     TrainerWatch (trainer_watch.py)   the trainer's heartbeat, exit, restarts
-    Requeue (requeue.py)              preemption: save, then requeue
+    Requeue (requeue.py)              preemption and the job's end (deadline.py): save, then requeue
     ControlHandlers (control_handlers.py)  the control socket's calls
 
 Threads, and what they run:

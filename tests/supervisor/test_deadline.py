@@ -15,12 +15,13 @@ import pytest
 
 from contract.job_dir import Heartbeat, JobDir, Metric, Phase, write_heartbeat
 from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec, TrainerSpec
-from supervisor import deadline
+from supervisor import cli, deadline, slurm_jobs
 from supervisor.deadline import REQUEUE_MARGIN_S, EndTime, StopCosts, no_time_to_save
 from supervisor.launcher import TRAINER
 from supervisor.local_steps import LocalSteps
 from supervisor.preemption import Preemption, SlurmJob
 from supervisor.requeue import REQUEUE, REQUEUE_UNSAVED, requeues
+from supervisor.state import StateStore, StepRecord
 from supervisor.step_control import Step
 from supervisor.trainer_files import Pace
 from tests.supervisor.job_context import two_engine_job
@@ -205,3 +206,22 @@ def test_a_trainer_that_dies_otherwise_still_fails(wired) -> None:
     step.proc.wait(EXIT_WAIT_S)
     assert wiring.trainer.on_exit(step) == REQUEUE  # preempted: it requeues, but the death is reported
     assert "trainer_failed" in _kinds(job) and "trainer_stopped" not in _kinds(job)
+
+
+def test_status_of_a_job_slurm_ended_names_its_last_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLURM ended the job mid-save (TIMEOUT) with its supervisor: the state it last wrote holds an
+    old checkpoint and healthy steps. Status says the job ended, and what the tracker holds."""
+    job, save = JobDir(tmp_path / "job"), tmp_path / "save"
+    job.root.mkdir()
+    job.spec.write_text(JobSpec(name="x", trainer=TrainerSpec(train_args=["--save", str(save)])).to_yaml())
+    with StateStore(job).update() as state:
+        state.job_id, state.last_checkpoint = "3", str(save / "iter_0000002")
+        state.steps[TRAINER] = StepRecord(TRAINER, "trainer", 0, ["node1"], state="healthy")
+    save.mkdir()
+    (save / "iter_0000004").mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("4")
+    monkeypatch.setattr(cli, "_slurm_job", lambda job_dir: slurm_jobs.SlurmJob("3", "TIMEOUT"))
+    text, code, over = cli._status_text(job, since=None)
+    assert over and "ended: SLURM says TIMEOUT" in text
+    assert f"last checkpoint {save / 'iter_0000004'}" in text, text
+    assert " healthy " not in text and " ended " in text, text
