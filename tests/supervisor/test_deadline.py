@@ -225,3 +225,14 @@ def test_status_of_a_job_slurm_ended_names_its_last_checkpoint(tmp_path: Path, m
     assert over and "ended: SLURM says TIMEOUT" in text
     assert f"last checkpoint {save / 'iter_0000004'}" in text, text
     assert " healthy " not in text and " ended " in text, text
+
+
+def test_the_recent_metrics_are_read_from_the_end_of_a_long_file(tmp_path: Path, monkeypatch) -> None:
+    """The supervisor reads them after every rollout: a long run's file is not read whole."""
+    from contract import job_dir as contract_job_dir
+
+    job_dir = JobDir(tmp_path)
+    _metrics(job_dir, *[{Metric.ROLLOUT_ID: k, "pad": "x" * 50} for k in range(200)])
+    monkeypatch.setattr(contract_job_dir, "METRICS_TAIL_BYTES", 1000)  # ~14 lines, the first one cut
+    assert [m[Metric.ROLLOUT_ID] for m in contract_job_dir.read_metrics(job_dir, 5)] == [195, 196, 197, 198, 199]
+    assert len(contract_job_dir.read_metrics(job_dir, 100)) < 15
