@@ -38,7 +38,7 @@ GRACE_S = 1
 SAVE_TIMEOUT_S = 4  # trainer_save_timeout: shorter than a save, longer than an fsync and a progress poll
 START_S = 120  # the supervisor's start; then the first slow save
 SEEN_S = END_TIME_REFRESH_S + 10  # the supervisor seeing a new end
-LATE_S = 3  # past the moment the old end would have had today's supervisor stop
+LATE_S = 5  # past the moment the old end would have had today's supervisor stop (2 monitor cycles and more)
 TRAIN_S = 2  # a rollout's training here, at most
 SLACK_S = 8  # the monitor's cycle and a loaded machine, on top of the time the end takes to be seen
 
