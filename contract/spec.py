@@ -209,12 +209,15 @@ class FaultToleranceSpec:
     crash_window: float = bounded(300.0, "s", 0)
     # of the engines, at most killed for failed probes per interval
     max_kill_fraction: float = bounded(0.5, "fraction", 0, high=1, low_open=True)
-    preempt_grace: int = bounded(600, "s", 1)          # SLURM sends USR1 this long before the end (issue 7)
+    # SLURM sends USR1 this long before the end (issue 7); the job begins to stop then, or earlier
+    # when a save takes longer (supervisor/deadline.py)
+    preempt_grace: int = bounded(600, "s", 1)
     max_requeues: int = bounded(3, "count", 0)
     max_trainer_restarts: int = bounded(3, "count", 0)
     min_engines: int = bounded(1, "count", 0)          # fewer live engines than this: requeue instead of degrading
     # Seconds the trainer may stay in one phase without a new heartbeat before it counts as hung
-    # and its step is restarted (start: from launch to its first heartbeat, e.g. loading weights).
+    # and its step is restarted (start: from launch to its first heartbeat, e.g. loading weights;
+    # save: without progress, as a save beats again at each file written or fsync'd).
     trainer_start_timeout: float = bounded(1800.0, "s", 1)
     trainer_rollout_timeout: float = bounded(3600.0, "s", 1)
     trainer_train_timeout: float = bounded(1800.0, "s", 1)   # per optimizer step

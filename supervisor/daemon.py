@@ -13,7 +13,7 @@ The daemon composes the parts and runs the monitor loop:
     EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
     TrainerWatch (trainer_watch.py)   the trainer's heartbeat, exit, restarts
-    Requeue (requeue.py)              preemption: save, then requeue
+    Requeue (requeue.py)              preemption and the job's end (deadline.py): save, then requeue
     ControlHandlers (control_handlers.py)  the control socket's calls
 
 Threads, and what they run:
@@ -55,7 +55,6 @@ from pathlib import Path
 
 import submitit
 
-from ckpt_tools.tracker import iteration_dirname, read_tracker
 from contract.control_protocol import CallerRun
 from contract.job_dir import JobDir
 from contract.spec import JobSpec
@@ -77,12 +76,13 @@ from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLau
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker, KillBudget
 from supervisor.recovery import EngineRecovery
-from supervisor.requeue import Requeue
+from supervisor.requeue import Requeue, requeues
 from supervisor.state import StateStore
 from supervisor.step_control import Step, StepControl
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
-from supervisor.trainer_watch import REQUEUE, TrainerWatch
+from supervisor.trainer_files import last_checkpoint
+from supervisor.trainer_watch import TrainerWatch
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Daemon:
                 self.trainer.launch()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
-            if outcome == REQUEUE:
+            if requeues(outcome):
                 self._stop_steps()
                 not_requeued = self.requeue.requeue(job.store.snapshot().requeues)
                 if not_requeued:
@@ -250,7 +250,7 @@ class Daemon:
             self.fence.check()  # a newer run started: nothing more of this one's acts
             if self.ending.failure:
                 raise JobFailed(self.ending.failure)
-            self.requeue.check()
+            self.trainer.check_deadline()  # preemption, the job's end
             if step is not None:
                 outcome = self._on_exit(step)
                 if outcome is not None:
@@ -321,12 +321,7 @@ class Daemon:
                              engines=sum(e.in_router for e in self.job.engines.values()))
 
     def _last_checkpoint(self) -> str | None:
-        save = self.job.spec.trainer.save
-        try:
-            iteration = read_tracker(Path(save)) if save else None
-        except (FileNotFoundError, ValueError):
-            return None
-        return str(Path(save) / iteration_dirname(iteration)) if iteration is not None else None
+        return last_checkpoint(self.job.spec.trainer.save)
 
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:

@@ -39,6 +39,12 @@ def table(steps: dict[str, dict[str, Any]], job_id: str | None, beat: Heartbeat 
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def ended_with_the_job(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The steps of a job SLURM ended without its supervisor's word: none of them runs any more,
+    whatever their last record said."""
+    return {name: {**s, "state": "ended"} if s["state"] in _LIVE else s for name, s in steps.items()}
+
+
 def phase_word(beat: Heartbeat) -> str:
     if beat.phase is Phase.ROLLOUT:
         return f"rollout {beat.rollout_id}" if beat.rollout_id is not None else "rollout"
