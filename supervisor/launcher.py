@@ -49,6 +49,7 @@ class StepLauncher:
         self.env = {**step_env(key), JOB_DIR_ENV: str(job.dir.root)}
         self._lock = threading.Lock()
         self._running: dict[str, Step] = {}
+        self._told_step_budget = False  # step_budget_low is said once per supervisor
 
     # ------------------------------------------------------------------ the table of current steps
     def current(self, name: str) -> Step | None:
@@ -77,6 +78,7 @@ class StepLauncher:
                         workdir=slurm_env.submit_dir())
         step = self.steps.launch(spec)
         self.set_current(step)
+        count = self.steps.count()
         with job.store.update() as state:
             record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
             record.slurm_step, record.launched_at = None, time.time()
@@ -84,7 +86,12 @@ class StepLauncher:
                 record.state = STARTING.value
                 record.nodes = list(nodes)  # after a requeue, not the old ones
             state.steps[name] = record
+            state.steps_launched, state.max_step_count = count.launched, count.limit
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
+        if count.nearing and not self._told_step_budget:
+            self._told_step_budget = True
+            job.events.emit("step_budget_low", name, steps_launched=count.launched, max_step_count=count.limit,
+                            hint="SLURM refuses srun past MaxStepCount; a requeue counts from 0 again")
         return step
 
     def python_of(self, role: str) -> str:

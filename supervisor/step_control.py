@@ -20,7 +20,8 @@ import subprocess
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from slurm.contact import SlurmContact
 from slurm.step_spec import StepSpec
@@ -44,10 +45,20 @@ class Step:
     slurm_step: str | None = None  # "JOBID.STEPID", once the backend lists it
     adopted: bool = False
     gone_since: float | None = None  # adopted: when the backend stopped listing it
+    log: Path | None = None  # where its srun (or process) writes, from log_offset on for this launch
+    log_offset: int = 0
 
     @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+
+class StepCount(NamedTuple):
+    """The job's steps launched so far, against SLURM's MaxStepCount (None: not known)."""
+
+    launched: int
+    limit: int | None
+    nearing: bool  # past slurm.pacing.STEP_BUDGET_WARN_FRACTION of the limit
 
 
 @runtime_checkable
@@ -81,6 +92,13 @@ class StepControl(Protocol):
 
     def abandon(self, step: Step, wait_s: float) -> None:
         """A fenced supervisor's step: SIGKILL its child, tell the scheduler nothing."""
+
+    def rate_limited(self, step: Step) -> str | None:
+        """The scheduler's refusal of this launch for its RPC rate limit (the words), else None;
+        when refused, later launches slow down."""
+
+    def count(self) -> StepCount:
+        """The job's steps launched so far, against the scheduler's limit."""
 
     def close(self) -> None:
         """Stop watching for exits."""
@@ -133,6 +151,33 @@ class ExitWatcher:
             self._steps.clear()
         self._epoll.close()
         os.close(self._wake)
+
+
+def log_offset(log: Path) -> int:
+    """Where the next launch's words start in a step's log (appended to by every launch of it)."""
+    try:
+        return log.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+_SRUN_WORDS_MAX = 64 * 1024  # of a launch's log read for srun's own lines (they come first or last)
+
+
+def srun_lines(step: Step) -> list[str]:
+    """srun's own lines ("srun: error: ...") in the step's log since its launch."""
+    if step.log is None:
+        return []
+    try:
+        with open(step.log, "rb") as log:
+            log.seek(step.log_offset)
+            head = log.read(_SRUN_WORDS_MAX)
+            log.seek(max(step.log_offset + len(head), log.seek(0, os.SEEK_END) - _SRUN_WORDS_MAX))
+            tail = log.read()
+    except OSError:
+        return []
+    text = (head + tail).decode(errors="replace")
+    return [line for line in text.splitlines() if line.startswith("srun: ")]
 
 
 def stand_in(name: str, step_id: str, watcher: ExitWatcher | None) -> Step:

@@ -38,6 +38,36 @@ def test_srun_argv_names_every_placement_flag() -> None:
         StepSpec("batch", ("x",), ("node1",), Path("l"))
 
 
+def test_an_srun_refused_for_the_rate_limit_is_told_and_slows_the_launches(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "srun"  # as srun ends when slurmctld (rl_enable) refuses its step's RPC
+    fake.write_text("#!/bin/sh\necho 'srun: error: Unable to create step for job 110: Rate limit exceeded, "
+                    "please retry later' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    log = tmp_path / "engine-0.log"
+    log.write_text("srun: error: Unable to create step for job 110: Rate limit exceeded, please retry later\n"
+                   "an earlier launch's words are not this one's\n")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 'MaxStepCount            = 40000'\n")
+    scontrol.chmod(0o755)
+    controller = StepController("110", QUERY_S, EXIT_CODE_S)
+    controller.slurm.steps.seen(0)
+    rate = controller.slurm.pacer.rate
+    step = controller.launch(StepSpec("engine-0", ("python", "-m", "x"), ("node2",), log))
+    assert step.proc is not None and step.proc.wait(10) == 1
+    assert controller.rate_limited(step) == ("srun: error: Unable to create step for job 110: Rate limit exceeded, "
+                                             "please retry later")
+    assert controller.slurm.pacer.rate == rate / 2
+    fine = tmp_path / "ok.log"
+    fine.write_text("srun: error: Unable to create step for job 110: Rate limit exceeded, please retry later\n")
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    again = controller.launch(StepSpec("engine-1", ("python", "-m", "x"), ("node2",), fine))
+    assert again.proc is not None and again.proc.wait(10) == 0
+    assert controller.rate_limited(again) is None  # the words before its launch were another's
+    assert controller.count() == (3, 40000, False)
+
+
 def test_a_query_slurm_does_not_answer_is_unknown_not_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "squeue"
     fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out' >&2\nexit 1\n")
