@@ -88,6 +88,22 @@ class LocalSteps:
             self._watcher.watch(step)
         return step
 
+    def launch_piped(self, spec: StepSpec) -> Step:
+        """As StepController's: its stdin and stdout are pipes to us, its stderr goes to its log."""
+        if self.fence is not None:
+            self.fence.check()
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_offset(spec.log)
+        with open(spec.log, "ab") as log:
+            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                    env=dict(spec.env) if spec.env is not None else None, cwd=spec.workdir,
+                                    process_group=0)
+        with self._lock:
+            step_id = f"{self.job_id}.{self._next_number()}"
+            self._write(step_id, {"name": spec.name, "pid": proc.pid, "started": _start_time(proc.pid)})
+            self._claimed.add(step_id)
+        return Step(spec.name, proc, step_id, log=spec.log, log_offset=offset)
+
     def query(self) -> dict[str, tuple[str, str]] | None:
         self._contact.record(self.answering)
         if not self.answering:

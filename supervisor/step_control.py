@@ -36,12 +36,25 @@ UNKNOWN_EXIT = 255  # the step's end was never recorded (no slurmdbd, or past ex
 CANCELLED_EXIT = 128 + signal.SIGTERM
 
 
+class StepProcess(Protocol):
+    """What the supervisor holds of a step: a child of its own in its own process group (srun, a
+    local process, a stand-in), or an engine's run in a node agent (supervisor/node_agents.py, whose
+    pid is its agent's srun: a signal to it reaches the whole node's agent)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class Step:
     """A step this supervisor launched (proc is its srun or process) or adopted (proc is its stand-in)."""
 
     spec_name: str
-    proc: subprocess.Popen[bytes] | None
+    proc: StepProcess | None
     slurm_step: str | None = None  # "JOBID.STEPID", once the backend lists it
     adopted: bool = False
     gone_since: float | None = None  # adopted: when the backend stopped listing it
@@ -196,7 +209,7 @@ _release_lock = threading.Lock()
 def release(step: Step, code: int) -> None:
     """Let an adopted step's stand-in exit with `code` (once: later calls do nothing)."""
     with _release_lock:
-        stdin = step.proc.stdin if step.proc is not None else None
+        stdin = step.proc.stdin if isinstance(step.proc, subprocess.Popen) else None
         if stdin is None or stdin.closed:
             return
         try:
@@ -206,7 +219,7 @@ def release(step: Step, code: int) -> None:
         stdin.close()
 
 
-def stop_process_group(proc: subprocess.Popen[bytes], term_grace_s: float) -> None:
+def stop_process_group(proc: StepProcess, term_grace_s: float) -> None:
     """SIGTERM, then SIGKILL, to the child's own process group, term_grace_s apart; TimeoutExpired
     if even SIGKILL did not end it."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -82,6 +82,17 @@ class StepController:
             self._watcher.watch(step)
         return step
 
+    def launch_piped(self, spec: StepSpec) -> Step:
+        """A step whose stdin and stdout are pipes to its srun's (spec.piped: a channel to the step;
+        srun's own words and the step's stderr go to its log). Not watched: its reader sees it end."""
+        if self.fence is not None:
+            self.fence.check()
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_offset(spec.log)
+        with open(spec.log, "ab") as log:
+            proc = self.slurm.launch(srun_argv(self.job_id, spec), log, spec.env, piped=True)
+        return Step(spec.name, proc, log=spec.log, log_offset=offset)
+
     def query(self) -> dict[str, tuple[str, str]] | None:
         """All live steps of the job in one squeue call: {step id: (name, state)}; None if SLURM
         did not answer (unknown, not gone)."""

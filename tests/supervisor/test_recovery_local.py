@@ -29,6 +29,7 @@ from supervisor.engines import FAILED, HEALTHY, Engines
 from supervisor.launcher import RouterPlace
 from supervisor.layout import EnginePlace
 from supervisor.local_steps import LocalSteps
+from supervisor.node_agents import AgentShape, NodeAgentSteps
 from supervisor.step_control import Step, StepControl, StepCount
 from supervisor.steps import StepController
 from tests.supervisor.job_context import two_engine_job
@@ -308,3 +309,25 @@ def test_the_job_is_told_once_when_its_steps_near_max_step_count(local_job, tmp_
         assert status_view.header(dataclasses.asdict(job.store.snapshot())).endswith("steps 4/4")
     finally:
         _stop(wiring)
+
+
+def test_engines_in_a_node_agent_are_recovered_alone_without_new_steps(local_job, tmp_path: Path) -> None:
+    """steps.engine_launch: node_agent. The supervisor's own recovery (crash seen, relaunched,
+    synced, admitted) through the agent: one step for the node, and none more for the restart."""
+    job, router = local_job
+    local = LocalSteps(job.layout.job_id, tmp_path / "steps", on_exit=job.inbox.put)
+    shape = AgentShape(sys.executable, tmp_path / "agents", cpus_per_node=None, gpus_per_node=0)
+    wiring = wire_recovery(job, router, NodeAgentSteps(local, shape, job.engines, on_exit=job.inbox.put))
+    try:
+        _start(job, wiring)
+        assert [name for name, _ in (local.query() or {}).values()] == ["agent-n1"]
+        victim = wiring.launcher.current("engine-0")
+        other = wiring.launcher.current("engine-1")
+        os.kill(victim.proc.remote_pid, signal.SIGKILL)
+        _on_exits(job, wiring)
+        wait_for(lambda: ("engine_recovered", "engine-0") in _kinds(job), WAIT_S, "engine-0 recovered")
+        assert job.engines["engine-0"].in_router and job.engines["engine-0"].restarts == 1
+        assert wiring.launcher.current("engine-1") is other and other.returncode is None
+        assert job.engines["engine-1"].restarts == 0 and local.count().launched == 1  # no step for the restart
+    finally:
+        _stop(wiring)  # the engines, then the agent (NodeAgentSteps.close)
