@@ -11,8 +11,8 @@ several nodes or beside the trainer's tasks) goes to SLURM as its own step, as b
 An agent is launched on a node at the first engine start there (a spare node's too, when an
 engine moves to it). Its srun ending (node lost, agent killed) ends every engine of the node, each
 reported with the srun's exit code. A supervisor that crashes takes its agents' channels with it:
-the agents then stop their engines and end, and its successor launches them afresh (it adopts no
-agent-run engine). Thread model: one reader thread per agent (its srun's stdout); writes to an
+the agents then stop their engines and end; its successor (or the next run after a requeue)
+cancels whatever is left of them and launches its own (it adopts no agent-run engine). Thread model: one reader thread per agent (its srun's stdout); writes to an
 agent's stdin under the agent's lock; the table of agents under the backend's lock.
 """
 
@@ -42,6 +42,7 @@ from supervisor.step_control import (
 
 log = logging.getLogger(__name__)
 
+AGENT_PREFIX = "agent-"  # an agent step's name: agent-NODE
 AGENT_END_S = 30.0  # for an agent told to end (its input closed) to stop its engines and exit
 
 
@@ -60,7 +61,7 @@ class AgentShape:
     workdir: str | None = None
 
     def spec(self, node: str) -> StepSpec:
-        return StepSpec(f"agent-{node}", (self.python, "-m", "supervisor.node_agent"), (node,),
+        return StepSpec(f"{AGENT_PREFIX}{node}", (self.python, "-m", "supervisor.node_agent"), (node,),
                         self.log_dir / f"agent-{node}.log", het_group=self.het_group, gpus_per_node=self.gpus_per_node,
                         cpus_per_task=self.cpus_per_node, options=self.options, env=self.env, workdir=self.workdir,
                         piped=True)
@@ -178,7 +179,16 @@ class NodeAgentSteps:
         return status
 
     def adopt(self, recorded: Mapping[str, str | None]) -> list[Step] | None:
-        """SLURM's steps only: an agent-run engine ends with its predecessor's channel."""
+        """SLURM's steps only: an agent-run engine ends with its predecessor's channel. The agents
+        the recorded engines ran in (a crashed supervisor's, or a requeued run's left in the rollout
+        allocation) are cancelled first: their engines hold the ports and resources ours need."""
+        rows = self.steps.query()
+        if rows is None:
+            return None
+        old_agents = {rows[sid][0]: sid for name, sid in recorded.items()
+                      if name in self.engines and sid in rows and rows[sid][0].startswith(AGENT_PREFIX)}
+        for stale in self.steps.adopt(old_agents) or []:
+            self.steps.cancel(stale, AGENT_END_S, AGENT_END_S)
         return self.steps.adopt({name: step_id for name, step_id in recorded.items() if name not in self.engines})
 
     def ended(self, name: str, step_id: str) -> Step:

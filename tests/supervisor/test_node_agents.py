@@ -88,3 +88,20 @@ def test_an_agent_that_dies_ends_its_engines_and_the_next_launch_starts_another(
     again = steps.launch(specs["engine-1"])
     wait_for(lambda: _answers(ports["engine-1"]), WAIT_S, "engine-1 answers in a new agent")
     assert again.proc.pid != agent_pid and len(local.query() or {}) == 1 and local.count().launched == 2
+
+
+def test_a_successor_cancels_the_agents_its_predecessors_engines_ran_in_and_adopts_none(agents, tmp_path) -> None:
+    steps, specs, ports, exits, local = agents
+    running = {name: steps.launch(spec) for name, spec in specs.items()}
+    for name, port in ports.items():
+        wait_for(lambda port=port: _answers(port), WAIT_S, f"{name} answers")
+    recorded = {name: step.slurm_step for name, step in running.items()}  # the state store's
+    assert set(recorded.values()) == {running["engine-0"].proc.agent.step.slurm_step}
+    successor = NodeAgentSteps(LocalSteps("7", tmp_path / "steps"),
+                               AgentShape(sys.executable, tmp_path / "logs", cpus_per_node=None, gpus_per_node=0),
+                               ENGINES, on_exit=lambda step: None)
+    try:
+        assert successor.adopt(recorded) == []
+        assert local.query() == {} and not any(_answers(port) for port in ports.values())
+    finally:
+        successor.close()
