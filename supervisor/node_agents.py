@@ -12,8 +12,10 @@ An agent is launched on a node at the first engine start there (a spare node's t
 engine moves to it). Its srun ending (node lost, agent killed) ends every engine of the node, each
 reported with the srun's exit code. A supervisor that crashes takes its agents' channels with it:
 the agents then stop their engines and end; its successor (or the next run after a requeue)
-cancels whatever is left of them and launches its own (it adopts no agent-run engine). Thread model: one reader thread per agent (its srun's stdout); writes to an
-agent's stdin under the agent's lock; the table of agents under the backend's lock.
+cancels whatever is left of them and launches its own (it adopts no agent-run engine).
+
+Thread model: one reader thread per agent (its srun's stdout); writes to an agent's stdin under the
+agent's lock; the table of agents under the backend's lock.
 """
 
 from __future__ import annotations
