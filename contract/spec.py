@@ -49,6 +49,7 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       engine_srun_args: [--cpu-bind=none]   # extra srun options per role (trainer_, engine_, router_)
       setup: ["module load cuda/12.4", "export NCCL_DEBUG=WARN"]   # shell lines before every step's
                                     # command (trainer_setup, engine_setup, router_setup: one role's, after)
+      engine_launch: step           # or node_agent: one step per node runs its engines (hundreds of engines)
 
 Flags: every field has one (`--actor-num-nodes 2`, `--rollout-engine cpu`, `--colocate`, `--job-name`,
 `--time`); `--sglang-*` and `--router-*` pass through to the engines and the router; every other flag
@@ -254,6 +255,7 @@ class FaultToleranceSpec:
 
 
 ROLES = ("trainer", "engine", "router")  # the kinds of srun step the supervisor launches
+ENGINE_LAUNCHES = ("step", "node_agent")  # StepsSpec.engine_launch: a step per engine, or an agent per node
 
 
 def _lines(flag: str) -> dict[str, str]:
@@ -282,6 +284,11 @@ class StepsSpec:
     trainer_setup: list[str] = field(default_factory=list, metadata=_lines("--trainer-setup"))
     engine_setup: list[str] = field(default_factory=list, metadata=_lines("--engine-setup"))
     router_setup: list[str] = field(default_factory=list, metadata=_lines("--router-setup"))
+    # How engines are launched: "step" (one srun step each; every relaunch a new step) or
+    # "node_agent" (one step per node whose agent starts, watches and restarts that node's engines:
+    # one srun client per node on the head node, no step per restart; supervisor/node_agents.py).
+    # Engines over several nodes, and --colocate's, are steps of their own either way.
+    engine_launch: str = "step"  # one of ENGINE_LAUNCHES
 
     def image(self, role: str) -> str | None:
         own = getattr(self, f"{role}_container_image")

@@ -9,6 +9,8 @@ sbatch template as `python -m supervisor --job-dir DIR`.
 The daemon composes the parts and runs the monitor loop:
     Engines (engines.py)              the engines' records: the one writer of every engine field
     StepLauncher (launcher.py)        launches steps; owns the table of each name's current step
+    StepController (steps.py)         SLURM's steps; NodeAgentSteps (node_agents.py) over it runs the
+                                      engines in one agent step per node (steps.engine_launch)
     adopt (adoption.py)               keeps a crashed predecessor's steps
     EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
@@ -19,7 +21,8 @@ The daemon composes the parts and runs the monitor loop:
 Threads, and what they run:
 - main: run(): launch or adopt, then the monitor loop (step exits from the inbox, probe cycles,
   the state store, the trainer's heartbeat, node checks, preemption); SIGUSR1's handler.
-- step-exit watcher (steps.py): puts each exited step in the inbox.
+- step-exit watcher (steps.py): puts each exited step in the inbox; with node agents, one reader
+  per agent (node_agents.py) puts each engine's reported exit there too.
 - recovery pool: engine restarts, syncs after a publish, checks of reported failures, cancelling
   a hung trainer.
 - control-socket connections (control.py): ControlHandlers.
@@ -72,7 +75,8 @@ from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.fencing import Fence, Fenced, own_run
 from supervisor.keys import create_key
-from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher
+from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher, agent_shape
+from supervisor.node_agents import NodeAgentSteps
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker, KillBudget
 from supervisor.recovery import EngineRecovery
@@ -149,8 +153,10 @@ class Daemon:
         inbox: queue.Queue[Step] = queue.Queue()
         self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence),
                               store=store, engines=engines, client=client, finished=threading.Event(), inbox=inbox)
-        self.steps: StepControl = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
-                                                 on_exit=inbox.put, fence=fence)
+        srun_steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
+                                    on_exit=inbox.put, fence=fence)
+        self.steps: StepControl = (NodeAgentSteps(srun_steps, agent_shape(self.job, key), engines, on_exit=inbox.put)
+                                   if spec.steps.engine_launch == "node_agent" else srun_steps)
         self.launcher = StepLauncher(self.job, self.steps, key, router)
         saved = store.snapshot()  # a `slurmrl stop` holds for every later start of the same job
         self.ending = Ending(user_stop=saved.stop_asked and saved.job_id == layout.job_id)
@@ -335,6 +341,7 @@ class Daemon:
         else:
             self._stop_steps()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.steps.close()  # node agents: told to end (their engines are stopped already)
         self.control.close()
         self.job.client.close()
         self.scalars.close()

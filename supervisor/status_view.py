@@ -15,7 +15,13 @@ _LIVE = ("starting", "waiting", "healthy", "unhealthy")  # states in which a pro
 def header(state: dict[str, Any]) -> str:
     return (f"job {state['job_id'] or '-'}  weight version {_known(state['weight_version'])}  "
             f"requeues {state['requeues']}  time left {_known(state.get('time_left'))}  "
-            f"last checkpoint {_known(state['last_checkpoint'])}")
+            f"last checkpoint {_known(state['last_checkpoint'])}  steps {step_budget(state)}")
+
+
+def step_budget(state: dict[str, Any]) -> str:
+    """The job's SLURM steps launched, of MaxStepCount ("12/40000"; "12" while the limit is unknown)."""
+    launched, limit = state.get("steps_launched", 0), state.get("max_step_count")
+    return f"{launched}/{limit}" if limit else str(launched)
 
 
 def table(steps: dict[str, dict[str, Any]], job_id: str | None, beat: Heartbeat | None,
