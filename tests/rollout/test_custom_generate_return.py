@@ -40,7 +40,8 @@ def _args(model: Path, generate: str, **kw) -> RolloutArgs:
 
 def _buffer(tmp_path: Path, prompts: int = PROMPTS) -> DataBuffer:
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input": f"repeat: {i + 1}", "label": str(i + 1)}) + "\n" for i in range(prompts)))
+    rows = [{"input": f"repeat: {i + 1}", "label": str(i + 1)} for i in range(prompts)]  # the toy task's digits
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return DataBuffer(JsonlDataSource(data, label_key="label", n_samples_per_prompt=N, shuffle=False))
 
 

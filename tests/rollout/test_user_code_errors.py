@@ -42,7 +42,8 @@ def _args(model: Path, **kw) -> RolloutArgs:
 
 def _buffer(tmp_path: Path, prompts: int = PROMPTS) -> DataBuffer:
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"input": f"repeat: {i + 1}", "label": str(i + 1)}) + "\n" for i in range(prompts)))
+    rows = [{"input": f"repeat: {i + 1}", "label": str(i + 1)} for i in range(prompts)]  # the toy task's digits
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return DataBuffer(JsonlDataSource(data, label_key="label", n_samples_per_prompt=N, shuffle=False))
 
 
@@ -81,8 +82,8 @@ def test_drop_group_leaves_out_the_groups_of_failed_samples(model: Path, tmp_pat
 
 def test_a_hook_raising_drops_the_group(model: Path, tmp_path: Path) -> None:
     errors, reported, _ = _reporter()
-    args = _args(model, rm_type="toy", n_samples_per_prompt=1, rollout_sample_hook_path=[f"{PLUGINS}.hook_raises_on_odd"],
-                 sample_errors=errors)
+    args = _args(model, rm_type="toy", n_samples_per_prompt=1, sample_errors=errors,
+                 rollout_sample_hook_path=[f"{PLUGINS}.hook_raises_on_odd"])
     buffer = DataBuffer(JsonlDataSource(_buffer(tmp_path, prompts=8).source.path, label_key="label",
                                         n_samples_per_prompt=1, shuffle=False))
     groups = generate_rollout(args, 0, buffer)
