@@ -26,7 +26,8 @@ FATAL_ERRORS: tuple[type[Exception], ...] = (Fatal, PluginError)
 
 
 def exit_fatal(err: Exception, job_dir: str | None, rank: int) -> NoReturn:
-    log.error("%s", err)
+    # A user function's own exception comes with its traceback: where in their code to look.
+    log.error("%s", err, exc_info=err if err.__cause__ is not None else None)
     print(f"python -m trainer: fatal: {err}", file=sys.stderr)
     if job_dir and rank == 0:
         write_trainer_fatal(JobDir(Path(job_dir)), str(err))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.job_dir import JOB_DIR_ENV, TRAINER_FATAL_EXIT, JobDir, read_trainer_fatal
 from rollout.tiny_model import write_tiny_model
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, parse_args
@@ -158,6 +159,18 @@ def test_command_line_error_is_one_line_and_exit_2(model: Path, tmp_path: Path) 
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["python -m trainer: error: unknown flag --lrr (did you mean --lr?)"]
+
+
+def test_a_command_line_error_in_a_jobs_step_is_its_fatal_reason(model: Path, tmp_path: Path) -> None:
+    """A restart would read the same flags: the supervisor is told (the fatal reason, a distinct
+    exit code) to fail the job at once instead of restarting the trainer into the same error."""
+    job_dir = tmp_path / "job"
+    done = subprocess.run([sys.executable, "-m", "trainer", *_base(model, tmp_path), "--lrr", "1"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, JOB_DIR_ENV: str(job_dir)})
+    assert done.returncode == TRAINER_FATAL_EXIT, done.stderr
+    assert read_trainer_fatal(JobDir(job_dir), launched=0) == \
+        "the trainer's flags: unknown flag --lrr (did you mean --lr?)"
 
 
 def test_slurm_step_environment_becomes_torch_distributed() -> None:
