@@ -31,5 +31,6 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
 
 
 def main_error(err: Exception) -> None:
-    print(f"python -m trainer: error: {err}", file=sys.stderr)
+    for problem in err.problems if isinstance(err, ArgsError) else [str(err)]:
+        print(f"python -m trainer: error: {problem}", file=sys.stderr)
     raise SystemExit(2)
