@@ -48,6 +48,9 @@ def follow(job_id: str, job_dir: JobDir, interval_s: float = FOLLOW_INTERVAL_S, 
     last = None
     while True:
         look = _look(job_id, job_dir, client, say_once)
+        if look is None:  # SLURM silent: no news
+            time.sleep(interval_s)
+            continue
         if look.state != last:
             print(f"job {job_id}: {look.state}" + (f" ({look.note})" if look.note else ""), file=out, flush=True)
             last = look.state
@@ -56,7 +59,8 @@ def follow(job_id: str, job_dir: JobDir, interval_s: float = FOLLOW_INTERVAL_S, 
         time.sleep(interval_s)
 
 
-def _look(job_id: str, job_dir: JobDir, client: SlurmClient, say_once: tp.Callable[[str, str], None]) -> Look:
+def _look(job_id: str, job_dir: JobDir, client: SlurmClient,
+          say_once: tp.Callable[[str, str], None]) -> Look | None:
     accounted = client.call("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State")
     if accounted.ok:
         state = _job_row(accounted.stdout, job_id)
@@ -66,14 +70,15 @@ def _look(job_id: str, job_dir: JobDir, client: SlurmClient, say_once: tp.Callab
     else:
         say_once("sacct", f"job {job_id}: accounting does not answer ({_why(accounted)}); following the job "
                           f"with squeue, then its job dir {job_dir.root}")
-    queued = client.call("squeue", "-h", "-j", job_id, "-o", "%i|%T")
+    # -t all: an ended job too, while slurmctld keeps it (MinJobAge), with its final state
+    queued = client.call("squeue", "-h", "-j", job_id, "-t", "all", "-o", "%i|%T")
     if queued.ok:
         state = _job_row(queued.stdout, job_id)
         if state is not None:
             return Look(state, state not in UNFINISHED, "squeue" if not accounted.ok else "")
     elif not queued.answered:
         say_once("squeue", f"job {job_id}: slurmctld does not answer either ({_why(queued)}); waiting for it")
-        return Look("UNKNOWN", False)
+        return None
     if accounted.ok:
         return Look("PENDING", False)  # neither lists it yet
     # Gone from slurmctld's list, and accounting silent: what its supervisor wrote in the job dir.
@@ -101,7 +106,6 @@ def _why(reply: Reply) -> str:
 def _outcome(job_dir: JobDir, job_id: str) -> tuple[str | None, str]:
     """(the state SLURM records for the job, by its supervisor's stop reason; the reason), or None
     where the job dir does not say (no supervisor state, another job's, or a requeue SLURM forgot)."""
-    from supervisor.daemon import FENCED
     from supervisor.state import read_state
     from supervisor.trainer_watch import REQUEUE
 
@@ -110,7 +114,8 @@ def _outcome(job_dir: JobDir, job_id: str) -> tuple[str | None, str]:
     except (OSError, ValueError):
         return None, ""
     reason = state.stop_reason
-    if not reason or state.job_id != job_id or reason in (REQUEUE, FENCED):
+    # requeued, then forgotten; or a run a newer one took over (supervisor.daemon.FENCED)
+    if not reason or state.job_id != job_id or reason == REQUEUE or reason.startswith("fenced:"):
         return None, reason or ""
     if reason.startswith("failed:"):  # the supervisor raised: the batch step failed
         return "FAILED", reason
