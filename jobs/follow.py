@@ -106,8 +106,8 @@ def _why(reply: Reply) -> str:
 def _outcome(job_dir: JobDir, job_id: str) -> tuple[str | None, str]:
     """(the state SLURM records for the job, by its supervisor's stop reason; the reason), or None
     where the job dir does not say (no supervisor state, another job's, or a requeue SLURM forgot)."""
+    from supervisor.requeue import requeues
     from supervisor.state import read_state
-    from supervisor.trainer_watch import REQUEUE
 
     try:
         state = read_state(job_dir)
@@ -115,7 +115,7 @@ def _outcome(job_dir: JobDir, job_id: str) -> tuple[str | None, str]:
         return None, ""
     reason = state.stop_reason
     # requeued, then forgotten; or a run a newer one took over (supervisor.daemon.FENCED)
-    if not reason or state.job_id != job_id or reason == REQUEUE or reason.startswith("fenced:"):
+    if not reason or state.job_id != job_id or requeues(reason) or reason.startswith("fenced:"):
         return None, reason or ""
     if reason.startswith("failed:"):  # the supervisor raised: the batch step failed
         return "FAILED", reason
