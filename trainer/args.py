@@ -35,9 +35,11 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
 
 
 def main_error(err: Exception) -> NoReturn:
-    """A wrong flag, said on stderr. In a step of a slurmrl job a restart would read the same flags:
-    it is the trainer's fatal reason there, so the supervisor fails the job at once (trainer/fatal.py)."""
-    print(f"python -m trainer: error: {err}", file=sys.stderr)
+    """A wrong flag (every problem, a line each), said on stderr. In a step of a slurmrl job a restart
+    would read the same flags: it is the trainer's fatal reason there, so the supervisor fails the job
+    at once (trainer/fatal.py)."""
+    for problem in err.problems if isinstance(err, ArgsError) else [str(err)]:
+        print(f"python -m trainer: error: {problem}", file=sys.stderr)
     job_dir = os.environ.get(JOB_DIR_ENV)
     if job_dir:
         write_trainer_fatal(JobDir(Path(job_dir)), f"the trainer's flags: {err}")

@@ -89,6 +89,23 @@ def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], mess
     assert message in str(err.value)
 
 
+def test_every_problem_is_named_at_once(model: Path, tmp_path: Path) -> None:
+    """Not only the first: one ArgsError, a line per problem (slime's own refusals among them)."""
+    with pytest.raises(ArgsError) as err:
+        parse_args(_base(model, tmp_path) + [
+            "--rollout-temperature", "0", "--advantage-estimator", "reinforce_plus_plus", "--rollout-batch-size", "4",
+            "--over-sampling-batch-size", "2", "--micro-batch-size", "0", "--eps-clip-c", "0.5",
+            "--pipeline-model-parallel-size", "0"])
+    expected = ["--rollout-temperature 0.0: must be > 0", "--advantage-estimator reinforce_plus_plus requires "
+                "advantage normalization", "--over-sampling-batch-size 2 should be greater than or equal to "
+                "--rollout-batch-size 4", "--micro-batch-size must be 1 or more", "--eps-clip-c must be > 1",
+                "--pipeline-model-parallel-size must be 1 or more"]
+    assert len(err.value.problems) == len(expected), err.value.problems
+    for message in expected:
+        assert sum(message in problem for problem in err.value.problems) == 1, (message, err.value.problems)
+    assert str(err.value).splitlines() == err.value.problems
+
+
 def test_a_refused_flag_accepts_only_what_slurmrl_does_anyway() -> None:
     from trainer.args_parser import Parser, refused
 
@@ -133,9 +150,9 @@ def test_a_checkpoint_with_dropout_is_refused(model: Path, tmp_path: Path) -> No
 
 
 def test_missing_inputs_are_named(model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ArgsError, match="--hf-checkpoint .* has no config.json"):
+    with pytest.raises(ArgsError, match="--hf-checkpoint .*: no config.json there"):
         parse_args(["--hf-checkpoint", str(tmp_path), "--num-rollout", "1"])
-    with pytest.raises(ArgsError, match="--prompt-data .* does not exist"):
+    with pytest.raises(ArgsError, match="--prompt-data .*: no such file"):
         parse_args(_base(model, tmp_path) + ["--prompt-data", str(tmp_path / "none.jsonl")])
     with pytest.raises(ArgsError, match="--sglang-router-ip and --sglang-router-port"):
         parse_args(_base(model, tmp_path)[:6] + ["--n-samples-per-prompt", "4"])
