@@ -7,8 +7,8 @@ critical path, run in every worker at once instead of all in one. gw0 (and a run
 uses the usual one at DEFAULT_ROOT, which people and `flock /tmp/devcluster.lock` runs share;
 worker gwN one beside it (DEFAULT_ROOT-gwN) on its own ports and node names (an isolated
 cluster's node names are in /etc/hosts: two clusters need two). With `--dist loadgroup` the
-SLURM tests are grouped by file: a file's module-scoped job runs once, in one worker, and one
-worker's session never takes a cluster down under another's job. Where network namespaces are
+SLURM tests are grouped by file, so that a file's module-scoped job runs once, in one worker, and
+the files spread over the workers. Where network namespaces are
 refused every node of every cluster is 127.0.0.1 and the ports of a job come from its id, which
 each cluster counts from 1: the SLURM tests then run in one group, in one worker, as before."""
 
@@ -26,15 +26,15 @@ import pytest
 
 from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
-from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, MAX_NODES
+from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, ClusterShape
 from slurm.devcluster.daemons import DevclusterError
 from slurm.devcluster.netns import IP_MISSING, NAMESPACES_REFUSED
 
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
-# Worker gwN's cluster has ports DEFAULT_PORT_BASE - N * this and up: below the default cluster's,
-# clear of the other clusters tests bring up themselves (18800 and up) and of tests/ports.py's (20000+).
+# Worker gwN's cluster has ports DEFAULT_PORT_BASE - N * this and up (a cluster takes 20 + MAX_NODES):
+# below the default cluster's, clear of the clusters tests bring up themselves (18800 and up) and of
+# tests/ports.py's (20000 and up).
 WORKER_PORT_STRIDE = 100
-assert WORKER_PORT_STRIDE >= 20 + MAX_NODES  # the ports of one cluster (ClusterShape.all_ports)
 
 
 def _worker() -> int:
@@ -71,31 +71,32 @@ def slurm_programs() -> None:
         pytest.skip(f"no SLURM here ({', '.join(missing)} missing, and could not be installed: {str(err)[:200]})")
 
 
-def _worker_cluster() -> tuple[Path, list[str]]:
-    """This worker's cluster: its --dir, and the `up` flags that set it apart (none for gw0's, which
-    keeps the shape it was last brought up with, as `slurmrl cluster up` does)."""
-    worker = _worker()
+def worker_cluster(worker: int) -> tuple[Path, ClusterShape | None]:
+    """xdist worker gw<worker>'s cluster: its --dir, and a shape whose ports and node names are its
+    own, what `up` is told (None for gw0's, which keeps the shape it was last brought up with, as
+    `slurmrl cluster up` does)."""
     if worker == 0:
-        return DEFAULT_ROOT, []
-    letters = "".join(string.ascii_lowercase[int(digit)] for digit in str(worker))  # prefixes take no digits
+        return DEFAULT_ROOT, None
+    letters = "".join(string.ascii_lowercase[int(digit)] for digit in str(worker))  # a prefix takes no digits
     return (DEFAULT_ROOT.with_name(f"{DEFAULT_ROOT.name}-gw{worker}"),
-            ["--port-base", str(DEFAULT_PORT_BASE - worker * WORKER_PORT_STRIDE), "--node-prefix", f"node-{letters}"])
+            ClusterShape(port_base=DEFAULT_PORT_BASE - worker * WORKER_PORT_STRIDE, node_prefix=f"node-{letters}"))
 
 
-def _up(root: Path, flags: list[str], network: str) -> subprocess.CompletedProcess[str]:
+def _up(root: Path, shape: ClusterShape | None, network: str) -> subprocess.CompletedProcess[str]:
+    flags = ["--port-base", str(shape.port_base), "--node-prefix", shape.node_prefix] if shape else []
     return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--dir", str(root), *flags],
                           capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")
 def devcluster(slurm_programs) -> Iterator[DevCluster]:
-    root, flags = _worker_cluster()
+    root, shape = worker_cluster(_worker())
     was_running = all(d.is_running() for d in DevCluster(root).daemons())
     # Isolated (a network namespace per node) as `slurmrl cluster up` is by default; where namespaces
     # are not allowed, shared loopback, and the tests that need namespaces skip themselves.
-    up = _up(root, flags, "--isolated")
+    up = _up(root, shape, "--isolated")
     if up.returncode != 0 and (NAMESPACES_REFUSED in up.stderr or IP_MISSING in up.stderr):
-        up = _up(root, flags, "--shared-loopback")
+        up = _up(root, shape, "--shared-loopback")
     if up.returncode != 0:
         pytest.fail(f"devcluster did not come up:\n{up.stderr}")
     cluster = DevCluster(root)
