@@ -296,10 +296,7 @@ class Daemon:
             for name, result in results.items():
                 state.steps[name].last_probe_latency_s = round(result.latency_s, 4)
                 state.steps[name].last_probe_time = now
-        failed = self.tracker.record(results)
-        for name in self.budget.allow(failed, dead=set(), total_engines=len(job.engines)):
-            self.recovery.recover(job.engines[name], f"/health_generate failed {job.ft.health_check_failure_threshold}"
-                                                     f" times in a row ({results[name].error})")
+        self.recovery.act_on_probes(results, self.tracker.record(results), self.budget)
 
     def _record_steps(self) -> None:
         job = self.job

@@ -20,7 +20,7 @@ from supervisor.engine_states import (
     IllegalTransition,
     checked,
 )
-from supervisor.engines import Engine, Engines
+from supervisor.engines import Engine, Engines, RecoveryStart
 from supervisor.layout import EnginePlace
 from supervisor.state import StateStore
 
@@ -142,14 +142,14 @@ def test_recovery_is_started_once_and_takes_the_engine_out(tmp_path: Path) -> No
     _answering(engines, e0)
     client.served = {e0.url: 1}
     engines.published(1, {e0.url})
-    assert engines.start_recovering(e0, "exited with code 1") is True
-    assert engines.start_recovering(e0, "the same failure, seen again") is False
+    assert engines.start_recovering(e0, "exited with code 1") is RecoveryStart.STARTED
+    assert engines.start_recovering(e0, "the same failure, seen again") is RecoveryStart.REFUSED
     assert e0.state == RESTARTING and not e0.in_router and router.workers == [] and engines.is_recovering(e0.name)
     assert "engine-0" not in engines.serving()
     assert store.snapshot().steps["engine-0"].last_failure == "exited with code 1"
     assert engines.give_up(e0) is True and engines.give_up(e0) is False  # once
-    engines.finish_recovering(e0)
-    assert engines.start_recovering(e0, "after it was given up") is False
+    engines.abandon_recovery(e0)
+    assert engines.start_recovering(e0, "after it was given up") is RecoveryStart.REFUSED
     with pytest.raises(IllegalTransition, match="failed -> starting"):
         engines.launched(e0)
 
