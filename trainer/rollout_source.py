@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
 from rollout.generate import RolloutArgs, generate_rollout
+from rollout.request_transport import RETRIED_METRIC
 from trainer.batch import TrainSample
 from trainer.rollout_journal import RolloutJournal
 from trainer.save_now import SaveNow, SaveNowSignal
@@ -39,6 +40,7 @@ class SampleGroup:
 class Rollout:
     rollout_id: int
     groups: list[SampleGroup]
+    metrics: dict[str, float] = field(default_factory=dict)  # the generation's own numbers, for its metrics line
 
     def samples(self) -> list[TrainSample]:
         return [s for group in self.groups for s in group.samples]
@@ -65,9 +67,12 @@ class RolloutGenerator:
         self.journal = journal
         self.reward_key = reward_key
         self.signal = signal
+        self.last_metrics: dict[str, float] = {}  # of the rollout generate() made last
 
     def generate(self, rollout_id: int) -> list[list[TrainSample]]:
         done = self.journal.replay(rollout_id) if self.journal else None
+        counts = self.rollout_args.request_counts
+        retried = counts.retried
         if done is not None:  # generated before a restart from the same checkpoint: trained on again
             groups, buffer_state = done
             if self.buffer and buffer_state is not None:
@@ -75,8 +80,9 @@ class RolloutGenerator:
             log.info("rollout %d: replayed from the rollout journal (generated before the restart)", rollout_id)
         else:
             groups = generate_rollout(self.rollout_args, rollout_id, self.buffer)
-            if self.journal:
-                self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
+        self.last_metrics = {RETRIED_METRIC: counts.retried - retried}
+        if done is None and self.journal:
+            self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
         return [[TrainSample.from_sample(s, self.reward_key) for s in group] for group in groups]
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:
@@ -115,7 +121,8 @@ class SyncRolloutSource:
             self.heartbeat(Phase.ROLLOUT, rollout_id)
             groups = self.generator.generate_abandonable(rollout_id)
             if groups is not None:
-                rollout = Rollout(rollout_id, [SampleGroup(weight_version, group) for group in groups])
+                rollout = Rollout(rollout_id, [SampleGroup(weight_version, group) for group in groups],
+                                  self.generator.last_metrics)
         return self.broadcast(rollout)
 
     def state_dict(self) -> dict[str, Any]:

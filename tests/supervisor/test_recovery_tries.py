@@ -42,7 +42,8 @@ flags: dict[str, list[str]] = {}  # engine -> extra flags of its next launches
 
 
 def _engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
-    return [sys.executable, "-m", "tests.supervisor.local_engine", "--port", str(place.port), *flags.get(place.name, [])]
+    return [sys.executable, "-m", "tests.supervisor.local_engine", "--port", str(place.port),
+            *flags.get(place.name, [])]
 
 
 @pytest.fixture
@@ -115,7 +116,7 @@ def test_a_drop_while_its_recovery_awaits_admission_is_that_recoverys_next_try(j
         for restarts in range(1, job.ft.max_engine_restarts + 1):
             # Up again, out of the router, among the engines the trainer publishes to: the trainer's
             # publish drops it (it does not take the version), as it would drop a stale engine.
-            _when(lambda: engine.restarts == restarts and engine.name in wiring.recovery.serving(),
+            _when(lambda n=restarts: engine.restarts == n and engine.name in wiring.recovery.serving(),
                   f"engine-0 up after restart {restarts}",
                   lambda: wiring.handlers.published(VERSION, [job.engines["engine-1"].url], {engine.url: DROPPED}))
         given_up = _given_up(job, wiring)
