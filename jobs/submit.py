@@ -2,7 +2,7 @@
 
     spec = prepare(Path("job.yaml"), ["--num-rollout", "20"])   # SpecError lists every problem
     print(render_script(spec))                                  # the sbatch script; writes nothing
-    job = submit(spec)                                          # job dir + spec.yaml + sbatch
+    job = submit(spec)                                          # job dir + spec.yaml + model files + sbatch
     state = follow(job)                                         # prints state changes to the end
 
 `submit` runs `fn()` in the batch step on the first node of het group 0; by default
@@ -19,7 +19,7 @@ import typing as tp
 from pathlib import Path
 
 from contract import step_options
-from contract.job_dir import JOB_DIR_ENV, JobDir, write_atomic
+from contract.job_dir import JOB_DIR_ENV, JobDir, keep_model_files, write_atomic
 from contract.spec import JobSpec, SpecError
 from contract.spec_loading import finalize, load_spec
 from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
@@ -59,8 +59,9 @@ def render_script(spec: JobSpec) -> str:
 
 
 def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurmJob:
-    """Create the job dir (spec.yaml, submitit/), submit fn (default: the supervisor) as one
-    heterogeneous job, and return Submitit's handle. A failed sbatch removes the job dir again."""
+    """Create the job dir (spec.yaml, the model's config and tokenizer, submitit/), submit fn
+    (default: the supervisor) as one heterogeneous job, and return Submitit's handle. A failed
+    sbatch removes the job dir again."""
     if fn is None:
         from supervisor.daemon import Supervisor
 
@@ -72,6 +73,8 @@ def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurm
     job_dir.mkdir(parents=True, exist_ok=True)
     try:
         spec.write(JobDir(job_dir).spec)
+        if spec.trainer.hf_checkpoint:  # its config and tokenizer, kept: the folder may go while the job runs
+            keep_model_files(Path(spec.trainer.hf_checkpoint), JobDir(job_dir))
         job = make_executor(spec).submit(fn)
     except BaseException:
         if created:

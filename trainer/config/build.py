@@ -11,7 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from contract.job_dir import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV, JobDir, model_files_dir
 from rollout.data import PROMPT_SUFFIXES
 from rollout.rewards import DICT_REWARDS
 from trainer.args_parser import ArgsError
@@ -54,10 +54,14 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     """The flags as parsed by trainer.args_parser.build_parser -> TrainerConfig, or ArgsError
     naming the flag and the fix."""
     rollout_function_path = None if args.rollout_function_path == SLIME_ROLLOUT else args.rollout_function_path
-    need(Path(args.hf_checkpoint, "config.json").is_file(),
+    # Absolute: engines read published weights from here, from their own working directory.
+    job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
+    # Supervised, the copy submission kept: the model folder may be gone by a restart.
+    model_files = model_files_dir(JobDir(Path(job_dir)), args.hf_checkpoint) if args.supervised else args.hf_checkpoint
+    need(Path(model_files, "config.json").is_file(),
          f"--hf-checkpoint {args.hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
-    _check_parallel(args)
+    _check_parallel(args, model_files)
     global_batch_size = _check_batching(args)
     _check_training(args)
     eval_datasets = _check_eval(args)
@@ -78,8 +82,6 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
                                             "--use-wandb; add --use-wandb or drop it")
     need(args.tb_project_name or not args.tb_experiment_name,
          "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
-    # Absolute: engines read published weights from here, from their own working directory.
-    job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
     tensorboard_dir = args.tensorboard_dir
     if not tensorboard_dir and (os.environ.get("TENSORBOARD_DIR") or args.tb_project_name):
         tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or str(Path(
@@ -100,6 +102,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         "rollout_max_prompt_len": rollout_max_prompt_len,
         "eval_reward_key": args.reward_key if args.eval_reward_key is None else args.eval_reward_key,
         "job_dir": job_dir,
+        "model_files": model_files,
         "tensorboard_dir": tensorboard_dir,
         "global_batch_size": global_batch_size,
         "lr_decay_iters": lr_decay_iters,
@@ -122,7 +125,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         refused_flags=tuple((name, value) for name, value in vars(args).items() if name not in named))
 
 
-def _check_parallel(args: argparse.Namespace) -> None:
+def _check_parallel(args: argparse.Namespace, model_files: str) -> None:
     need(args.pipeline_model_parallel_size >= 1,
          f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
     need(args.context_parallel_size >= 1,
@@ -130,7 +133,7 @@ def _check_parallel(args: argparse.Namespace) -> None:
     need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
          f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
          "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
-    validate_megatron_parallel(args, read_hf_config(args.hf_checkpoint), need)
+    validate_megatron_parallel(args, read_hf_config(model_files), need)
     need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
          "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
     need(not (args.optimizer_cpu_offload and args.train_backend != "megatron"),
