@@ -22,56 +22,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from rollout.engine_client import EngineClient, EngineError
 from rollout.router_client import RouterClient, RouterError
-from supervisor.engine_states import (
-    FAILED,
-    HEALTHY,
-    LIVE,
-    RESTARTING,
-    STARTING,
-    WAITING,
-    EngineState,
-    checked,
-)
+from supervisor.engine_marks import EngineMarks, RecoveryStart
+from supervisor.engine_start import WrongVersion
+from supervisor.engine_states import FAILED, HEALTHY, LIVE, RESTARTING, STARTING, WAITING, EngineState, checked
 from supervisor.layout import EnginePlace
 from supervisor.state import JobState, StateStore, StepRecord
 
 log = logging.getLogger(__name__)
 
-# Seconds between /health_generate tries while waiting for a starting engine.
-HEALTH_POLL_S = 0.5
 UNHEALTHY = "unhealthy"  # the record's state of a live engine the kill cap holds back
-
-
-class EngineStartError(RuntimeError):
-    """An engine that did not come up; cause: the error line its log ends with, when one was found
-    (what to compare between two starts: the same cause twice is no bad luck)."""
-
-    def __init__(self, message: str, cause: str | None = None) -> None:
-        super().__init__(message)
-        self.cause = cause
-
-
-class WrongVersion(EngineError):
-    """An engine that loaded a published version and reports another (an older one, or none)."""
-
-    def __init__(self, name: str, loaded: int, reported: int | None) -> None:
-        super().__init__(f"{name} reports weight_version {reported} after loading version {loaded}")
-        self.cause = f"it reports weight_version {reported} after a load from disk"
-
-
-class RecoveryStart(Enum):
-    """What a failure did to an engine's recovery (Engines.start_recovering)."""
-
-    STARTED = "started"  # a new recovery: the caller runs it
-    RETRY = "retry"  # its recovery was waiting for its admission: that recovery tries again
-    REFUSED = "refused"  # it is being recovered already, or was given up
 
 
 @dataclass
@@ -107,13 +72,10 @@ class Engines(Mapping[str, Engine]):
         self._listed_timeout_s = listed_timeout_s
         self._store = store
         self._engines = {place.name: Engine(place) for place in places}
-        self._lock = threading.Lock()  # every Engine field, the sets below and _current
+        self._lock = threading.Lock()  # every Engine field, _marks and _current
         self._router_lock = threading.Lock()  # router calls, with the decisions they carry out
         self._current: int | None = None  # the newest version the trainer published
-        self._recovering: set[str] = set()  # each has one recovery (a thread of EngineRecovery)
-        self._admitting: set[str] = set()  # of those, the ones whose recovery waits for the router
-        self._retry: dict[str, str] = {}  # a failure while its recovery waited: why it tries again
-        self._held: dict[str, str] = {}  # failed its probes, kept running by the kill cap: why
+        self._marks = EngineMarks()  # recoveries and kill-cap holds
 
     # ------------------------------------------------------------------ reading
     def __getitem__(self, name: str) -> Engine:
@@ -135,19 +97,13 @@ class Engines(Mapping[str, Engine]):
 
     def is_recovering(self, name: str) -> bool:
         with self._lock:
-            return name in self._recovering
+            return name in self._marks.recovering
 
     def serving(self) -> dict[str, Engine]:
         """Engines that serve, or wait for, the current weights: probed, and given the next version
         (an engine whose recovery waits for its admission among them: the next publish brings it in)."""
         with self._lock:
-            return {name: e for name, e in self._engines.items()
-                    if e.state in LIVE and (name not in self._recovering or name in self._admitting)}
-
-    def held_back(self) -> dict[str, str]:
-        """Engines the kill cap keeps running though they failed their probes, and why."""
-        with self._lock:
-            return dict(self._held)
+            return {name: e for name, e in self._engines.items() if e.state in LIVE and self._marks.serving(name)}
 
     def count(self, state: EngineState) -> int:
         with self._lock:
@@ -168,18 +124,9 @@ class Engines(Mapping[str, Engine]):
         its admission (a publish that dropped it, failed probes) is that recovery's: RETRY, and the
         recovery launches it again."""
         with self._lock:
-            if engine.state == FAILED:
-                return RecoveryStart.REFUSED
-            if engine.name in self._recovering:
-                if engine.name not in self._admitting:
-                    return RecoveryStart.REFUSED
-                self._admitting.discard(engine.name)
-                self._retry[engine.name] = reason
-                started = RecoveryStart.RETRY
-            else:
-                self._recovering.add(engine.name)
-                started = RecoveryStart.STARTED
-            self._held.pop(engine.name, None)
+            started = self._marks.start(engine.name, reason) if engine.state != FAILED else RecoveryStart.REFUSED
+            if started is RecoveryStart.REFUSED:
+                return started
             self._move(engine, RESTARTING)
         self.expel(engine)
         self._save([engine], last_failure=reason)
@@ -189,22 +136,19 @@ class Engines(Mapping[str, Engine]):
         """Its recovery brought it up and waits for the router: among the serving engines from now
         on (the trainer's next publish includes it), still owned by that recovery."""
         with self._lock:
-            if engine.name in self._recovering and engine.state in LIVE:
-                self._admitting.add(engine.name)
+            if engine.name in self._marks.recovering and engine.state in LIVE:
+                self._marks.admitting.add(engine.name)
 
     def take_retry(self, engine: Engine) -> str | None:
         """Why its recovery must try again (a failure came while it waited for admission), if so."""
         with self._lock:
-            return self._retry.pop(engine.name, None)
+            return self._marks.retry.pop(engine.name, None)
 
     def end_recovery(self, engine: Engine) -> str | None:
         """Its recovery is over, unless a failure came at the last moment: then that failure's
         reason, and the recovery goes on (a new one could not start meanwhile: no overlap)."""
         with self._lock:
-            retry = self._retry.pop(engine.name, None)
-            if retry is None:
-                self._recovering.discard(engine.name)
-            self._admitting.discard(engine.name)
+            retry = self._marks.end(engine.name)
         if retry is None:
             self._save([engine])
         return retry
@@ -212,27 +156,22 @@ class Engines(Mapping[str, Engine]):
     def abandon_recovery(self, engine: Engine) -> None:
         """Its recovery stopped short (given up, the job ends, a newer run took over): unmarked."""
         with self._lock:
-            if engine.name not in self._recovering:
-                return
-            self._recovering.discard(engine.name)
-            self._admitting.discard(engine.name)
-            self._retry.pop(engine.name, None)
+            self._marks.abandon(engine.name)
         self._save([engine])
 
     def hold_back(self, engine: Engine, reason: str) -> bool:
         """It failed its probes and the kill cap keeps it running (its record says unhealthy); True
-        the first time, False while it is held already (or is no longer live)."""
+        the first time, False while it is held already (or is no longer live, or recovered)."""
         with self._lock:
-            if engine.name in self._held or engine.state not in LIVE or engine.name in self._recovering:
+            if engine.state not in LIVE or not self._marks.hold(engine.name, reason):
                 return False
-            self._held[engine.name] = reason
         self._save([engine], last_failure=f"held back by the kill cap: {reason}")
         return True
 
     def release_holds(self, answered: Iterable[str]) -> list[Engine]:
         """Engines held back whose probe passed again: no longer held. Returns them."""
         with self._lock:
-            released = [self._engines[name] for name in answered if self._held.pop(name, None) is not None]
+            released = [self._engines[name] for name in answered if self._marks.held.pop(name, None) is not None]
         self._save(released)
         return released
 
@@ -270,7 +209,7 @@ class Engines(Mapping[str, Engine]):
             if engine.state == FAILED:
                 return False
             self._move(engine, FAILED)
-            self._held.pop(engine.name, None)
+            self._marks.held.pop(engine.name, None)
         self._save([engine], last_failure=reason)
         return True
 
@@ -396,7 +335,7 @@ class Engines(Mapping[str, Engine]):
         with self._store.update() as state, self._lock:
             state.weight_version = self._current
             for engine in engines:
-                _copy_into(_record(state, engine), engine, held=engine.name in self._held)
+                _copy_into(_record(state, engine), engine, held=engine.name in self._marks.held)
                 if last_failure is not None:
                     state.steps[engine.name].last_failure = last_failure
 
@@ -453,22 +392,9 @@ def _copy_into(record: StepRecord, engine: Engine, held: bool) -> None:
     record.nodes, record.url = list(engine.place.nodes), engine.url
 
 
-
 def roles_missing(engines: Iterable[Engine]) -> list[str]:
     """With prefill/decode engines: the roles no live engine has left (a PD router needs a prefill
     and a decode engine for every request, so the job cannot go on without one of each)."""
     engines = list(engines)
     wanted = {e.place.role for e in engines} - {"regular"}
     return sorted(wanted - {e.place.role for e in engines if e.state != FAILED})
-
-
-def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive: Callable[[], bool]) -> None:
-    """Until the engine answers /health_generate, its step dies, or the deadline passes."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if not alive():
-            raise EngineStartError(f"{engine.name} exited while starting (see its log)")
-        if client.healthy(engine.url):
-            return
-        time.sleep(HEALTH_POLL_S)
-    raise EngineStartError(f"{engine.name} did not answer /health_generate within {deadline_s:.0f} s")

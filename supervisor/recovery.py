@@ -25,10 +25,11 @@ from typing import cast
 
 from rollout.engine_client import EngineError, ProbeResult
 from slurm.contact import retry_delays
-from supervisor import engine_log
 from supervisor.context import Ending, JobContext, restart_backoff
+from supervisor.engine_marks import RecoveryStart
+from supervisor.engine_start import EngineStartError, error_line, log_size, wait_healthy
 from supervisor.engine_states import FAILED, HEALTHY
-from supervisor.engines import Engine, EngineStartError, RecoveryStart, roles_missing, wait_healthy
+from supervisor.engines import Engine, roles_missing
 from supervisor.fencing import Fenced
 from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
@@ -315,7 +316,7 @@ class EngineRecovery:
 
     # ------------------------------------------------------------------ starting and syncing
     def launch(self, engine: Engine) -> Step:
-        self._log_starts[engine.name] = engine_log.log_size(self.job.dir.log(engine.name))
+        self._log_starts[engine.name] = log_size(self.job.dir.log(engine.name))
         step = self.launcher.launch_engine(engine)
         self.job.engines.launched(engine)
         self.tracker.started(engine.name)
@@ -360,10 +361,11 @@ class EngineRecovery:
         log), then at the current weights (WrongVersion if it reports another after a load)."""
         job = self.job
         try:
-            wait_healthy(job.client, engine, job.ft.engine_start_timeout, lambda: step.returncode is None)
+            wait_healthy(job.client, engine.name, engine.url, job.ft.engine_start_timeout,
+                         lambda: step.returncode is None)
         except EngineStartError as err:
             since = self._log_starts.get(engine.name)
-            cause = engine_log.error_line(job.dir.log(engine.name), since) if since is not None else None
+            cause = error_line(job.dir.log(engine.name), since) if since is not None else None
             if cause is None:
                 raise
             raise EngineStartError(f"{err}; its log says: {cause}", cause=cause) from None

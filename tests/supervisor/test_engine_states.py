@@ -20,7 +20,8 @@ from supervisor.engine_states import (
     IllegalTransition,
     checked,
 )
-from supervisor.engines import Engine, Engines, RecoveryStart
+from supervisor.engine_marks import RecoveryStart
+from supervisor.engines import Engine, Engines
 from supervisor.layout import EnginePlace
 from supervisor.state import StateStore
 
