@@ -173,9 +173,7 @@ class EngineRecovery:
         at most; a failure meanwhile (a publish dropped it, its probes failed) ends the wait: its
         reason is returned, and the recovery tries again."""
         job = self.job
-        if engine.in_router:
-            return None
-        job.engines.await_admission(engine)
+        job.engines.await_admission(engine)  # admitted already too: a failure from now on is this recovery's
         deadline = time.monotonic() + job.ft.engine_admit_timeout
         while not engine.in_router and time.monotonic() < deadline:
             if (retry := job.engines.take_retry(engine)) is not None:
