@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +54,20 @@ def job(local_job, monkeypatch: pytest.MonkeyPatch):
     job, router = local_job
     spec = dataclasses.replace(job.spec, fault_tolerance=dataclasses.replace(job.ft, max_engine_restarts=5))
     return dataclasses.replace(job, spec=spec), router
+
+
+@pytest.fixture
+def wired(job, tmp_path: Path) -> Iterator[tuple[JobContext, Wiring, Counter]]:
+    """The job's engines started through the recovery, as the daemon wires it; the most recoveries
+    of each engine that ran at once. Every step is stopped after the test."""
+    job, router = job
+    wiring = _wire(job, router, tmp_path / "steps")
+    most = _counting_recoveries(wiring)
+    try:
+        _start(job, wiring)
+        yield job, wiring, most
+    finally:
+        _stop(wiring)
 
 
 def _counting_recoveries(wiring: Wiring) -> Counter:
@@ -104,83 +118,61 @@ def _when(predicate: Callable[[], bool], what: str, then: Callable[[], None]) ->
     then()
 
 
-def test_a_drop_while_its_recovery_awaits_admission_is_that_recoverys_next_try(job, tmp_path: Path) -> None:
-    job, router = job
-    wiring = _wire(job, router, tmp_path / "steps")
-    most = _counting_recoveries(wiring)
-    try:
-        _start(job, wiring)
-        engine = job.engines["engine-0"]
-        shutil.rmtree(job.dir.weights_of(VERSION))  # an update group's version: only the next publish brings it
-        _kill(wiring, job)
-        for restarts in range(1, job.ft.max_engine_restarts + 1):
-            # Up again, out of the router, among the engines the trainer publishes to: the trainer's
-            # publish drops it (it does not take the version), as it would drop a stale engine.
-            _when(lambda n=restarts: engine.restarts == n and engine.name in wiring.recovery.serving(),
-                  f"engine-0 up after restart {restarts}",
-                  lambda: wiring.handlers.published(VERSION, [job.engines["engine-1"].url], {engine.url: DROPPED}))
-        given_up = _given_up(job, wiring)
-        assert most["engine-0"] == 1, f"{most['engine-0']} recoveries of engine-0 ran at once"
-        assert engine.restarts == job.ft.max_engine_restarts
-        assert DROPPED in given_up["reason"] and "restarts in a row" in given_up["reason"], given_up
-        failed = _events(job, "engine_failed")
-        assert len(failed) == 1 + job.ft.max_engine_restarts and all("during" in e for e in failed[1:]), failed
-        assert not _events(job, "engine_recovered")
-        launches = [k for k in _kinds(job) if k == ("step_launched", "engine-0")]
-        assert len(launches) == 1 + job.ft.max_engine_restarts, "a launch after the engine was given up"
-    finally:
-        _stop(wiring)
+def test_a_drop_while_its_recovery_awaits_admission_is_that_recoverys_next_try(wired) -> None:
+    job, wiring, most = wired
+    engine = job.engines["engine-0"]
+    shutil.rmtree(job.dir.weights_of(VERSION))  # an update group's version: only the next publish brings it
+    _kill(wiring, job)
+    for restarts in range(1, job.ft.max_engine_restarts + 1):
+        # Up again, out of the router, among the engines the trainer publishes to: the trainer's
+        # publish drops it (it does not take the version), as it would drop a stale engine.
+        _when(lambda n=restarts: engine.restarts == n and engine.name in wiring.recovery.serving(),
+              f"engine-0 up after restart {restarts}",
+              lambda: wiring.handlers.published(VERSION, [job.engines["engine-1"].url], {engine.url: DROPPED}))
+    given_up = _given_up(job, wiring)
+    assert most["engine-0"] == 1, f"{most['engine-0']} recoveries of engine-0 ran at once"
+    assert engine.restarts == job.ft.max_engine_restarts
+    assert DROPPED in given_up["reason"] and "restarts in a row" in given_up["reason"], given_up
+    failed = _events(job, "engine_failed")
+    assert len(failed) == 1 + job.ft.max_engine_restarts and all("during" in e for e in failed[1:]), failed
+    assert not _events(job, "engine_recovered")
+    launches = [k for k in _kinds(job) if k == ("step_launched", "engine-0")]
+    assert len(launches) == 1 + job.ft.max_engine_restarts, "a launch after the engine was given up"
 
 
-def test_an_engine_back_at_an_old_weight_version_is_given_up_after_two_tries(job, tmp_path: Path) -> None:
-    job, router = job
-    wiring = _wire(job, router, tmp_path / "steps")
-    most = _counting_recoveries(wiring)
-    try:
-        _start(job, wiring)
-        flags["engine-0"] = ["--stuck-version"]
-        _kill(wiring, job)
-        given_up = _given_up(job, wiring)
-        assert most["engine-0"] == 1 and job.engines["engine-0"].restarts == 2
-        assert "reports weight_version None after a load from disk" in given_up["reason"], given_up
-        assert "a restart does not fix it" in given_up["reason"], given_up
-        assert [e["cause"] for e in _events(job, "engine_restart_failed")] == [
-            "it reports weight_version None after a load from disk"] * 2
-    finally:
-        _stop(wiring)
+def test_an_engine_back_at_an_old_weight_version_is_given_up_after_two_tries(wired) -> None:
+    job, wiring, most = wired
+    flags["engine-0"] = ["--stuck-version"]
+    _kill(wiring, job)
+    given_up = _given_up(job, wiring)
+    assert most["engine-0"] == 1 and job.engines["engine-0"].restarts == 2
+    assert "reports weight_version None after a load from disk" in given_up["reason"], given_up
+    assert "a restart does not fix it" in given_up["reason"], given_up
+    assert [e["cause"] for e in _events(job, "engine_restart_failed")] == [
+        "it reports weight_version None after a load from disk"] * 2
 
 
-def test_a_start_that_fails_twice_the_same_way_is_given_up_naming_the_error(job, tmp_path: Path) -> None:
-    job, router = job
-    wiring = _wire(job, router, tmp_path / "steps")
-    try:
-        _start(job, wiring)
-        flags["engine-0"] = ["--fail-with", BROKEN]
-        _kill(wiring, job)
-        given_up = _given_up(job, wiring)
-        line = f"local_engine: error: {BROKEN}"
-        failures = _events(job, "engine_restart_failed")
-        assert [e["cause"] for e in failures] == [line, line], failures
-        assert all(e["reason"].endswith(f"its log says: {line}") for e in failures), failures
-        assert line in given_up["reason"] and job.engines["engine-0"].restarts == 2, given_up
-    finally:
-        _stop(wiring)
+def test_a_start_that_fails_twice_the_same_way_is_given_up_naming_the_error(wired) -> None:
+    job, wiring, _ = wired
+    flags["engine-0"] = ["--fail-with", BROKEN]
+    _kill(wiring, job)
+    given_up = _given_up(job, wiring)
+    line = f"local_engine: error: {BROKEN}"
+    failures = _events(job, "engine_restart_failed")
+    assert [e["cause"] for e in failures] == [line, line], failures
+    assert all(e["reason"].endswith(f"its log says: {line}") for e in failures), failures
+    assert line in given_up["reason"] and job.engines["engine-0"].restarts == 2, given_up
 
 
-def test_the_last_engine_given_up_fails_the_job_even_with_min_engines_0(job, tmp_path: Path) -> None:
-    job, router = job
+def test_the_last_engine_given_up_fails_the_job_even_with_min_engines_0(wired) -> None:
+    job, wiring, _ = wired
     assert job.ft.min_engines == 0
-    wiring = _wire(job, router, tmp_path / "steps")
-    try:
-        _start(job, wiring)
-        flags.update({"engine-0": ["--fail-with", BROKEN], "engine-1": ["--fail-with", BROKEN]})
-        _kill(wiring, job, "engine-0")
-        wait_for(lambda: _events(job, "engine_given_up"), WAIT_S, "engine-0 given up")
-        assert _events(job, "engine_degraded") and wiring.ending.failure is None  # one engine left: it goes on
-        _kill(wiring, job, "engine-1")
-        wait_for(lambda: wiring.ending.failure, WAIT_S, "the job's failure")
-        assert wiring.ending.failure.startswith("no engine left: engine-1 was given up"), wiring.ending.failure
-        assert not _events(job, "engine_degraded", "engine-1")
-        assert _events(job, "no_engine_serving", "engine-1"), "the router's last engine left without a word"
-    finally:
-        _stop(wiring)
+    flags.update({"engine-0": ["--fail-with", BROKEN], "engine-1": ["--fail-with", BROKEN]})
+    _kill(wiring, job, "engine-0")
+    wait_for(lambda: _events(job, "engine_given_up"), WAIT_S, "engine-0 given up")
+    assert _events(job, "engine_degraded") and wiring.ending.failure is None  # one engine left: it goes on
+    _kill(wiring, job, "engine-1")
+    wait_for(lambda: wiring.ending.failure, WAIT_S, "the job's failure")
+    assert wiring.ending.failure.startswith("no engine left: engine-1 was given up"), wiring.ending.failure
+    assert not _events(job, "engine_degraded", "engine-1")
+    assert _events(job, "no_engine_serving", "engine-1"), "the router's last engine left without a word"
