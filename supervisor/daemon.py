@@ -9,17 +9,20 @@ sbatch template as `python -m supervisor --job-dir DIR`.
 The daemon composes the parts and runs the monitor loop:
     Engines (engines.py)              the engines' records: the one writer of every engine field
     StepLauncher (launcher.py)        launches steps; owns the table of each name's current step
+    StepController (steps.py)         SLURM's steps; NodeAgentSteps (node_agents.py) over it runs the
+                                      engines in one agent step per node (steps.engine_launch)
     adopt (adoption.py)               keeps a crashed predecessor's steps
     EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
     TrainerWatch (trainer_watch.py)   the trainer's heartbeat, exit, restarts
-    Requeue (requeue.py)              preemption: save, then requeue
+    Requeue (requeue.py)              preemption and the job's end (deadline.py): save, then requeue
     ControlHandlers (control_handlers.py)  the control socket's calls
 
 Threads, and what they run:
 - main: run(): launch or adopt, then the monitor loop (step exits from the inbox, probe cycles,
   the state store, the trainer's heartbeat, node checks, preemption); SIGUSR1's handler.
-- step-exit watcher (steps.py): puts each exited step in the inbox.
+- step-exit watcher (steps.py): puts each exited step in the inbox; with node agents, one reader
+  per agent (node_agents.py) puts each engine's reported exit there too.
 - recovery pool: engine restarts, syncs after a publish, checks of reported failures, cancelling
   a hung trainer.
 - control-socket connections (control.py): ControlHandlers.
@@ -55,7 +58,6 @@ from pathlib import Path
 
 import submitit
 
-from ckpt_tools.tracker import iteration_dirname, read_tracker
 from contract.control_protocol import CallerRun
 from contract.job_dir import JobDir
 from contract.spec import JobSpec
@@ -63,7 +65,7 @@ from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from slurm import env as slurm_env
 from slurm.watchdog import RESTARTS_ENV
-from supervisor import adoption
+from supervisor import adoption, kill_cap
 from supervisor import layout as layouts
 from supervisor.context import Ending, JobContext
 from supervisor.control import ControlServer
@@ -73,16 +75,18 @@ from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.fencing import Fence, Fenced, own_run
 from supervisor.keys import create_key
-from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher
+from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher, agent_shape
+from supervisor.node_agents import NodeAgentSteps
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker, KillBudget
 from supervisor.recovery import EngineRecovery
-from supervisor.requeue import Requeue
+from supervisor.requeue import Requeue, requeues
 from supervisor.state import StateStore
 from supervisor.step_control import Step, StepControl
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
-from supervisor.trainer_watch import REQUEUE, TrainerWatch
+from supervisor.trainer_files import last_checkpoint
+from supervisor.trainer_watch import TrainerWatch
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +153,10 @@ class Daemon:
         inbox: queue.Queue[Step] = queue.Queue()
         self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence),
                               store=store, engines=engines, client=client, finished=threading.Event(), inbox=inbox)
-        self.steps: StepControl = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
-                                                 on_exit=inbox.put, fence=fence)
+        srun_steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
+                                    on_exit=inbox.put, fence=fence)
+        self.steps: StepControl = (NodeAgentSteps(srun_steps, agent_shape(self.job, key), engines, on_exit=inbox.put)
+                                   if spec.steps.engine_launch == "node_agent" else srun_steps)
         self.launcher = StepLauncher(self.job, self.steps, key, router)
         saved = store.snapshot()  # a `slurmrl stop` holds for every later start of the same job
         self.ending = Ending(user_stop=saved.stop_asked and saved.job_id == layout.job_id)
@@ -213,7 +219,7 @@ class Daemon:
                 self.trainer.launch()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
-            if outcome == REQUEUE:
+            if requeues(outcome):
                 self._stop_steps()
                 not_requeued = self.requeue.requeue(job.store.snapshot().requeues)
                 if not_requeued:
@@ -250,7 +256,7 @@ class Daemon:
             self.fence.check()  # a newer run started: nothing more of this one's acts
             if self.ending.failure:
                 raise JobFailed(self.ending.failure)
-            self.requeue.check()
+            self.trainer.check_deadline()  # preemption, the job's end
             if step is not None:
                 outcome = self._on_exit(step)
                 if outcome is not None:
@@ -296,7 +302,7 @@ class Daemon:
             for name, result in results.items():
                 state.steps[name].last_probe_latency_s = round(result.latency_s, 4)
                 state.steps[name].last_probe_time = now
-        self.recovery.act_on_probes(results, self.tracker.record(results), self.budget)
+        kill_cap.act_on_probes(job, self.recovery.recover, results, self.tracker.record(results), self.budget)
 
     def _record_steps(self) -> None:
         job = self.job
@@ -318,12 +324,7 @@ class Daemon:
                              engines=sum(e.in_router for e in self.job.engines.values()))
 
     def _last_checkpoint(self) -> str | None:
-        save = self.job.spec.trainer.save
-        try:
-            iteration = read_tracker(Path(save)) if save else None
-        except (FileNotFoundError, ValueError):
-            return None
-        return str(Path(save) / iteration_dirname(iteration)) if iteration is not None else None
+        return last_checkpoint(self.job.spec.trainer.save)
 
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:
@@ -337,6 +338,7 @@ class Daemon:
         else:
             self._stop_steps()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.steps.close()  # node agents: told to end (their engines are stopped already)
         self.control.close()
         self.job.client.close()
         self.scalars.close()

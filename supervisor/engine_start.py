@@ -1,13 +1,14 @@
-"""An engine's start as the supervisor waits for it: until it answers /health_generate, and what a
-start that fails says. A failed start names the error line of the engine's own log: a step's log
-(JOB_DIR/logs/NAME.log) is appended to by every launch, so a launch's output is what follows the
-log's size at that launch."""
+"""An engine's start as the supervisor waits for it: until it answers /health_generate, what a
+start that fails says, and a recovery's record of its failed tries. A failed start names the error
+line of the engine's own log: a step's log (JOB_DIR/logs/NAME.log) is appended to by every launch,
+so a launch's output is what follows the log's size at that launch."""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.engine_client import EngineClient, EngineError
@@ -36,6 +37,20 @@ class WrongVersion(EngineError):
     def __init__(self, name: str, loaded: int, reported: int | None) -> None:
         super().__init__(f"{name} reports weight_version {reported} after loading version {loaded}")
         self.cause = f"it reports weight_version {reported} after a load from disk"
+
+
+@dataclass
+class Tries:
+    """One recovery's failed tries: the last one's reason, its cause (a failure that names one,
+    comparable between two tries) and whether the try before failed with the same cause."""
+
+    last: str | None = None
+    cause: str | None = None
+    repeated: bool = False
+
+    def failed(self, reason: str, cause: str | None) -> None:
+        self.repeated = cause is not None and cause == self.cause
+        self.last, self.cause = reason, cause
 
 
 def wait_healthy(client: EngineClient, name: str, url: str, deadline_s: float, alive: Callable[[], bool]) -> None:

@@ -190,7 +190,7 @@ class Engines(Mapping[str, Engine]):
         self._save([engine])
 
     def uncount_crash(self, engine: Engine) -> None:
-        """Its relaunch failed while SLURM did not answer: not the engine's failure."""
+        """Its relaunch failed while SLURM did not answer, or refused it (rate limit): not its failure."""
         with self._lock:
             engine.recent_restarts -= 1
 

@@ -18,22 +18,21 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import cast
 
 from rollout.engine_client import EngineError, ProbeResult
 from slurm.contact import retry_delays
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engine_marks import RecoveryStart
-from supervisor.engine_start import EngineStartError, error_line, log_size, wait_healthy
+from supervisor.engine_start import EngineStartError, Tries, error_line, log_size, wait_healthy
 from supervisor.engine_states import FAILED, HEALTHY
 from supervisor.engines import Engine, roles_missing
 from supervisor.fencing import Fenced
 from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures
-from supervisor.probe import HealthTracker, KillBudget
+from supervisor.probe import HealthTracker
 from supervisor.requeue import Requeue
 from supervisor.step_control import Step, StepControl
 from supervisor.tensorboard import ScalarWriter
@@ -42,20 +41,6 @@ log = logging.getLogger(__name__)
 
 _SYNC_TRIES = 3  # loads from disk in a row when the trainer keeps publishing meanwhile
 _ADMIT_POLL_S = 0.2  # between two looks whether a recovered engine is in the router
-
-
-@dataclass
-class _Tries:
-    """One recovery's failed tries: the last one's reason, and its cause (a failure that names
-    one: comparable between two tries) and whether the try before had the same cause."""
-
-    last: str | None = None
-    cause: str | None = None
-    repeated: bool = False
-
-    def failed(self, reason: str, cause: str | None) -> None:
-        self.repeated = cause is not None and cause == self.cause
-        self.last, self.cause = reason, cause
 
 
 class EngineRecovery:
@@ -123,7 +108,7 @@ class EngineRecovery:
 
     def _restart(self, engine: Engine, detected: float) -> None:
         job = self.job
-        tries, over = _Tries(), False
+        tries, over = Tries(), False
         try:
             job.engines.forget_old_crashes(engine, job.ft.crash_window)
             while True:
@@ -182,9 +167,10 @@ class EngineRecovery:
                 break
         return None
 
-    def _relaunch_until_up(self, engine: Engine, tries: _Tries) -> bool:
+    def _relaunch_until_up(self, engine: Engine, tries: Tries) -> bool:
         """Launch again (with backoff) until the engine answers; False when given up meanwhile."""
         ft = self.job.ft
+        refusals = 0  # launches SLURM refused for its rate limit, in a row
         while True:
             lost_node = self.nodes.place_on_live_node(engine)
             if lost_node is not None:
@@ -218,6 +204,14 @@ class EngineRecovery:
                                          attempt=engine.restarts, **({"cause": cause} if cause else {}))
                     if step.returncode is None:
                         self._stop_step(engine, step)
+                    said = self.steps.rate_limited(step)
+                    if said is not None:  # SLURM's refusal, not the engine's failure: again, slower
+                        self.job.engines.uncount_crash(engine)
+                        tries.failed(str(err), None)
+                        if not self._wait_out_rate_limit(engine, said, refusals):
+                            return False
+                        refusals += 1
+                        continue
                     self.steps.query()  # a fresh look: whether SLURM answers now
                     if self.steps.contact.failed_since(launched):
                         # SLURM did not answer meanwhile (srun gives up on a silent slurmctld): not
@@ -227,10 +221,21 @@ class EngineRecovery:
                         if not self._wait_for_slurm(engine, f"its relaunch: {err}"):
                             return False
 
-    def _crash_loop(self, engine: Engine, tries: _Tries) -> str:
+    def _crash_loop(self, engine: Engine, tries: Tries) -> str:
         loop = (f"{engine.recent_restarts} restarts in a row, each within crash_window "
                 f"{self.job.ft.crash_window:.0f} s")
         return f"{loop}; the last: {tries.last}" if tries.last else loop
+
+    def _wait_out_rate_limit(self, engine: Engine, said: str, refusals: int) -> bool:
+        """SLURM refused the engine's launch for its RPC rate limit (the pace of launches has halved):
+        wait retry_delays()[refusals] before the next try. False if the job ends first or SLURM
+        kept refusing for SLURM_OUTAGE_LIMIT_S."""
+        delays = retry_delays()
+        if refusals >= len(delays):
+            return False
+        self.job.events.emit("slurm_rate_limited", engine.name, said=said, retry_in_s=delays[refusals],
+                             refusals=refusals + 1)
+        return not self.job.finished.wait(delays[refusals])
 
     def _wait_for_slurm(self, engine: Engine, during: str) -> bool:
         """Ask SLURM again, with backoff, until it answers: True then; False if the job ends first
@@ -293,25 +298,6 @@ class EngineRecovery:
         except Exception:  # SLURM did not answer, a newer run took over: the job's end stops it
             log.exception("could not stop the step of %s, given up", engine.name)
 
-    # ------------------------------------------------------------------ the kill cap
-    def act_on_probes(self, results: Mapping[str, ProbeResult], failed: Sequence[str], budget: KillBudget) -> None:
-        """After a probe cycle: the engines whose failures reached the threshold (`failed`) are
-        recovered as far as the kill cap allows; the others run on, held back, said once (an
-        event, `unhealthy` in status) until their probe passes again or the cap lets them go."""
-        job = self.job
-        total = len(job.engines)
-        allowed = budget.allow(failed, dead=set(), total_engines=total)
-        threshold = job.ft.health_check_failure_threshold
-        for name in failed:
-            why = f"/health_generate failed {threshold} times in a row ({results[name].error})"
-            if name in allowed:
-                self.recover(job.engines[name], why)
-            elif job.engines.hold_back(job.engines[name], why):
-                job.events.emit("engine_held_back", name, reason=why, kill_cap=budget.cap(total),
-                                interval_s=budget.interval_s)
-        for engine in job.engines.release_holds(name for name, result in results.items() if result.ok):
-            job.events.emit("engine_hold_released", engine.name, reason="its /health_generate passes again")
-
     # ------------------------------------------------------------------ starting and syncing
     def launch(self, engine: Engine) -> Step:
         self._log_starts[engine.name] = log_size(self.job.dir.log(engine.name))
@@ -341,7 +327,7 @@ class EngineRecovery:
         if then is not None:
             then()
         # each engine was launched or adopted above: its step is the current one
-        waits = {name: self.pool.submit(self.await_engine, engine, cast(Step, self.launcher.current(name)))
+        waits = {name: self.pool.submit(self._first_start, engine, cast(Step, self.launcher.current(name)))
                  for name, engine in job.engines.items() if engine.state != HEALTHY}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
         for name, problem in problems.items():
@@ -353,6 +339,20 @@ class EngineRecovery:
                          or roles_missing(job.engines.values())):
             raise JobFailed(f"{len(problems)} of {len(job.engines)} engines did not start: "
                             f"{'; '.join(problems.values())}")
+
+    def _first_start(self, engine: Engine, step: Step) -> None:
+        """await_engine; a launch SLURM refused for its rate limit is launched again, slower."""
+        refusals = 0
+        while True:
+            try:
+                self.await_engine(engine, step)
+                return
+            except EngineStartError:
+                said = self.steps.rate_limited(step)
+                if said is None or not self._wait_out_rate_limit(engine, said, refusals):
+                    raise
+                refusals += 1
+                step = self.launch(engine)
 
     def await_engine(self, engine: Engine, step: Step) -> None:
         """Until the engine answers (EngineStartError if it does not, with the error line of its

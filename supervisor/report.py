@@ -28,7 +28,8 @@ FAILURES = ("engine_failed", "engine_start_failed", "engine_restart_failed", "en
             "exclude_failed", "job_failed")
 RECOVERIES = ("engine_recovered", "engine_hold_released", "engine_moved", "router_relaunched", "trainer_restarted",
               "step_adopted")
-INTERRUPTIONS = ("preemption", "requeue", "save_now", "job_ending", "stop_requested")
+INTERRUPTIONS = ("preemption", "requeue", "save_now", "job_ending", "stop_requested", "time_limit_changed",
+                 "no_time_to_save", "trainer_stopped")
 _WAITS = FaultToleranceSpec()
 
 

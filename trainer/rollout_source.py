@@ -17,6 +17,7 @@ from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.request_transport import RETRIED_METRIC
+from rollout.sample_errors import METRIC as SAMPLE_ERRORS
 from trainer.batch import TrainSample
 from trainer.rollout_journal import RolloutJournal
 from trainer.save_now import SaveNow, SaveNowSignal
@@ -40,7 +41,7 @@ class SampleGroup:
 class Rollout:
     rollout_id: int
     groups: list[SampleGroup]
-    metrics: dict[str, float] = field(default_factory=dict)  # the generation's own numbers, for its metrics line
+    metrics: dict[str, Any] = field(default_factory=dict)  # the generation's own (sample_errors, requests retried)
 
     def samples(self) -> list[TrainSample]:
         return [s for group in self.groups for s in group.samples]
@@ -67,12 +68,12 @@ class RolloutGenerator:
         self.journal = journal
         self.reward_key = reward_key
         self.signal = signal
-        self.last_metrics: dict[str, float] = {}  # of the rollout generate() made last
+        self.metrics: dict[str, Any] = {}  # of the last rollout generated
 
     def generate(self, rollout_id: int) -> list[list[TrainSample]]:
+        errors, requests = self.rollout_args.sample_errors, self.rollout_args.request_counts
+        before, retried = errors.total, requests.retried
         done = self.journal.replay(rollout_id) if self.journal else None
-        counts = self.rollout_args.request_counts
-        retried = counts.retried
         if done is not None:  # generated before a restart from the same checkpoint: trained on again
             groups, buffer_state = done
             if self.buffer and buffer_state is not None:
@@ -80,9 +81,10 @@ class RolloutGenerator:
             log.info("rollout %d: replayed from the rollout journal (generated before the restart)", rollout_id)
         else:
             groups = generate_rollout(self.rollout_args, rollout_id, self.buffer)
-        self.last_metrics = {RETRIED_METRIC: counts.retried - retried}
-        if done is None and self.journal:
-            self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
+            if self.journal:
+                self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
+        self.metrics = {SAMPLE_ERRORS: errors.total - before,  # users' functions failing on single samples
+                        RETRIED_METRIC: requests.retried - retried}  # requests sent again (none when replayed)
         return [[TrainSample.from_sample(s, self.reward_key) for s in group] for group in groups]
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:
@@ -122,7 +124,7 @@ class SyncRolloutSource:
             groups = self.generator.generate_abandonable(rollout_id)
             if groups is not None:
                 rollout = Rollout(rollout_id, [SampleGroup(weight_version, group) for group in groups],
-                                  self.generator.last_metrics)
+                                  dict(self.generator.metrics))
         return self.broadcast(rollout)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """A stand-in engine for the local step backend's tests: `python -m tests.supervisor.local_engine
---port P [--exit-code N] [--fail-with TEXT] [--stuck-version]` answers what the supervisor asks of
-an engine (/health_generate, /model_info's weight_version, /update_weights_from_disk) on
-127.0.0.1:P, in well under a second from its start. With --exit-code it exits at once with that
-code instead (a crashing engine); with --fail-with it says `local_engine: error: TEXT` first (a
-start that fails for a reason its log names); with --stuck-version a weight update loads but the
-version it reports stays the initial one (an engine serving an old version).
+--port P [--exit-code N]` answers what the supervisor asks of an engine (/health_generate,
+/model_info's weight_version, /update_weights_from_disk) on 127.0.0.1:P, in well under a second
+from its start; with --exit-code it exits at once with that code instead (a crashing engine),
+after printing --say's line (words its srun would have said, or its own error); with
+--stuck-version a weight update loads but the version it reports stays the initial one (an engine
+serving an old version).
 The supervisor's --api-key is accepted and not checked."""
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-code", type=int)
-    parser.add_argument("--fail-with")
+    parser.add_argument("--say", help="a line to print (to its log) before --exit-code")
     parser.add_argument("--stuck-version", action="store_true")
     args, _ = parser.parse_known_args()
-    if args.fail_with is not None:
-        parser.exit(2, f"local_engine: error: {args.fail_with}\n")
+    if args.say:
+        print(args.say, flush=True)
     if args.exit_code is not None:
         raise SystemExit(args.exit_code)
     _Engine.stuck = args.stuck_version

@@ -14,6 +14,7 @@ from pathlib import Path
 from rollout.engine_client import ProbeResult
 from slurm.devcluster.daemons import wait_for
 from supervisor.engines import HEALTHY
+from supervisor.kill_cap import act_on_probes
 from supervisor.probe import KillBudget
 from tests.supervisor.test_recovery_local import WAIT_S, _start, _stop, _wire, local_job
 
@@ -35,7 +36,7 @@ def test_an_engine_the_kill_cap_holds_back_is_said_to_be_unhealthy(local_job, tm
     try:
         _start(job, wiring)
         both = {"engine-0": FAILING, "engine-1": FAILING}
-        wiring.recovery.act_on_probes(both, ["engine-0", "engine-1"], budget)
+        act_on_probes(job, wiring.recovery.recover, both, ["engine-0", "engine-1"], budget)
         wait_for(lambda: _events(job.dir.root, "engine_recovered"), WAIT_S, "engine-0 restarted")
         [held] = _events(job.dir.root, "engine_held_back")
         assert held["step"] == "engine-1" and held["kill_cap"] == 1 and FAILING.error in held["reason"], held
@@ -49,9 +50,10 @@ def test_an_engine_the_kill_cap_holds_back_is_said_to_be_unhealthy(local_job, tm
         row = next(line for line in table.splitlines() if line.startswith("engine-1"))
         assert "unhealthy" in row.split(), table
 
-        wiring.recovery.act_on_probes({"engine-1": FAILING}, ["engine-1"], budget)  # still failing: said once
+        # Still failing, still held: said once.
+        act_on_probes(job, wiring.recovery.recover, {"engine-1": FAILING}, ["engine-1"], budget)
         assert len(_events(job.dir.root, "engine_held_back")) == 1
-        wiring.recovery.act_on_probes({"engine-0": PASSING, "engine-1": PASSING}, [], budget)
+        act_on_probes(job, wiring.recovery.recover, {"engine-0": PASSING, "engine-1": PASSING}, [], budget)
         assert [e["step"] for e in _events(job.dir.root, "engine_hold_released")] == ["engine-1"]
         assert job.store.snapshot().steps["engine-1"].state == "healthy"
         assert [e["step"] for e in _events(job.dir.root, "engine_failed")] == ["engine-0"]

@@ -37,7 +37,8 @@ from tests.supervisor.test_recovery_local import VERSION, WAIT_S, _kinds, _start
 __all__ = ["local_job"]  # the fixture, shared with test_recovery_local
 
 DROPPED = "/model_info says weight_version None, expected 3"  # the trainer's reason for a publish that missed it
-BROKEN = "/models/qwen is not a Hugging Face model folder (no config.json)"
+FAILS_WITH = "local_engine: error: /models/qwen is not a Hugging Face model folder (no config.json)"
+FAILING = ["--say", FAILS_WITH, "--exit-code", "2"]  # a start that fails, its log naming why
 flags: dict[str, list[str]] = {}  # engine -> extra flags of its next launches
 
 
@@ -154,20 +155,19 @@ def test_an_engine_back_at_an_old_weight_version_is_given_up_after_two_tries(wir
 
 def test_a_start_that_fails_twice_the_same_way_is_given_up_naming_the_error(wired) -> None:
     job, wiring, _ = wired
-    flags["engine-0"] = ["--fail-with", BROKEN]
+    flags["engine-0"] = FAILING
     _kill(wiring, job)
     given_up = _given_up(job, wiring)
-    line = f"local_engine: error: {BROKEN}"
     failures = _events(job, "engine_restart_failed")
-    assert [e["cause"] for e in failures] == [line, line], failures
-    assert all(e["reason"].endswith(f"its log says: {line}") for e in failures), failures
-    assert line in given_up["reason"] and job.engines["engine-0"].restarts == 2, given_up
+    assert [e["cause"] for e in failures] == [FAILS_WITH, FAILS_WITH], failures
+    assert all(e["reason"].endswith(f"its log says: {FAILS_WITH}") for e in failures), failures
+    assert FAILS_WITH in given_up["reason"] and job.engines["engine-0"].restarts == 2, given_up
 
 
 def test_the_last_engine_given_up_fails_the_job_even_with_min_engines_0(wired) -> None:
     job, wiring, _ = wired
     assert job.ft.min_engines == 0
-    flags.update({"engine-0": ["--fail-with", BROKEN], "engine-1": ["--fail-with", BROKEN]})
+    flags.update({"engine-0": FAILING, "engine-1": FAILING})
     _kill(wiring, job, "engine-0")
     wait_for(lambda: _events(job, "engine_given_up"), WAIT_S, "engine-0 given up")
     assert _events(job, "engine_degraded") and wiring.ending.failure is None  # one engine left: it goes on

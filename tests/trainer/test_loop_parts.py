@@ -255,6 +255,6 @@ def test_each_rollouts_line_counts_the_requests_it_retried(tmp_path: Path) -> No
     journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
     generator = RolloutGenerator(args, None, journal, None, save_now.install())
     source = SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat)
-    assert [source.rollout(r, 0).metrics for r in RETRIES] == [{RETRIED_METRIC: n} for n in RETRIES.values()]
+    assert [source.rollout(r, 0).metrics[RETRIED_METRIC] for r in RETRIES] == list(RETRIES.values())
     # Generated again after a restart: replayed from the rollout journal, no request sent.
-    assert generator.generate(2) and generator.last_metrics == {RETRIED_METRIC: 0}
+    assert generator.generate(2) and generator.metrics[RETRIED_METRIC] == 0
