@@ -1,8 +1,8 @@
 """Part 1 of bench_multi_gpu: the megatron backend's parallel layouts on 2 GPUs (NCCL; gloo on the
 CPU), each in its own spawned processes, one rank a GPU:
 
-- equivalence and speed: TP=1 (one GPU), TP=2 + sequence parallelism, PP=2, and DP=2 with the
-  distributed optimizer take one RL step on the same batch from the same converted checkpoint;
+- equivalence and speed: TP=1 (one GPU), TP=2 + sequence parallelism (compiled or not), PP=2, and
+  DP=2 with the distributed optimizer take one RL step on the same batch from the same converted checkpoint;
   log-probs, loss and grad norm against TP=1's, then the step time over more steps and MFU;
 - resharding: a checkpoint saved at TP=2 (torch_dist) resumes at TP=1 and at PP=2, and the resumed
   step equals the step the uninterrupted TP=2 run takes (tiny model, fp32; the CPU tests' helpers).
@@ -31,6 +31,7 @@ LAYOUTS = {  # name -> (ranks, flags)
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
+    "tp2_sp_compiled": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--torch-compile"]),
 }
 RESHARD = {"resume_tp1": (1, []), "resume_pp2": (2, ["--pipeline-model-parallel-size", "2"])}
 SAVED_AT = (2, ["--tensor-model-parallel-size", "2"])

@@ -34,6 +34,7 @@ class Call(str, Enum):
     TRAINER_POLL = "trainer_poll"    # trainer, between rollouts: -> {"stop": bool, "profile": request | None}
     GPU_HOLDER = "gpu_holder"        # trainer, --colocate: who holds the shared GPUs -> {"released": [url]}
     PROFILE = "profile"              # CLI: profile rollout|train for N steps -> {"dir", "engines", "failed"}
+    PLUGIN_ERROR = "plugin_error"    # trainer: a user function first failed on a sample (the rollout goes on)
 
 
 # Each call's arguments and their JSON types (what a handler receives as keyword arguments).
@@ -48,6 +49,7 @@ ARGUMENTS: dict[Call, dict[str, type]] = {
     Call.TRAINER_POLL: {"rollout_id": int},
     Call.PROFILE: {"target": str, "steps": int},
     Call.GPU_HOLDER: {"holder": str, "released": list},
+    Call.PLUGIN_ERROR: {"plugin": str, "error": str, "sample": int},
 }
 
 

@@ -88,10 +88,19 @@ class Heartbeat:
     time: float  # unix time of the beat
     rollout_id: int | None
     pid: int | None = None
+    since: float | None = None  # unix time this phase of this rollout began (None: unknown, take `time`)
+
+    @property
+    def began(self) -> float:
+        return self.time if self.since is None else self.since
 
 
-def write_heartbeat(job_dir: JobDir, phase: Phase, rollout_id: int) -> None:
-    beat = {"phase": Phase(phase).value, "rollout_id": rollout_id, "time": time.time(), "pid": os.getpid()}
+def write_heartbeat(job_dir: JobDir, phase: Phase, rollout_id: int, since: float | None = None) -> None:
+    """A beat: the trainer is in `phase` of rollout_id, since `since` (unix time; None: now, a new phase).
+    A beat in the same phase again (an optimizer step, a save's progress) keeps the phase's `since`."""
+    now = time.time()
+    beat = {"phase": Phase(phase).value, "rollout_id": rollout_id, "time": now, "pid": os.getpid(),
+            "since": now if since is None else since}
     # Not fsync'd: it is rewritten every few seconds, and a beat lost to a crash of the node
     # matters to no one.
     write_atomic(job_dir.heartbeat, json.dumps(beat), durable=False)
@@ -103,7 +112,9 @@ def read_heartbeat(job_dir: JobDir, launched: float) -> Heartbeat:
     try:
         beat = json.loads(job_dir.heartbeat.read_text())
         if float(beat["time"]) >= launched:
-            return Heartbeat(Phase(beat["phase"]), float(beat["time"]), beat.get("rollout_id"), beat.get("pid"))
+            since = beat.get("since")
+            return Heartbeat(Phase(beat["phase"]), float(beat["time"]), beat.get("rollout_id"), beat.get("pid"),
+                             None if since is None else float(since))
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not written yet, or a predecessor's
     return Heartbeat(Phase.START, launched, None)
@@ -162,11 +173,20 @@ def append_metrics(job_dir: JobDir, rollout_id: int, metrics: dict[str, Any]) ->
     return line
 
 
+METRICS_TAIL_BYTES = 1 << 20  # read_metrics reads at most this much of the file's end (a long run's lines pile up)
+
+
 def read_metrics(job_dir: JobDir, last: int) -> list[dict[str, Any]]:
-    """The last `last` lines of metrics.jsonl ([] when there are none or they do not parse)."""
+    """The last `last` lines of metrics.jsonl ([] when there are none or they do not parse), read
+    from the file's last METRICS_TAIL_BYTES: the supervisor reads them after every rollout."""
     try:
-        lines = job_dir.metrics.read_text().splitlines()[-last:]
-        return [json.loads(line) for line in lines if line.strip()]
+        with open(job_dir.metrics, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - METRICS_TAIL_BYTES))
+            lines = f.read().decode(errors="replace").splitlines()
+        if size > METRICS_TAIL_BYTES:
+            lines = lines[1:]  # begins mid-line
+        return [json.loads(line) for line in lines[-last:] if line.strip()]
     except (OSError, ValueError):
         return []
 

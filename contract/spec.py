@@ -49,6 +49,7 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       engine_srun_args: [--cpu-bind=none]   # extra srun options per role (trainer_, engine_, router_)
       setup: ["module load cuda/12.4", "export NCCL_DEBUG=WARN"]   # shell lines before every step's
                                     # command (trainer_setup, engine_setup, router_setup: one role's, after)
+      engine_launch: step           # or node_agent: one step per node runs its engines (hundreds of engines)
 
 Flags: every field has one (`--actor-num-nodes 2`, `--rollout-engine cpu`, `--colocate`, `--job-name`,
 `--time`); `--sglang-*` and `--router-*` pass through to the engines and the router; every other flag
@@ -209,12 +210,15 @@ class FaultToleranceSpec:
     crash_window: float = bounded(300.0, "s", 0)
     # of the engines, at most killed for failed probes per interval
     max_kill_fraction: float = bounded(0.5, "fraction", 0, high=1, low_open=True)
-    preempt_grace: int = bounded(600, "s", 1)          # SLURM sends USR1 this long before the end (issue 7)
+    # SLURM sends USR1 this long before the end (issue 7); the job begins to stop then, or earlier
+    # when a save takes longer (supervisor/deadline.py)
+    preempt_grace: int = bounded(600, "s", 1)
     max_requeues: int = bounded(3, "count", 0)
     max_trainer_restarts: int = bounded(3, "count", 0)
     min_engines: int = bounded(1, "count", 0)          # fewer live engines than this: requeue instead of degrading
     # Seconds the trainer may stay in one phase without a new heartbeat before it counts as hung
-    # and its step is restarted (start: from launch to its first heartbeat, e.g. loading weights).
+    # and its step is restarted (start: from launch to its first heartbeat, e.g. loading weights;
+    # save: without progress, as a save beats again at each file written or fsync'd).
     trainer_start_timeout: float = bounded(1800.0, "s", 1)
     trainer_rollout_timeout: float = bounded(3600.0, "s", 1)
     trainer_train_timeout: float = bounded(1800.0, "s", 1)   # per optimizer step
@@ -251,6 +255,7 @@ class FaultToleranceSpec:
 
 
 ROLES = ("trainer", "engine", "router")  # the kinds of srun step the supervisor launches
+ENGINE_LAUNCHES = ("step", "node_agent")  # StepsSpec.engine_launch: a step per engine, or an agent per node
 
 
 def _lines(flag: str) -> dict[str, str]:
@@ -279,6 +284,11 @@ class StepsSpec:
     trainer_setup: list[str] = field(default_factory=list, metadata=_lines("--trainer-setup"))
     engine_setup: list[str] = field(default_factory=list, metadata=_lines("--engine-setup"))
     router_setup: list[str] = field(default_factory=list, metadata=_lines("--router-setup"))
+    # How engines are launched: "step" (one srun step each; every relaunch a new step) or
+    # "node_agent" (one step per node whose agent starts, watches and restarts that node's engines:
+    # one srun client per node on the head node, no step per restart; supervisor/node_agents.py).
+    # Engines over several nodes, and --colocate's, are steps of their own either way.
+    engine_launch: str = "step"  # one of ENGINE_LAUNCHES
 
     def image(self, role: str) -> str | None:
         own = getattr(self, f"{role}_container_image")

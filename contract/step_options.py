@@ -14,7 +14,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from contract.spec import PATH_FLAGS, ROLES, JobSpec, StepsSpec, flag_value
+from contract.spec import ENGINE_LAUNCHES, PATH_FLAGS, ROLES, JobSpec, StepsSpec, flag_value
 
 # srun options slurmrl sets on every step itself (supervisor/steps.py srun_argv), or that would take
 # the step out of its hands: option -> what to do instead. Short forms map to their long names.
@@ -95,6 +95,8 @@ def problems(steps: StepsSpec) -> list[str]:
                    "give steps.container_image (or a role's)")
     if not steps.container_python.strip():
         out.append("steps.container_python: empty; give the interpreter in the images (e.g. python3)")
+    if steps.engine_launch not in ENGINE_LAUNCHES:
+        out.append(f"steps.engine_launch: {steps.engine_launch!r}; give one of {', '.join(ENGINE_LAUNCHES)}")
     for role in ROLES:
         refused = refused_srun_options(steps.srun_args(role))
         owners = [OWNED_SRUN[owned] for arg in refused if (owned := _long(arg))]

@@ -3,7 +3,7 @@
     spec = prepare(Path("job.yaml"), ["--num-rollout", "20"])   # SpecError lists every problem
     print(render_script(spec))                                  # the sbatch script; writes nothing
     job = submit(spec)                                          # job dir + spec.yaml + sbatch
-    state = follow(job)                                         # prints state changes to the end
+    state = follow(job.job_id, JobDir(Path(spec.job_dir)))     # jobs/follow.py: prints each change to the end
 
 `submit` runs `fn()` in the batch step on the first node of het group 0; by default
 fn = supervisor.daemon.Supervisor(spec) (a submitit.helpers.Checkpointable), called with no arguments.
@@ -11,10 +11,10 @@ fn = supervisor.daemon.Supervisor(spec) (a submitit.helpers.Checkpointable), cal
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 import shutil
-import sys
-import time
 import typing as tp
 from pathlib import Path
 
@@ -24,10 +24,8 @@ from contract.spec import JobSpec, SpecError
 from contract.spec_loading import finalize, load_spec
 from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
 from jobs.validate import PartitionInfo, validate
-
-# sacct states after which the job will not run again (REQUEUED, PREEMPTED... are not ends)
-UNFINISHED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
-              "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT")
+from slurm.client import SlurmUnavailable
+from slurm.configuration import configuration_problem
 
 
 def prepare(yaml_path: Path | None, argv: list[str],
@@ -60,7 +58,9 @@ def render_script(spec: JobSpec) -> str:
 
 def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurmJob:
     """Create the job dir (spec.yaml, submitit/), submit fn (default: the supervisor) as one
-    heterogeneous job, and return Submitit's handle. A failed sbatch removes the job dir again."""
+    heterogeneous job, and return Submitit's handle. SlurmUnavailable, before anything is written,
+    where SLURM has no configuration here; a failed sbatch removes the job dir again (its error is
+    in the exception, and printed by nothing else)."""
     if fn is None:
         from supervisor.daemon import Supervisor
 
@@ -68,29 +68,19 @@ def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurm
     job_dir = Path(spec.job_dir or "")
     if not job_dir.is_absolute():
         raise ValueError("submit a finalized spec (jobs.submit.prepare or contract.spec_loading.finalize)")
+    problem = configuration_problem()
+    if problem is not None:
+        raise SlurmUnavailable(problem)
     created = not job_dir.exists()
     job_dir.mkdir(parents=True, exist_ok=True)
     try:
         spec.write(JobDir(job_dir).spec)
-        job = make_executor(spec).submit(fn)
+        # Submitit prints a failed sbatch's stderr before raising it in the exception: once is enough.
+        with contextlib.redirect_stderr(io.StringIO()):
+            job = make_executor(spec).submit(fn)
     except BaseException:
         if created:
             shutil.rmtree(job_dir, ignore_errors=True)
         raise
     write_atomic(JobDir(job_dir).slurm_job_id, f"{job.job_id}\n")
     return tp.cast(HetSlurmJob, job)
-
-
-def follow(job: HetSlurmJob, interval_s: float = 2.0, out: tp.TextIO = sys.stdout) -> str:
-    """Poll the job's state (one sacct call per interval, no deadline: a job may run for days),
-    print each change, and return the final state (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...)."""
-    last = None
-    while True:
-        state = job.watcher.get_state(job.job_id, mode="force")
-        state = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0" -> CANCELLED
-        if state != last:
-            print(f"job {job.job_id}: {state}", file=out, flush=True)
-            last = state
-        if state not in UNFINISHED:
-            return state
-        time.sleep(interval_s)

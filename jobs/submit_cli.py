@@ -51,8 +51,11 @@ def main(argv: list[str]) -> int:
     rest = [token for token in argv if token not in OWN]
     spec_file = Path(rest.pop(0)) if rest and not rest[0].startswith("-") else None
 
+    from contract.job_dir import JobDir
     from contract.spec import SpecError
-    from jobs.submit import follow, prepare, render_script, submit
+    from jobs.follow import follow
+    from jobs.submit import prepare, render_script, submit
+    from slurm.client import SlurmUnavailable
 
     notes: list[str] = []
     try:
@@ -68,6 +71,9 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         job = submit(spec)
+    except SlurmUnavailable as err:  # no SLURM configuration here: the line names the fix
+        print(f"slurmrl submit: error: {err}", file=sys.stderr)
+        return 1
     except Exception as err:  # sbatch refused (the message is SLURM's own), or no SLURM at all
         print(f"slurmrl submit: error: submission failed: {err}".rstrip(), file=sys.stderr)
         return 1
@@ -77,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(f"submitted job {job.job_id}\njob dir: {spec.job_dir}", flush=True)
     if not own["--wait"]:
         return 0
-    state = follow(job, out=sys.stderr if own["--json"] else sys.stdout)
+    state = follow(job.job_id, JobDir(Path(spec.job_dir or "")), out=sys.stderr if own["--json"] else sys.stdout)
     if state != "COMPLETED":
         print(f"slurmrl submit: job {job.job_id} ended {state}; logs in {spec.job_dir}/submitit", file=sys.stderr)
         return 1

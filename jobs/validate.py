@@ -3,19 +3,18 @@ is one line naming the field and the fix; all of them are collected, none raised
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from contract import bounds, engine_groups, step_options
-from contract.spec import ENGINES, OWNED_TRAIN_FLAGS, JobSpec, RolloutSpec, flag_value, group_flags
-from contract.spec_loading import spec_flags
+from contract.spec import ENGINES, JobSpec, RolloutSpec, flag_value
 from jobs.hetjob import het_groups
+from jobs.trainer_flags import train_args_problems
 from slurm.client import SlurmClient
+from slurm.configuration import configuration_problem
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,10 @@ class PartitionInfo:
 
 def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
     """Partitions as sinfo sees them (one call), with the default one also under ""; None when
-    SLURM does not answer (no sinfo, no controller): the capacity checks are then skipped."""
+    SLURM does not answer (no sinfo, no controller, no configuration): the capacity checks are then
+    skipped."""
+    if configuration_problem() is not None:
+        return None  # nothing to ask (SLURM's programs retry a missing SLURM_CONF for a minute); submit says why
     out = SlurmClient(timeout_s).call("sinfo", "-h", "-N", "-o", "%N|%P|%c|%G")
     if not out.ok:
         return None
@@ -48,68 +50,6 @@ def query_partitions(timeout_s: float) -> dict[str, PartitionInfo] | None:
     if default:
         infos[""] = infos[default]
     return infos
-
-
-def _train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
-    from trainer.args import ArgsError, build_config, build_parser, check_model_flags, read_hf_config
-
-    problems: list[str] = []
-    args = spec.trainer.train_args
-    parser = build_parser()
-    known = [o for a in parser._actions for o in a.option_strings] + list(spec_flags())
-    for group in group_flags(args):
-        name = group[0].split("=", 1)[0]
-        if name in OWNED_TRAIN_FLAGS:
-            hint = "rollout.sglang_router_ip/port" if "router" in name else "the job spec"
-            problems.append(f"train_args: {name} is set by slurmrl itself; remove it (use {hint})")
-    try:
-        parsed, unknown = parser.parse_known_args(args)
-    except ArgsError as err:
-        return problems + [f"train_args: {err}"]
-    for token in unknown:
-        if token.startswith("-") and not re.fullmatch(r"-[\d.e+-]+", token):
-            flag = token.split("=", 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1)
-            problems.append(f"train_args: unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else
-                                                                   "; see python -m trainer --help"))
-    if unknown:
-        return problems
-    own: list[str] = []
-    hf = parsed.hf_checkpoint
-    if not Path(hf, "config.json").is_file():
-        own.append(f"--hf-checkpoint {hf}: no config.json there; point it at a Hugging Face model folder")
-    if parsed.prompt_data and not Path(parsed.prompt_data).is_file():
-        own.append(f"--prompt-data {parsed.prompt_data}: no such file; give the jsonl prompts file")
-    elif not parsed.prompt_data and not parsed.rollout_function_path and not parsed.debug_train_only:
-        own.append("--prompt-data: missing; give a jsonl prompts file (or --rollout-function-path)")
-    if parsed.ref_load and not Path(parsed.ref_load).exists():
-        own.append(f"--ref-load {parsed.ref_load}: no such folder; give an existing torch_dist checkpoint")
-    if parsed.load and parsed.load != parsed.save and not Path(parsed.load).exists():
-        own.append(f"--load {parsed.load}: no such folder; give an existing save folder, or drop --load "
-                   "(resuming from --save is the default)")
-    if not own:
-        # The trainer's own cross-flag checks; the router address is the supervisor's to give.
-        check = argparse.Namespace(**{**vars(parsed), "sglang_router_ip": "127.0.0.1", "sglang_router_port": 1})
-        try:
-            config = build_config(check)
-            check_model_flags(config.shape, hf, read_hf_config(hf))
-        except ArgsError as err:
-            own.append(str(err))
-    if parsed.prompt_data and Path(parsed.prompt_data).is_file() and Path(hf, "config.json").is_file():
-        own += _prompt_data_problems(parsed, notes)
-    return problems + [f"train_args: {p}" for p in own]
-
-
-def _prompt_data_problems(parsed: argparse.Namespace, notes: list[str]) -> list[str]:
-    """The prompt file read at submit by the trainer's own reader (bounded; see rollout/data_check.py)."""
-    from rollout.data_check import check_prompt_data
-
-    max_prompt_len = parsed.rollout_max_prompt_len
-    if max_prompt_len is None and parsed.rollout_max_context_len is not None:
-        max_prompt_len = parsed.rollout_max_context_len - 1  # the trainer's default, trainer/config/build.py
-    return check_prompt_data(Path(parsed.prompt_data), input_key=parsed.input_key, label_key=parsed.label_key,
-                             metadata_key=parsed.metadata_key, tool_key=parsed.tool_key,
-                             hf_checkpoint=parsed.hf_checkpoint, max_prompt_len=max_prompt_len, notes=notes)
 
 
 def _rollout_problems(spec: JobSpec) -> list[str]:
@@ -278,9 +218,10 @@ def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     except ParserUnavailable as err:
         notes.append(f"the engine flags were not checked by SGLang's own parser: {err}")
         return []
-    return [f"rollout.sglang_args: SGLang refuses the {'' if role == 'regular' else role + ' '}engine "
-            f"command line: {error}; fix or drop that --sglang-* flag"
-            for role, error in zip(roles, errors) if error][:1]
+    refusals = [f"rollout.sglang_args: SGLang refuses the {'' if role == 'regular' else role + ' '}engine "
+                f"command line: {error}; fix or drop that --sglang-* flag"
+                for role, error in zip(roles, errors) if error]
+    return list(dict.fromkeys(refusals))  # each once: every engine and node rank of a group has the same flags
 
 
 def _numbers(spec: JobSpec) -> list[str]:
@@ -357,7 +298,7 @@ def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool =
     line for each check that could not run here."""
     shape = _numbers(spec) + _rollout_problems(spec)
     problems = (_job_problems(spec) + step_options.problems(spec.steps) + shape
-                + _train_args_problems(spec, [] if notes is None else notes))
+                + train_args_problems(spec, [] if notes is None else notes))
     if not shape:  # the engine command line is well formed only then
         problems += _engine_flag_problems(spec, [] if notes is None else notes)
     if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then

@@ -6,6 +6,14 @@ round finishes while any engine lives and every sample is returned exactly once)
 run and the group is scored (reward_dispatch.py). With dynamic sampling, groups are generated until
 enough pass the filter; groups still running then are aborted on the engines and, with
 --partial-rollout, go back to the buffer with the tokens they have, to be continued in a later round.
+
+A --custom-generate-function-path returns what takes its argument's place in the group, as in
+slime: a Sample (the argument or a new one), or a list of them from one call (a multi-turn agent's
+samples), each then of the argument's group; None keeps the argument, filled in place. Users'
+functions failing on single samples do not end the round (sample_errors.py): a group with a sample
+that failed or came back unfinished never reaches the trainer unless --sample-error-policy
+zero_reward gives a failed reward 0. A user function that fails where a restart would fail again
+(it does not load, or raises outside any one sample) raises PluginError (plugins.py).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import asyncio
 import contextlib
 import hashlib
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,14 +35,28 @@ from rollout.buffer import DataBuffer
 from rollout.engine_check import CHECK_TIMEOUT_S
 from rollout.engine_client import version_from_wire
 from rollout.filters import judge_group
-from rollout.plugins import load_function
+from rollout.plugins import load_function, raised
 from rollout.remote_rm import RemoteRewardModel
 from rollout.request_deadline import DecodeSpeed
 from rollout.request_transport import RequestTransport
 from rollout.reward_dispatch import RewardDispatch
 from rollout.sample import Sample, Status
+from rollout.sample_errors import SampleError, SampleErrors, nothing_trainable
+
+log = logging.getLogger(__name__)
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+_DONE = (Status.COMPLETED, Status.TRUNCATED)
+CUSTOM_GENERATE, SAMPLE_HOOK = "--custom-generate-function-path", "--rollout-sample-hook-path"
+
+
+class UnfinishedSample(Exception):
+    """A custom generate returned a sample that is neither complete nor truncated while the round
+    goes on (an aborted one is continued first)."""
+
+
+class BadReturn(TypeError):
+    """A custom generate returned something other than a Sample, a non-empty list of them, or None."""
 
 
 @dataclass
@@ -81,6 +104,8 @@ class RolloutArgs:
     # what does not parse, while it may pass its probes; default: remove it from the router.
     engine_unresponsive_handler: Callable[[str, str], None] | None = field(default=None, repr=False)
     decode_speed: DecodeSpeed = field(default_factory=DecodeSpeed, repr=False)  # kept across rounds
+    # Users' functions failing on single samples: --sample-error-policy, the count, the first reported.
+    sample_errors: SampleErrors = field(default_factory=SampleErrors, repr=False)
     engine_check_timeout_s: float = CHECK_TIMEOUT_S  # one engine's 1-token check (engine_check.py)
     # What plug-ins get as `args`: the trainer's whole parsed flags, by slime's names (its
     # sglang_router_ip/port, hf_checkpoint...); None: this object.
@@ -103,8 +128,12 @@ def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer
                      evaluation: bool = False) -> list[list[Sample]]:
     """data_buffer is None only where --rollout-function-path supplies every prompt."""
     if args.rollout_function_path:
-        return load_function(args.rollout_function_path, "--rollout-function-path")(
-            args.for_plugins, rollout_id, data_buffer, evaluation)
+        function = load_function(args.rollout_function_path, "--rollout-function-path")
+        try:
+            return function(args.for_plugins, rollout_id, data_buffer, evaluation)
+        except Exception as err:
+            raise raised("--rollout-function-path", args.rollout_function_path, err,
+                         f"in rollout {rollout_id}") from err
     if args.load_debug_rollout_data:
         return debug_data.load(args.load_debug_rollout_data, rollout_id)
     if data_buffer is None:
@@ -120,6 +149,18 @@ def _tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _returned(out: Any, argument: Sample) -> list[Sample]:
+    """A custom generate's return value as the samples that take its argument's place."""
+    if out is None:
+        return [argument]  # filled in place
+    if isinstance(out, Sample):
+        return [out]
+    if isinstance(out, (list, tuple)) and out and all(isinstance(s, Sample) for s in out):
+        return list(out)
+    raise BadReturn(f"returned {type(out).__name__} {out!r:.100}: a custom generate returns a Sample or a "
+                    "non-empty list of Samples (or None, having filled its argument in place)")
 
 
 def _seed(*parts: object) -> int:
@@ -141,30 +182,38 @@ class _Round:
         self.remote_rm = (RemoteRewardModel(args.rm_url, concurrency=args.rm_concurrency, timeout_s=args.rm_timeout,
                                             max_retries=args.rm_max_retries, backoff_s=args.rm_retry_backoff)
                           if args.rm_url else None)
+        self.errors = args.sample_errors
         self.rewards = RewardDispatch(rm_type=args.rm_type, custom_rm_path=args.custom_rm_path, group_rm=args.group_rm,
-                                      plugin_args=args.for_plugins, remote_rm=self.remote_rm)
+                                      plugin_args=args.for_plugins, remote_rm=self.remote_rm, errors=self.errors)
         self.hooks = [load_function(path, "--rollout-sample-hook-path") for path in args.rollout_sample_hook_path]
         self.keep = (load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
                      if args.dynamic_sampling_filter_path and not evaluation else None)
+        self.finished_samples = 0  # of groups done (kept, filtered out or dropped), not left over
+        self.failed: list[SampleError] = []  # users' functions' errors on those samples
+        self.dropped_groups = self.scored_groups = 0  # finished groups dropped for those errors, or scored
 
     async def run(self) -> list[list[Sample]]:
         target = self.args.rollout_batch_size
         batch = self.args.over_sampling_batch_size or target  # more than target: the first to finish are kept
         kept: list[list[Sample]] = []
         async with self.transport, self.remote_rm or contextlib.nullcontext():
-            running: set[asyncio.Task[list[Sample]]] = set()
+            running: set[asyncio.Task[list[Sample] | None]] = set()
             while len(kept) < target:
                 if not running:
+                    self._stop_if_nothing_trainable()  # else another batch would fail the same way
                     running = {asyncio.create_task(self._group(g)) for g in self.buffer.get(batch)}
                 finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for left, task in enumerate(finished, 1):
                     group = task.result()
+                    if group is None:
+                        continue  # dropped: a user function failed on one of its samples
                     # groups kept or still able to be: slime's keep_when_insufficient counts them
                     candidates = len(kept) + len(running) + len(finished) - left + 1
-                    if self.keep is None or judge_group(self.keep, self.args.for_plugins, group, candidates, target):
+                    if self.keep is None or self._judge(group, candidates, target):
                         kept.append(group)
             self.transport.stop()
             leftovers = await self._abort(running) if running else []
+        self._stop_if_nothing_trainable()
         kept.sort(key=lambda g: g[0].group_index)
         for group in kept[target:]:
             leftovers.append(group)  # finished beyond the target: not wasted with partial rollout
@@ -172,24 +221,86 @@ class _Round:
             self.buffer.add(sorted(leftovers, key=lambda g: g[0].group_index))
         return kept[:target]
 
-    async def _abort(self, running: set[asyncio.Task[list[Sample]]]) -> list[list[Sample]]:
+    async def _abort(self, running: set[asyncio.Task[list[Sample] | None]]) -> list[list[Sample]]:
         """Abort what is still generating; its groups come back with the tokens they have."""
         await self.transport.abort_all()
-        return list(await asyncio.gather(*running))
+        return [group for group in await asyncio.gather(*running) if group is not None]
 
-    async def _group(self, group: list[Sample]) -> list[Sample]:
-        await asyncio.gather(*(self._sample(s) for s in group))
-        if all(s.status in (Status.COMPLETED, Status.TRUNCATED) for s in group):
-            for i, sample in enumerate(group):
-                group[i] = await self._run_hooks(sample)
-            await self.rewards.score_group(group)
-        return group
+    def _judge(self, group: list[Sample], candidates: int, target: int) -> bool:
+        assert self.keep is not None
+        try:
+            return judge_group(self.keep, self.args.for_plugins, group, candidates, target)
+        except Exception as err:
+            raise raised("--dynamic-sampling-filter-path", self.args.dynamic_sampling_filter_path or "", err,
+                         f"on group {group[0].group_index} of rollout {self.rollout_id}") from err
 
-    async def _run_hooks(self, sample: Sample) -> Sample:
-        """--rollout-sample-hook-path, in order, before the reward: a hook may return a new sample."""
-        for hook in self.hooks:
-            out = hook(self.args.for_plugins, sample, rollout_id=self.rollout_id, evaluation=self.evaluation)
-            out = await out if inspect.isawaitable(out) else out
+    async def _group(self, group: list[Sample]) -> list[Sample] | None:
+        """The group generated, through the hooks and scored; None when it is dropped because a
+        user function failed on one of its samples (sample_errors.py)."""
+        slots = await asyncio.gather(*(self._sample(s) for s in group))
+        samples = [s for slot in slots if slot is not None for s in slot]
+        failed_slots = sum(slot is None for slot in slots)
+        if failed_slots:
+            self._drop(group[0].group_index, len(samples) + failed_slots, failed_slots)
+            return None
+        if not all(s.status in _DONE for s in samples):
+            if self.transport.stopped:
+                return samples  # the round ended: partial rollout continues it in a later round
+            self._drop(group[0].group_index, len(samples), self._unfinished(samples))
+            return None
+        hooked = [await self._run_hooks(s) for s in samples]
+        if any(s is None for s in hooked):
+            self._drop(group[0].group_index, len(samples), sum(s is None for s in hooked))
+            return None
+        samples = [s for s in hooked if s is not None]
+        failed = await self.rewards.score_group(samples)
+        self.failed += [error for _, error in failed]
+        if failed and self.errors.drops_groups:
+            self._drop(samples[0].group_index, len(samples), len(failed))
+            return None
+        self.finished_samples += len(samples)
+        self.scored_groups += 1
+        for sample, error in failed:
+            self.errors.zero_reward(sample, error, self.args.reward_key)
+        return samples
+
+    def _drop(self, group_index: int, finished: int, failed: int) -> None:
+        """A group that cannot be trained on: `failed` of its `finished` samples failed (recorded)."""
+        self.finished_samples += finished
+        self.dropped_groups += 1
+        log.info("rollout %d: group %d dropped: %d of its %d samples failed or came back unfinished",
+                 self.rollout_id, group_index, failed, finished)
+
+    def _unfinished(self, samples: list[Sample]) -> int:
+        """Samples left unfinished while the round goes on: errors of the custom generate that
+        returned them (an engine's abort at the length limit, with the built-in one, is no one's)."""
+        path = self.args.custom_generate_function_path
+        if not path:
+            return 0
+        unfinished = [s for s in samples if s.status not in _DONE]
+        for sample in unfinished:
+            self._record(CUSTOM_GENERATE, path, sample, UnfinishedSample(
+                f"sample {sample.index} came back with status {sample.status.value}: set sample.status to "
+                "COMPLETED or TRUNCATED (ABORTED is continued)"))
+        return len(unfinished)
+
+    def _record(self, flag: str, path: str, sample: Sample, err: Exception) -> None:
+        self.failed.append(self.errors.record(flag, path, sample, err))
+
+    def _stop_if_nothing_trainable(self) -> None:
+        if self.failed and (len(self.failed) >= self.finished_samples or not self.scored_groups):
+            raise nothing_trainable(self.failed, self.finished_samples, self.dropped_groups, self.rollout_id)
+
+    async def _run_hooks(self, sample: Sample) -> Sample | None:
+        """--rollout-sample-hook-path, in order, before the reward: a hook may return a new sample.
+        None: a hook raised (recorded)."""
+        for path, hook in zip(self.args.rollout_sample_hook_path, self.hooks):
+            try:
+                out = hook(self.args.for_plugins, sample, rollout_id=self.rollout_id, evaluation=self.evaluation)
+                out = await out if inspect.isawaitable(out) else out
+            except Exception as err:
+                self._record(SAMPLE_HOOK, path, sample, err)
+                return None
             sample = sample if out is None else out
         return sample
 
@@ -207,9 +318,11 @@ class _Round:
         params.update(skip_special_tokens=self.args.rollout_skip_special_tokens, no_stop_trim=True)
         return params
 
-    async def _sample(self, sample: Sample) -> None:
-        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
-            return  # finished in an earlier round of a partial rollout
+    async def _sample(self, sample: Sample) -> list[Sample] | None:
+        """Generate one sample: what takes its place in the group (itself, or what the custom
+        generate returned), or None when the custom generate failed on it (recorded)."""
+        if sample.status in _DONE:
+            return [sample]  # finished in an earlier round of a partial rollout
         if not sample.tokens:
             prompt = sample.prompt
             if not isinstance(prompt, str):
@@ -223,10 +336,10 @@ class _Round:
                 trace.add(sample, "resume", time.time(), weight_version=sample.weight_version,
                           rollout_id=self.rollout_id, tokens=sample.response_length)
             if self.custom_generate:
-                async with self.transport.gate:  # a plug-in's requests count against --rollout-concurrency too
-                    with trace.span(sample, "generate", attempt=trace.generate_attempts(sample), custom=True) as span:
-                        await self.custom_generate(self.args.for_plugins, sample, self._sampling_params(sample))
-                        span.update(weight_version=sample.weight_version, outcome=sample.status.value)
+                returned = await self._custom_generate(self.custom_generate, sample)
+                if returned is None or len(returned) > 1:
+                    return returned  # several samples from one call: each must be finished
+                sample = returned[0]
             else:
                 body = await self.transport.generate(sample, self._rid(sample), self._sampling_params(sample))
                 if body is not None:  # None: the round ended while the request waited its turn
@@ -237,7 +350,25 @@ class _Round:
             # Aborted by someone else (a weight update's pause): continue where it stopped.
             if (sample.status is not Status.ABORTED or self.transport.stopped
                     or sample.response_length >= self.args.rollout_max_response_len):
-                return  # (a sample the round ended before it started stays PENDING, for partial rollout)
+                return [sample]  # (a sample the round ended before it started stays PENDING, for partial rollout)
+
+    async def _custom_generate(self, generate: Callable[..., Any], sample: Sample) -> list[Sample] | None:
+        """One call of --custom-generate-function-path on `sample`: the samples it returned, each
+        of `sample`'s group, or None when it raised or returned what is not samples (recorded)."""
+        try:
+            async with self.transport.gate:  # a plug-in's requests count against --rollout-concurrency too
+                with trace.span(sample, "generate", attempt=trace.generate_attempts(sample), custom=True) as span:
+                    out = await generate(self.args.for_plugins, sample, self._sampling_params(sample))
+                    returned = _returned(out, sample)
+                    span.update(weight_version=returned[0].weight_version, outcome=returned[0].status.value)
+        except Exception as err:
+            self._record(CUSTOM_GENERATE, self.args.custom_generate_function_path or "", sample, err)
+            return None
+        for new in returned:
+            new.group_index = sample.group_index  # slime's: the returned samples stand in the argument's group
+            if new is not sample and not new.spans:
+                new.spans = list(sample.spans)  # what happened to the argument, for rollout.trace
+        return returned
 
     def _rid(self, sample: Sample) -> str:
         """The request's id (an engine aborts by it): the round, the sample and where it starts."""

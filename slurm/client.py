@@ -103,14 +103,18 @@ class SlurmClient:
             raise SlurmUnavailable(f"{said} (is SLURM_CONF set?)")
         return reply.stdout
 
-    def launch(self, argv: Sequence[str], output: IO[bytes], env: Mapping[str, str] | None = None
-               ) -> subprocess.Popen[bytes]:
+    def launch(self, argv: Sequence[str], output: IO[bytes], env: Mapping[str, str] | None = None,
+               piped: bool = False) -> subprocess.Popen[bytes]:
         """Start `srun ...` (argv from slurm.step_spec.srun_argv) as a child in its own process group,
-        its output to `output`: paced (LaunchPacer) and counted against MaxStepCount (StepLimitReached)."""
+        its output to `output` (piped: its stdin and stdout are pipes to the step, its stderr goes to
+        `output`): paced (LaunchPacer) and counted against MaxStepCount (StepLimitReached)."""
         if not argv or argv[0] != "srun":
             raise ValueError(f"not an srun command line: {list(argv)[:3]}")
         self.steps.take()
         self.pacer.acquire()
+        if piped:
+            return subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=output,
+                                    env=self._environment(env), process_group=0)
         return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                                 env=self._environment(env), process_group=0)
 

@@ -27,6 +27,7 @@ class StepSpec:
     workdir: str | None = None  # srun --chdir; default: the supervisor's
     env: Mapping[str, str] | None = None  # the step's whole environment; default: ours
     options: tuple[str, ...] = ()  # more srun options: Pyxis's and the role's own (contract/step_options.py)
+    piped: bool = False  # its stdout comes back through srun's and srun's stdin reaches it (a channel); stderr to log
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name) or self.name in SLURM_OWN_STEPS:
@@ -51,6 +52,7 @@ def srun_argv(job_id: str, spec: StepSpec) -> list[str]:
     if spec.workdir:
         argv.append(f"--chdir={spec.workdir}")
     # Append: a relaunched step keeps its predecessor's last words in the same log.
-    argv += [f"--job-name={spec.name}", f"--output={spec.log}", "--open-mode=append",
+    output = f"--error={spec.log}" if spec.piped else f"--output={spec.log}"
+    argv += [f"--job-name={spec.name}", output, "--open-mode=append",
              "--kill-on-bad-exit=1", *spec.options, *spec.argv]
     return argv

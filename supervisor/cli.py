@@ -16,10 +16,12 @@ from typing import Any
 from contract.control_protocol import Call, ControlClient, ControlError
 from contract.job_dir import JobDir, read_heartbeat
 from contract.spec import FaultToleranceSpec
+from contract.spec_loading import read_job_spec
 from supervisor import slurm_jobs, status_view
 from supervisor.events import follow
 from supervisor.launcher import TRAINER
 from supervisor.state import read_state
+from supervisor.trainer_files import last_checkpoint
 
 # Before the job's spec is read (finding its directory) and for the CLI's own calls: the defaults.
 _WAITS = FaultToleranceSpec()
@@ -53,7 +55,18 @@ def _state(job_dir: JobDir) -> tuple[dict[str, Any] | None, bool]:
     except ControlError:
         from dataclasses import asdict
 
-        return asdict(read_state(job_dir)), False
+        state = asdict(read_state(job_dir))
+        # A supervisor that ended with its job (SLURM's TIMEOUT, a lost head node) did not write its
+        # last checkpoint: the tracker holds it.
+        state["last_checkpoint"] = _last_checkpoint(job_dir) or state["last_checkpoint"]
+        return state, False
+
+
+def _last_checkpoint(job_dir: JobDir) -> str | None:
+    try:
+        return last_checkpoint(read_job_spec(job_dir.root).trainer.save)
+    except (OSError, ValueError):  # no spec (a job dir of an older slurmrl) or one that does not parse
+        return None
 
 
 def _status_text(job_dir: JobDir, since: float | None) -> tuple[str, int, bool]:
@@ -68,6 +81,7 @@ def _status_text(job_dir: JobDir, since: float | None) -> tuple[str, int, bool]:
     elif not live and (slurm := _slurm_job(job_dir)) is not None and not slurm.queued:
         lines.append(f"ended: SLURM says {slurm.state} (the supervisor wrote no reason: see {job_dir.root}/submitit)")
         over = True
+        state["steps"] = status_view.ended_with_the_job(state["steps"])
     lines += [f"node {node} lost: {what}" for node, what in (state.get("lost_nodes") or {}).items()]
     launched = (state["steps"].get(TRAINER) or {}).get("launched_at")
     beat = read_heartbeat(job_dir, launched) if launched else None

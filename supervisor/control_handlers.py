@@ -41,7 +41,8 @@ class ControlHandlers:
         return {Call.STATUS: self.status, Call.RESTART: self.restart, Call.STOP: self.stop,
                 Call.READY_ENGINES: self.ready_engines, Call.PUBLISHED: self.published,
                 Call.ENGINE_FAILED: self.engine_failed, Call.ENGINE_UNRESPONSIVE: self.engine_unresponsive,
-                Call.TRAINER_POLL: self.trainer_poll, Call.GPU_HOLDER: self.gpu_holder, Call.PROFILE: self.profile}
+                Call.TRAINER_POLL: self.trainer_poll, Call.GPU_HOLDER: self.gpu_holder, Call.PROFILE: self.profile,
+                Call.PLUGIN_ERROR: self.plugin_error}
 
     # ------------------------------------------------------------------ the CLI's calls
     def status(self) -> dict[str, Any]:
@@ -108,6 +109,12 @@ class ControlHandlers:
         engine = self.job.engines.by_url(url)
         if engine is not None:
             self.pool.submit(self.recovery.recover, engine, f"reported by the trainer: {reason}")
+        return {}
+
+    def plugin_error(self, plugin: str, error: str, sample: int) -> dict[str, Any]:
+        """A user function failed on a sample for the first time (later ones: the trainer's
+        sample_errors metric): said once, with its exception."""
+        self.job.events.emit("plugin_error", TRAINER, plugin=plugin, error=error, sample=sample)
         return {}
 
     def gpu_holder(self, holder: str, released: list[str]) -> dict[str, Any]:

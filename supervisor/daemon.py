@@ -9,18 +9,21 @@ sbatch template as `python -m supervisor --job-dir DIR`.
 The daemon composes the parts and runs the monitor loop:
     Engines (engines.py)              the engines' records: the one writer of every engine field
     StepLauncher (launcher.py)        launches steps; owns the table of each name's current step
+    StepController (steps.py)         SLURM's steps; NodeAgentSteps (node_agents.py) over it runs the
+                                      engines in one agent step per node (steps.engine_launch)
     adopt (adoption.py)               keeps a crashed predecessor's steps
     EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
     TrainerNodeLoss (trainer_node_loss.py)  a lost trainer node: save, requeue without it
     TrainerWatch (trainer_watch.py)   the trainer's heartbeat, exit, restarts
-    Requeue (requeue.py)              preemption: save, then requeue
+    Requeue (requeue.py)              preemption and the job's end (deadline.py): save, then requeue
     ControlHandlers (control_handlers.py)  the control socket's calls
 
 Threads, and what they run:
 - main: run(): launch or adopt, then the monitor loop (step exits from the inbox, probe cycles,
   the state store, the trainer's heartbeat, node checks, preemption); SIGUSR1's handler.
-- step-exit watcher (steps.py): puts each exited step in the inbox.
+- step-exit watcher (steps.py): puts each exited step in the inbox; with node agents, one reader
+  per agent (node_agents.py) puts each engine's reported exit there too.
 - recovery pool: engine restarts, syncs after a publish, checks of reported failures, cancelling
   a hung trainer.
 - control-socket connections (control.py): ControlHandlers.
@@ -57,7 +60,6 @@ from pathlib import Path
 
 import submitit
 
-from ckpt_tools.tracker import iteration_dirname, read_tracker
 from contract.control_protocol import CallerRun
 from contract.job_dir import JobDir
 from contract.spec import JobSpec
@@ -75,17 +77,19 @@ from supervisor.engines import Engines
 from supervisor.events import EventLog
 from supervisor.fencing import Fence, Fenced, own_run
 from supervisor.keys import create_key
-from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher
+from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLauncher, agent_shape
+from supervisor.node_agents import NodeAgentSteps
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker, KillBudget
 from supervisor.recovery import EngineRecovery
-from supervisor.requeue import Requeue
+from supervisor.requeue import Requeue, requeues
 from supervisor.state import StateStore
 from supervisor.step_control import Step, StepControl
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
+from supervisor.trainer_files import last_checkpoint
 from supervisor.trainer_node_loss import TrainerNodeLoss
-from supervisor.trainer_watch import REQUEUE, TrainerWatch
+from supervisor.trainer_watch import TrainerWatch
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +156,10 @@ class Daemon:
         inbox: queue.Queue[Step] = queue.Queue()
         self.job = JobContext(spec=spec, dir=job_dir, layout=layout, events=EventLog(job_dir.events, fence),
                               store=store, engines=engines, client=client, finished=threading.Event(), inbox=inbox)
-        self.steps: StepControl = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
-                                                 on_exit=inbox.put, fence=fence)
+        srun_steps = StepController(layout.job_id, ft.slurm_command_timeout, ft.step_exit_code_wait,
+                                    on_exit=inbox.put, fence=fence)
+        self.steps: StepControl = (NodeAgentSteps(srun_steps, agent_shape(self.job, key), engines, on_exit=inbox.put)
+                                   if spec.steps.engine_launch == "node_agent" else srun_steps)
         self.launcher = StepLauncher(self.job, self.steps, key, router)
         saved = store.snapshot()  # a `slurmrl stop` holds for every later start of the same job
         self.ending = Ending(user_stop=saved.stop_asked and saved.job_id == layout.job_id)
@@ -219,7 +225,7 @@ class Daemon:
                 self.trainer.launch()
             outcome = self._monitor()
             self._set_stop_reason(outcome)
-            if outcome == REQUEUE:
+            if requeues(outcome):
                 self._stop_steps()
                 not_requeued = self.requeue.requeue(job.store.snapshot().requeues)
                 if not_requeued:
@@ -256,7 +262,7 @@ class Daemon:
             self.fence.check()  # a newer run started: nothing more of this one's acts
             if self.ending.failure:
                 raise JobFailed(self.ending.failure)
-            self.requeue.check()
+            self.trainer.check_deadline()  # preemption, the job's end
             if step is not None:
                 outcome = self._on_exit(step)
                 if outcome is not None:
@@ -329,12 +335,7 @@ class Daemon:
                              engines=sum(e.in_router for e in self.job.engines.values()))
 
     def _last_checkpoint(self) -> str | None:
-        save = self.job.spec.trainer.save
-        try:
-            iteration = read_tracker(Path(save)) if save else None
-        except (FileNotFoundError, ValueError):
-            return None
-        return str(Path(save) / iteration_dirname(iteration)) if iteration is not None else None
+        return last_checkpoint(self.job.spec.trainer.save)
 
     # ------------------------------------------------------------------ the end
     def _shutdown(self) -> None:
@@ -348,6 +349,7 @@ class Daemon:
         else:
             self._stop_steps()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.steps.close()  # node agents: told to end (their engines are stopped already)
         self.control.close()
         self.job.client.close()
         self.scalars.close()

@@ -162,7 +162,8 @@ class Engines(Mapping[str, Engine]):
         self._save([engine])
 
     def uncount_crash(self, engine: Engine) -> None:
-        """Its relaunch failed while SLURM did not answer: not the engine's failure."""
+        """Its relaunch failed while SLURM did not answer, or was refused for SLURM's rate limit:
+        not the engine's failure."""
         with self._lock:
             engine.recent_restarts -= 1
 

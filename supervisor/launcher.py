@@ -29,6 +29,7 @@ from supervisor.engine_states import HEALTHY, STARTING
 from supervisor.engines import Engine
 from supervisor.keys import step_env
 from supervisor.layout import EnginePlace, Layout
+from supervisor.node_agents import AgentShape
 from supervisor.state import JobState, StepRecord
 from supervisor.step_control import Step, StepControl
 
@@ -46,9 +47,10 @@ class StepLauncher:
         self.steps = steps
         self.router = router
         self.python = job.spec.python or sys.executable
-        self.env = {**step_env(key), JOB_DIR_ENV: str(job.dir.root)}
+        self.env = steps_env(job, key)
         self._lock = threading.Lock()
         self._running: dict[str, Step] = {}
+        self._told_step_budget = False  # step_budget_low is said once per supervisor
 
     # ------------------------------------------------------------------ the table of current steps
     def current(self, name: str) -> Step | None:
@@ -77,6 +79,7 @@ class StepLauncher:
                         workdir=slurm_env.submit_dir())
         step = self.steps.launch(spec)
         self.set_current(step)
+        count = self.steps.count()
         with job.store.update() as state:
             record = state.steps.get(name) or StepRecord(name, kind, het_group, list(nodes))
             record.slurm_step, record.launched_at = None, time.time()
@@ -84,7 +87,12 @@ class StepLauncher:
                 record.state = STARTING.value
                 record.nodes = list(nodes)  # after a requeue, not the old ones
             state.steps[name] = record
+            state.steps_launched, state.max_step_count = count.launched, count.limit
         job.events.emit("step_launched", name, step_kind=kind, nodes=list(nodes))
+        if count.nearing and not self._told_step_budget:
+            self._told_step_budget = True
+            job.events.emit("step_budget_low", name, steps_launched=count.launched, max_step_count=count.limit,
+                            hint="SLURM refuses srun past MaxStepCount; a requeue counts from 0 again")
         return step
 
     def python_of(self, role: str) -> str:
@@ -147,6 +155,24 @@ class StepLauncher:
                            ntasks=len(layout.trainer_nodes) * t.tasks_per_node,
                            gpus_per_node=t.actor_num_gpus_per_node, cpus_per_task=t.cpus_per_task,
                            env={"MASTER_ADDR": layout.head_address})
+
+
+def steps_env(job: JobContext, key: str) -> dict[str, str]:
+    """The environment of every step: ours, with the job's key and its directory."""
+    return {**step_env(key), JOB_DIR_ENV: str(job.dir.root)}
+
+
+def agent_shape(job: JobContext, key: str) -> AgentShape:
+    """What each node agent step holds (steps.engine_launch: node_agent): a node's share of the
+    engines' CPUs and GPUs, run as an engine step would be (its container, srun options, python)."""
+    spec, r = job.spec, job.spec.rollout
+    site, per_node = spec.steps, r.engines_on_each_node
+    python = site.container_python if site.image("engine") else spec.python or sys.executable
+    het_group = job.layout.engines[0].het_group if job.layout.engines and spec.het_groups > 1 else None
+    return AgentShape(python, job.dir.logs, cpus_per_node=r.cpus_per_engine * per_node,
+                      gpus_per_node=r.gpus_per_node, het_group=het_group,
+                      options=tuple(srun_options(site, "engine")), env=steps_env(job, key),
+                      workdir=slurm_env.submit_dir())
 
 
 def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:

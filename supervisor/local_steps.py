@@ -27,6 +27,7 @@ import psutil
 
 from contract.job_dir import write_atomic
 from slurm.contact import SlurmContact
+from slurm.pacing import rate_limited
 from slurm.step_spec import StepSpec
 from supervisor.fencing import Fence
 from supervisor.step_control import (
@@ -34,9 +35,12 @@ from supervisor.step_control import (
     UNKNOWN_EXIT,
     ExitWatcher,
     Step,
+    StepCount,
     StepStatus,
     kill_process_group,
+    log_offset,
     release,
+    srun_lines,
     stand_in,
     stop_process_group,
 )
@@ -70,6 +74,7 @@ class LocalSteps:
         if self.fence is not None:
             self.fence.check()
         spec.log.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_offset(spec.log)
         with open(spec.log, "ab") as log:
             proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=dict(spec.env) if spec.env is not None else None, cwd=spec.workdir,
@@ -78,10 +83,26 @@ class LocalSteps:
             step_id = f"{self.job_id}.{self._next_number()}"
             self._write(step_id, {"name": spec.name, "pid": proc.pid, "started": _start_time(proc.pid)})
             self._claimed.add(step_id)
-        step = Step(spec.name, proc, step_id)
+        step = Step(spec.name, proc, step_id, log=spec.log, log_offset=offset)
         if self._watcher is not None:
             self._watcher.watch(step)
         return step
+
+    def launch_piped(self, spec: StepSpec) -> Step:
+        """As StepController's: its stdin and stdout are pipes to us, its stderr goes to its log."""
+        if self.fence is not None:
+            self.fence.check()
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_offset(spec.log)
+        with open(spec.log, "ab") as log:
+            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                    env=dict(spec.env) if spec.env is not None else None, cwd=spec.workdir,
+                                    process_group=0)
+        with self._lock:
+            step_id = f"{self.job_id}.{self._next_number()}"
+            self._write(step_id, {"name": spec.name, "pid": proc.pid, "started": _start_time(proc.pid)})
+            self._claimed.add(step_id)
+        return Step(spec.name, proc, step_id, log=spec.log, log_offset=offset)
 
     def query(self) -> dict[str, tuple[str, str]] | None:
         self._contact.record(self.answering)
@@ -157,6 +178,13 @@ class LocalSteps:
 
     def abandon(self, step: Step, wait_s: float) -> None:
         kill_process_group(step, wait_s)
+
+    def rate_limited(self, step: Step) -> str | None:
+        """As SLURM's backend: a local step that printed srun's rate-limit refusal stands for one."""
+        return next((line for line in srun_lines(step) if rate_limited(line)), None)
+
+    def count(self) -> StepCount:
+        return StepCount(len(self._entries()), None, False)
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -1,13 +1,16 @@
 """When the job must save and requeue, and by when: SLURM's warning signal (--signal=B:USR1@
-preempt_grace, before a preemption or the time limit), less than preempt_grace left before the
-job's end, or the supervisor's own decision (a lost node leaves too few engines). Also what SLURM
-says of the job as a whole: its end time, whether it is ending, the time left."""
+preempt_grace, before a preemption or the time limit), less than preempt_grace (or the time a save
+needs, when longer: supervisor/deadline.py) left before the job's current end, or the supervisor's
+own decision (a lost node leaves too few engines). Also what SLURM says of the job as a whole: its
+end time, whether it is ending, the time left."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from slurm.client import SlurmClient
+from supervisor.deadline import EndTime
 from supervisor.slurm_jobs import SlurmUnavailable, sacct_states
 
 # "the signal may be sent up to 60 seconds earlier than specified" (sbatch --signal)
@@ -26,9 +29,11 @@ class SlurmJob:
         out = self.slurm.call("squeue", "-h", "-j", self.job_id, "-o", field)
         return out.stdout.split() if out.ok else None
 
-    def end_time(self) -> float | None:
-        """The job's end (unix time), or None without a limit."""
+    def end_time(self, default: float | None = None) -> float | None:
+        """The job's end (unix time), None without a limit; `default` when squeue does not answer."""
         words = self._squeue("%e")
+        if words is None:
+            return default
         try:
             return time.mktime(time.strptime(words[0], "%Y-%m-%dT%H:%M:%S")) if words else None
         except ValueError:  # UNLIMITED, N/A
@@ -60,16 +65,24 @@ class SlurmJob:
 
 class Preemption:
     """Whether the job must stop and requeue, why, and by when. `warned` may run in a signal
-    handler; the rest runs in the supervisor's monitor loop."""
+    handler; the rest runs in the supervisor's monitor loop. The job's end is SLURM's current one
+    (deadline.EndTime: a time limit changed while the job runs moves it); on_end_change(old, new)
+    hears when it moves."""
 
-    def __init__(self, grace_s: float, job: SlurmJob) -> None:
+    def __init__(self, grace_s: float, job: SlurmJob,
+                 on_end_change: Callable[[float | None, float | None], None] | None = None) -> None:
         self.grace_s = grace_s
         self.job = job
         self.reason: str | None = None
         self.deadline: float | None = None  # when SLURM ends the job (unix time); None: now
-        self.end_time = job.end_time()
+        self.at_end = False  # the deadline is the job's end: SLURM ends it then, whatever runs
+        self.ends = EndTime(job.end_time, on_end_change or (lambda old, new: None))
         self._warned_at: float | None = None
         self._terminated_at: float | None = None
+
+    @property
+    def end_time(self) -> float | None:
+        return self.ends.current()
 
     def warned(self) -> None:
         self._warned_at = self._warned_at or time.time()
@@ -84,16 +97,22 @@ class Preemption:
         """The supervisor's own reason to save now and requeue (kept if one came first)."""
         self.reason = self.reason or reason
 
-    def check(self) -> str | None:
-        """The reason the job must stop, once it must."""
+    def check(self, lead_s: float = 0.0) -> str | None:
+        """The reason the job must stop, once it must. lead_s: how long before the job's end it must
+        begin to stop (what a save takes, deadline.StopCosts.lead), when that is more than the grace."""
         if self._terminated_at and not self.reason:
             self.reason = "SIGTERM to the batch step (scancel, or a preemption): saving now"
             self.deadline = self._terminated_at
         if self._warned_at and not self.reason:
             self._read_warning()
-        if self.end_time and not self.reason and self.end_time - time.time() < self.grace_s:
-            self.reason = f"less than {self.grace_s} s left before the job's end (time limit or preemption)"
-            self.deadline = self.end_time
+        end, lead = self.end_time, max(self.grace_s, lead_s)
+        if end and not self.reason and end - time.time() < lead:
+            self.reason = (f"less than {self.grace_s} s left before the job's end (time limit or preemption)"
+                           if lead == self.grace_s else
+                           f"less than {lead:.0f} s left before the job's end (time limit or preemption): "
+                           "as long as the training under way, a save as slow as the recent ones and "
+                           "the requeue take")
+            self.deadline, self.at_end = end, True
         return self.reason
 
     def seconds_left(self) -> float:
@@ -107,7 +126,7 @@ class Preemption:
         warned_at, self._warned_at = self._warned_at or time.time(), None  # (set: check calls it then)
         end = self.job.end_time()
         if end is not None and end - warned_at <= self.grace_s + SLURM_SIGNAL_EARLY_S:
-            self.end_time = end
+            self.ends.heard(end)
         else:
             self.reason = "SLURM's warning signal (preemption or the time limit)"
             self.deadline = warned_at + self.grace_s

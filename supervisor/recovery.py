@@ -125,6 +125,7 @@ class EngineRecovery:
     def _relaunch_until_up(self, engine: Engine) -> bool:
         """Launch again (with backoff) until the engine answers; False when given up meanwhile."""
         ft = self.job.ft
+        refusals = 0  # launches SLURM refused for its rate limit, in a row
         while True:
             lost_node = self.nodes.place_on_live_node(engine)
             if lost_node is not None:
@@ -152,6 +153,13 @@ class EngineRecovery:
                                          attempt=engine.restarts)
                     if step.returncode is None:
                         self._stop_step(engine, step)
+                    said = self.steps.rate_limited(step)
+                    if said is not None:  # SLURM's refusal, not the engine's failure: again, slower
+                        self.job.engines.uncount_crash(engine)
+                        if not self._wait_out_rate_limit(engine, said, refusals):
+                            return False
+                        refusals += 1
+                        continue
                     self.steps.query()  # a fresh look: whether SLURM answers now
                     if self.steps.contact.failed_since(launched):
                         # SLURM did not answer meanwhile (srun gives up on a silent slurmctld): not
@@ -159,6 +167,17 @@ class EngineRecovery:
                         self.job.engines.uncount_crash(engine)
                         if not self._wait_for_slurm(engine, f"its relaunch: {err}"):
                             return False
+
+    def _wait_out_rate_limit(self, engine: Engine, said: str, refusals: int) -> bool:
+        """SLURM refused the engine's launch for its RPC rate limit (the pace of launches has halved):
+        wait retry_delays()[refusals] before the next try. False if the job ends first or SLURM
+        kept refusing for SLURM_OUTAGE_LIMIT_S."""
+        delays = retry_delays()
+        if refusals >= len(delays):
+            return False
+        self.job.events.emit("slurm_rate_limited", engine.name, said=said, retry_in_s=delays[refusals],
+                             refusals=refusals + 1)
+        return not self.job.finished.wait(delays[refusals])
 
     def _wait_for_slurm(self, engine: Engine, during: str) -> bool:
         """Ask SLURM again, with backoff, until it answers: True then; False if the job ends first
@@ -240,7 +259,7 @@ class EngineRecovery:
         if then is not None:
             then()
         # each engine was launched or adopted above: its step is the current one
-        waits = {name: self.pool.submit(self.await_engine, engine, cast(Step, self.launcher.current(name)))
+        waits = {name: self.pool.submit(self._first_start, engine, cast(Step, self.launcher.current(name)))
                  for name, engine in job.engines.items() if engine.state != HEALTHY}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
         for name, problem in problems.items():
@@ -251,6 +270,20 @@ class EngineRecovery:
                          or roles_missing(job.engines.values())):
             raise JobFailed(f"{len(problems)} of {len(job.engines)} engines did not start: "
                             f"{'; '.join(problems.values())}")
+
+    def _first_start(self, engine: Engine, step: Step) -> None:
+        """await_engine; a launch SLURM refused for its rate limit is launched again, slower."""
+        refusals = 0
+        while True:
+            try:
+                self.await_engine(engine, step)
+                return
+            except EngineStartError:
+                said = self.steps.rate_limited(step)
+                if said is None or not self._wait_out_rate_limit(engine, said, refusals):
+                    raise
+                refusals += 1
+                step = self.launch(engine)
 
     def await_engine(self, engine: Engine, step: Step) -> None:
         """Until the engine answers (EngineStartError if it does not), then at the current weights."""

@@ -1,19 +1,32 @@
 """Acting on a preemption (supervisor/preemption.py decides when): the trainer saves at its next
 rollout boundary (or now, when the time left would not cover one), then the job requeues itself,
-off the nodes it lost."""
+off the nodes it lost. Before the job's end, a save that could not end in time is not made: the
+trainer is ended at once and the job requeues from its last complete checkpoint and the rollout
+journal (supervisor/deadline.py)."""
 
 from __future__ import annotations
 
 import re
 import signal
 import threading
+import time
 
+from contract.job_dir import Heartbeat
 from slurm.client import SlurmClient
 from supervisor.context import Ending, JobContext
+from supervisor.deadline import no_time_to_save
 from supervisor.launcher import TRAINER, StepLauncher
 from supervisor.nodes import NodeTracker
 from supervisor.preemption import Preemption, SlurmJob
-from supervisor.trainer_files import seconds_to_boundary
+from supervisor.trainer_files import Pace, last_checkpoint
+
+REQUEUE = "preempted: saved, then requeued"  # the outcome of a job that requeues itself
+REQUEUE_UNSAVED = "preempted: requeued without a save"  # ... when no save could end in time (the why follows)
+
+
+def requeues(outcome: str) -> bool:
+    """Whether the job's outcome is to requeue itself."""
+    return outcome == REQUEUE or outcome.startswith(REQUEUE_UNSAVED)
 
 # scancel's words when slurmctld signalled a step but a node of it did not answer (seen on slurm 22.05:
 # "Kill job error on job step id 483: Communication connection failure").
@@ -28,10 +41,12 @@ class Requeue:
         self.ending = ending
         self.slurm_job = SlurmJob(job.layout.job_id, job.ft.slurm_command_timeout)
         self.slurm = SlurmClient(job.ft.slurm_command_timeout)
-        self.preemption = Preemption(job.ft.preempt_grace, self.slurm_job)
+        self.preemption = Preemption(job.ft.preempt_grace, self.slurm_job, on_end_change=self._end_moved)
+        self.pace = Pace(job.dir)
         self._lock = threading.Lock()
         self._excluding: set[str] = set()  # lost nodes the requeued job must not start on
-        self._save_now_sent = False  # (monitor thread only)
+        self.save_now_sent = False  # (monitor thread only)
+        self.unsaved: str | None = None  # why the job requeues without a save, once it does (monitor thread)
 
     def without_node(self, node: str, reason: str) -> None:
         """The supervisor's own reason to save and requeue: a lost node left too few engines."""
@@ -39,34 +54,64 @@ class Requeue:
             self._excluding.add(node)
         self.preemption.decide(reason)
 
-    def check(self) -> None:
+    def check(self, beat: Heartbeat | None) -> str | None:
         """Once the job must stop: the trainer saves at its next rollout boundary and ends; then the
         job is requeued (see requeue). If the time left would not cover a rollout and a save (as
-        the last ones took), it saves now instead."""
-        reason = self.preemption.check()
-        if reason is None:
-            return
+        the last ones took), it saves now instead. beat: the running trainer's heartbeat (None:
+        none runs). Returns, once, why the trainer must end now without a save: before the job's
+        end, no save (the one under way, or one made now) would end in time."""
+        costs = self.pace.costs(beat)
+        reason = self.preemption.check(costs.lead(self.job.ft.preempt_grace))
+        if reason is None or self.unsaved is not None:
+            return None
         time_left = self.preemption.seconds_left()
-        needed = 2 * seconds_to_boundary(self.job.dir)  # twice: rollouts vary
         if self.ending.stop(by_user=False):
             self.job.events.emit("preemption", reason=reason, time_left_s=round(time_left, 1),
-                                 boundary_s=round(needed / 2, 1))
-        if not self._save_now_sent and time_left < needed:
-            self._tell_trainer_save_now(f"{time_left:.0f} s left, a rollout and a save take about {needed / 2:.0f} s")
+                                 boundary_s=round(costs.boundary_s, 1), save_s=round(costs.save_s, 1))
+        unsaved = no_time_to_save(time_left, costs, beat) if self.preemption.at_end else None
+        if unsaved is not None:
+            self.unsaved = unsaved
+            self.job.events.emit("no_time_to_save", TRAINER, reason=unsaved, time_left_s=round(time_left, 1),
+                                 save_s=round(costs.save_s, 1), checkpoint=self._checkpoint())
+            return unsaved
+        if not self.save_now_sent and time_left < 2 * costs.boundary_s:  # twice: rollouts vary
+            self._tell_trainer_save_now(f"{time_left:.0f} s left, a rollout and a save take about "
+                                        f"{costs.boundary_s:.0f} s")
+        return None
+
+    @property
+    def outcome(self) -> str:
+        """The job's outcome once the trainer has stopped for the preemption."""
+        if self.unsaved is None:
+            return REQUEUE
+        return f"{REQUEUE_UNSAVED} ({self.unsaved}): it resumes from {self._checkpoint() or 'its start'} " \
+               "and the rollout journal"
+
+    def _checkpoint(self) -> str | None:
+        return last_checkpoint(self.job.spec.trainer.save)
+
+    def _end_moved(self, old: float | None, new: float | None) -> None:
+        """SLURM's end of the job moved (its time limit changed while it runs)."""
+        self.job.events.emit("time_limit_changed", end=_clock(new), was=_clock(old),
+                             time_left_s=None if new is None else round(new - time.time(), 1))
 
     def _tell_trainer_save_now(self, why: str) -> None:
         """SIGUSR1 to every trainer task: abandon the running rollout, or skip the publish, and save."""
+        if self.signal_trainer("USR1"):
+            self.save_now_sent = True
+            self.job.events.emit("save_now", TRAINER, reason=why)
+
+    def signal_trainer(self, name: str) -> bool:
+        """Send signal `name` (USR1, KILL) to every trainer task; False if SLURM did not take it, or
+        the trainer is not running (or SLURM has not listed its step yet: the next cycle retries)."""
         step = self.launcher.current(TRAINER)
         if step is None or step.returncode is not None or step.slurm_step is None:
-            return  # not running (or SLURM has not listed it yet: the next cycle retries)
+            return False
         self._fence_check()  # its step id may be a newer run's
-        done = self.slurm.call("scancel", "--signal=USR1", step.slurm_step)
-        # A node of the step that does not answer (a lost one) fails the call after MessageTimeout,
-        # the others got the signal: asking again would reach no more, and hold up the monitor.
-        if done.ok or _NODE_UNREACHED.search(done.stderr):
-            self._save_now_sent = True
-            unreached = {} if done.ok else {"unreached": done.stderr.strip()}
-            self.job.events.emit("save_now", TRAINER, reason=why, **unreached)
+        done = self.slurm.call("scancel", f"--signal={name}", step.slurm_step)
+        # A node of the step that does not answer (a lost one) fails the call after MessageTimeout, the
+        # others got the signal: asking again would reach no more, and hold up the monitor.
+        return done.ok or bool(_NODE_UNREACHED.search(done.stderr))
 
     def _fence_check(self) -> None:
         if self.job.store.fence is not None:
@@ -96,3 +141,8 @@ class Requeue:
                 self.job.events.emit("exclude_failed", nodes=sorted(excluding),
                                      reason="scontrol update ExcNodeList was refused until exclude_timeout")
         return None
+
+
+def _clock(when: float | None) -> str:
+    """A unix time as SLURM prints an end time (local time), or UNLIMITED."""
+    return "UNLIMITED" if when is None else time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when))

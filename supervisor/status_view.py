@@ -15,7 +15,13 @@ _LIVE = ("starting", "waiting", "healthy", "unhealthy")  # states in which a pro
 def header(state: dict[str, Any]) -> str:
     return (f"job {state['job_id'] or '-'}  weight version {_known(state['weight_version'])}  "
             f"requeues {state['requeues']}  time left {_known(state.get('time_left'))}  "
-            f"last checkpoint {_known(state['last_checkpoint'])}")
+            f"last checkpoint {_known(state['last_checkpoint'])}  steps {step_budget(state)}")
+
+
+def step_budget(state: dict[str, Any]) -> str:
+    """The job's SLURM steps launched, of MaxStepCount ("12/40000"; "12" while the limit is unknown)."""
+    launched, limit = state.get("steps_launched", 0), state.get("max_step_count")
+    return f"{launched}/{limit}" if limit else str(launched)
 
 
 def table(steps: dict[str, dict[str, Any]], job_id: str | None, beat: Heartbeat | None,
@@ -37,6 +43,12 @@ def table(steps: dict[str, dict[str, Any]], job_id: str | None, beat: Heartbeat 
                      sacct_step(s["slurm_step"], job_id, het)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def ended_with_the_job(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The steps of a job SLURM ended without its supervisor's word: none of them runs any more,
+    whatever their last record said."""
+    return {name: {**s, "state": "ended"} if s["state"] in _LIVE else s for name, s in steps.items()}
 
 
 def phase_word(beat: Heartbeat) -> str:

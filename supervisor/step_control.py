@@ -20,7 +20,8 @@ import subprocess
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from slurm.contact import SlurmContact
 from slurm.step_spec import StepSpec
@@ -35,19 +36,42 @@ UNKNOWN_EXIT = 255  # the step's end was never recorded (no slurmdbd, or past ex
 CANCELLED_EXIT = 128 + signal.SIGTERM
 
 
+class StepProcess(Protocol):
+    """What the supervisor holds of a step: a child of its own in its own process group (srun, a
+    local process, a stand-in), or an engine's run in a node agent (supervisor/node_agents.py, whose
+    pid is its agent's srun: a signal to it reaches the whole node's agent)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 @dataclass
 class Step:
     """A step this supervisor launched (proc is its srun or process) or adopted (proc is its stand-in)."""
 
     spec_name: str
-    proc: subprocess.Popen[bytes] | None
+    proc: StepProcess | None
     slurm_step: str | None = None  # "JOBID.STEPID", once the backend lists it
     adopted: bool = False
     gone_since: float | None = None  # adopted: when the backend stopped listing it
+    log: Path | None = None  # where its srun (or process) writes, from log_offset on for this launch
+    log_offset: int = 0
 
     @property
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
+
+
+class StepCount(NamedTuple):
+    """The job's steps launched so far, against SLURM's MaxStepCount (None: not known)."""
+
+    launched: int
+    limit: int | None
+    nearing: bool  # past slurm.pacing.STEP_BUDGET_WARN_FRACTION of the limit
 
 
 @runtime_checkable
@@ -81,6 +105,13 @@ class StepControl(Protocol):
 
     def abandon(self, step: Step, wait_s: float) -> None:
         """A fenced supervisor's step: SIGKILL its child, tell the scheduler nothing."""
+
+    def rate_limited(self, step: Step) -> str | None:
+        """The scheduler's refusal of this launch for its RPC rate limit (the words), else None;
+        when refused, later launches slow down."""
+
+    def count(self) -> StepCount:
+        """The job's steps launched so far, against the scheduler's limit."""
 
     def close(self) -> None:
         """Stop watching for exits."""
@@ -135,6 +166,33 @@ class ExitWatcher:
         os.close(self._wake)
 
 
+def log_offset(log: Path) -> int:
+    """Where the next launch's words start in a step's log (appended to by every launch of it)."""
+    try:
+        return log.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+_SRUN_WORDS_MAX = 64 * 1024  # of a launch's log read for srun's own lines (they come first or last)
+
+
+def srun_lines(step: Step) -> list[str]:
+    """srun's own lines ("srun: error: ...") in the step's log since its launch."""
+    if step.log is None:
+        return []
+    try:
+        with open(step.log, "rb") as log:
+            log.seek(step.log_offset)
+            head = log.read(_SRUN_WORDS_MAX)
+            log.seek(max(step.log_offset + len(head), log.seek(0, os.SEEK_END) - _SRUN_WORDS_MAX))
+            tail = log.read()
+    except OSError:
+        return []
+    text = (head + tail).decode(errors="replace")
+    return [line for line in text.splitlines() if line.startswith("srun: ")]
+
+
 def stand_in(name: str, step_id: str, watcher: ExitWatcher | None) -> Step:
     """An adopted step: a stand-in child that exits when released (release)."""
     proc = subprocess.Popen(_STAND_IN, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -151,7 +209,7 @@ _release_lock = threading.Lock()
 def release(step: Step, code: int) -> None:
     """Let an adopted step's stand-in exit with `code` (once: later calls do nothing)."""
     with _release_lock:
-        stdin = step.proc.stdin if step.proc is not None else None
+        stdin = step.proc.stdin if isinstance(step.proc, subprocess.Popen) else None
         if stdin is None or stdin.closed:
             return
         try:
@@ -161,7 +219,7 @@ def release(step: Step, code: int) -> None:
         stdin.close()
 
 
-def stop_process_group(proc: subprocess.Popen[bytes], term_grace_s: float) -> None:
+def stop_process_group(proc: StepProcess, term_grace_s: float) -> None:
     """SIGTERM, then SIGKILL, to the child's own process group, term_grace_s apart; TimeoutExpired
     if even SIGKILL did not end it."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from slurm.client import SlurmClient
 from slurm.contact import SlurmContact
+from slurm.pacing import rate_limited
 from slurm.step_spec import SLURM_OWN_STEPS, StepSpec, srun_argv
 from supervisor.fencing import Fence
 from supervisor.step_control import (
@@ -28,9 +29,12 @@ from supervisor.step_control import (
     UNKNOWN_EXIT,
     ExitWatcher,
     Step,
+    StepCount,
     StepStatus,
     kill_process_group,
+    log_offset,
     release,
+    srun_lines,
     stand_in,
     stop_process_group,
 )
@@ -62,21 +66,32 @@ class StepController:
         """Whether SLURM answered of late (every call of the client)."""
         return self.slurm.contact
 
-    @property
-    def steps_launched(self) -> int:
-        """The job's steps so far, against SLURM's MaxStepCount (max_steps once read)."""
-        return self.slurm.steps.launched
+    def count(self) -> StepCount:
+        budget = self.slurm.steps
+        return StepCount(budget.launched, budget.limit, budget.nearing_limit)
 
     def launch(self, spec: StepSpec) -> Step:
         if self.fence is not None:
             self.fence.check()
         spec.log.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_offset(spec.log)
         with open(spec.log, "ab") as log:  # srun's own messages ("task 0: Killed") go there too
             proc = self.slurm.launch(srun_argv(self.job_id, spec), log, spec.env)
-        step = Step(spec.name, proc)
+        step = Step(spec.name, proc, log=spec.log, log_offset=offset)
         if self._watcher is not None:
             self._watcher.watch(step)
         return step
+
+    def launch_piped(self, spec: StepSpec) -> Step:
+        """A step whose stdin and stdout are pipes to its srun's (spec.piped: a channel to the step;
+        srun's own words and the step's stderr go to its log). Not watched: its reader sees it end."""
+        if self.fence is not None:
+            self.fence.check()
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        offset = log_offset(spec.log)
+        with open(spec.log, "ab") as log:
+            proc = self.slurm.launch(srun_argv(self.job_id, spec), log, spec.env, piped=True)
+        return Step(spec.name, proc, log=spec.log, log_offset=offset)
 
     def query(self) -> dict[str, tuple[str, str]] | None:
         """All live steps of the job in one squeue call: {step id: (name, state)}; None if SLURM
@@ -192,6 +207,13 @@ class StepController:
         """A fenced supervisor's step: SIGKILL its srun (or stand-in), which sends SLURM nothing
         more (a SIGTERM would have srun cancel the step by its id: the newer run's step now)."""
         kill_process_group(step, wait_s)
+
+    def rate_limited(self, step: Step) -> str | None:
+        """srun's words if slurmctld refused this launch for its rate limit; the pace halves then."""
+        said = next((line for line in srun_lines(step) if rate_limited(line)), None)
+        if said is not None:
+            self.slurm.pacer.refused()
+        return said
 
     def close(self) -> None:
         if self._watcher is not None:

@@ -34,7 +34,6 @@ from supervisor.launcher import TRAINER, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.requeue import Requeue
 from supervisor.step_control import Step, StepControl
-from supervisor.trainer_files import seconds_to_boundary
 
 # The least a trainer is given to show life after its node is lost (twice a rollout and a save, as
 # measured, when that is longer). A live one beats at once: told to save now, it abandons its rollout
@@ -92,8 +91,9 @@ class TrainerNodeLoss:
         if self._tracker() != self._tracker_at_loss:
             self._end(step, "it saved after its node was lost")
             return
-        silent_s = time.time() - max(self._lost_at, read_heartbeat(self.job.dir, self._lost_at).time)
-        bound_s = max(2 * seconds_to_boundary(self.job.dir), MIN_SIGN_OF_LIFE_S)
+        beat = read_heartbeat(self.job.dir, self._lost_at)  # (a save beats as it makes progress)
+        silent_s = time.time() - max(self._lost_at, beat.time)
+        bound_s = max(2 * self.requeue.pace.costs(beat).boundary_s, MIN_SIGN_OF_LIFE_S)
         if silent_s > bound_s:
             self._end(step, f"no heartbeat for {silent_s:.0f} s since its node was lost (bound {bound_s:.0f} s: "
                             "twice a rollout and a save): it cannot save; the job resumes from the last checkpoint")
@@ -102,7 +102,7 @@ class TrainerNodeLoss:
         """Kill the step's srun (it would wait for the lost node's tasks); the requeue that its exit
         brings ends what is left of the step."""
         self._ended = True
-        self.job.events.emit("trainer_stopped", TRAINER, slurm_step=step.slurm_step, reason=why)
+        self.job.events.emit("trainer_abandoned", TRAINER, slurm_step=step.slurm_step, reason=why)
         self.steps.abandon(step, self.job.ft.step_term_grace)
 
     def _tracker(self) -> tuple[int, int] | None:

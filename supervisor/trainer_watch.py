@@ -4,6 +4,7 @@ exit (the job's outcome, or a restart from the latest checkpoint), and restarts 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from concurrent.futures import Executor
@@ -19,7 +20,7 @@ from supervisor.step_control import Step, StepControl
 
 log = logging.getLogger(__name__)
 
-REQUEUE = "preempted: saved, then requeued"
+SAVE_NOW_EXITS = (128 + signal.SIGUSR1, -signal.SIGUSR1)  # a task ended by SIGUSR1 (srun's code; a process's)
 
 
 class TrainerWatch:
@@ -63,6 +64,20 @@ class TrainerWatch:
         self._end("restart asked with slurmrl restart")
         self.steps.cancel(step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
 
+    def check_deadline(self) -> None:
+        """Preemption and the job's end (Requeue.check), knowing the running trainer's phase. When no
+        save could end before the job does, the trainer is ended at once without one (SIGKILL: its
+        SIGTERM handler would begin a save) and the job requeues from its last complete checkpoint."""
+        step = self.launcher.current(TRAINER)
+        running = step is not None and step.returncode is None
+        with self._lock:
+            launched = self._launched
+        why = self.requeue.check(read_heartbeat(self.job.dir, launched) if running else None)
+        if why is None or step is None or not running or not self._end(why):
+            return
+        if not self.requeue.signal_trainer("KILL"):
+            self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+
     def check_heartbeat(self) -> None:
         """A trainer whose heartbeat stays in one phase past that phase's timeout is hung (a rank
         stuck in a collective, a dead engine connection...): end its step; its exit restarts it."""
@@ -103,6 +118,10 @@ class TrainerWatch:
             # Saved on SLURM's SIGTERM (scancel, scontrol requeue): SLURM requeues or ends the job.
             return self._ended_by_slurm() or "completed"
         fatal = read_trainer_fatal(self.job.dir, launched) if rc else None
+        stopped = None if fatal else self._stopped_for_requeue(rc, ended_why)
+        if stopped is not None:
+            self.job.events.emit("trainer_stopped", TRAINER, reason=stopped, code=rc)
+            return self._after_preemption()
         reason = fatal or ended_why or f"trainer exited with code {rc} (see {self.job.dir.log(TRAINER)})"
         self.job.events.emit("trainer_failed", TRAINER, reason=reason, fatal=fatal is not None)
         if fatal:  # a restart (or a requeue) would fail the same way
@@ -115,10 +134,21 @@ class TrainerWatch:
         self._restart(reason)
         return None
 
+    def _stopped_for_requeue(self, rc: int | None, ended_why: str | None) -> str | None:
+        """Why an exit the preemption caused is no failure, or None: the supervisor ended the trainer
+        because no save could end in time, or its save-now signal reached a trainer that had saved
+        and was ending (Python gives SIGUSR1 its default action back as it exits: code 138)."""
+        if self.requeue.unsaved is not None and ended_why == self.requeue.unsaved:
+            return f"ended by the supervisor without a save: {ended_why}"
+        if rc in SAVE_NOW_EXITS and self.requeue.save_now_sent:
+            return (f"exited with code {rc}: the supervisor's save-now signal (SIGUSR1) reached it as it was "
+                    "ending; the job requeues from its last checkpoint")
+        return None
+
     def _after_preemption(self) -> str:
         """As SLURM intends: a job it is ending (scancel, a preemption that requeues by itself) just
         ends; one it keeps running (its warning, a SIGTERM to the batch step alone) is requeued."""
-        return self._ended_by_slurm() or REQUEUE
+        return self._ended_by_slurm() or self.requeue.outcome
 
     def _ended_by_slurm(self) -> str | None:
         state = self.requeue.slurm_job.ending_state()

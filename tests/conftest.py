@@ -1,35 +1,63 @@
-"""Shared fixtures. `devcluster` brings the SLURM devcluster up once per session (or reuses one
-that is already running), each node in its own network namespace where that is allowed, and points
+"""Shared fixtures. `devcluster` brings a SLURM devcluster up once per session (or reuses one that
+is already running), each node in its own network namespace where that is allowed, and points
 SLURM_CONF at it.
 
-Under pytest-xdist (`--dist loadgroup`), every test that touches SLURM runs in one worker: one
-worker's session could otherwise take the cluster down under another's job."""
+Under pytest-xdist each worker has a devcluster of its own, so the SLURM tests, the suite's
+critical path, run in every worker at once instead of all in one. gw0 (and a run without xdist)
+uses the usual one at DEFAULT_ROOT, which people and `flock /tmp/devcluster.lock` runs share;
+worker gwN one beside it (DEFAULT_ROOT-gwN) on its own ports and node names (an isolated
+cluster's node names are in /etc/hosts: two clusters need two). With `--dist loadgroup` the
+SLURM tests are grouped by file, so that a file's module-scoped job runs once, in one worker, and
+the files spread over the workers. Where network namespaces are
+refused every node of every cluster is 127.0.0.1 and the ports of a job come from its id, which
+each cluster counts from 1: the SLURM tests then run in one group, in one worker, as before."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import string
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from slurm.devcluster import DevCluster
+from slurm.devcluster import DevCluster, netns
 from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
-from slurm.devcluster.config import DEFAULT_ROOT
+from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, ClusterShape
 from slurm.devcluster.daemons import DevclusterError
 from slurm.devcluster.netns import IP_MISSING, NAMESPACES_REFUSED
 
-
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
+# Worker gwN's cluster has ports DEFAULT_PORT_BASE - N * this and up (a cluster takes 20 + MAX_NODES):
+# below the default cluster's, clear of the clusters tests bring up themselves (18800 and up) and of
+# tests/ports.py's (20000 and up).
+WORKER_PORT_STRIDE = 100
+
+
+def _worker() -> int:
+    """This xdist worker's number (gw3 -> 3); 0 without xdist."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+def _per_file_groups() -> bool:
+    """Whether the clusters of two workers can run jobs at once: only with a namespace per node."""
+    try:
+        netns.check_allowed()
+    except DevclusterError:
+        return False
+    return True
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which groups by the markers it finds
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    per_file = "PYTEST_XDIST_WORKER" in os.environ and _per_file_groups()
     for item in items:
         if "slurm_programs" in item.fixturenames or item.path.parent.name in SLURM_DIRS:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            group = f"slurm:{item.nodeid.split('::')[0]}" if per_file else "slurm"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -43,23 +71,35 @@ def slurm_programs() -> None:
         pytest.skip(f"no SLURM here ({', '.join(missing)} missing, and could not be installed: {str(err)[:200]})")
 
 
-def _up(network: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--dir", str(DEFAULT_ROOT)],
+def worker_cluster(worker: int) -> tuple[Path, ClusterShape | None]:
+    """xdist worker gw<worker>'s cluster: its --dir, and a shape whose ports and node names are its
+    own, what `up` is told (None for gw0's, which keeps the shape it was last brought up with, as
+    `slurmrl cluster up` does)."""
+    if worker == 0:
+        return DEFAULT_ROOT, None
+    letters = "".join(string.ascii_lowercase[int(digit)] for digit in str(worker))  # a prefix takes no digits
+    return (DEFAULT_ROOT.with_name(f"{DEFAULT_ROOT.name}-gw{worker}"),
+            ClusterShape(port_base=DEFAULT_PORT_BASE - worker * WORKER_PORT_STRIDE, node_prefix=f"node-{letters}"))
+
+
+def _up(root: Path, shape: ClusterShape | None, network: str) -> subprocess.CompletedProcess[str]:
+    flags = ["--port-base", str(shape.port_base), "--node-prefix", shape.node_prefix] if shape else []
+    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--dir", str(root), *flags],
                           capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")
 def devcluster(slurm_programs) -> Iterator[DevCluster]:
-    cluster = DevCluster(DEFAULT_ROOT)
-    was_running = all(d.is_running() for d in cluster.daemons())
+    root, shape = worker_cluster(_worker())
+    was_running = all(d.is_running() for d in DevCluster(root).daemons())
     # Isolated (a network namespace per node) as `slurmrl cluster up` is by default; where namespaces
     # are not allowed, shared loopback, and the tests that need namespaces skip themselves.
-    up = _up("--isolated")
+    up = _up(root, shape, "--isolated")
     if up.returncode != 0 and (NAMESPACES_REFUSED in up.stderr or IP_MISSING in up.stderr):
-        up = _up("--shared-loopback")
+        up = _up(root, shape, "--shared-loopback")
     if up.returncode != 0:
         pytest.fail(f"devcluster did not come up:\n{up.stderr}")
-    cluster = DevCluster(DEFAULT_ROOT)
+    cluster = DevCluster(root)
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.paths.slurm_conf)
     yield cluster
@@ -68,4 +108,4 @@ def devcluster(slurm_programs) -> Iterator[DevCluster]:
     else:
         os.environ["SLURM_CONF"] = previous
     if not was_running:
-        subprocess.run([sys.executable, "-m", "slurm.devcluster", "down", "--dir", str(DEFAULT_ROOT)], check=True)
+        subprocess.run([sys.executable, "-m", "slurm.devcluster", "down", "--dir", str(root)], check=True)

@@ -9,6 +9,7 @@ import warnings
 
 from trainer import save_now
 from trainer.args import ArgsError, main_error, parse_args
+from trainer.config import TrainerConfig
 
 # Intel's conditions for run-to-run identical MKL results on CPU (exact resume compares losses bit
 # for bit): no dynamic thread counts, and CNR mode, strict for gemm (no measurable cost here). Set
@@ -49,28 +50,33 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.setup import build
 
     dist_env.setup(master_port=config.run.master_port)
-    if config.run.debug_rollout_only:
-        from trainer.loop_builder import build_rollout_only
+    from trainer.fatal import FATAL_ERRORS, exit_fatal
 
-        rollout_only = build_rollout_only(config)
-        if rollout_only is None:
-            logging.getLogger("trainer").info("--debug-rollout-only: rank 0 generates the rollouts; "
-                                              "this rank has nothing to do")
-        else:
-            rollout_only.run()
-        return
+    rank = int(os.environ["RANK"])
     try:
-        loop, initial, load_reference = build(config)
-    except ArgsError as err:
-        main_error(err)
-    from trainer.fatal import Fatal, exit_fatal
-
-    try:
+        if config.run.debug_rollout_only:
+            rollout_only(config)
+            return
+        try:
+            loop, initial, load_reference = build(config)
+        except ArgsError as err:
+            main_error(err)
         loop.start(initial, load_reference)
         loop.run()
-    except Fatal as err:  # a restart would repeat it: the supervisor fails the job with this reason
-        exit_fatal(err, config.run.job_dir, loop.backend.rank)
+    except FATAL_ERRORS as err:  # a restart would repeat it: the supervisor fails the job with this reason
+        exit_fatal(err, config.run.job_dir, rank)
     dist_env.shutdown()
+
+
+def rollout_only(config: TrainerConfig) -> None:
+    from trainer.loop_builder import build_rollout_only
+
+    run = build_rollout_only(config)
+    if run is None:
+        logging.getLogger("trainer").info("--debug-rollout-only: rank 0 generates the rollouts; "
+                                          "this rank has nothing to do")
+    else:
+        run.run()
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ script can be passed unchanged and a mismatch is caught before anything is built
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
+from contract.job_dir import JOB_DIR_ENV, TRAINER_FATAL_EXIT, JobDir, write_trainer_fatal
 from trainer.args_parser import ArgsError, build_parser, refused
 from trainer.config import TrainerConfig, build_config, check_model_flags, read_hf_config
 
@@ -30,6 +34,14 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     return build_config(build_parser().parse_args(argv))
 
 
-def main_error(err: Exception) -> None:
-    print(f"python -m trainer: error: {err}", file=sys.stderr)
+def main_error(err: Exception) -> NoReturn:
+    """A wrong flag (every problem, a line each), said on stderr. In a step of a slurmrl job a restart
+    would read the same flags: it is the trainer's fatal reason there, so the supervisor fails the job
+    at once (trainer/fatal.py)."""
+    for problem in err.problems if isinstance(err, ArgsError) else [str(err)]:
+        print(f"python -m trainer: error: {problem}", file=sys.stderr)
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if job_dir:
+        write_trainer_fatal(JobDir(Path(job_dir)), f"the trainer's flags: {err}")
+        raise SystemExit(TRAINER_FATAL_EXIT)
     raise SystemExit(2)

@@ -23,7 +23,12 @@ def moe_layer_freq(text: str) -> int:
 
 
 class ArgsError(ValueError):
-    """A flag's value is wrong; the message names the flag and the fix."""
+    """Flags' values are wrong: one line per problem (`problems`), each naming the flag and the fix;
+    build_config reports every problem of a command line at once."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 class Parser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@ import argparse
 
 from rollout.loss_masks import LOSS_MASK_TYPES
 from rollout.rewards import REWARD_TYPES
+from rollout.sample_errors import POLICIES, ZERO_REWARD
 from trainer.args_actions import json_object, refused
 
 
@@ -106,6 +107,12 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     add("--rm-max-retries", type=int, default=10, help="remote_rm attempts per sample before the rollout fails")
     add("--rm-retry-backoff", type=float, default=1.0,
         help="seconds before remote_rm's first retry; doubles each time, at most 30 s")
+    add("--sample-error-policy", choices=POLICIES, default=ZERO_REWARD,
+        help="a user function (--custom-rm-path, --custom-generate-function-path, a --rollout-sample-hook-path "
+             "hook) that raises on one sample: zero_reward keeps the sample with reward 0, drop_group drops its "
+             "group (a sample whose generation failed drops its group either way); each error counts in the "
+             "sample_errors metric, the first of each function is a plugin_error event, and a rollout whose "
+             "every sample failed ends the job (rollout/sample_errors.py)")
     add("--loss-mask-type", choices=LOSS_MASK_TYPES, default="qwen",
         help="rollout.sft_rollout: how a conversation's trained tokens are found (step_loss_mask 0 turns are not)")
     add("--apply-chat-template-kwargs", type=json_object, default="{}",

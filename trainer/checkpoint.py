@@ -10,6 +10,7 @@ folder is the backend's business (`write`); this module only owns the folder.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from ckpt_tools.torch_dist import read_metadata
 from ckpt_tools.tracker import TRACKER, iteration_dirname, iteration_of, read_tracker, write_tracker
 from contract.job_dir import fsync_dir, write_atomic
+from trainer.save_progress import SaveProgress
 from trainer.save_space import NoSpaceLeft, check_room, is_disk_full, no_space
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,8 @@ class CheckpointError(RuntimeError):
 # ---- saving ------------------------------------------------------------------------------------
 
 def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep: int | None = None,
-         group: dist.ProcessGroup | None = None, needs_bytes: int = 0) -> Path:
+         group: dist.ProcessGroup | None = None, needs_bytes: int = 0,
+         progress: Callable[[], None] | None = None) -> Path:
     """Write checkpoint `iteration` under save_dir and make it the latest. Collective over `group`
     (every rank, or a lone process without torch.distributed): `write(tmp)` is called on every
     rank to fill the temporary folder. Returns save_dir/iter_XXXXXXX.
@@ -51,13 +54,23 @@ def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep:
     keep: how many iter_* folders to keep (the newest by iteration, always the new one).
     needs_bytes: about what this rank writes (summed over ranks): a save the free space cannot
     hold is refused before anything is written. Either way, a full disk raises NoSpaceLeft with
-    the temporary folder removed and the previous checkpoint still the latest."""
+    the temporary folder removed and the previous checkpoint still the latest.
+    progress: called on rank 0 (at most every SAVE_PROGRESS_POLL_S) while the save moves on."""
     save_dir = Path(save_dir)
     needs = sum(_gather(needs_bytes, group))
     began = _broadcast(_begin(save_dir, iteration, needs) if _rank(group) == 0 else None, group)
     if isinstance(began, str):
         raise NoSpaceLeft(began)
-    tmp = began
+    watch = SaveProgress(began, progress) if progress is not None and _rank(group) == 0 else None
+    with watch or contextlib.nullcontext():
+        final = _write_and_publish(save_dir, iteration, began, write, keep, group, needs, watch)
+    _barrier(group)  # no rank returns before the checkpoint is the latest
+    return final
+
+
+def _write_and_publish(save_dir: Path, iteration: int, tmp: Path, write: Callable[[Path], None], keep: int | None,
+                       group: dist.ProcessGroup | None, needs: int, moving: SaveProgress | None) -> Path:
+    """Every rank writes into tmp; rank 0 then makes it durable, renames it into place and moves the tracker."""
     try:
         write(tmp)
         full = False
@@ -72,7 +85,7 @@ def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep:
         previous = _tracker_iteration(save_dir)
         try:
             _write_manifest(tmp, iteration)
-            _fsync_tree(tmp)
+            _fsync_tree(tmp, moving)
         except OSError as err:
             if not is_disk_full(err, save_dir):
                 raise
@@ -82,7 +95,6 @@ def save(save_dir: Path, iteration: int, write: Callable[[Path], None], *, keep:
         write_tracker(save_dir, iteration)
         if keep is not None:
             _prune(save_dir, keep, iteration, previous)
-    _barrier(group)  # no rank returns before the checkpoint is the latest
     return final
 
 
@@ -119,14 +131,17 @@ def _write_manifest(folder: Path, iteration: int) -> None:
     write_atomic(folder / MANIFEST, json.dumps({"iteration": iteration, "files": files}, indent=1))
 
 
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file and folder below `folder` (writers in other processes may not have)."""
+def _fsync_tree(folder: Path, moving: SaveProgress | None = None) -> None:
+    """fsync every file and folder below `folder` (writers in other processes may not have);
+    `moving` hears of each one done."""
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders holding them
         if path.is_dir():
             fsync_dir(path)
         else:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+        if moving is not None:
+            moving.moved()
     fsync_dir(folder)
 
 

@@ -98,8 +98,10 @@ class Checkpointer:
         self.heartbeat(Phase.SAVE, rollout_id)
         state = self.backend.broadcast_object(self.state_dict())
         assert state[ROLLOUT_ID_KEY] == rollout_id, (state[ROLLOUT_ID_KEY], rollout_id)
+        # Each step of the save beats again: the supervisor's trainer_save_timeout bounds a save without progress.
         checkpoint.save(cfg.save_dir, rollout_id, lambda folder: self.backend.save(folder, state),
-                        keep=cfg.keep, needs_bytes=tensor_bytes(self.backend))
+                        keep=cfg.keep, needs_bytes=tensor_bytes(self.backend),
+                        progress=lambda: self.heartbeat(Phase.SAVE, rollout_id))
         self.last_saved = rollout_id
         for tell in self.after_save:
             tell(state)

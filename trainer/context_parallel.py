@@ -103,7 +103,7 @@ def cp_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, 
     """Causal attention of this CP rank's rows (q [t, np, hn], k/v [t, ng, hn], the zigzag layout
     of padded samples `cu_seqlens`) over every rank's keys and values -> [t, np * hn]."""
     cp, me = dist.get_world_size(group), dist.get_rank(group)
-    kv = _GatherKV.apply(torch.stack([key, value], dim=1), group)  # [cp, t, 2, ng, hn]
+    kv = _gather_kv(torch.stack([key, value], dim=1), group)  # [cp, t, 2, ng, hn]
     out = []
     for start, end in itertools.pairwise(cu_seqlens.tolist()):
         seg, local = (end - start) // (2 * cp), start // cp
@@ -141,6 +141,11 @@ class _GatherKV(torch.autograd.Function):
             return out, None
         dist.all_reduce(grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None
+
+
+# Eager under --torch-compile: a traced collective inside an autograd.Function loses the gradient's
+# path on a GPU (trainer/megatron/compile.py says how it was found).
+_gather_kv = torch.compiler.disable(_GatherKV.apply)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -36,7 +36,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.checkpoint import process_rng_state, set_process_rng_state
@@ -68,10 +67,7 @@ class FSDPBackend(Backend):
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = _device()
         self.dtype = dtype if self.device.type == "cuda" else torch.float32
-        if attention_backend == "flash" and self.device.type == "cuda":
-            raise ArgsError("--attention-backend flash: the fsdp backend's packed rows carry a block-diagonal "
-                            "mask, which SDPA's CUDA flash kernel does not take; use --attention-backend auto or fused")
-        check_attention_backend(attention_backend, self.device)
+        check_attention_backend(attention_backend, self.device, "fsdp")
         self.attention_backend = attention_backend
         self.clip_grad = clip_grad
         self.batching = batching if batching is not None else Batching()

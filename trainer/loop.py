@@ -125,6 +125,7 @@ class Loop:
         if self.colocation:
             self.colocation.to_trainer()
         metrics = self.train_step.run(rollout.rollout_id, samples)
+        metrics.update(rollout.metrics)
         metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rollout_seconds, Metric.TRAIN_SECONDS: time.monotonic() - began})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)

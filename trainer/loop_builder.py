@@ -62,7 +62,8 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
         seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt)) if ro.prompt_data else None
     rollout = rollout_args(config, router_url or "", ft.router_request_timeout,
                            (lambda url: fleet.drop(url, "a request to it failed")) if router else None,
-                           fleet.unresponsive if router else None)
+                           fleet.unresponsive if router else None,
+                           fleet.supervisor.plugin_error if fleet.supervisor else None)
     wandb = WandbRun(config.logging, job_dir, steps_per_rollout=config.steps_per_rollout,
                      run_config=config.flat()) if config.logging.use_wandb else None
     reporter = Reporter(job_dir, config.logging.tensorboard_dir, wandb)

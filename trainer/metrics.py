@@ -5,6 +5,7 @@ the heartbeat the supervisor watches (the files are contract/job_dir.py's)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from contract.job_dir import JobDir, Metric, Phase, append_metrics, write_atomic, write_heartbeat
@@ -19,9 +20,15 @@ class Reporter:
 
         self.writer = SummaryWriter(tensorboard_dir or str(job_dir.tensorboard))
         self.wandb = wandb
+        self._phase: tuple[Phase, int, float] | None = None  # the beating phase: (phase, rollout, since)
 
     def heartbeat(self, phase: Phase, rollout_id: int) -> None:
-        write_heartbeat(self.job_dir, phase, rollout_id)
+        """A beat; again in the same phase of the same rollout (an optimizer step, a save's progress), it
+        keeps when that phase began: the supervisor judges a save in progress by it (supervisor/deadline.py)."""
+        same = self._phase is not None and self._phase[:2] == (phase, rollout_id)
+        since = self._phase[2] if same and self._phase is not None else time.time()
+        self._phase = (phase, rollout_id, since)
+        write_heartbeat(self.job_dir, phase, rollout_id, since=since)
 
     def rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         self._scalars(rollout_id, metrics)

@@ -2,9 +2,10 @@
 
 --attention-backend takes Megatron's names (slime passes them through; trainer.config maps them to
 slurmrl's two implementations): auto and sdpa run torch's scaled_dot_product_attention and let it
-pick a kernel; flash restricts it to the flash kernel (CUDA, or torch's CPU flash kernel) and
-fused to the cuDNN / memory-efficient ones (what TransformerEngine's fused attention is;
-CUDA-only); unfused and local run the unfused softmax(QK^T)V attention.
+pick a kernel; flash restricts it to the flash kernel (CUDA, or torch's CPU flash kernel where the
+backend's calls allow it) and fused to the cuDNN / memory-efficient ones (what TransformerEngine's
+fused attention is; CUDA-only); unfused and local run the unfused softmax(QK^T)V attention. Where
+each can run: trainer/config/device_checks.py.
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.args import ArgsError
+from trainer.config.device_checks import attention_backend_problem
 
 _KERNELS = {"flash": [SDPBackend.FLASH_ATTENTION],
             "fused": [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]}
 
 
-def check_attention_backend(backend: str, device: torch.device) -> None:
-    """fused names CUDA-only kernels: refused on a CPU trainer (torch has a CPU flash kernel)."""
-    if backend == "fused" and device.type != "cuda":
-        raise ArgsError(f"--attention-backend fused: SDPA's cuDNN and memory-efficient kernels run on CUDA only and "
-                        f"this trainer runs on {device.type}; use --attention-backend auto or flash")
+def check_attention_backend(backend: str, device: torch.device, train_backend: str,
+                            context_parallel_size: int = 1) -> None:
+    """ArgsError where the backend's kernels cannot run on this device (trainer/config/device_checks.py,
+    the rule submission checks too)."""
+    problem = attention_backend_problem(backend, "cuda" if device.type == "cuda" else "cpu", train_backend,
+                                        context_parallel_size)
+    if problem is not None:
+        raise ArgsError(problem)
 
 
 def attention_kernels(backend: str) -> contextlib.AbstractContextManager:

@@ -62,7 +62,8 @@ class RolloutOnly:
                 break
             samples = [s for group in groups for s in group]
             metrics = {"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
-                       Metric.ROLLOUT_SECONDS: time.monotonic() - began, "weight_version": 0}
+                       Metric.ROLLOUT_SECONDS: time.monotonic() - began, "weight_version": 0,
+                       **parts.generator.metrics}
             if evals.due(rollout_id):
                 metrics.update(evals.evaluate(rollout_id))
             if rollout_id == 0:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
 from rollout.generate import RolloutArgs, generate_rollout
+from rollout.sample_errors import METRIC as SAMPLE_ERRORS
 from trainer.batch import TrainSample
 from trainer.rollout_journal import RolloutJournal
 from trainer.save_now import SaveNow, SaveNowSignal
@@ -39,6 +40,7 @@ class SampleGroup:
 class Rollout:
     rollout_id: int
     groups: list[SampleGroup]
+    metrics: dict[str, Any] = field(default_factory=dict)  # the generation's own (sample_errors)
 
     def samples(self) -> list[TrainSample]:
         return [s for group in self.groups for s in group.samples]
@@ -65,8 +67,11 @@ class RolloutGenerator:
         self.journal = journal
         self.reward_key = reward_key
         self.signal = signal
+        self.metrics: dict[str, Any] = {}  # of the last rollout generated
 
     def generate(self, rollout_id: int) -> list[list[TrainSample]]:
+        errors = self.rollout_args.sample_errors
+        before = errors.total
         done = self.journal.replay(rollout_id) if self.journal else None
         if done is not None:  # generated before a restart from the same checkpoint: trained on again
             groups, buffer_state = done
@@ -77,6 +82,7 @@ class RolloutGenerator:
             groups = generate_rollout(self.rollout_args, rollout_id, self.buffer)
             if self.journal:
                 self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
+        self.metrics = {SAMPLE_ERRORS: errors.total - before}  # users' functions failing on single samples
         return [[TrainSample.from_sample(s, self.reward_key) for s in group] for group in groups]
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:
@@ -115,7 +121,8 @@ class SyncRolloutSource:
             self.heartbeat(Phase.ROLLOUT, rollout_id)
             groups = self.generator.generate_abandonable(rollout_id)
             if groups is not None:
-                rollout = Rollout(rollout_id, [SampleGroup(weight_version, group) for group in groups])
+                rollout = Rollout(rollout_id, [SampleGroup(weight_version, group) for group in groups],
+                                  dict(self.generator.metrics))
         return self.broadcast(rollout)
 
     def state_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ first thing in `python -m trainer`, so the signal never kills a trainer that is 
 
 from __future__ import annotations
 
+import atexit
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +55,15 @@ def install() -> SaveNowSignal:
     global _installed
     if _installed is None:
         _installed = SaveNowSignal()
+        atexit.register(_ignore_save_now_at_exit)
     return _installed
+
+
+def _ignore_save_now_at_exit() -> None:
+    """Python gives SIGUSR1 its default action back (end the process) as it shuts down: the
+    supervisor's save-now signal reaching a trainer that saved and is exiting would end it with
+    code 138, which reads as a failure. Past the loop there is nothing to save: ignore it."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class StopRequests:

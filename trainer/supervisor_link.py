@@ -62,6 +62,10 @@ class SupervisorLink:
         # Its requests time out or come back unparseable while its probes may pass: replaced, not probed.
         self._tell(self.client.call, Call.ENGINE_UNRESPONSIVE, url=url, reason=reason)
 
+    def plugin_error(self, plugin: str, error: str, sample: int) -> None:
+        # Its first failure on a sample (rollout.sample_errors): an event; the rollout goes on.
+        self._tell(self.client.call, Call.PLUGIN_ERROR, plugin=plugin, error=error, sample=sample)
+
     def published(self, version: int, updated: list[str], dropped: dict[str, str]) -> None:
         # Waited for: a restarted supervisor must learn the version the engines now serve.
         self._tell(self._call, Call.PUBLISHED, version=version, updated=updated, dropped=dropped)

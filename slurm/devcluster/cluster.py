@@ -29,7 +29,7 @@ from slurm.devcluster.config import (
     render_slurmdbd_conf,
     save_shape,
 )
-from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, wait_for, wait_gone
+from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, machine_lock, wait_for, wait_gone
 
 APT_PACKAGES = ["slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-client"]
 REQUIRED_PROGRAMS = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
@@ -39,17 +39,24 @@ SLURM_CALL_S = 30.0  # one sinfo/scontrol/scancel/squeue/sacctmgr call to the de
 
 
 def ensure_installed() -> None:
-    """apt-get install SLURM, munge and MariaDB if any of their programs is missing."""
+    """apt-get install SLURM, munge and MariaDB if any of their programs is missing. One caller at
+    a time (apt-get refuses a second while one runs): the next finds them installed."""
     if all(shutil.which(p) for p in REQUIRED_PROGRAMS):
         return
+    with machine_lock("install"):
+        if not all(shutil.which(p) for p in REQUIRED_PROGRAMS):  # else another caller installed them meanwhile
+            _apt_get_install()
+    missing = [p for p in REQUIRED_PROGRAMS if not shutil.which(p)]
+    if missing:
+        raise DevclusterError(f"installed {' '.join(APT_PACKAGES)} but still missing: {', '.join(missing)}")
+
+
+def _apt_get_install() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *APT_PACKAGES]):
         result = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
         if result.returncode != 0:
             raise DevclusterError(f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stderr[-2000:]}")
-    missing = [p for p in REQUIRED_PROGRAMS if not shutil.which(p)]
-    if missing:
-        raise DevclusterError(f"installed {' '.join(APT_PACKAGES)} but still missing: {', '.join(missing)}")
 
 
 class DevCluster:

@@ -6,11 +6,13 @@ file records the PID and the process start time, so a recycled PID is never sign
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,16 @@ import psutil
 
 class DevclusterError(RuntimeError):
     """A failure the user can act on; the message says what happened and what to do."""
+
+
+@contextmanager
+def machine_lock(name: str) -> Iterator[None]:
+    """Hold /tmp/slurmrl-devcluster-<name>.lock for the block: for what every devcluster on this
+    machine shares (apt-get, /etc/hosts, the choice of a free subnet), when two are brought up or
+    down at once (a test worker each). The kernel releases it if the holder dies."""
+    with open(f"/tmp/slurmrl-devcluster-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.2) -> None:

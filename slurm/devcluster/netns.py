@@ -19,7 +19,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slurm.devcluster.daemons import DevclusterError
+from slurm.devcluster.daemons import DevclusterError, machine_lock
 
 HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARK = "# slurmrl devcluster"  # ends each hosts line a cluster adds, before its bridge's name
@@ -104,27 +104,36 @@ def choose_subnet() -> str:
 
 
 def set_up(root: Path, port_base: int, nodes: list[str]) -> NetPlan:
-    """Create the bridge, namespaces, veths and hosts lines (again if partly there); all or nothing."""
-    old = load_plan(root)
-    if old is not None and old.port_base == port_base and old.nodes == nodes and _is_up(old):
-        return old
-    if old is not None:
-        tear_down(root)
-    plan = NetPlan(port_base, nodes, choose_subnet())
-    _refuse_foreign_hosts_lines(plan)
-    _add_namespace(plan.namespace(nodes[0]))  # alone: where namespaces are not allowed, nothing else is tried
-    try:
-        _create(plan)
-    except DevclusterError:
-        _remove(plan)
-        raise
-    root.mkdir(parents=True, exist_ok=True)
-    plan_file(root).write_text(json.dumps(asdict(plan)) + "\n")
-    return plan
+    """Create the bridge, namespaces, veths and hosts lines (again if partly there); all or nothing.
+    One cluster at a time on the machine: two at once would choose the same free subnet, and each
+    rewrite /etc/hosts from what it read before the other wrote."""
+    with machine_lock("network"):
+        old = load_plan(root)
+        if old is not None and old.port_base == port_base and old.nodes == nodes and _is_up(old):
+            return old
+        if old is not None:
+            _tear_down(root)
+        plan = NetPlan(port_base, nodes, choose_subnet())
+        _refuse_foreign_hosts_lines(plan)
+        _add_namespace(plan.namespace(nodes[0]))  # alone: where namespaces are not allowed, nothing else is tried
+        try:
+            _create(plan)
+        except DevclusterError:
+            _remove(plan)
+            raise
+        root.mkdir(parents=True, exist_ok=True)
+        plan_file(root).write_text(json.dumps(asdict(plan)) + "\n")
+        return plan
 
 
 def tear_down(root: Path) -> bool:
-    """Remove what set_up made at `root`. Returns whether there was anything."""
+    """Remove what set_up made at `root` (one cluster at a time, as set_up). Returns whether there
+    was anything."""
+    with machine_lock("network"):
+        return _tear_down(root)
+
+
+def _tear_down(root: Path) -> bool:
     plan = load_plan(root)
     if plan is None:
         return False

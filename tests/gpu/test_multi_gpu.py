@@ -1,7 +1,8 @@
 """The megatron backend over 2 GPUs (NCCL), on the tiny Qwen3 in fp32: one RL step at TP=2 with
-sequence parallelism, at PP=2 and at DP=2 with the distributed optimizer equals the step at TP=1
-(log-probs, loss, grad norm, new weights), and a checkpoint saved at TP=2 resumes at TP=1 and at
-PP=2 with the step the uninterrupted run takes. The CPU tests' workers (tests/trainer), on cuda."""
+sequence parallelism (compiled with --torch-compile or not), at PP=2 and at DP=2 with the
+distributed optimizer equals the step at TP=1 (log-probs, loss, grad norm, new weights), and a
+checkpoint saved at TP=2 resumes at TP=1 and at PP=2 with the step the uninterrupted run takes.
+The CPU tests' workers (tests/trainer), on cuda."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
 
 ATOL = 1e-4  # fp32; the sharded GEMMs sum in another order than the whole ones
 LAYOUTS = {"tp2_sp": (2, 2, ["--sequence-parallel"]), "pp2": (1, 2, ["--pipeline-model-parallel-size", "2"]),
-           "dp2": (1, 2, ["--use-distributed-optimizer"])}
+           "dp2": (1, 2, ["--use-distributed-optimizer"]),
+           # compiled: the layers' collectives once lost the gradient's path here (issue 29)
+           "tp1_compiled": (1, 1, ["--torch-compile"]),
+           "tp2_sp_compiled": (2, 2, ["--sequence-parallel", "--torch-compile"])}
 
 
 @pytest.fixture(scope="module")

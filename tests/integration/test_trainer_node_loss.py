@@ -77,7 +77,7 @@ def test_lost_trainer_node_requeues_the_job_without_it(devcluster: DevCluster, t
     assert state["lost_nodes"] == {node: f"{lost[0]['reason']}: {lost[0]['action']}"}, state["lost_nodes"]
     # told once: scancel's signal fails for the dead node only (asking again would hold up the supervisor)
     assert len(events(job_dir, "save_now")) == 1, events(job_dir, "save_now")
-    stopped = events(job_dir, "trainer_stopped")
+    stopped = events(job_dir, "trainer_abandoned")
     assert len(stopped) == 1 and "cannot save" in stopped[0]["reason"], stopped
     requeued = events(job_dir, "requeue")
     assert len(requeued) == 1 and requeued[0]["excluding"] == [node], requeued

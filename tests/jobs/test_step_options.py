@@ -82,6 +82,8 @@ BAD = {
     "bad quoting": (StepsSpec(engine_setup=['export X="a b']), "steps.setup/engine_setup: bash cannot parse the "
                                                                 "engine step's setup"),
     "empty container python": (StepsSpec(container_python=""), "steps.container_python: empty"),
+    "unknown engine launch": (StepsSpec(engine_launch="agent"), "steps.engine_launch: 'agent'; give one of step, "
+                                                                 "node_agent"),
 }
 
 
@@ -100,8 +102,9 @@ def test_a_good_steps_section_has_no_problems_and_passes_validation(tmp_path: Pa
                       setup=["module load cuda", "export X='a b'"], trainer_setup=["cd /work && ls > /dev/null"])
     assert step_options.problems(steps) == []
     spec, problems = load_spec(None, job_flags(tmp_path, "good") + ["--container-image", "img:1",
-                                                                    "--engine-srun-args=--nodes=2"])
-    assert problems == []
+                                                                    "--engine-srun-args=--nodes=2",
+                                                                    "--engine-launch", "node_agent"])
+    assert problems == [] and spec.steps.engine_launch == "node_agent"
     found = validate(spec, partitions=False)
     assert [p for p in found if p.startswith("steps.")] == [
         "steps.engine_srun_args: --nodes=2 set by slurmrl itself (the job spec's node counts place the steps); "

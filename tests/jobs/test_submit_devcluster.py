@@ -5,6 +5,9 @@ the preemption signal (B:USR1) checkpoints and requeues through Submitit and the
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -25,9 +28,11 @@ from slurm.devcluster.daemons import wait_for
 from tests.integration import submitit_tasks
 from tests.jobs import standin
 from tests.jobs.helpers import job_flags
+from tests.ports import free_port
 from tests.slurm_helpers import sacct_rows, slurm, wait_job_gone, wait_sacct_states
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 cloudpickle.register_pickle_by_value(standin)
 cloudpickle.register_pickle_by_value(submitit_tasks)
 
@@ -94,6 +99,47 @@ def test_cli_wait_reports_a_failed_job(devcluster: DevCluster, tmp_path: Path, c
     assert rc == 1
     job_id = out.split()[2]
     assert f"job {job_id}: FAILED" in out and f"job {job_id} ended FAILED" in err
+
+
+# A stand-in supervisor for `slurmrl submit` run as its own process (the fake_supervisor fixture's, there).
+_CLI_WITH_STANDIN = """
+import sys, types, cloudpickle
+from tests.jobs import standin
+cloudpickle.register_pickle_by_value(standin)
+module = types.ModuleType("supervisor.daemon")
+module.Supervisor = standin.ReportEnv
+sys.modules["supervisor.daemon"] = module
+from jobs import cli
+raise SystemExit(cli.main(sys.argv[1:]))
+"""
+WAIT_WITHOUT_ACCOUNTING_S = 90  # a job of seconds followed to its end (before: never, UNKNOWN every 2 s)
+
+
+def test_cli_wait_without_accounting_ends_with_the_job(devcluster: DevCluster, tmp_path: Path) -> None:
+    """slurmdbd unreachable for this client (its slurm.conf names a port nothing listens on; the
+    cluster's own accounting is left alone): `slurmrl submit --wait` says so once, follows the job
+    with squeue and ends with it."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    conf = devcluster.paths.slurm_conf.read_text()
+    (etc / "slurm.conf").write_text(re.sub(r"(?m)^AccountingStoragePort=\d+$", f"AccountingStoragePort={free_port()}",
+                                           conf))
+    shutil.copy(devcluster.paths.gres_conf, etc / "gres.conf")
+    env = {**os.environ, "SLURM_CONF": str(etc / "slurm.conf"), "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CLI_WITH_STANDIN, "submit", *job_flags(tmp_path, "no-dbd"),
+                               "--wait"], capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=WAIT_WITHOUT_ACCOUNTING_S)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"--wait did not end with the job: {str(err.stdout)[-600:]}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = done.stdout.split()[2]
+    lines = done.stdout.splitlines()
+    said = [line for line in lines if "accounting does not answer" in line]
+    assert len(said) == 1 and said[0].startswith(f"job {job_id}: accounting does not answer ("), lines
+    assert lines[-1] == f"job {job_id}: COMPLETED (squeue)", lines
+    assert "sacct: error" not in done.stderr + "".join(line for line in lines if line not in said)
+    assert json.loads((tmp_path / "job" / "env.json").read_text())["SLURM_JOB_ID"] == job_id
 
 
 def test_preempt_signal_checkpoints_requeues_and_continues(devcluster: DevCluster, tmp_path: Path) -> None:

@@ -1,9 +1,13 @@
 """Plug-ins written against slime's contracts, as slime's docs give them: the tests load them by name."""
 
+import copy
+
+from transformers import AutoTokenizer
+
+from rollout.rewards import toy_reward
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.utils.http_utils import post
 from slime.utils.types import Sample
-from transformers import AutoTokenizer
 
 TOKENIZER = None
 
@@ -30,6 +34,25 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     sample.response = output["text"]
     sample.aborted = output["meta_info"]["finish_reason"]["type"] == "abort"
     return sample
+
+
+async def generate_new(args, sample: Sample, sampling_params) -> Sample | list[Sample]:
+    """The doc's example run on a copy of its argument, returned as a new Sample (even samples) or a
+    list of one (odd ones, a multi-turn agent's shape): slime trains on what comes back."""
+    new = await generate(args, copy.deepcopy(sample), sampling_params)
+    return new if sample.index % 2 == 0 else [new]
+
+
+FLAKY_EVERY = 50
+FLAKY_SAID = "flaky_toy_rm raises on sample"  # printed (to the trainer's log) at each raise
+
+
+async def flaky_toy_rm(args, sample: Sample) -> float:
+    """The toy task's reward, raising for 1 sample in FLAKY_EVERY (slime's custom RM signature)."""
+    if sample.index % FLAKY_EVERY == 7:
+        print(f"{FLAKY_SAID} {sample.index}", flush=True)
+        raise ValueError(f"cannot grade sample {sample.index}")
+    return toy_reward(sample.response, sample.label)
 
 
 def even_groups_only(args, samples) -> DynamicFilterOutput:

@@ -12,7 +12,16 @@ import pytest
 from slurm import env as slurm_env
 from slurm.client import SlurmClient, SlurmUnavailable
 from slurm.contact import SlurmContact
-from slurm.pacing import LAUNCH_BURST, LAUNCH_RATE_PER_S, LaunchPacer, StepBudget, StepLimitReached
+from slurm.pacing import (
+    LAUNCH_BURST,
+    LAUNCH_RATE_PER_S,
+    MIN_LAUNCH_RATE_PER_S,
+    RATE_RECOVERY_S,
+    LaunchPacer,
+    StepBudget,
+    StepLimitReached,
+    rate_limited,
+)
 
 
 def fake(folder: Path, program: str, script: str) -> None:
@@ -66,7 +75,7 @@ def test_launches_count_against_max_step_count_read_once(bin_dir: Path) -> None:
     with open(bin_dir / "log", "ab") as log:
         for _ in range(2):
             assert client.launch(["srun", "--jobid=1", "true"], log).wait(10) == 0
-        assert client.steps.launched == 3 and client.steps.limit == 3
+        assert client.steps.launched == 3 and client.steps.limit == 3 and client.steps.nearing_limit
         with pytest.raises(StepLimitReached, match="MaxStepCount \\(3\\)"):
             client.launch(["srun", "--jobid=1", "true"], log)
         assert client.steps.launched == 3
@@ -104,3 +113,44 @@ def test_the_environment_table_reads_each_fact_one_way() -> None:
     assert slurm_env.job_id({"SLURM_JOBID": "7"}) == "7" and slurm_env.job_id({}) is None
     het = {"SLURM_JOB_NODELIST": "n[0-1]", "SLURM_JOB_NODELIST_HET_GROUP_1": "n2"}
     assert slurm_env.job_nodelist(1, het) == "n2" and slurm_env.job_nodelist(0, het) == "n[0-1]"
+
+
+def test_max_step_count_is_near_from_nine_tenths_on() -> None:
+    budget = StepBudget(lambda: 20)
+    for _ in range(17):
+        budget.take()
+    assert not budget.nearing_limit
+    budget.take()
+    assert budget.nearing_limit and budget.launched == 18
+
+
+def test_a_rate_limit_refusal_halves_the_pace_which_comes_back_after_quiet_periods() -> None:
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    pacer = LaunchPacer(burst=4, rate_per_s=2.0, clock=lambda: now[0], sleep=sleep)
+    assert pacer.acquire() == 0.0
+    assert pacer.refused() == 1.0  # half the pace, and no burst left
+    assert pacer.acquire() == pytest.approx(1.0)
+    for _ in range(8):
+        pacer.refused()
+    assert pacer.rate == MIN_LAUNCH_RATE_PER_S  # a floor: launches go on
+    now[0] += RATE_RECOVERY_S
+    assert pacer.rate == 2 * MIN_LAUNCH_RATE_PER_S
+    now[0] += 10 * RATE_RECOVERY_S
+    assert pacer.rate == 2.0  # its own again, no more
+
+
+def test_slurms_rate_limit_answers_are_told_from_others() -> None:
+    # src/common/slurm_errno.c: SLURMCTLD_COMMUNICATIONS_BACKOFF (1804) and _HARD_DROP (1805); a
+    # client older than 23.02 names neither code.
+    for said in ("srun: error: Unable to create step for job 7: Rate limit exceeded, please retry momentarily",
+                 "srun: error: Unable to confirm allocation for job 7: Rate limit exceeded, please retry later",
+                 "srun: error: Unable to create step for job 7: Unknown error 1804"):
+        assert rate_limited(said)
+    for said in ("srun: error: Unable to create step for job 7: Requested node configuration is not available",
+                 "srun: Job 7 step creation temporarily disabled, retrying (Requested nodes are busy)",
+                 "srun: error: Unable to create step for job 7: Unknown error 18040"):
+        assert not rate_limited(said)

@@ -6,11 +6,13 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from slurm.devcluster.config import MAX_NODES, ClusterPaths, ClusterShape, load_shape, save_shape
+from slurm.devcluster.config import DEFAULT_ROOT, MAX_NODES, ClusterPaths, ClusterShape, load_shape, save_shape
+from tests.conftest import worker_cluster
 
 
 def _cluster(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -54,6 +56,20 @@ def test_every_daemon_gets_its_own_port_even_at_the_node_limit() -> None:
     ports = ClusterShape(nodes=MAX_NODES).all_ports()
     assert len(set(ports.values())) == len(ports) == MAX_NODES + 3
     assert max(ports.values()) <= 65535
+
+
+def test_each_test_worker_has_a_cluster_of_its_own() -> None:
+    """tests/conftest.py: gw0 uses the default devcluster; every other xdist worker one with its own
+    --dir, ports (none shared, at the node limit) and node names (in /etc/hosts for all clusters)."""
+    assert worker_cluster(0) == (DEFAULT_ROOT, None)
+    clusters = dict(worker_cluster(k) for k in range(1, 33))
+    shapes = [ClusterShape(nodes=MAX_NODES), *(replace(s, nodes=MAX_NODES) for s in clusters.values() if s)]
+    for shape in shapes:
+        shape.validate()
+    ports = [port for shape in shapes for port in shape.all_ports().values()]
+    names = [name for shape in shapes for name in shape.node_names]
+    assert len(clusters) == 32 and DEFAULT_ROOT not in clusters
+    assert len(set(ports)) == len(ports) and len(set(names)) == len(names)
 
 
 def test_shapes_within_limits_validate() -> None:

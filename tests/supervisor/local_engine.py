@@ -1,7 +1,8 @@
 """A stand-in engine for the local step backend's tests: `python -m tests.supervisor.local_engine
 --port P [--exit-code N]` answers what the supervisor asks of an engine (/health_generate,
 /model_info's weight_version, /update_weights_from_disk) on 127.0.0.1:P, in well under a second
-from its start; with --exit-code it exits at once with that code instead (a crashing engine).
+from its start; with --exit-code it exits at once with that code instead (a crashing engine),
+after printing --say's line (words its srun would have said).
 The supervisor's --api-key is accepted and not checked."""
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-code", type=int)
+    parser.add_argument("--say", help="a line to print (to its log) before --exit-code")
     args, _ = parser.parse_known_args()
+    if args.say:
+        print(args.say, flush=True)
     if args.exit_code is not None:
         raise SystemExit(args.exit_code)
     ThreadingHTTPServer(("127.0.0.1", args.port), _Engine).serve_forever()

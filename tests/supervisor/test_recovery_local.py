@@ -23,13 +23,14 @@ from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
 from slurm.step_spec import StepSpec
-from supervisor import adoption, launcher, nodes
+from supervisor import adoption, launcher, nodes, recovery, status_view
 from supervisor.context import JobContext
 from supervisor.engines import FAILED, HEALTHY, Engines
 from supervisor.launcher import RouterPlace
 from supervisor.layout import EnginePlace
 from supervisor.local_steps import LocalSteps
-from supervisor.step_control import Step, StepControl
+from supervisor.node_agents import AgentShape, NodeAgentSteps
+from supervisor.step_control import Step, StepControl, StepCount
 from supervisor.steps import StepController
 from tests.supervisor.job_context import two_engine_job
 from tests.supervisor.recovery_wiring import Wiring, wire_recovery
@@ -37,6 +38,10 @@ from tests.supervisor.recovery_wiring import Wiring, wire_recovery
 VERSION = 3  # the weights the engines serve (published to disk, so a relaunched engine loads them)
 WAIT_S = 30.0  # for a recovery to end: each takes well under a second here
 crashing: set[str] = set()  # engines whose next launches exit at once (a crash loop)
+refused: dict[str, int] = {}  # engine -> its next launches that SLURM refuses for its rate limit
+# srun's last words when slurmctld (rl_enable) refuses a step beyond the user's RPC bucket: the
+# message of SLURMCTLD_COMMUNICATIONS_HARD_DROP (src/common/slurm_errno.c).
+RATE_LIMIT_REFUSAL = "srun: error: Unable to create step for job 999999: Rate limit exceeded, please retry later"
 
 
 class _Router(BaseHTTPRequestHandler):
@@ -69,6 +74,9 @@ class _Router(BaseHTTPRequestHandler):
 
 def _engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
     crash = ["--exit-code", "3"] if place.name in crashing else []
+    if refused.get(place.name):
+        refused[place.name] -= 1
+        crash = ["--exit-code", "1", "--say", RATE_LIMIT_REFUSAL]
     return [sys.executable, "-m", "tests.supervisor.local_engine", "--port", str(place.port), *crash]
 
 
@@ -78,6 +86,7 @@ def local_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     monkeypatch.setattr(launcher, "engine_command", _engine_command)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the engine steps import tests.*
     crashing.clear()
+    refused.clear()
     _Router.workers = {}
     ft = FaultToleranceSpec(use_fault_tolerance=True, max_engine_restarts=2, min_engines=0, restart_backoff=0.1,
                             engine_start_timeout=20.0, step_stop_timeout=5.0, step_term_grace=2.0,
@@ -244,3 +253,81 @@ def test_the_engines_of_a_lost_node_move_to_the_spare_node(local_job, tmp_path: 
     finally:
         _stop(wiring)
 
+
+
+def test_launches_slurm_refuses_for_its_rate_limit_are_retried_not_counted_as_crashes(
+        local_job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rl_enable: a burst of sruns beyond the user's bucket is refused. A refused launch is not the
+    engine's failure: it is launched again after a wait, at the first start and in a recovery, more
+    times than max_engine_restarts (2 here), and the job is told (slurm_rate_limited)."""
+    job, router = local_job
+    monkeypatch.setattr(recovery, "retry_delays", lambda: [0.05] * 8)
+    wiring = _wire(job, router, tmp_path / "steps")
+    try:
+        refused["engine-1"] = 3  # its first start
+        _start(job, wiring)
+        refused["engine-0"] = 3  # its relaunch after a crash
+        os.killpg(wiring.launcher.current("engine-0").proc.pid, signal.SIGKILL)
+        while not wiring.recovery.is_recovering("engine-0"):  # engine-1's refused steps exited first
+            _on_exits(job, wiring)
+        wait_for(lambda: ("engine_recovered", "engine-0") in _kinds(job), WAIT_S, "engine-0 recovered")
+        assert all(e.state == HEALTHY and e.in_router for e in job.engines.values())
+        assert ("engine_given_up", "engine-0") not in _kinds(job)
+        assert job.engines["engine-0"].recent_restarts == 1  # the crash, not the refusals
+        said = [e for e in map(json.loads, job.dir.events.read_text().splitlines()) if e["kind"] == "slurm_rate_limited"]
+        assert sorted(e["step"] for e in said) == ["engine-0"] * 3 + ["engine-1"] * 3
+        assert all(e["said"] == RATE_LIMIT_REFUSAL for e in said)
+    finally:
+        _stop(wiring)
+
+
+class _StepsOfALimitedJob(LocalSteps):
+    """Local steps counted against a MaxStepCount of 4."""
+
+    def count(self) -> StepCount:
+        launched = super().count().launched
+        return StepCount(launched, 4, launched >= 0.9 * 4)
+
+
+def test_the_job_is_told_once_when_its_steps_near_max_step_count(local_job, tmp_path: Path) -> None:
+    job, router = local_job
+    wiring = wire_recovery(job, router, _StepsOfALimitedJob(job.layout.job_id, tmp_path / "steps",
+                                                            on_exit=job.inbox.put))
+    try:
+        _start(job, wiring)  # 2 steps of 4
+        assert ("step_budget_low", "engine-1") not in _kinds(job)
+        assert (job.store.snapshot().steps_launched, job.store.snapshot().max_step_count) == (2, 4)
+        for _ in range(2):  # two relaunches: 4 of 4, told at the first past 9/10 of it
+            before = wiring.launcher.current("engine-0")
+            os.killpg(before.proc.pid, signal.SIGKILL)
+            while not wiring.recovery.is_recovering("engine-0"):
+                _on_exits(job, wiring)
+            wait_for(lambda: wiring.launcher.current("engine-0") is not before
+                     and not wiring.recovery.is_recovering("engine-0"), WAIT_S, "engine-0 relaunched")
+        told = [e for e in map(json.loads, job.dir.events.read_text().splitlines()) if e["kind"] == "step_budget_low"]
+        assert [(e["steps_launched"], e["max_step_count"]) for e in told] == [(4, 4)]
+        assert status_view.header(dataclasses.asdict(job.store.snapshot())).endswith("steps 4/4")
+    finally:
+        _stop(wiring)
+
+
+def test_engines_in_a_node_agent_are_recovered_alone_without_new_steps(local_job, tmp_path: Path) -> None:
+    """steps.engine_launch: node_agent. The supervisor's own recovery (crash seen, relaunched,
+    synced, admitted) through the agent: one step for the node, and none more for the restart."""
+    job, router = local_job
+    local = LocalSteps(job.layout.job_id, tmp_path / "steps", on_exit=job.inbox.put)
+    shape = AgentShape(sys.executable, tmp_path / "agents", cpus_per_node=None, gpus_per_node=0)
+    wiring = wire_recovery(job, router, NodeAgentSteps(local, shape, job.engines, on_exit=job.inbox.put))
+    try:
+        _start(job, wiring)
+        assert [name for name, _ in (local.query() or {}).values()] == ["agent-n1"]
+        victim = wiring.launcher.current("engine-0")
+        other = wiring.launcher.current("engine-1")
+        os.kill(victim.proc.remote_pid, signal.SIGKILL)
+        _on_exits(job, wiring)
+        wait_for(lambda: ("engine_recovered", "engine-0") in _kinds(job), WAIT_S, "engine-0 recovered")
+        assert job.engines["engine-0"].in_router and job.engines["engine-0"].restarts == 1
+        assert wiring.launcher.current("engine-1") is other and other.returncode is None
+        assert job.engines["engine-1"].restarts == 0 and local.count().launched == 1  # no step for the restart
+    finally:
+        _stop(wiring)  # the engines, then the agent (NodeAgentSteps.close)

@@ -43,7 +43,10 @@ def test_the_trainer_row_shows_its_phase_and_unknowns_show_a_dash() -> None:
     # a stopped engine's last probe is history, not its present
     assert engine[3] == "stopped" and engine[6:8] == ["-", "-"] and engine[-1] == "3+1.0"
     assert header({"job_id": "3", "weight_version": None, "requeues": 0, "last_checkpoint": None}) == \
-        "job 3  weight version -  requeues 0  time left -  last checkpoint -"
+        "job 3  weight version -  requeues 0  time left -  last checkpoint -  steps 0"
+    # the job's SLURM steps against MaxStepCount, once read
+    assert header({"job_id": "3", "weight_version": 2, "requeues": 0, "last_checkpoint": None, "steps_launched": 36001,
+                   "max_step_count": 40000}).endswith("steps 36001/40000")
 
 
 def test_since_takes_an_age_or_an_iso_time() -> None:

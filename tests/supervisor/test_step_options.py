@@ -26,6 +26,7 @@ from supervisor.events import EventLog
 from supervisor.launcher import RouterPlace, StepLauncher
 from supervisor.layout import EnginePlace, Layout
 from supervisor.state import StateStore
+from supervisor.step_control import StepCount
 from supervisor.steps import Step, StepSpec, srun_argv
 from tests.ports import free_port
 
@@ -45,6 +46,9 @@ class RecordingSteps:
     def launch(self, spec: StepSpec) -> Step:
         self.specs.append(spec)
         return Step(spec.name, None)
+
+    def count(self) -> StepCount:
+        return StepCount(len(self.specs), None, False)
 
     def argv(self, name: str) -> list[str]:
         """The srun command line of the last launch of step `name`."""

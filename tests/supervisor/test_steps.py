@@ -3,8 +3,10 @@ squeue per cycle, exits seen at once, scancel by step id, adoption after a super
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
+from supervisor.node_agents import AgentShape, NodeAgentSteps
 from supervisor.steps import Step, StepController, StepSpec, srun_argv
 from tests.slurm_helpers import (
     sbatch,
@@ -36,6 +39,36 @@ def test_srun_argv_names_every_placement_flag() -> None:
     assert "--gres=none" in srun_argv("7", router) and not any(a.startswith("--het-group") for a in srun_argv("7", router))
     with pytest.raises(ValueError, match="step name"):
         StepSpec("batch", ("x",), ("node1",), Path("l"))
+
+
+def test_an_srun_refused_for_the_rate_limit_is_told_and_slows_the_launches(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "srun"  # as srun ends when slurmctld (rl_enable) refuses its step's RPC
+    fake.write_text("#!/bin/sh\necho 'srun: error: Unable to create step for job 110: Rate limit exceeded, "
+                    "please retry later' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    log = tmp_path / "engine-0.log"
+    log.write_text("srun: error: Unable to create step for job 110: Rate limit exceeded, please retry later\n"
+                   "an earlier launch's words are not this one's\n")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 'MaxStepCount            = 40000'\n")
+    scontrol.chmod(0o755)
+    controller = StepController("110", QUERY_S, EXIT_CODE_S)
+    controller.slurm.steps.seen(0)
+    rate = controller.slurm.pacer.rate
+    step = controller.launch(StepSpec("engine-0", ("python", "-m", "x"), ("node2",), log))
+    assert step.proc is not None and step.proc.wait(10) == 1
+    assert controller.rate_limited(step) == ("srun: error: Unable to create step for job 110: Rate limit exceeded, "
+                                             "please retry later")
+    assert controller.slurm.pacer.rate == rate / 2
+    fine = tmp_path / "ok.log"
+    fine.write_text("srun: error: Unable to create step for job 110: Rate limit exceeded, please retry later\n")
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    again = controller.launch(StepSpec("engine-1", ("python", "-m", "x"), ("node2",), fine))
+    assert again.proc is not None and again.proc.wait(10) == 0
+    assert controller.rate_limited(again) is None  # the words before its launch were another's
+    assert controller.count() == (3, 40000, False)
 
 
 def test_a_query_slurm_does_not_answer_is_unknown_not_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,3 +206,48 @@ def test_steps_launch_show_in_one_query_exit_cancel_and_adopt(hetjob: tuple[str,
         controller.close()
         if "successor" in locals():
             successor.close()
+
+
+def test_engines_in_a_node_agent_start_exit_and_restart_through_one_step(hetjob: tuple[str, dict[int, str]],
+                                                                        tmp_path: Path) -> None:
+    """steps.engine_launch: node_agent on the real srun: its stdin and stdout are the channel; the
+    agent's step holds the node's GPU and gives it to the engine that asks; an engine's exit comes
+    back at once with its code; its relaunch is a message, not a step."""
+    job_id, nodes = hetjob
+    exits: queue.Queue[Step] = queue.Queue()
+    srun_steps = StepController(job_id, QUERY_S, EXIT_CODE_S, on_exit=exits.put)
+    shape = AgentShape(sys.executable, tmp_path, cpus_per_node=2, gpus_per_node=1, het_group=1,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    steps = NodeAgentSteps(srun_steps, shape, ("engine-0", "engine-1"), on_exit=exits.put)
+    trigger = tmp_path / "exit-now"
+
+    def spec(name: str, command: str, gpus: int = 0) -> StepSpec:
+        return StepSpec(name, ("bash", "-c", command), (nodes[1],), tmp_path / f"{name}.log", het_group=1,
+                        gpus_per_node=gpus, env={**(shape.env or {}), "ENGINE_NAME": name})
+
+    try:
+        engine0 = steps.launch(spec("engine-0", 'echo "$ENGINE_NAME $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES"; '
+                                                'exec sleep 300', gpus=1))
+        engine1 = steps.launch(spec("engine-1", f"while [ ! -e {trigger} ]; do sleep 0.05; done; exit 7"))
+        wait_file_contains(tmp_path / "engine-0.log", "\n", timeout_s=60)
+        assert (tmp_path / "engine-0.log").read_text().split() == ["engine-0", nodes[1], "gpus=0"]
+        wait_for(lambda: set(steps.refresh([engine0, engine1]).values()) == {"running"}, 60, "both engines running")
+        [agent_step] = [sid for sid, (name, _) in (steps.query() or {}).items() if name == f"agent-{nodes[1]}"]
+        assert engine0.slurm_step == engine1.slurm_step == agent_step  # where they run
+
+        trigger.touch()
+        touched = time.monotonic()
+        assert exits.get(timeout=30) is engine1 and engine1.returncode == 7
+        assert time.monotonic() - touched < 3.0
+        trigger.unlink()
+        again = steps.launch(spec("engine-1", "exec sleep 300"))
+        wait_for(lambda: steps.refresh([again]) == {"engine-1": "running"}, 30, "engine-1 running again")
+        assert sorted(name for name, _ in (steps.query() or {}).values()) == [f"agent-{nodes[1]}"]  # no new step
+        assert steps.count().launched == 1
+
+        steps.cancel(engine0, timeout_s=30, term_grace_s=5)
+        assert engine0.returncode == 128 + 15 and again.returncode is None
+    finally:
+        steps.close()  # the agent ends, and with it engine-1
+    wait_for(lambda: not (srun_steps.query() or {}), 60, "the agent's step to end")
+    assert again.returncode is not None

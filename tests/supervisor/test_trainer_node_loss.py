@@ -24,8 +24,8 @@ from supervisor import nodes, trainer_node_loss
 from supervisor.context import JobContext
 from supervisor.launcher import TRAINER
 from supervisor.local_steps import LocalSteps
+from supervisor.requeue import REQUEUE
 from supervisor.trainer_node_loss import TrainerNodeLoss
-from supervisor.trainer_watch import REQUEUE
 from tests.supervisor.job_context import two_engine_job
 from tests.supervisor.recovery_wiring import Wiring, wire_recovery
 
@@ -81,13 +81,13 @@ def test_a_lost_trainer_node_requeues_the_job_and_a_silent_trainer_is_ended(
     assert requeue.preemption.reason is not None and "trainer node n3 is lost" in requeue.preemption.reason
 
     loss.follow_up()  # no checkpoint yet, not silent for long: the trainer is left to save
-    assert step.returncode is None and not _events(job, "trainer_stopped")
+    assert step.returncode is None and not _events(job, "trainer_abandoned")
     # Silent past the bound (rank 0 died with its peer, or hangs on it): it cannot save; its srun,
     # which would wait for the lost node's task, is killed.
     monkeypatch.setattr(trainer_node_loss, "MIN_SIGN_OF_LIFE_S", 0.0)
     loss.follow_up()
     assert job.inbox.get(timeout=EXIT_S) is step and step.returncode == -signal.SIGKILL
-    [stopped] = _events(job, "trainer_stopped")
+    [stopped] = _events(job, "trainer_abandoned")
     assert "cannot save" in stopped["reason"], stopped
 
     loss.exited(step)
@@ -127,12 +127,12 @@ def test_a_trainer_that_saved_after_losing_a_node_is_ended_at_once(wired: Wired,
     unusable["n3"] = "MIXED+NOT_RESPONDING"
     wiring.recovery.nodes.check_due()
     loss.follow_up()
-    assert step.returncode is None and not _events(job, "trainer_stopped")  # still to save
+    assert step.returncode is None and not _events(job, "trainer_abandoned")  # still to save
 
     write_tracker(tmp_path / "checkpoints", 4)  # the save-now checkpoint (of the rollout saved already: same number)
     loss.follow_up()
     assert job.inbox.get(timeout=EXIT_S) is step and step.returncode == -signal.SIGKILL
-    [stopped] = _events(job, "trainer_stopped")
+    [stopped] = _events(job, "trainer_abandoned")
     assert "saved" in stopped["reason"], stopped
     loss.exited(step)
     assert wiring.trainer.on_exit(step) == REQUEUE and wiring.trainer.restarts == 0

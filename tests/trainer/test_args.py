@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.job_dir import JOB_DIR_ENV, TRAINER_FATAL_EXIT, JobDir, read_trainer_fatal
 from rollout.tiny_model import write_tiny_model
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, parse_args
@@ -88,6 +89,23 @@ def test_bad_flags_are_named(model: Path, tmp_path: Path, flags: list[str], mess
     assert message in str(err.value)
 
 
+def test_every_problem_is_named_at_once(model: Path, tmp_path: Path) -> None:
+    """Not only the first: one ArgsError, a line per problem (slime's own refusals among them)."""
+    with pytest.raises(ArgsError) as err:
+        parse_args(_base(model, tmp_path) + [
+            "--rollout-temperature", "0", "--advantage-estimator", "reinforce_plus_plus", "--rollout-batch-size", "4",
+            "--over-sampling-batch-size", "2", "--micro-batch-size", "0", "--eps-clip-c", "0.5",
+            "--pipeline-model-parallel-size", "0"])
+    expected = ["--rollout-temperature 0.0: must be > 0", "--advantage-estimator reinforce_plus_plus requires "
+                "advantage normalization", "--over-sampling-batch-size 2 should be greater than or equal to "
+                "--rollout-batch-size 4", "--micro-batch-size must be 1 or more", "--eps-clip-c must be > 1",
+                "--pipeline-model-parallel-size must be 1 or more"]
+    assert len(err.value.problems) == len(expected), err.value.problems
+    for message in expected:
+        assert sum(message in problem for problem in err.value.problems) == 1, (message, err.value.problems)
+    assert str(err.value).splitlines() == err.value.problems
+
+
 def test_a_refused_flag_accepts_only_what_slurmrl_does_anyway() -> None:
     from trainer.args_parser import Parser, refused
 
@@ -132,9 +150,9 @@ def test_a_checkpoint_with_dropout_is_refused(model: Path, tmp_path: Path) -> No
 
 
 def test_missing_inputs_are_named(model: Path, tmp_path: Path) -> None:
-    with pytest.raises(ArgsError, match="--hf-checkpoint .* has no config.json"):
+    with pytest.raises(ArgsError, match="--hf-checkpoint .*: no config.json there"):
         parse_args(["--hf-checkpoint", str(tmp_path), "--num-rollout", "1"])
-    with pytest.raises(ArgsError, match="--prompt-data .* does not exist"):
+    with pytest.raises(ArgsError, match="--prompt-data .*: no such file"):
         parse_args(_base(model, tmp_path) + ["--prompt-data", str(tmp_path / "none.jsonl")])
     with pytest.raises(ArgsError, match="--sglang-router-ip and --sglang-router-port"):
         parse_args(_base(model, tmp_path)[:6] + ["--n-samples-per-prompt", "4"])
@@ -158,6 +176,18 @@ def test_command_line_error_is_one_line_and_exit_2(model: Path, tmp_path: Path) 
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["python -m trainer: error: unknown flag --lrr (did you mean --lr?)"]
+
+
+def test_a_command_line_error_in_a_jobs_step_is_its_fatal_reason(model: Path, tmp_path: Path) -> None:
+    """A restart would read the same flags: the supervisor is told (the fatal reason, a distinct
+    exit code) to fail the job at once instead of restarting the trainer into the same error."""
+    job_dir = tmp_path / "job"
+    done = subprocess.run([sys.executable, "-m", "trainer", *_base(model, tmp_path), "--lrr", "1"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, JOB_DIR_ENV: str(job_dir)})
+    assert done.returncode == TRAINER_FATAL_EXIT, done.stderr
+    assert read_trainer_fatal(JobDir(job_dir), launched=0) == \
+        "the trainer's flags: unknown flag --lrr (did you mean --lr?)"
 
 
 def test_slurm_step_environment_becomes_torch_distributed() -> None:

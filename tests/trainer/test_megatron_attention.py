@@ -26,7 +26,9 @@ from ckpt_tools.megatron_model import (
 )
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
+from trainer.args import ArgsError
 from trainer.megatron.attention import gpt_layer_spec
+from trainer.numerics import attention_kernels, check_attention_backend
 
 ATOL = 1e-5  # float32 throughout; only the order of sums differs
 LENGTHS = (5, 11, 8)  # one packed row of three samples
@@ -117,6 +119,23 @@ def test_packed_matches_each_sample_alone(models, alone) -> None:
     # The tolerance discriminates: one sequence over the whole row mixes samples across boundaries.
     mixed = _logits(sdpa, ids, None, positions, _pack(SAMPLES, (sum(LENGTHS),))[2])[0].split(LENGTHS)
     assert _max_diff(mixed[1], alone[1]) > 100 * ATOL
+
+
+def test_the_packed_attention_has_no_flash_kernel_on_cpu(models) -> None:
+    """--attention-backend flash limits SDPA to its flash kernel, which the packed rows' per-sequence
+    calls do not get on CPU: a CPU trainer crashed at its first step. The rule the backend and
+    submission both check (trainer/config/device_checks.py) refuses it; auto runs."""
+    _, sdpa = models
+    if next(sdpa.parameters()).is_cuda:
+        pytest.skip("the CPU path")
+    ids, positions, params = _pack(SAMPLES, LENGTHS)
+    with attention_kernels("flash"), pytest.raises(RuntimeError, match="No available kernel"):
+        _logits(sdpa, ids, None, positions, params)
+    with attention_kernels("auto"):
+        _logits(sdpa, ids, None, positions, params)
+    with pytest.raises(ArgsError, match="--attention-backend flash: this trainer runs on CPU"):
+        check_attention_backend("flash", torch.device("cpu"), "megatron")
+    check_attention_backend("flash", torch.device("cpu"), "fsdp")  # HF's 4-D calls take torch's CPU flash kernel
 
 
 def _tp_worker(rank: int, init_file: str, hf_config: dict, ckpt_dir: Path, out_dir: Path) -> None:

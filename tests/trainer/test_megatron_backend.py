@@ -133,7 +133,8 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:
     ppo = ["--advantage-estimator", "ppo"]  # adds the critic
     layouts = (("tp1", 1, 1, "local", ppo), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
                ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp + ppo),
-               ("tp1_sp", 1, 1, "local", sp))  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
+               ("tp1_sp", 1, 1, "local", sp),  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
+               ("tp2_sp_compiled", 2, 2, "sdpa", [*sp, "--torch-compile"]))
     with rank_devices(2):  # every layout on the same device
         return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
 
@@ -151,7 +152,7 @@ def test_packed_log_probs_equal_hf(tiny, results) -> None:
 def test_one_step_is_the_same_in_every_layout(results) -> None:
     base = results["tp1"]
     assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
-    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp"):
+    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp", "tp2_sp_compiled"):
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
             assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"

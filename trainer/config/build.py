@@ -1,7 +1,10 @@
-"""build_config: the parsed flags -> a validated TrainerConfig, once. The checks need no model
-(model-shape flags are checked against the HF config by trainer.args.check_model_flags); derived
-values (the attention implementation, the global batch size, the reference model, the API key, the
-eval sets...) are computed here into the config's fields. The Namespace is read, never written."""
+"""build_config: the parsed flags -> a validated TrainerConfig, once. Every check runs and every
+failed one is reported (one ArgsError, a line per problem), not only the first; checks of values
+derived from a wrong one are skipped. The checks need no model but its config.json, for the
+parallel layouts (model-shape flags are checked against it by trainer.args.check_model_flags);
+derived values (the attention implementation, the global batch size, the reference model, the API
+key, the eval sets...) are computed here into the config's fields. The Namespace is read, never
+written."""
 
 from __future__ import annotations
 
@@ -45,31 +48,39 @@ _WANDB_FLAGS = ("wandb_mode", "wandb_dir", "wandb_key", "wandb_host", "wandb_tea
 Section = TypeVar("Section")
 
 
-def need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ArgsError(message)
+class Checks:
+    """`need(ok, message)` for every check of a command line: the message of each one that fails is
+    kept, and `raise_any` raises them all as one ArgsError."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def __call__(self, ok: bool, message: str) -> bool:
+        if not ok:
+            self.problems.append(message)
+        return ok
+
+    def raise_any(self) -> None:
+        if self.problems:
+            raise ArgsError(*self.problems)
 
 
 def build_config(args: argparse.Namespace) -> TrainerConfig:
     """The flags as parsed by trainer.args_parser.build_parser -> TrainerConfig, or ArgsError
-    naming the flag and the fix."""
+    with every problem, each naming the flag and the fix."""
+    need = Checks()
     rollout_function_path = None if args.rollout_function_path == SLIME_ROLLOUT else args.rollout_function_path
-    need(Path(args.hf_checkpoint, "config.json").is_file(),
-         f"--hf-checkpoint {args.hf_checkpoint} has no config.json: point it at a Hugging Face model folder")
+    hf_config = (read_hf_config(args.hf_checkpoint)
+                 if need(Path(args.hf_checkpoint, "config.json").is_file(), f"--hf-checkpoint {args.hf_checkpoint}: "
+                         "no config.json there; point it at a Hugging Face model folder") else None)
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
-    _check_parallel(args)
-    global_batch_size = _check_batching(args)
-    _check_training(args)
-    eval_datasets = _check_eval(args)
-    _check_rollout(args, rollout_function_path)
-    rollout_max_prompt_len = args.rollout_max_prompt_len
-    if args.rollout_max_context_len is not None:
-        need(args.rollout_max_context_len >= 2, "--rollout-max-context-len must be 2 or more")
-        if rollout_max_prompt_len is None:  # slime's: room for at least one generated token
-            rollout_max_prompt_len = args.rollout_max_context_len - 1
-        need(rollout_max_prompt_len <= args.rollout_max_context_len - 1, "--rollout-max-prompt-len must be below "
-             "--rollout-max-context-len, leaving room for at least one generated token")
-    _check_rewards(args)
+    _check_parallel(args, hf_config, need)
+    global_batch_size = _check_batching(args, need)
+    _check_training(args, need)
+    eval_datasets = _check_eval(args, need)
+    _check_rollout(args, rollout_function_path, need)
+    rollout_max_prompt_len = _check_lengths(args, need)
+    _check_rewards(args, need)
     for flag in _PLUGIN_PATH_FLAGS:
         value = rollout_function_path if flag == "rollout_function_path" else getattr(args, flag)
         need(value is None or "." in value, f"--{flag.replace('_', '-')} must be module.function, got {value!r}")
@@ -78,6 +89,10 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
                                             "--use-wandb; add --use-wandb or drop it")
     need(args.tb_project_name or not args.tb_experiment_name,
          "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
+    need(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+         "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+    need.raise_any()
+    assert global_batch_size is not None  # computed wherever no check failed
     # Absolute: engines read published weights from here, from their own working directory.
     job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
     tensorboard_dir = args.tensorboard_dir
@@ -89,7 +104,6 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     lr_decay_iters = args.lr_decay_iters or args.num_rollout * (total // global_batch_size)
     lr_warmup_iters = args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
-        need(args.lr_warmup_iters == 0, "give --lr-warmup-iters or --lr-warmup-fraction, not both")
         lr_warmup_iters = int(args.lr_warmup_fraction * lr_decay_iters)
     derived: dict[str, Any] = {
         "rollout_function_path": rollout_function_path,
@@ -122,15 +136,16 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         refused_flags=tuple((name, value) for name, value in vars(args).items() if name not in named))
 
 
-def _check_parallel(args: argparse.Namespace) -> None:
-    need(args.pipeline_model_parallel_size >= 1,
-         f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
-    need(args.context_parallel_size >= 1,
-         f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
+def _check_parallel(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
+    sizes_ok = need(args.pipeline_model_parallel_size >= 1,
+                    f"--pipeline-model-parallel-size must be 1 or more, got {args.pipeline_model_parallel_size}")
+    sizes_ok &= need(args.context_parallel_size >= 1,
+                     f"--context-parallel-size must be 1 or more, got {args.context_parallel_size}")
     need(args.context_parallel_size == 1 or args.attention_backend not in ("unfused", "local"),
          f"--context-parallel-size {args.context_parallel_size} needs a fused --attention-backend (auto, flash, fused "
          "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
-    validate_megatron_parallel(args, read_hf_config(args.hf_checkpoint), need)
+    if sizes_ok and hf_config is not None:
+        validate_megatron_parallel(args, hf_config, need)
     need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
          "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
     need(not (args.optimizer_cpu_offload and args.train_backend != "megatron"),
@@ -139,24 +154,36 @@ def _check_parallel(args: argparse.Namespace) -> None:
          f"--optimizer {args.optimizer}: the fsdp backend uses AdamW; use --optimizer adam or --train-backend megatron")
 
 
-def _check_batching(args: argparse.Namespace) -> int:
-    """The checks of the batch flags; returns the global batch size."""
-    need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
+def _check_batching(args: argparse.Namespace, need: Checks) -> int | None:
+    """The checks of the batch flags; returns the global batch size (None where it has none)."""
+    sizes_ok = need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
+    sizes_ok &= need(args.rollout_batch_size >= 1, f"--rollout-batch-size must be 1 or more, got "
+                                                   f"{args.rollout_batch_size}")
     need(args.advantage_estimator not in ("grpo", "gspo") or args.n_samples_per_prompt >= 2
          or args.disable_grpo_std_normalization,
          f"--advantage-estimator {args.advantage_estimator} needs --n-samples-per-prompt >= 2 (a group's std)")
+    # slime's check: over-sampling starts at least a rollout batch of prompts (None: rollout-batch-size)
+    need(args.over_sampling_batch_size is None or args.over_sampling_batch_size >= args.rollout_batch_size,
+         f"--over-sampling-batch-size {args.over_sampling_batch_size} should be greater than or equal to "
+         f"--rollout-batch-size {args.rollout_batch_size} (as in slime); raise it, or drop it for the rollout "
+         "batch size")
+    if not sizes_ok:
+        return None
     total = args.rollout_batch_size * args.n_samples_per_prompt
-    if args.num_steps_per_rollout:
-        need(total % args.num_steps_per_rollout == 0, f"--num-steps-per-rollout {args.num_steps_per_rollout} must "
-             f"divide rollout-batch-size x n-samples-per-prompt = {total}")
-        need(args.global_batch_size in (None, total // args.num_steps_per_rollout), "--num-steps-per-rollout and "
+    steps = args.num_steps_per_rollout
+    if steps:
+        if not need(steps >= 1 and total % steps == 0, f"--num-steps-per-rollout {steps} must divide "
+                    f"rollout-batch-size x n-samples-per-prompt = {total}"):
+            return None
+        need(args.global_batch_size in (None, total // steps), "--num-steps-per-rollout and "
              "--global-batch-size disagree; give one of them")
-    gbs: int = args.global_batch_size or (total // args.num_steps_per_rollout if args.num_steps_per_rollout else total)
-    need(total % gbs == 0, f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt = {total}")
-    return gbs
+    gbs: int = args.global_batch_size or (total // steps if steps else total)
+    ok = need(gbs >= 1 and total % gbs == 0,
+              f"--global-batch-size {gbs} must divide rollout-batch-size x n-samples-per-prompt = {total}")
+    return gbs if ok else None
 
 
-def _check_training(args: argparse.Namespace) -> None:
+def _check_training(args: argparse.Namespace, need: Checks) -> None:
     need(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
     need(args.opd_type != "sglang", "--opd-type sglang: teacher log-probs from a separate SGLang server are not "
                                     "supported; load the teacher into the trainer with --opd-type megatron "
@@ -175,8 +202,11 @@ def _check_training(args: argparse.Namespace) -> None:
          "--hf-checkpoint and does not read torch_dist weights; drop --ref-load or use --train-backend megatron")
     need(args.advantage_estimator != "ppo" or args.train_backend == "megatron", "--advantage-estimator ppo needs "
          "--train-backend megatron")
+    need(args.advantage_estimator not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+         or args.normalize_advantages, f"--advantage-estimator {args.advantage_estimator} requires advantage "
+         "normalization (as in slime): add --normalize-advantages")
     if args.train_backend == "fsdp":
-        _check_fsdp(args)
+        _check_fsdp(args, need)
     need(args.recompute_granularity != "full" or args.recompute_method is not None,
          "--recompute-granularity full needs --recompute-method uniform or block and --recompute-num-layers")
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be 1 or more, got {args.micro_batch_size}")
@@ -199,7 +229,7 @@ def _check_training(args: argparse.Namespace) -> None:
          "--loss-type sft_loss has no critic: drop --advantage-estimator ppo")
 
 
-def _check_fsdp(args: argparse.Namespace) -> None:
+def _check_fsdp(args: argparse.Namespace, need: Checks) -> None:
     megatron_only = {"--tensor-model-parallel-size": args.tensor_model_parallel_size != 1,
                      "--sequence-parallel": args.sequence_parallel,
                      "--context-parallel-size": args.context_parallel_size != 1,
@@ -218,7 +248,7 @@ def _check_fsdp(args: argparse.Namespace) -> None:
                     "model over data-parallel ranks: drop it or use --train-backend megatron")
 
 
-def _check_eval(args: argparse.Namespace) -> list[Any]:
+def _check_eval(args: argparse.Namespace, need: Checks) -> list[Any]:
     """The checks of the debug modes and eval flags; returns the eval sets."""
     need(not (args.debug_train_only and args.debug_rollout_only),
          "--debug-train-only and --debug-rollout-only exclude each other; give one")
@@ -238,10 +268,11 @@ def _check_eval(args: argparse.Namespace) -> list[Any]:
     try:
         return list(eval_sets(args))
     except EvalConfigError as err:
-        raise ArgsError(str(err)) from None
+        need(False, str(err))
+        return []
 
 
-def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None) -> None:
+def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None, need: Checks) -> None:
     if args.debug_train_only:
         need(bool(args.load_debug_rollout_data),
              "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on)")
@@ -253,11 +284,27 @@ def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None) 
     need(args.rollout_global_dataset or bool(rollout_function_path and not args.prompt_data),
          "--disable-rollout-global-dataset: --rollout-function-path supplies the prompts; "
          "give it and drop --prompt-data")
+    need(args.rollout_temperature > 0, f"--rollout-temperature {args.rollout_temperature}: must be > 0; temperature "
+         "0 is greedy decoding and is not a valid RL policy (as in slime); use --eval-temperature 0 for greedy evals")
 
 
-def _check_rewards(args: argparse.Namespace) -> None:
+def _check_lengths(args: argparse.Namespace, need: Checks) -> int | None:
+    """The prompt bound: --rollout-max-prompt-len, by default --rollout-max-context-len - 1 as in
+    slime (None: none). (The lengths against the engines' context: jobs/trainer_flags.py.)"""
+    prompt, context = args.rollout_max_prompt_len, args.rollout_max_context_len
+    if context is not None:
+        need(context >= 2, "--rollout-max-context-len must be 2 or more")
+        if prompt is None:  # slime's: room for at least one generated token
+            prompt = context - 1
+        need(prompt <= context - 1, "--rollout-max-prompt-len must be below --rollout-max-context-len, leaving room "
+             "for at least one generated token")
+    return prompt
+
+
+def _check_rewards(args: argparse.Namespace, need: Checks) -> None:
     if args.prompt_data:
-        need(Path(args.prompt_data).is_file(), f"--prompt-data {args.prompt_data} does not exist")
+        need(Path(args.prompt_data).is_file(), f"--prompt-data {args.prompt_data}: no such file; give the jsonl "
+                                               "prompts file")
         need(Path(args.prompt_data).suffix in PROMPT_SUFFIXES,
              f"--prompt-data {args.prompt_data}: read by its suffix, one of {', '.join(PROMPT_SUFFIXES)}")
     rm_type = (args.rm_type or "").removeprefix("boxed_")

@@ -13,7 +13,7 @@ from typing import Any
 from trainer.args_parser import _MODEL_FLAGS, ArgsError
 from trainer.config.sections import ShapeFlags
 
-Need = Callable[[bool, str], None]
+Need = Callable[[bool, str], object]  # records or raises a failed check
 
 
 def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
@@ -56,12 +56,20 @@ def _validate_pipeline_stages(args: argparse.Namespace, layers: Any, need: Need)
 
 def check_model_flags(shape: ShapeFlags, hf_checkpoint: str, hf_config: dict[str, Any]) -> None:
     """Every model-shape flag that was given must equal the HF config's value, and the model
-    has no dropout (train_step's log-probs must be those of log_probs for the same weights)."""
+    has no dropout (train_step's log-probs must be those of log_probs for the same weights):
+    ArgsError with every problem."""
+    problems = model_flag_problems({f.name: getattr(shape, f.name) for f in fields(shape)}, hf_checkpoint, hf_config)
+    if problems:
+        raise ArgsError(*problems)
+
+
+def model_flag_problems(given_flags: dict[str, Any], hf_checkpoint: str, hf_config: dict[str, Any]) -> list[str]:
+    """check_model_flags' problems, one line each; given_flags: each model-shape flag's value (None: not given)."""
+    problems = []
     dropout = hf_config.get("attention_dropout", 0.0)
     if dropout:
-        raise ArgsError(f"{hf_checkpoint}/config.json has attention_dropout {dropout}: dropout is not supported "
+        problems.append(f"{hf_checkpoint}/config.json has attention_dropout {dropout}: dropout is not supported "
                         "in RL training; set it to 0.0")
-    given_flags = {f.name: getattr(shape, f.name) for f in fields(shape)}
     for flag, read in _MODEL_FLAGS.items():
         given = given_flags[flag]
         if given is None:
@@ -69,8 +77,10 @@ def check_model_flags(shape: ShapeFlags, hf_checkpoint: str, hf_config: dict[str
         try:
             expected = read(hf_config)
         except (KeyError, IndexError, TypeError):
-            raise ArgsError(f"--{flag.replace('_', '-')} {given}: {hf_checkpoint}/config.json lacks the field "
-                            "to check it against; drop the flag or fix the checkpoint") from None
+            problems.append(f"--{flag.replace('_', '-')} {given}: {hf_checkpoint}/config.json lacks the field "
+                            "to check it against; drop the flag or fix the checkpoint")
+            continue
         if given != expected:
-            raise ArgsError(f"--{flag.replace('_', '-')} {given} disagrees with {hf_checkpoint}/config.json "
+            problems.append(f"--{flag.replace('_', '-')} {given} disagrees with {hf_checkpoint}/config.json "
                             f"({expected}); drop the flag or fix the checkpoint")
+    return problems

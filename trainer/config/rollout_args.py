@@ -6,14 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout.generate import RolloutArgs
+from rollout.sample_errors import FirstErrorHandler, SampleErrors
 from trainer.config.trainer_config import TrainerConfig
 
 
 def rollout_args(config: TrainerConfig, router_url: str, router_timeout_s: float,
                  on_engine_failure: Callable[[str], None] | None,
-                 on_engine_unresponsive: Callable[[str, str], None] | None = None) -> RolloutArgs:
+                 on_engine_unresponsive: Callable[[str, str], None] | None = None,
+                 on_sample_error: FirstErrorHandler | None = None) -> RolloutArgs:
     ro, rm = config.rollout, config.reward
     return RolloutArgs(
+        sample_errors=SampleErrors(rm.sample_error_policy, on_first=on_sample_error),
         hf_checkpoint=config.model.hf_checkpoint, router_url=router_url, router_timeout_s=router_timeout_s,
         api_key=config.publish.api_key, engine_failure_handler=on_engine_failure,
         engine_unresponsive_handler=on_engine_unresponsive, plugin_args=config.plugin_namespace(),

@@ -218,6 +218,7 @@ class RewardOptions:
     rm_timeout: float
     rm_max_retries: int
     rm_retry_backoff: float
+    sample_error_policy: str  # rollout.sample_errors.POLICIES
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ class MegatronBackend(Backend):
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
-        check_attention_backend(config.model.attention_kernels, self.device)
+        check_attention_backend(config.model.attention_kernels, self.device, "megatron", parallel.context_parallel_size)
         self.hf_config = hf_config
         self.shape = mapping.ModelShape.from_hf_config(
             hf_config, config.model.make_vocab_size_divisible_by * self.tp_size)
@@ -154,7 +154,7 @@ class MegatronBackend(Backend):
         if options.model.attention_backend != "local" and self.cp_size == 1:
             model.packed_rope = PackedRope(model)
         if options.model.torch_compile:
-            compile_layers(model)
+            compile_layers(model, max(self.tp_size, self.etp_size, options.parallel.expert_model_parallel_size) > 1)
         return model
 
     def _build_critic(self) -> GPTModel:
