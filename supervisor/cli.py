@@ -82,6 +82,7 @@ def _status_text(job_dir: JobDir, since: float | None) -> tuple[str, int, bool]:
         lines.append(f"ended: SLURM says {slurm.state} (the supervisor wrote no reason: see {job_dir.root}/submitit)")
         over = True
         state["steps"] = status_view.ended_with_the_job(state["steps"])
+    lines += [f"node {node} lost: {what}" for node, what in (state.get("lost_nodes") or {}).items()]
     launched = (state["steps"].get(TRAINER) or {}).get("launched_at")
     beat = read_heartbeat(job_dir, launched) if launched else None
     lines.append(status_view.table(state["steps"], state["job_id"], beat))

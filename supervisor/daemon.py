@@ -14,6 +14,7 @@ The daemon composes the parts and runs the monitor loop:
     adopt (adoption.py)               keeps a crashed predecessor's steps
     EngineRecovery (recovery.py)      starts, recovers and gives up on engines (asking Engines)
     NodeFailures (node_failures.py)   lost nodes: released, engines moved to spares
+    TrainerNodeLoss (trainer_node_loss.py)  a lost trainer node: save, requeue without it
     TrainerWatch (trainer_watch.py)   the trainer's heartbeat, exit, restarts
     Requeue (requeue.py)              preemption and the job's end (deadline.py): save, then requeue
     ControlHandlers (control_handlers.py)  the control socket's calls
@@ -39,7 +40,8 @@ Which lock guards what, and who writes it:
 - StateStore._lock: the state document. Each engine's record there (state, restarts, weight
   version, nodes, url, last failure) and the job's weight version are written by Engines alone;
   a step's slurm_step and launch time by StepLauncher and the monitor; probe times by the monitor;
-  the trainer's record by TrainerWatch; job-level fields by the daemon and ControlHandlers.
+  the trainer's record by TrainerWatch; job-level fields by the daemon and ControlHandlers
+  (lost_nodes by NodeFailures).
   Lock order: StateStore._lock, then Engines._lock.
 - StepLauncher._lock: the current step of each name.   Ending._lock: failure and stop flags.
 - EventLog, NodeTracker, TrainerWatch: each its own lock around its own state.
@@ -86,6 +88,7 @@ from supervisor.step_control import Step, StepControl
 from supervisor.steps import StepController
 from supervisor.tensorboard import ScalarWriter
 from supervisor.trainer_files import last_checkpoint
+from supervisor.trainer_node_loss import TrainerNodeLoss
 from supervisor.trainer_watch import TrainerWatch
 
 log = logging.getLogger(__name__)
@@ -170,6 +173,7 @@ class Daemon:
         self.budget = KillBudget(ft.max_kill_fraction, ft.rollout_health_check_interval)
         self.nodes = NodeFailures(self.job)
         self.requeue = Requeue(self.job, self.launcher, self.nodes.tracker, self.ending)
+        self.trainer_nodes = TrainerNodeLoss(self.job, self.nodes, self.launcher, self.steps, self.requeue)
         # kept across a supervisor crash, so a crash-looping trainer still meets max_trainer_restarts
         record = self.predecessor.steps.get(TRAINER) if self.predecessor else None
         self.trainer = TrainerWatch(self.job, self.launcher, self.steps, self.requeue, self.ending, self.pool,
@@ -185,6 +189,8 @@ class Daemon:
     def run(self) -> str:
         job = self.job
         with job.store.update() as state:
+            if state.job_id != job.layout.job_id:  # a new job in the same directory: not its lost nodes
+                state.lost_nodes = {}
             state.job_id = job.layout.job_id
             state.requeues = own_run()
             state.stop_reason = None
@@ -268,6 +274,7 @@ class Daemon:
             self.trainer.check_heartbeat()
             for engine, why in self.nodes.check_due():
                 self.recovery.recover(engine, why)
+            self.trainer_nodes.follow_up()
             next_probe = self.tracker.next_cycle(began, time.monotonic(), interval,
                                                  self.job.ft.rollout_health_check_timeout)
 
@@ -276,6 +283,7 @@ class Daemon:
         if self.launcher.current(name) is not step:
             return None  # a step we replaced on purpose, or a wake-up
         if name == TRAINER:
+            self.trainer_nodes.exited(step)  # a lost node: a requeue, not a restart
             return self.trainer.on_exit(step)
         # Steps die with a job SLURM ends (scancel, requeue, time limit): relaunching them would only
         # race it, and the trainer may still be saving: its exit ends the job.

@@ -1,13 +1,15 @@
 """Lost nodes, as the supervisor handles them (supervisor/nodes.py asks SLURM): released from the job
-before SLURM marks them DOWN, their engines moved to spare nodes, and a node watched closely
-while an engine on it is stopped or started again."""
+before SLURM marks them DOWN, their engines moved to spare nodes, a node watched closely while an
+engine on it is stopped or started again, and a lost trainer node handed to
+supervisor/trainer_node_loss.py (save, then requeue without it). Each lost node, with what was done
+about it, is kept in the state store (`lost_nodes`: `slurmrl status` shows them)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from supervisor.context import JobContext
@@ -25,23 +27,38 @@ class NodeFailures:
                                    timeout_s=ft.slurm_command_timeout)
         self.watch = LostNodeWatch(self.tracker.check, self.node_lost, ft.node_poll_interval)
         self._next_check = 0.0  # monotonic time of the next check_due (monitor thread only)
+        # A lost trainer node (node, why) -> what was done about it (TrainerNodeLoss.lost, wired by the daemon).
+        self.on_trainer_node_lost: Callable[[str, str], str] = lambda node, why: "nothing: no trainer watch"
 
     def node_lost(self, node: str, why: str) -> None:
-        """The first time a node is seen lost: release it from the job, report it."""
-        if self.tracker.lose(node, why):
-            self.job.events.emit("node_failed", node=node, reason=why, allocation=self.tracker.release(node))
+        """The first time a node is seen lost: release it from the job (a trainer node is kept: the
+        trainer's own handling decides), report it and keep it in the state store."""
+        if not self.tracker.lose(node, why):
+            return
+        allocation = self.tracker.release(node)
+        self.job.events.emit("node_failed", node=node, reason=why, allocation=allocation)
+        done = self.on_trainer_node_lost(node, why) if node in self.job.layout.trainer_nodes else allocation
+        with self.job.store.update() as state:
+            state.lost_nodes[node] = f"{why}: {done}"
+
+    def check_trainer_nodes(self) -> None:
+        """The trainer's nodes, now (one query): before a failed trainer is restarted."""
+        for node, why in self.tracker.check(self.job.layout.trainer_nodes).items():
+            self.node_lost(node, why)
 
     def check_due(self) -> list[tuple[Engine, str]]:
-        """Every node_check_interval, all engine and spare nodes in one query: a lost node is
-        released before SLURM marks it DOWN (which would requeue the whole hetjob), even one whose
-        engine still answers or that holds no engine yet. Returns the engines to recover, and why."""
+        """Every node_check_interval, all engine, spare and trainer nodes in one query: a lost engine
+        or spare node is released before SLURM marks it DOWN (which would requeue the whole hetjob),
+        even one whose engine still answers or that holds no engine yet; a lost trainer node goes to
+        on_trainer_node_lost. Returns the engines to recover, and why."""
         if time.monotonic() < self._next_check:
             return []
         self._next_check = time.monotonic() + self.job.ft.node_check_interval
         engines = self.job.engines.values()
         watched = {node for e in engines if e.state != FAILED for node in e.place.nodes}
+        watched |= {*self.tracker.spares, *self.job.layout.trainer_nodes}
         out = []
-        for node, why in self.tracker.check(sorted(watched | set(self.tracker.spares))).items():
+        for node, why in self.tracker.check(sorted(watched)).items():
             self.node_lost(node, why)
             out += [(e, f"its node {node} is lost: {why}") for e in engines if node in e.place.nodes]
         return out

@@ -6,6 +6,7 @@ journal (supervisor/deadline.py)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -26,6 +27,10 @@ REQUEUE_UNSAVED = "preempted: requeued without a save"  # ... when no save could
 def requeues(outcome: str) -> bool:
     """Whether the job's outcome is to requeue itself."""
     return outcome == REQUEUE or outcome.startswith(REQUEUE_UNSAVED)
+
+# scancel's words when slurmctld signalled a step but a node of it did not answer (seen on slurm 22.05:
+# "Kill job error on job step id 483: Communication connection failure").
+_NODE_UNREACHED = re.compile(r"Kill job error on job step")
 
 
 class Requeue:
@@ -103,7 +108,10 @@ class Requeue:
         if step is None or step.returncode is not None or step.slurm_step is None:
             return False
         self._fence_check()  # its step id may be a newer run's
-        return self.slurm.call("scancel", f"--signal={name}", step.slurm_step).ok
+        done = self.slurm.call("scancel", f"--signal={name}", step.slurm_step)
+        # A node of the step that does not answer (a lost one) fails the call after MessageTimeout, the
+        # others got the signal: asking again would reach no more, and hold up the monitor.
+        return done.ok or bool(_NODE_UNREACHED.search(done.stderr))
 
     def _fence_check(self) -> None:
         if self.job.store.fence is not None:

@@ -62,6 +62,7 @@ class JobState:
     gpus_released: list[str] = field(default_factory=list)  # engines released for the trainer's turn (urls)
     steps_launched: int = 0  # the job's SLURM steps so far (this run), against max_step_count
     max_step_count: int | None = None  # SLURM's MaxStepCount, once read
+    lost_nodes: dict[str, str] = field(default_factory=dict)  # node -> why SLURM calls it unusable: what was done
     updated_at: float | None = None
     steps: dict[str, StepRecord] = field(default_factory=dict)
 
