@@ -38,11 +38,9 @@ from ckpt_tools.torch_dist import (
     write_megatron_files,
 )
 from ckpt_tools.tracker import iteration_dirname, resolve_checkpoint, write_tracker
-from contract.job_dir import fsync_dir
+from contract.job_dir import MODEL_FILES, fsync_dir
 
 EXTRA_STATE = "_extra_state"
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 DEFAULT_SHARD_BYTES = parse_shard_size(DEFAULT_MAX_SHARD_SIZE)
 
 
@@ -179,7 +177,7 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
             for _ in pool.map(convert, slices):
                 pass
         writer.close()
-        for side in HF_SIDE_FILES:
+        for side in MODEL_FILES:
             if (Path(hf_config_dir) / side).is_file():
                 shutil.copy2(Path(hf_config_dir) / side, tmp / side)
         _publish(tmp, Path(out_dir))

@@ -2,6 +2,7 @@
 job's directory and environment, in one place. Torch-free; imports nothing of slurmrl.
 
     JOB_DIR/spec.yaml                 the job spec (contract/spec.py), final as submitted
+    JOB_DIR/model_files/              --hf-checkpoint's config and tokenizer, kept at submission (MODEL_FILES)
     JOB_DIR/slurm_job_id              SLURM's id of the job
     JOB_DIR/submitit/                 Submitit's pickles and the batch step's logs
     JOB_DIR/api_key                   the per-job key (0600), reaching steps as $SLURMRL_API_KEY
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ class JobDir:
         object.__setattr__(self, "root", Path(self.root))
 
     spec = property(lambda self: self.root / "spec.yaml")
+    model_files = property(lambda self: self.root / "model_files")
     slurm_job_id = property(lambda self: self.root / "slurm_job_id")
     submitit = property(lambda self: self.root / "submitit")
     api_key = property(lambda self: self.root / "api_key")
@@ -69,6 +72,39 @@ class JobDir:
     def weights_of(self, version: int) -> Path:
         """The HF folder of a published weight version."""
         return self.weights / str(version)
+
+
+# ------------------------------------------------------------------ the model's files
+# What is read from an HF model folder besides its weights: the config, the generation config and
+# the tokenizer. Published weight folders carry them next to the weights.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+               "chat_template.jinja")
+
+
+def keep_model_files(hf_checkpoint: Path, job_dir: JobDir) -> list[str]:
+    """Copy the MODEL_FILES that `hf_checkpoint` has into JOB_DIR/model_files/ (at submission), so a
+    model folder deleted or moved while the job runs breaks no trainer restart and no published
+    weight folder. An older copy is replaced whole. Returns the names copied."""
+    tmp = Path(tempfile.mkdtemp(prefix=".model_files.", dir=job_dir.root))
+    try:
+        copied = [name for name in MODEL_FILES if (Path(hf_checkpoint) / name).is_file()]
+        for name in copied:
+            shutil.copy2(Path(hf_checkpoint) / name, tmp / name)
+        if job_dir.model_files.exists():
+            shutil.rmtree(job_dir.model_files)
+        os.rename(tmp, job_dir.model_files)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return copied
+
+
+def model_files_dir(job_dir: JobDir, hf_checkpoint: str) -> str:
+    """Where config.json and the tokenizer are read from: the job dir's copy when submission kept
+    one, else the model folder itself."""
+    kept = job_dir.model_files
+    return str(kept) if (kept / "config.json").is_file() else hf_checkpoint
 
 
 # ------------------------------------------------------------------ the trainer's heartbeat

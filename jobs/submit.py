@@ -2,7 +2,7 @@
 
     spec = prepare(Path("job.yaml"), ["--num-rollout", "20"])   # SpecError lists every problem
     print(render_script(spec))                                  # the sbatch script; writes nothing
-    job = submit(spec)                                          # job dir + spec.yaml + sbatch
+    job = submit(spec)                                          # job dir + spec.yaml + model files + sbatch
     state = follow(job.job_id, JobDir(Path(spec.job_dir)))     # jobs/follow.py: prints each change to the end
 
 `submit` runs `fn()` in the batch step on the first node of het group 0; by default
@@ -19,7 +19,7 @@ import typing as tp
 from pathlib import Path
 
 from contract import step_options
-from contract.job_dir import JOB_DIR_ENV, JobDir, write_atomic
+from contract.job_dir import JOB_DIR_ENV, JobDir, keep_model_files, write_atomic
 from contract.spec import JobSpec, SpecError
 from contract.spec_loading import finalize, load_spec
 from jobs.hetjob import HetSlurmExecutor, HetSlurmJob, het_groups
@@ -57,10 +57,10 @@ def render_script(spec: JobSpec) -> str:
 
 
 def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurmJob:
-    """Create the job dir (spec.yaml, submitit/), submit fn (default: the supervisor) as one
-    heterogeneous job, and return Submitit's handle. SlurmUnavailable, before anything is written,
-    where SLURM has no configuration here; a failed sbatch removes the job dir again (its error is
-    in the exception, and printed by nothing else)."""
+    """Create the job dir (spec.yaml, the model's config and tokenizer, submitit/), submit fn
+    (default: the supervisor) as one heterogeneous job, and return Submitit's handle.
+    SlurmUnavailable, before anything is written, where SLURM has no configuration here; a failed
+    sbatch removes the job dir again (its error is in the exception, and printed by nothing else)."""
     if fn is None:
         from supervisor.daemon import Supervisor
 
@@ -75,6 +75,8 @@ def submit(spec: JobSpec, fn: tp.Callable[[], tp.Any] | None = None) -> HetSlurm
     job_dir.mkdir(parents=True, exist_ok=True)
     try:
         spec.write(JobDir(job_dir).spec)
+        if spec.trainer.hf_checkpoint:  # its config and tokenizer, kept: the folder may go while the job runs
+            keep_model_files(Path(spec.trainer.hf_checkpoint), JobDir(job_dir))
         # Submitit prints a failed sbatch's stderr before raising it in the exception: once is enough.
         with contextlib.redirect_stderr(io.StringIO()):
             job = make_executor(spec).submit(fn)

@@ -38,7 +38,7 @@ from rollout.filters import judge_group
 from rollout.plugins import load_function, raised
 from rollout.remote_rm import RemoteRewardModel
 from rollout.request_deadline import DecodeSpeed
-from rollout.request_transport import RequestTransport
+from rollout.request_transport import RequestCounts, RequestTransport
 from rollout.reward_dispatch import RewardDispatch
 from rollout.sample import Sample, Status
 from rollout.sample_errors import SampleError, SampleErrors, nothing_trainable
@@ -104,6 +104,7 @@ class RolloutArgs:
     # what does not parse, while it may pass its probes; default: remove it from the router.
     engine_unresponsive_handler: Callable[[str, str], None] | None = field(default=None, repr=False)
     decode_speed: DecodeSpeed = field(default_factory=DecodeSpeed, repr=False)  # kept across rounds
+    request_counts: RequestCounts = field(default_factory=RequestCounts, repr=False)  # requests retried, all rounds
     # Users' functions failing on single samples: --sample-error-policy, the count, the first reported.
     sample_errors: SampleErrors = field(default_factory=SampleErrors, repr=False)
     engine_check_timeout_s: float = CHECK_TIMEOUT_S  # one engine's 1-token check (engine_check.py)
@@ -175,7 +176,7 @@ class _Round:
         self.transport = RequestTransport(
             args.router_url, args.api_key, router_timeout_s=args.router_timeout_s,
             concurrency=args.rollout_concurrency, retry_timeout_s=args.retry_timeout_s,
-            check_timeout_s=args.engine_check_timeout_s, decode_speed=args.decode_speed,
+            check_timeout_s=args.engine_check_timeout_s, decode_speed=args.decode_speed, counts=args.request_counts,
             on_failure=args.engine_failure_handler, on_unresponsive=args.engine_unresponsive_handler)
         self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
                                 if args.custom_generate_function_path else None)

@@ -19,6 +19,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -40,6 +41,18 @@ _ROUTER_AWAY = "the router did not answer"
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.2, 5.0  # between two sends of a request no engine answered (doubles)
 
 
+RETRIED_METRIC = "rollout/requests_retried"  # a rollout's requests sent again (metrics.jsonl, TensorBoard)
+
+
+@dataclass
+class RequestCounts:
+    """Kept across rounds (RolloutArgs.request_counts): generate requests sent again after an attempt
+    that failed (a router error such as a 502 for an engine that died, no answer within the
+    deadline, an answer that does not parse). The trainer reports each rollout's share."""
+
+    retried: int = 0
+
+
 def engine_named_in(router_error: str) -> str | None:
     """The url of the engine a router's error text names, if it names one."""
     match = _UPSTREAM.search(router_error)
@@ -52,12 +65,13 @@ class RequestTransport:
 
     def __init__(self, router_url: str, api_key: str | None, *, router_timeout_s: float, concurrency: int,
                  retry_timeout_s: float, check_timeout_s: float, decode_speed: DecodeSpeed,
-                 on_failure: Callable[[str], None] | None = None,
+                 counts: RequestCounts | None = None, on_failure: Callable[[str], None] | None = None,
                  on_unresponsive: Callable[[str, str], None] | None = None) -> None:
         """on_failure(url): an engine the router could not reach; on_unresponsive(url, why): one that
         holds requests past their deadline or answers what does not parse. Default for both: remove
-        it from the router."""
+        it from the router. counts: where retries are counted (default: a count of its own)."""
         self.router_url, self.retry_timeout_s, self.check_timeout_s = router_url, retry_timeout_s, check_timeout_s
+        self.counts = counts or RequestCounts()
         self.decode_speed, self.on_failure, self.on_unresponsive = decode_speed, on_failure, on_unresponsive
         self.router = RouterClient(router_url, api_key, router_timeout_s)
         self.gate = asyncio.Semaphore(concurrency)
@@ -141,6 +155,7 @@ class RequestTransport:
             if time.monotonic() > deadline:
                 raise RolloutError(f"sample {sample.index}: no engine answered for {self.retry_timeout_s:.0f} s "
                                    f"(last: {status} {text[:200]})")
+            self.counts.retried += 1
             if lost:
                 continue  # at once: the check took its time, and the engine at fault is out
             with trace.span(sample, "retry_wait", attempt=spans):

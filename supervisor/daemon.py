@@ -67,7 +67,7 @@ from rollout.engine_client import EngineClient
 from rollout.router_client import RouterClient
 from slurm import env as slurm_env
 from slurm.watchdog import RESTARTS_ENV
-from supervisor import adoption
+from supervisor import adoption, kill_cap
 from supervisor import layout as layouts
 from supervisor.context import Ending, JobContext
 from supervisor.control import ControlServer
@@ -310,10 +310,7 @@ class Daemon:
             for name, result in results.items():
                 state.steps[name].last_probe_latency_s = round(result.latency_s, 4)
                 state.steps[name].last_probe_time = now
-        failed = self.tracker.record(results)
-        for name in self.budget.allow(failed, dead=set(), total_engines=len(job.engines)):
-            self.recovery.recover(job.engines[name], f"/health_generate failed {job.ft.health_check_failure_threshold}"
-                                                     f" times in a row ({results[name].error})")
+        kill_cap.act_on_probes(job, self.recovery.recover, results, self.tracker.record(results), self.budget)
 
     def _record_steps(self) -> None:
         job = self.job

@@ -8,8 +8,9 @@ while its version is the current one. A replacement engine is synced at once fro
 published folder when the trainer publishes to disk; with an update group it waits (outside the
 router) for the trainer's next publish, which includes it.
 
-One writer: every field of an Engine, the set of engines being recovered and the current version
-are written here alone, under Engines._lock, and every change of state is a move the table of
+One writer: every field of an Engine, the engines being recovered (and those whose recovery waits
+for their admission), the engines the kill cap holds back, and the current version are written
+here alone, under Engines._lock, and every change of state is a move the table of
 supervisor/engine_states.py allows. The engines' records in the state store are written here too:
 each operation saves a snapshot of the engines it changed. Router calls are serialized under
 Engines._router_lock (taken before _lock, never inside it), so a decision to admit or expel an
@@ -21,33 +22,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.engine_client import EngineClient, EngineError
 from rollout.router_client import RouterClient, RouterError
-from supervisor.engine_states import (
-    FAILED,
-    HEALTHY,
-    LIVE,
-    RESTARTING,
-    STARTING,
-    WAITING,
-    EngineState,
-    checked,
-)
+from supervisor.engine_marks import EngineMarks, RecoveryStart
+from supervisor.engine_start import WrongVersion
+from supervisor.engine_states import FAILED, HEALTHY, LIVE, RESTARTING, STARTING, WAITING, EngineState, checked
 from supervisor.layout import EnginePlace
 from supervisor.state import JobState, StateStore, StepRecord
 
 log = logging.getLogger(__name__)
 
-# Seconds between /health_generate tries while waiting for a starting engine.
-HEALTH_POLL_S = 0.5
-
-
-class EngineStartError(RuntimeError):
-    pass
+UNHEALTHY = "unhealthy"  # the record's state of a live engine the kill cap holds back
 
 
 @dataclass
@@ -83,10 +72,10 @@ class Engines(Mapping[str, Engine]):
         self._listed_timeout_s = listed_timeout_s
         self._store = store
         self._engines = {place.name: Engine(place) for place in places}
-        self._lock = threading.Lock()  # every Engine field, _recovering and _current
+        self._lock = threading.Lock()  # every Engine field, _marks and _current
         self._router_lock = threading.Lock()  # router calls, with the decisions they carry out
         self._current: int | None = None  # the newest version the trainer published
-        self._recovering: set[str] = set()
+        self._marks = EngineMarks()  # recoveries and kill-cap holds
 
     # ------------------------------------------------------------------ reading
     def __getitem__(self, name: str) -> Engine:
@@ -108,12 +97,13 @@ class Engines(Mapping[str, Engine]):
 
     def is_recovering(self, name: str) -> bool:
         with self._lock:
-            return name in self._recovering
+            return name in self._marks.recovering
 
     def serving(self) -> dict[str, Engine]:
-        """Engines that serve, or wait for, the current weights: probed, and given the next version."""
+        """Engines that serve, or wait for, the current weights: probed, and given the next version
+        (an engine whose recovery waits for its admission among them: the next publish brings it in)."""
         with self._lock:
-            return {name: e for name, e in self._engines.items() if e.state in LIVE and name not in self._recovering}
+            return {name: e for name, e in self._engines.items() if e.state in LIVE and self._marks.serving(name)}
 
     def count(self, state: EngineState) -> int:
         with self._lock:
@@ -127,25 +117,63 @@ class Engines(Mapping[str, Engine]):
             return None
 
     # ------------------------------------------------------------------ recovery
-    def start_recovering(self, engine: Engine, reason: str) -> bool:
-        """Mark it recovering (RESTARTING) and take it out of the router, unless it is being
-        recovered already or was given up: then False, and nothing changes."""
+    def start_recovering(self, engine: Engine, reason: str) -> RecoveryStart:
+        """Mark it recovering (RESTARTING) and take it out of the router: STARTED, and the caller runs
+        its recovery. An engine has one recovery at a time: REFUSED, and nothing changes, while it
+        is being recovered or once it was given up; but a failure seen while its recovery waits for
+        its admission (a publish that dropped it, failed probes) is that recovery's: RETRY, and the
+        recovery launches it again."""
         with self._lock:
-            if engine.name in self._recovering or engine.state == FAILED:
-                return False
-            self._recovering.add(engine.name)
+            started = self._marks.start(engine.name, reason) if engine.state != FAILED else RecoveryStart.REFUSED
+            if started is RecoveryStart.REFUSED:
+                return started
             self._move(engine, RESTARTING)
         self.expel(engine)
         self._save([engine], last_failure=reason)
+        return started
+
+    def await_admission(self, engine: Engine) -> None:
+        """Its recovery brought it up and waits for the router: among the serving engines from now
+        on (the trainer's next publish includes it), still owned by that recovery."""
+        with self._lock:
+            if engine.name in self._marks.recovering and engine.state in LIVE:
+                self._marks.admitting.add(engine.name)
+
+    def take_retry(self, engine: Engine) -> str | None:
+        """Why its recovery must try again (a failure came while it waited for admission), if so."""
+        with self._lock:
+            return self._marks.retry.pop(engine.name, None)
+
+    def end_recovery(self, engine: Engine) -> str | None:
+        """Its recovery is over, unless a failure came at the last moment: then that failure's
+        reason, and the recovery goes on (a new one could not start meanwhile: no overlap)."""
+        with self._lock:
+            retry = self._marks.end(engine.name)
+        if retry is None:
+            self._save([engine])
+        return retry
+
+    def abandon_recovery(self, engine: Engine) -> None:
+        """Its recovery stopped short (given up, the job ends, a newer run took over): unmarked."""
+        with self._lock:
+            self._marks.abandon(engine.name)
+        self._save([engine])
+
+    def hold_back(self, engine: Engine, reason: str) -> bool:
+        """It failed its probes and the kill cap keeps it running (its record says unhealthy); True
+        the first time, False while it is held already (or is no longer live, or recovered)."""
+        with self._lock:
+            if engine.state not in LIVE or not self._marks.hold(engine.name, reason):
+                return False
+        self._save([engine], last_failure=f"held back by the kill cap: {reason}")
         return True
 
-    def finish_recovering(self, engine: Engine) -> None:
-        """Its recovery is over (however it ended): among the serving engines again if it is live."""
+    def release_holds(self, answered: Iterable[str]) -> list[Engine]:
+        """Engines held back whose probe passed again: no longer held. Returns them."""
         with self._lock:
-            if engine.name not in self._recovering:
-                return
-            self._recovering.discard(engine.name)
-        self._save([engine])
+            released = [self._engines[name] for name in answered if self._marks.held.pop(name, None) is not None]
+        self._save(released)
+        return released
 
     def forget_old_crashes(self, engine: Engine, crash_window: float) -> None:
         """A failure long after its last restart starts a new crash loop."""
@@ -162,8 +190,7 @@ class Engines(Mapping[str, Engine]):
         self._save([engine])
 
     def uncount_crash(self, engine: Engine) -> None:
-        """Its relaunch failed while SLURM did not answer, or was refused for SLURM's rate limit:
-        not the engine's failure."""
+        """Its relaunch failed while SLURM did not answer, or refused it (rate limit): not its failure."""
         with self._lock:
             engine.recent_restarts -= 1
 
@@ -182,6 +209,7 @@ class Engines(Mapping[str, Engine]):
             if engine.state == FAILED:
                 return False
             self._move(engine, FAILED)
+            self._marks.held.pop(engine.name, None)
         self._save([engine], last_failure=reason)
         return True
 
@@ -209,11 +237,16 @@ class Engines(Mapping[str, Engine]):
         return not off_version
 
     def loaded(self, engine: Engine, folder: Path, version: int, timeout_s: float) -> None:
-        """Load a published folder into the engine (timeout_s bounds it); it serves `version` then."""
+        """Load a published folder into the engine (timeout_s bounds it); it serves `version` then,
+        as it says itself: WrongVersion if it reports an older one, or none (a newer one is a
+        publish of the trainer's that came meanwhile)."""
         self._client.load_from_disk(engine.url, folder, version, timeout_s=timeout_s)
+        reported = self._client.weight_version(engine.url)
         with self._lock:
-            engine.version = version
+            engine.version = reported
         self._save([engine])
+        if reported is None or reported < version:
+            raise WrongVersion(engine.name, version, reported)
 
     def admit(self, engine: Engine) -> bool:
         """Into the router if (and only if) it is live and itself reports the current version."""
@@ -288,7 +321,7 @@ class Engines(Mapping[str, Engine]):
             for engine in self._engines.values():
                 place = engine.place
                 state.steps[engine.name] = StepRecord(engine.name, "engine", place.het_group, list(place.nodes))
-                _copy_into(state.steps[engine.name], engine)
+                _copy_into(state.steps[engine.name], engine, held=False)
 
     def record_stopped(self, name: str) -> None:
         """The supervisor stopped its step: `failed` if it was given up, else `stopped`."""
@@ -302,7 +335,7 @@ class Engines(Mapping[str, Engine]):
         with self._store.update() as state, self._lock:
             state.weight_version = self._current
             for engine in engines:
-                _copy_into(_record(state, engine), engine)
+                _copy_into(_record(state, engine), engine, held=engine.name in self._marks.held)
                 if last_failure is not None:
                     state.steps[engine.name].last_failure = last_failure
 
@@ -351,10 +384,12 @@ def _record(state: JobState, engine: Engine) -> StepRecord:
     return state.steps[engine.name]
 
 
-def _copy_into(record: StepRecord, engine: Engine) -> None:
-    record.state, record.restarts, record.weight_version = engine.state.value, engine.restarts, engine.version
+def _copy_into(record: StepRecord, engine: Engine, held: bool) -> None:
+    """held: the kill cap keeps it running though it failed its probes: `unhealthy` in the record
+    (and in `slurmrl status`), whatever its state of the engine machine (it is still live)."""
+    record.state = UNHEALTHY if held else engine.state.value
+    record.restarts, record.weight_version = engine.restarts, engine.version
     record.nodes, record.url = list(engine.place.nodes), engine.url
-
 
 
 def roles_missing(engines: Iterable[Engine]) -> list[str]:
@@ -363,15 +398,3 @@ def roles_missing(engines: Iterable[Engine]) -> list[str]:
     engines = list(engines)
     wanted = {e.place.role for e in engines} - {"regular"}
     return sorted(wanted - {e.place.role for e in engines if e.state != FAILED})
-
-
-def wait_healthy(client: EngineClient, engine: Engine, deadline_s: float, alive: Callable[[], bool]) -> None:
-    """Until the engine answers /health_generate, its step dies, or the deadline passes."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if not alive():
-            raise EngineStartError(f"{engine.name} exited while starting (see its log)")
-        if client.healthy(engine.url):
-            return
-        time.sleep(HEALTH_POLL_S)
-    raise EngineStartError(f"{engine.name} did not answer /health_generate within {deadline_s:.0f} s")

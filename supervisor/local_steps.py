@@ -71,31 +71,26 @@ class LocalSteps:
 
     # ------------------------------------------------------------------ the interface
     def launch(self, spec: StepSpec) -> Step:
-        if self.fence is not None:
-            self.fence.check()
-        spec.log.parent.mkdir(parents=True, exist_ok=True)
-        offset = log_offset(spec.log)
-        with open(spec.log, "ab") as log:
-            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=dict(spec.env) if spec.env is not None else None, cwd=spec.workdir,
-                                    process_group=0)
-        with self._lock:
-            step_id = f"{self.job_id}.{self._next_number()}"
-            self._write(step_id, {"name": spec.name, "pid": proc.pid, "started": _start_time(proc.pid)})
-            self._claimed.add(step_id)
-        step = Step(spec.name, proc, step_id, log=spec.log, log_offset=offset)
+        step = self._start(spec, piped=False)
         if self._watcher is not None:
             self._watcher.watch(step)
         return step
 
     def launch_piped(self, spec: StepSpec) -> Step:
         """As StepController's: its stdin and stdout are pipes to us, its stderr goes to its log."""
+        return self._start(spec, piped=True)
+
+    def _start(self, spec: StepSpec, piped: bool) -> Step:
+        """The step's process in its own process group, recorded as a step of the job; its output to
+        its log, or (piped) its stdin and stdout to us and only its stderr to the log."""
         if self.fence is not None:
             self.fence.check()
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         offset = log_offset(spec.log)
         with open(spec.log, "ab") as log:
-            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+            proc = subprocess.Popen(list(spec.argv), stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE if piped else log,
+                                    stderr=log if piped else subprocess.STDOUT,
                                     env=dict(spec.env) if spec.env is not None else None, cwd=spec.workdir,
                                     process_group=0)
         with self._lock:

@@ -52,7 +52,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
     router_url = pub.router_url
     router = RouterClient(router_url, pub.api_key, ft.router_request_timeout) if router_url else None
     fleet = EngineFleet(pub.engine_urls, SupervisorLink.of(job_dir, ft) if run.supervised else None, router)
-    tokenizer = (AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    tokenizer = (AutoTokenizer.from_pretrained(config.model.model_files)
                  if ro.apply_chat_template or ro.rollout_max_prompt_len is not None else None)
     buffer = DataBuffer(JsonlDataSource(
         ro.prompt_data, input_key=ro.input_key, label_key=ro.label_key, metadata_key=ro.metadata_key,
@@ -75,7 +75,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
         eval_function_path=ev.eval_function_path or ro.rollout_function_path,
         log_function_path=ev.custom_eval_rollout_log_function_path) if ev.eval_interval is not None else None
     transport = None if run.debug_train_only else WeightPublisher(
-        pub.update_weight_transport, Path(run.job_dir), Path(config.model.hf_checkpoint), pub.api_key,
+        pub.update_weight_transport, Path(run.job_dir), Path(config.model.model_files), pub.api_key,
         bucket_bytes=pub.update_weight_buffer_size, keep_versions=pub.keep_weight_versions,
         timeout_s=pub.update_weight_timeout, on_drop=fleet.drop)
     return Rank0Parts(

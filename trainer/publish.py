@@ -102,11 +102,13 @@ class _Engines(EngineClient):
 class WeightPublisher:
     """Publishes trainer rank 0's full HF-named weights to engines; see the module docstring.
 
-    bucket_bytes bounds one broadcast bucket (nccl) and one safetensors shard (disk); timeout_s
-    bounds every single wait; on_drop(url, reason) is called once per dropped engine, as soon as
-    it is dropped. Call close() when done, to destroy the update group."""
+    model_files: the folder with the model's config and tokenizer, which disk versions carry
+    (contract.job_dir.model_files_dir). bucket_bytes bounds one broadcast bucket (nccl) and one
+    safetensors shard (disk); timeout_s bounds every single wait; on_drop(url, reason) is called
+    once per dropped engine, as soon as it is dropped. Call close() when done, to destroy the
+    update group."""
 
-    def __init__(self, transport: Transport, job_dir: Path, hf_checkpoint: Path, api_key: str | None,
+    def __init__(self, transport: Transport, job_dir: Path, model_files: Path, api_key: str | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
                  on_drop: OnDrop | None = None, backend: Backend | None = None) -> None:
         if transport not in ("disk", "nccl"):
@@ -115,7 +117,7 @@ class WeightPublisher:
             raise ValueError("bucket_bytes and timeout_s must be positive and keep_versions at least 1")
         self.transport = transport
         self.bucket_bytes = bucket_bytes
-        self._folders = WeightFolders(JobDir(job_dir), Path(hf_checkpoint), bucket_bytes, keep_versions)
+        self._folders = WeightFolders(JobDir(job_dir), Path(model_files), bucket_bytes, keep_versions)
         self.timeout_s = timeout_s
         self.on_drop = on_drop or (lambda url, reason: None)
         # NCCL needs the trainer's GPU; SGLang engines join with nccl, CPU engines with gloo (a group

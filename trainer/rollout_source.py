@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
 from rollout.generate import RolloutArgs, generate_rollout
+from rollout.request_transport import RETRIED_METRIC
 from rollout.sample_errors import METRIC as SAMPLE_ERRORS
 from trainer.batch import TrainSample
 from trainer.rollout_journal import RolloutJournal
@@ -40,7 +41,7 @@ class SampleGroup:
 class Rollout:
     rollout_id: int
     groups: list[SampleGroup]
-    metrics: dict[str, Any] = field(default_factory=dict)  # the generation's own (sample_errors)
+    metrics: dict[str, Any] = field(default_factory=dict)  # the generation's own (sample_errors, requests retried)
 
     def samples(self) -> list[TrainSample]:
         return [s for group in self.groups for s in group.samples]
@@ -70,8 +71,8 @@ class RolloutGenerator:
         self.metrics: dict[str, Any] = {}  # of the last rollout generated
 
     def generate(self, rollout_id: int) -> list[list[TrainSample]]:
-        errors = self.rollout_args.sample_errors
-        before = errors.total
+        errors, requests = self.rollout_args.sample_errors, self.rollout_args.request_counts
+        before, retried = errors.total, requests.retried
         done = self.journal.replay(rollout_id) if self.journal else None
         if done is not None:  # generated before a restart from the same checkpoint: trained on again
             groups, buffer_state = done
@@ -82,7 +83,8 @@ class RolloutGenerator:
             groups = generate_rollout(self.rollout_args, rollout_id, self.buffer)
             if self.journal:
                 self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
-        self.metrics = {SAMPLE_ERRORS: errors.total - before}  # users' functions failing on single samples
+        self.metrics = {SAMPLE_ERRORS: errors.total - before,  # users' functions failing on single samples
+                        RETRIED_METRIC: requests.retried - retried}  # requests sent again (none when replayed)
         return [[TrainSample.from_sample(s, self.reward_key) for s in group] for group in groups]
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:

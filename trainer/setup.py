@@ -20,7 +20,7 @@ from trainer.numerics import apply_deterministic_mode
 def build(config: TrainerConfig) -> tuple[Loop, Path | None, Callable[[], None] | None]:
     """(loop, initial torch_dist weights or None, a function loading the reference model or None)."""
     model = config.model
-    hf_config = read_hf_config(model.hf_checkpoint)
+    hf_config = read_hf_config(model.model_files)
     check_model_flags(config.shape, model.hf_checkpoint, hf_config)
     dist_env.init_process_group()
     seed_everything(model.seed)

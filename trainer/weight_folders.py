@@ -1,6 +1,7 @@
 """Weight versions published to disk: JOB/weights/<version>/, an HF safetensors folder (shards
-with their index, and the config and tokenizer of the HF checkpoint) that appears, by rename,
-only once complete; the newest few are kept."""
+with their index, and the model's config and tokenizer, from the job dir's copy of them where
+submission kept one: contract.job_dir.MODEL_FILES) that appears, by rename, only once complete;
+the newest few are kept."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools.convert import HF_SIDE_FILES
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
-from contract.job_dir import JobDir, fsync_dir
+from contract.job_dir import MODEL_FILES, JobDir, fsync_dir
 
 _PARTIAL = ".partial-"  # marks a hidden folder still being written (or being removed)
 
@@ -25,7 +25,7 @@ class WeightFolders:
     keep_versions kept."""
 
     job_dir: JobDir
-    hf_checkpoint: Path
+    model_files: Path  # where the config and the tokenizer are copied from
     shard_bytes: int
     keep_versions: int
 
@@ -43,9 +43,9 @@ class WeightFolders:
             for name, tensor in tensors:
                 writer.write(name, tensor)
             writer.close()
-            for side in HF_SIDE_FILES:
-                if (self.hf_checkpoint / side).is_file():
-                    shutil.copy2(self.hf_checkpoint / side, tmp / side)
+            for side in MODEL_FILES:
+                if (self.model_files / side).is_file():
+                    shutil.copy2(self.model_files / side, tmp / side)
             fsync_dir(tmp)
             final = self._move_into_place(tmp, version)
         except BaseException:

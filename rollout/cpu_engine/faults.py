@@ -5,11 +5,21 @@
   through the scheduler, still passes);
 - "malformed": /generate answers 200 with a body that is not JSON.
 
+And one taken at start, so that an engine launched again has it too: the file that
+$SLURMRL_CPU_ENGINE_FAULTS names, a JSON object {"HOST:PORT": {"weight_version": "stuck"}}, read
+by the engine that listens on HOST:PORT when it starts:
+
+- weight_version "stuck": weight updates load, but the engine keeps reporting the version it
+  started with (an engine that comes back serving an old version).
+
 Not an SGLang route: the trainer and the supervisor never call it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -17,14 +27,29 @@ from fastapi.responses import Response
 from rollout.cpu_engine.http_util import error, read_json
 
 WEDGE, MALFORMED = "wedge", "malformed"
+STUCK = "stuck"
 ROUTE = "/slurmrl_fault"
+AT_START_ENV = "SLURMRL_CPU_ENGINE_FAULTS"
 _MALFORMED_BODY = b'{"text": "the answer is'  # cut short: what a crashing proxy or a broken server sends
 
 
 class Faults:
-    def __init__(self) -> None:
+    def __init__(self, version_stuck: bool = False) -> None:
         self.generate: str | None = None
+        self.version_stuck = version_stuck  # weight updates leave the reported version as it is
         self._release = asyncio.Event()  # set when the fault is cleared: wedged requests go on
+
+    @classmethod
+    def at_start(cls, host: str, port: int) -> Faults:
+        """The faults $SLURMRL_CPU_ENGINE_FAULTS's file gives this engine (none without the variable
+        or an entry for it); ValueError for a file that is not such a JSON object."""
+        path = os.environ.get(AT_START_ENV)
+        if not path or not Path(path).is_file():
+            return cls()
+        mine = json.loads(Path(path).read_text()).get(f"{host}:{port}") or {}
+        if mine.get("weight_version") not in (None, STUCK):
+            raise ValueError(f"{path}: weight_version of {host}:{port} must be {STUCK!r} or null")
+        return cls(version_stuck=mine.get("weight_version") == STUCK)
 
     async def before_generate(self) -> Response | None:
         """Applied at the start of /generate: a response to send instead, or None to serve it."""

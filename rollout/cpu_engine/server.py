@@ -58,7 +58,7 @@ def build_app(engine: Engine) -> FastAPI:
     if engine.args.api_key:
         app.add_middleware(BearerAuth, api_key=engine.args.api_key)
     scheduler = engine.scheduler
-    faults = Faults()  # test-only: POST /slurmrl_fault
+    faults = Faults.at_start(engine.args.host, engine.args.port)  # test-only: POST /slurmrl_fault
     faults.add_route(app)
     pd_mode, rooms = engine.args.disaggregation_mode, disagg.Rooms()
     if pd_mode == disagg.PREFILL:
@@ -187,7 +187,7 @@ def build_app(engine: Engine) -> FastAPI:
             return error("give a non-empty rid, or abort_all: true")
         return Response(status_code=200)
 
-    add_weight_routes(app, engine)
+    add_weight_routes(app, engine, faults)
     add_memory_routes(app, engine)
     add_profile_routes(app, engine)
     return app

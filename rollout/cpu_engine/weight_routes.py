@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout.cpu_engine.engine import Engine
+from rollout.cpu_engine.faults import Faults
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
 from rollout.cpu_engine.weights import WeightError, load_into, read_safetensors_folder
 from rollout.weight_group import WeightSyncError, create_group, parse_dtype
@@ -25,7 +26,7 @@ def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def add_weight_routes(app: FastAPI, engine: Engine) -> None:
+def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
     scheduler = engine.scheduler
     group_lock = asyncio.Lock()  # one group operation at a time: they share the trainer's stream
 
@@ -40,7 +41,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
         """Load on the scheduler thread once no request runs (or generation is paused)."""
         def load() -> None:
             load_into(engine.model, tensors, complete=complete)
-            if version is not None:
+            if version is not None and not faults.version_stuck:
                 scheduler.weight_version = version
         try:
             await run_on_scheduler(engine, load, needs_idle=True)

@@ -1,6 +1,6 @@
 """generate_rollout against two real CPU engines behind the real sglang-router: a round of 32
 prompts x 4 samples completes; with one engine SIGKILLed mid-round it still returns all 128
-samples, each exactly once, each with its weight version."""
+samples, each exactly once, each with its weight version, and the requests sent again are counted."""
 
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ def test_round_survives_an_engine_killed_mid_round(cluster, model: Path, tmp_pat
     _check_complete(result["groups"])
     assert victim.proc.wait(timeout=10) == -signal.SIGKILL
     assert router.workers().keys() == {survivor.url}, "the dead engine was not taken out of the router"
+    # The requests the dead engine held came back as router errors and were sent again: counted.
+    assert args.request_counts.retried > 0
 
 
 def keep_even_groups(args, group) -> bool:

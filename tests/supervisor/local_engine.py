@@ -2,7 +2,9 @@
 --port P [--exit-code N]` answers what the supervisor asks of an engine (/health_generate,
 /model_info's weight_version, /update_weights_from_disk) on 127.0.0.1:P, in well under a second
 from its start; with --exit-code it exits at once with that code instead (a crashing engine),
-after printing --say's line (words its srun would have said).
+after printing --say's line (words its srun would have said, or its own error); with
+--stuck-version a weight update loads but the version it reports stays the initial one (an engine
+serving an old version).
 The supervisor's --api-key is accepted and not checked."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 class _Engine(BaseHTTPRequestHandler):
     version: str | None = None
+    stuck = False
 
     def _answer(self, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -29,7 +32,7 @@ class _Engine(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        if self.path == "/update_weights_from_disk":
+        if self.path == "/update_weights_from_disk" and not _Engine.stuck:
             _Engine.version = body["weight_version"]
         self._answer({"success": True})
 
@@ -42,11 +45,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--exit-code", type=int)
     parser.add_argument("--say", help="a line to print (to its log) before --exit-code")
+    parser.add_argument("--stuck-version", action="store_true")
     args, _ = parser.parse_known_args()
     if args.say:
         print(args.say, flush=True)
     if args.exit_code is not None:
         raise SystemExit(args.exit_code)
+    _Engine.stuck = args.stuck_version
     ThreadingHTTPServer(("127.0.0.1", args.port), _Engine).serve_forever()
 
 

@@ -23,6 +23,7 @@ from supervisor import adoption
 from supervisor.context import Ending, JobContext
 from supervisor.control_handlers import ControlHandlers
 from supervisor.engine_states import HEALTHY
+from supervisor.engines import Engine
 from supervisor.gpu_holder import GpuHolder
 from supervisor.launcher import StepLauncher
 from supervisor.layout import EnginePlace
@@ -79,7 +80,9 @@ def colocated(tmp_path: Path):
     launched: list[tuple[str, bool]] = []  # (engine, did the trainer hold the GPUs at its launch)
     recovery.launch = lambda engine: launched.append((engine.name, job.gpus.trainer_holds)) or SimpleNamespace(
         returncode=None)
-    recovery.await_engine = lambda engine, step: setattr(engine, "state", HEALTHY)
+    def admitted(engine: Engine, step: object) -> None:  # it answers, at the current version, in the router
+        engine.state, engine.in_router = HEALTHY, True
+    recovery.await_engine = admitted
     handlers = ControlHandlers(job, launcher, SimpleNamespace(), recovery, SimpleNamespace(), SimpleNamespace(),
                                Ending(user_stop=False), pool, lambda: None)
     yield job, recovery, handlers, launched

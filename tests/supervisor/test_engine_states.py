@@ -20,6 +20,7 @@ from supervisor.engine_states import (
     IllegalTransition,
     checked,
 )
+from supervisor.engine_marks import RecoveryStart
 from supervisor.engines import Engine, Engines
 from supervisor.layout import EnginePlace
 from supervisor.state import StateStore
@@ -142,14 +143,14 @@ def test_recovery_is_started_once_and_takes_the_engine_out(tmp_path: Path) -> No
     _answering(engines, e0)
     client.served = {e0.url: 1}
     engines.published(1, {e0.url})
-    assert engines.start_recovering(e0, "exited with code 1") is True
-    assert engines.start_recovering(e0, "the same failure, seen again") is False
+    assert engines.start_recovering(e0, "exited with code 1") is RecoveryStart.STARTED
+    assert engines.start_recovering(e0, "the same failure, seen again") is RecoveryStart.REFUSED
     assert e0.state == RESTARTING and not e0.in_router and router.workers == [] and engines.is_recovering(e0.name)
     assert "engine-0" not in engines.serving()
     assert store.snapshot().steps["engine-0"].last_failure == "exited with code 1"
     assert engines.give_up(e0) is True and engines.give_up(e0) is False  # once
-    engines.finish_recovering(e0)
-    assert engines.start_recovering(e0, "after it was given up") is False
+    engines.abandon_recovery(e0)
+    assert engines.start_recovering(e0, "after it was given up") is RecoveryStart.REFUSED
     with pytest.raises(IllegalTransition, match="failed -> starting"):
         engines.launched(e0)
 
@@ -179,3 +180,37 @@ def test_an_engine_reporting_another_version_stays_out(tmp_path: Path) -> None:
     client.served = {e0.url: 4}
     engines.published(5, {e0.url})  # reported updated, but it serves 4
     assert e0.version == 4 and e0.state == WAITING and router.workers == []
+
+
+def test_a_failure_while_its_recovery_awaits_admission_is_that_recoverys_retry(tmp_path: Path) -> None:
+    engines, router, client, _ = _engines(tmp_path, n=1)
+    e0 = engines["engine-0"]
+    assert engines.start_recovering(e0, "exited with code 1") is RecoveryStart.STARTED
+    assert "engine-0" not in engines.serving()
+    _answering(engines, e0)  # relaunched by its recovery; the current version is not on disk
+    engines.await_admission(e0)
+    assert "engine-0" in engines.serving(), "the next publish must include it"
+    assert engines.start_recovering(e0, "dropped by the publish") is RecoveryStart.RETRY
+    assert e0.state == RESTARTING and "engine-0" not in engines.serving() and engines.is_recovering("engine-0")
+    assert engines.start_recovering(e0, "its step exited, as it was stopped") is RecoveryStart.REFUSED
+    assert engines.take_retry(e0) == "dropped by the publish" and engines.take_retry(e0) is None
+    _answering(engines, e0)  # the next try
+    engines.await_admission(e0)
+    assert engines.start_recovering(e0, "probe failed") is RecoveryStart.RETRY
+    assert engines.end_recovery(e0) == "probe failed" and engines.is_recovering("engine-0"), "it goes on"
+    _answering(engines, e0)
+    client.served = {e0.url: 2}
+    engines.published(2, {e0.url})  # an admission of its own: not yet the recovery's end
+    assert e0.state == HEALTHY and e0.in_router and engines.is_recovering("engine-0")
+    assert engines.end_recovery(e0) is None and not engines.is_recovering("engine-0")
+    assert engines.start_recovering(e0, "a later failure") is RecoveryStart.STARTED
+
+
+def test_only_its_recovery_unmarks_an_engine(tmp_path: Path) -> None:
+    engines, _, _, _ = _engines(tmp_path, n=1)
+    e0 = engines["engine-0"]
+    assert engines.start_recovering(e0, "exited") is RecoveryStart.STARTED
+    engines.await_admission(e0)  # not live yet: no admission wait
+    assert engines.start_recovering(e0, "again") is RecoveryStart.REFUSED
+    engines.abandon_recovery(e0)
+    assert not engines.is_recovering("engine-0") and engines.take_retry(e0) is None

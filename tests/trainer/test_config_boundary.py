@@ -87,7 +87,8 @@ def test_plugins_get_every_flag_by_slimes_name(tmp_path: Path) -> None:
         "--load-debug-rollout-data", "x", "--attention-backend", "flash", "--hidden-dropout", "0.0"]))
     plugin_args = config.plugin_namespace()
     dests = {a.dest for a in build_parser()._actions if a.option_strings and not isinstance(a, argparse._HelpAction)}
-    assert set(vars(plugin_args)) == dests | {"attention_kernels", "ref_model_needed", "eval_datasets", "api_key"}
+    assert set(vars(plugin_args)) == dests | {"attention_kernels", "ref_model_needed", "eval_datasets", "api_key",
+                                             "model_files"}
     assert (plugin_args.attention_backend, plugin_args.attention_kernels) == ("sdpa", "flash")
     assert plugin_args.hidden_dropout == 0.0 and plugin_args.global_batch_size == 32 * 2
     assert plugin_args.hf_checkpoint == config.model.hf_checkpoint

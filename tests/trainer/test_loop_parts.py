@@ -15,6 +15,8 @@ import torch.distributed.checkpoint as dcp
 from contract.job_dir import JobDir, Phase
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
+from rollout.generate import RolloutArgs
+from rollout.request_transport import RETRIED_METRIC
 from rollout.sample import Sample
 from trainer import save_now
 from trainer.backend import Backend
@@ -90,7 +92,7 @@ class FakeSource:
     def rollout(self, rollout_id: int, weight_version: int) -> Rollout | None:
         self.asked.append((rollout_id, weight_version))
         return Rollout(rollout_id, [SampleGroup(weight_version, [sample(1.0, g, weight_version), sample(0.0, g, weight_version)])
-                                    for g in range(2)])
+                                    for g in range(2)], {RETRIED_METRIC: rollout_id})
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -162,6 +164,7 @@ def test_a_rollout_source_drives_the_loop(tmp_path: Path) -> None:
     assert backend.steps == [(r, s, 2) for r in range(ROLLOUTS) for s in range(2)], "4 samples, batches of 2"
     assert [(m["weight_version"], m["published_version"]) for m in reporter.lines.values()] == [(0, 1), (1, 2), (2, 3)]
     assert [m["passrate/pass@1"] for m in reporter.lines.values()] == [0.5] * ROLLOUTS
+    assert [m[RETRIED_METRIC] for m in reporter.lines.values()] == list(range(ROLLOUTS)), "the source's own numbers"
     assert [("save_model_time" in m or "save_seconds" in m) for m in reporter.lines.values()] == [False, True, True]
     assert (Phase.TRAIN, 2) in reporter.beats and (Phase.SAVE, 2) in reporter.beats
 
@@ -234,3 +237,24 @@ def test_the_checkpoint_manager_restores_every_part(tmp_path: Path) -> None:
     assert journal2.lineage == journal.lineage and loading.last_saved == 4
     assert loading.state_dict().keys() == saving.state_dict().keys() == {
         "rollout_id", "weight_version", "eval_owed", "data_buffer", "journal_lineage"}, "common.pt's keys as before"
+
+
+RETRIES = {0: 2, 1: 0, 2: 5}  # requests a rollout function sent again, by rollout
+
+
+def retrying_rollout(args: RolloutArgs, rollout_id: int, buffer: DataBuffer | None, evaluation: bool) -> list:
+    """A --rollout-function-path whose requests needed RETRIES[rollout_id] retries (counted where the
+    request transport counts them)."""
+    args.request_counts.retried += RETRIES[rollout_id]
+    return [[Sample(index=0, group_index=0, prompt="p", tokens=[1, 2], response_length=1, reward=1.0)]]
+
+
+def test_each_rollouts_line_counts_the_requests_it_retried(tmp_path: Path) -> None:
+    args = RolloutArgs(hf_checkpoint="unused", router_url="http://127.0.0.1:1",
+                       rollout_function_path=f"{__name__}.retrying_rollout")
+    journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
+    generator = RolloutGenerator(args, None, journal, None, save_now.install())
+    source = SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat)
+    assert [source.rollout(r, 0).metrics[RETRIED_METRIC] for r in RETRIES] == list(RETRIES.values())
+    # Generated again after a restart: replayed from the rollout journal, no request sent.
+    assert generator.generate(2) and generator.metrics[RETRIED_METRIC] == 0

@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from contract.job_dir import API_KEY_ENV
+from contract.job_dir import API_KEY_ENV, JobDir, model_files_dir
 from rollout.data import PROMPT_SUFFIXES
 from rollout.rewards import DICT_REWARDS
 from trainer.args_parser import ArgsError
@@ -70,8 +70,12 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     with every problem, each naming the flag and the fix."""
     need = Checks()
     rollout_function_path = None if args.rollout_function_path == SLIME_ROLLOUT else args.rollout_function_path
-    hf_config = (read_hf_config(args.hf_checkpoint)
-                 if need(Path(args.hf_checkpoint, "config.json").is_file(), f"--hf-checkpoint {args.hf_checkpoint}: "
+    # Absolute: engines read published weights from here, from their own working directory.
+    job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
+    # Supervised, the copy submission kept: the model folder may be gone by a restart.
+    model_files = model_files_dir(JobDir(Path(job_dir)), args.hf_checkpoint) if args.supervised else args.hf_checkpoint
+    hf_config = (read_hf_config(model_files)
+                 if need(Path(model_files, "config.json").is_file(), f"--hf-checkpoint {args.hf_checkpoint}: "
                          "no config.json there; point it at a Hugging Face model folder") else None)
     need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
     _check_parallel(args, hf_config, need)
@@ -93,8 +97,6 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
          "give --lr-warmup-iters or --lr-warmup-fraction, not both")
     need.raise_any()
     assert global_batch_size is not None  # computed wherever no check failed
-    # Absolute: engines read published weights from here, from their own working directory.
-    job_dir = str(Path(args.job_dir or args.save or os.getcwd()).resolve())
     tensorboard_dir = args.tensorboard_dir
     if not tensorboard_dir and (os.environ.get("TENSORBOARD_DIR") or args.tb_project_name):
         tensorboard_dir = os.environ.get("TENSORBOARD_DIR") or str(Path(
@@ -114,6 +116,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         "rollout_max_prompt_len": rollout_max_prompt_len,
         "eval_reward_key": args.reward_key if args.eval_reward_key is None else args.eval_reward_key,
         "job_dir": job_dir,
+        "model_files": model_files,
         "tensorboard_dir": tensorboard_dir,
         "global_batch_size": global_batch_size,
         "lr_decay_iters": lr_decay_iters,

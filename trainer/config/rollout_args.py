@@ -17,7 +17,7 @@ def rollout_args(config: TrainerConfig, router_url: str, router_timeout_s: float
     ro, rm = config.rollout, config.reward
     return RolloutArgs(
         sample_errors=SampleErrors(rm.sample_error_policy, on_first=on_sample_error),
-        hf_checkpoint=config.model.hf_checkpoint, router_url=router_url, router_timeout_s=router_timeout_s,
+        hf_checkpoint=config.model.model_files, router_url=router_url, router_timeout_s=router_timeout_s,
         api_key=config.publish.api_key, engine_failure_handler=on_engine_failure,
         engine_unresponsive_handler=on_engine_unresponsive, plugin_args=config.plugin_namespace(),
         rollout_batch_size=ro.rollout_batch_size, n_samples_per_prompt=ro.n_samples_per_prompt,

@@ -27,6 +27,7 @@ class ModelOptions:
     """The policy model and how it computes (shape flags are in ShapeFlags)."""
 
     hf_checkpoint: str
+    model_files: str  # derived: where config.json and the tokenizer are read (contract.job_dir.model_files_dir)
     train_backend: str
     seed: int
     bf16: bool
