@@ -20,6 +20,7 @@ import pytest
 
 from ckpt_tools.tracker import write_tracker
 from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec, TrainerSpec
+from slurm.client import Reply
 from supervisor import nodes, trainer_node_loss
 from supervisor.context import JobContext
 from supervisor.launcher import TRAINER
@@ -136,3 +137,19 @@ def test_a_trainer_that_saved_after_losing_a_node_is_ended_at_once(wired: Wired,
     assert "saved" in stopped["reason"], stopped
     loss.exited(step)
     assert wiring.trainer.on_exit(step) == REQUEUE and wiring.trainer.restarts == 0
+
+
+@pytest.mark.parametrize("stderr, taken", [
+    # slurmctld signalled the step; only the lost node's slurmd did not answer: asking again reaches no more
+    ("scancel: error: Kill job error on job step id 7.3: Communication connection failure\n", True),
+    # refused: the signal reached no task (a later cycle asks again, or kills the trainer otherwise)
+    ("scancel: error: Kill job error on job step id 7.3: Invalid job id specified\n", False),
+    ("scancel: error: Kill job error on job step id 7.3: Protocol authentication error\n", False),
+])
+def test_a_signal_only_a_lost_node_missed_counts_as_sent(wired: Wired, monkeypatch: pytest.MonkeyPatch,
+                                                         stderr: str, taken: bool) -> None:
+    job, wiring, loss, unusable = wired
+    wiring.launcher.launch(TRAINER, "trainer", ["sleep", "60"], TRAINER_NODES, 0)
+    requeue = wiring.trainer.requeue
+    monkeypatch.setattr(requeue.slurm, "call", lambda *argv, **kw: Reply("scancel", 1, "", stderr))
+    assert requeue.signal_trainer("USR1") is taken
