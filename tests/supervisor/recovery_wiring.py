@@ -29,6 +29,14 @@ class Wiring:
     ending: Ending
     pool: ThreadPoolExecutor
 
+    def stop(self) -> None:
+        """Cancel every step still running (SIGTERM, then SIGKILL), then end the pool and the backend."""
+        for step in self.launcher.all().values():
+            if step.returncode is None:
+                self.steps.cancel(step, timeout_s=5, term_grace_s=2)
+        self.pool.shutdown(wait=True)
+        self.steps.close()
+
 
 def wire_recovery(job: JobContext, router: RouterPlace, steps: StepControl | None = None) -> Wiring:
     """steps: the step control to use (default: SLURM's, StepController)."""

@@ -131,14 +131,6 @@ def _kinds(job: JobContext) -> list[tuple[str, str]]:
     return [(e["kind"], e.get("step") or "") for e in map(json.loads, job.dir.events.read_text().splitlines())]
 
 
-def _stop(wiring: Wiring) -> None:
-    for step in wiring.launcher.all().values():
-        if step.returncode is None:
-            wiring.steps.cancel(step, timeout_s=5, term_grace_s=2)
-    wiring.pool.shutdown(wait=True)
-    wiring.steps.close()
-
-
 def test_both_backends_offer_the_whole_step_control_interface(tmp_path: Path) -> None:
     local, slurm = LocalSteps("1", tmp_path / "steps"), StepController("1", 5.0, 5.0)
     assert isinstance(local, StepControl) and isinstance(slurm, StepControl)
@@ -172,7 +164,7 @@ def test_an_engine_that_exits_is_relaunched_and_back_in_the_router(local_job, tm
         assert engine.url in _Router.workers
         assert job.engines["engine-1"].restarts == 0  # the other engine was not touched
     finally:
-        _stop(wiring)
+        wiring.stop()
 
 
 def test_an_engine_that_keeps_crashing_is_given_up(local_job, tmp_path: Path) -> None:
@@ -189,7 +181,7 @@ def test_an_engine_that_keeps_crashing_is_given_up(local_job, tmp_path: Path) ->
         assert _kinds(job).count(("engine_restart_failed", "engine-0")) == job.ft.max_engine_restarts
         assert job.engines["engine-1"].state == HEALTHY and ("engine_degraded", "engine-0") in _kinds(job)
     finally:
-        _stop(wiring)
+        wiring.stop()
 
 
 def test_a_restarted_supervisor_adopts_the_live_engines_and_relaunches_none(local_job, tmp_path: Path) -> None:
@@ -225,7 +217,7 @@ def test_a_restarted_supervisor_adopts_the_live_engines_and_relaunches_none(loca
         assert wiring.launcher.current("engine-1").slurm_step == "999999.2"
         assert successor.engines["engine-1"].in_router
     finally:
-        _stop(wiring)
+        wiring.stop()
         for step in first.launcher.all().values():  # the first supervisor's children: reaped here
             step.proc.kill()
             step.proc.wait(5)
@@ -251,7 +243,7 @@ def test_the_engines_of_a_lost_node_move_to_the_spare_node(local_job, tmp_path: 
         assert len(moved) == 1 and moved[0].state == HEALTHY and moved[0].in_router
         assert len(given_up) == 1 and given_up[0].url not in _Router.workers
     finally:
-        _stop(wiring)
+        wiring.stop()
 
 
 
@@ -278,7 +270,7 @@ def test_launches_slurm_refuses_for_its_rate_limit_are_retried_not_counted_as_cr
         assert sorted(e["step"] for e in said) == ["engine-0"] * 3 + ["engine-1"] * 3
         assert all(e["said"] == RATE_LIMIT_REFUSAL for e in said)
     finally:
-        _stop(wiring)
+        wiring.stop()
 
 
 class _StepsOfALimitedJob(LocalSteps):
@@ -308,7 +300,7 @@ def test_the_job_is_told_once_when_its_steps_near_max_step_count(local_job, tmp_
         assert [(e["steps_launched"], e["max_step_count"]) for e in told] == [(4, 4)]
         assert status_view.header(dataclasses.asdict(job.store.snapshot())).endswith("steps 4/4")
     finally:
-        _stop(wiring)
+        wiring.stop()
 
 
 def test_engines_in_a_node_agent_are_recovered_alone_without_new_steps(local_job, tmp_path: Path) -> None:
@@ -330,4 +322,4 @@ def test_engines_in_a_node_agent_are_recovered_alone_without_new_steps(local_job
         assert wiring.launcher.current("engine-1") is other and other.returncode is None
         assert job.engines["engine-1"].restarts == 0 and local.count().launched == 1  # no step for the restart
     finally:
-        _stop(wiring)  # the engines, then the agent (NodeAgentSteps.close)
+        wiring.stop()  # the engines, then the agent (NodeAgentSteps.close)

@@ -55,11 +55,7 @@ def wired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Wired]:
     try:
         yield job, wiring, loss, unusable
     finally:
-        for step in wiring.launcher.all().values():
-            if step.returncode is None:
-                wiring.steps.cancel(step, timeout_s=5, term_grace_s=2)
-        wiring.pool.shutdown(wait=True)
-        wiring.steps.close()
+        wiring.stop()
         job.events.close()
         job.client.close()
 
