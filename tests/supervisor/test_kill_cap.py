@@ -16,7 +16,7 @@ from slurm.devcluster.daemons import wait_for
 from supervisor.engines import HEALTHY
 from supervisor.kill_cap import act_on_probes
 from supervisor.probe import KillBudget
-from tests.supervisor.test_recovery_local import WAIT_S, _start, _stop, _wire, local_job
+from tests.supervisor.test_recovery_local import WAIT_S, _start, _wire, local_job
 
 __all__ = ["local_job"]  # the fixture, shared with test_recovery_local
 
@@ -58,4 +58,4 @@ def test_an_engine_the_kill_cap_holds_back_is_said_to_be_unhealthy(local_job, tm
         assert job.store.snapshot().steps["engine-1"].state == "healthy"
         assert [e["step"] for e in _events(job.dir.root, "engine_failed")] == ["engine-0"]
     finally:
-        _stop(wiring)
+        wiring.stop()

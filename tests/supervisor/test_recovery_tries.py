@@ -32,7 +32,7 @@ from supervisor.context import JobContext
 from supervisor.engines import FAILED, HEALTHY
 from supervisor.layout import EnginePlace
 from tests.supervisor.recovery_wiring import Wiring
-from tests.supervisor.test_recovery_local import VERSION, WAIT_S, _kinds, _start, _stop, _wire, local_job
+from tests.supervisor.test_recovery_local import VERSION, WAIT_S, _kinds, _start, _wire, local_job
 
 __all__ = ["local_job"]  # the fixture, shared with test_recovery_local
 
@@ -68,7 +68,7 @@ def wired(job, tmp_path: Path) -> Iterator[tuple[JobContext, Wiring, Counter]]:
         _start(job, wiring)
         yield job, wiring, most
     finally:
-        _stop(wiring)
+        wiring.stop()
 
 
 def _counting_recoveries(wiring: Wiring) -> Counter:
