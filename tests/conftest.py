@@ -58,6 +58,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "slurm_programs" in item.fixturenames or item.path.parent.name in SLURM_DIRS:
             group = f"slurm:{item.nodeid.split('::')[0]}" if per_file else "slurm"
             item.add_marker(pytest.mark.xdist_group(group))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.nodeid.split('::')[0]}"))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture made once per module (or class): its file's tests then run
+    in one worker, else each worker that gets one of them builds the fixture again (a megatron
+    layouts fixture of minutes was built twice)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    return defs is not None and any(d.scope in ("module", "class", "package")
+                                    for fixture in defs.name2fixturedefs.values() for d in fixture)
 
 
 @pytest.fixture(scope="session")
