@@ -93,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "up":
             shape = _requested_shape(args)
+            cluster = DevCluster(args.dir, shape)
+            cluster.gpu_devices()  # more real GPUs than there are: refused before anything else
             if shape.isolated:
                 netns.check_allowed()
             if not shape.debs:
                 ensure_installed(shape.accounting)
-            cluster = DevCluster(args.dir, shape)
             cluster.up(timeout_s=args.timeout)
             print(cluster.status())
         elif args.action == "down":

@@ -99,7 +99,7 @@ class DevCluster:
     # ---- up ------------------------------------------------------------------------------
     def up(self, timeout_s: float = 90.0) -> None:
         self._refuse_reshape_while_running()
-        devices = self.gpu_devices()  # first: a shape that does not fit is refused before anything starts
+        self.gpu_devices()  # first: a shape that does not fit is refused before anything starts
         running = bool(self.running_daemons())
         if self.shape.debs:
             carried.unpack(Path(self.shape.debs), self.paths.prefix, in_use=running)
@@ -109,7 +109,7 @@ class DevCluster:
             self._check_ports_free()
         if self.shape.isolated:  # before the files: a machine without namespaces is refused before anything starts
             self.net = netns.set_up(self.paths.root, self.shape.port_base, self.shape.node_names)
-        self._write_files(devices)
+        self.write_files()
         self._start_munge()
         if self.accounting is not None:
             # Past every job id the accounting holds (Accounting._first_job_id says why).
@@ -138,8 +138,9 @@ class DevCluster:
                         f"port {port} (for {name}) is in use by another program; pick other ports with --port-base"
                     ) from None
 
-    def _write_files(self, devices: dict[str, list[Path]]) -> None:
-        p, shape = self.paths, self.shape
+    def write_files(self) -> None:
+        """Every file under --dir the daemons read (configs, keys, fake GPUs), and cluster.json."""
+        p, shape, devices = self.paths, self.shape, self.gpu_devices()
         saved = load_shape(p)
         for d in (p.root, p.etc, p.logs, p.pids, p.slurm_run, p.state, p.munge_socket.parent):
             d.mkdir(parents=True, exist_ok=True)
