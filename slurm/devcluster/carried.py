@@ -59,6 +59,11 @@ class SlurmPrograms:
         return {name: _joined(first, base.get(name, defaults[name])) for name, first in self.prepended().items()}
 
 
+def unpacked(prefix: Path) -> bool:
+    """Whether `prefix` holds every package of a complete unpack."""
+    return (prefix / _STAMP).is_file()
+
+
 def unpack(debs: Path, prefix: Path, in_use: bool) -> None:
     """Unpack every .deb in `debs` into `prefix` (again only when the files changed; never under
     daemons that run from it: in_use). DevclusterError with the fix when something is missing."""

@@ -50,7 +50,7 @@ class DevCluster:
     def _set_env(self) -> None:
         """The environment of the daemons and of SLURM's programs: SLURM_CONF, and the carried
         packages' programs and libraries once they are unpacked."""
-        unpacked = self.programs.prefix is not None and self.paths.prefix.is_dir()
+        unpacked = self.programs.prefix is not None and carried.unpacked(self.programs.prefix)
         self.env = {slurm_env.CONF: str(self.paths.slurm_conf), **(self.programs.env() if unpacked else {})}
         # Its own record of SLURM's answers: the devcluster's calls say nothing of a job's SLURM.
         self.slurm = SlurmClient(SLURM_CALL_S, env=self.env, contact=SlurmContact())

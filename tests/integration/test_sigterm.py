@@ -12,6 +12,7 @@ the job's end as `slurmrl status` and Submitit see it need no sacct."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_tools.tracker import read_tracker
+from contract.job_dir import JobDir, read_trainer_finished
 from jobs.hetjob import HetSlurmJob
 from slurm.devcluster import DevCluster
 from slurm.devcluster.daemons import wait_for
@@ -70,8 +72,12 @@ def test_sigterm_to_the_batch_step_saves_now_and_requeues(devcluster, slurmdbd_s
     log = (job_dir / "logs" / "trainer.log").read_text()
     assert f"next rollout {saved + 1}" in log, "the requeued job resumes from the checkpoint saved on SIGTERM"
     # The trainer's exits as the supervisor saw them (srun's codes): saved and stopped for the
-    # requeue, then finished; none a failure.
-    assert len(events(job_dir, "trainer_finished")) == 2 and not events(job_dir, "trainer_failed")
+    # requeue (0, or SIGUSR1's code as it ended), then finished; none a failure.
+    exits = [e["kind"] for e in map(json.loads, (job_dir / "events.jsonl").read_text().splitlines())
+             if e["kind"] in ("trainer_finished", "trainer_stopped", "trainer_failed")]
+    assert len(exits) == 2 and exits[-1] == "trainer_finished" and "trainer_failed" not in exits, exits
+    # ... and its own record of its finish, for a supervisor that would not have seen it end.
+    assert read_trainer_finished(JobDir(job_dir), state["steps"]["trainer"]["launched_at"])
     # The job's end without the accounting: squeue, which still lists it.
     assert job_state(job_id, 30.0).state == "COMPLETED"
     assert '"stop_reason": "completed"' in slurmrl("status", job_id, "--json").stdout
