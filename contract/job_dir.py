@@ -55,6 +55,7 @@ class JobDir:
     events = property(lambda self: self.root / "events.jsonl")
     heartbeat = property(lambda self: self.root / "trainer_heartbeat.json")
     trainer_fatal = property(lambda self: self.root / "trainer_fatal.json")
+    trainer_finished = property(lambda self: self.root / "trainer_finished.json")
     metrics = property(lambda self: self.root / "metrics.jsonl")
     weights = property(lambda self: self.root / "weights")
     checkpoints = property(lambda self: self.root / "checkpoints")
@@ -170,6 +171,20 @@ def read_trainer_fatal(job_dir: JobDir, launched: float) -> str | None:
         return str(fatal["reason"]) if float(fatal["time"]) >= launched else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def write_trainer_finished(job_dir: JobDir) -> None:
+    """The trainer's last act before it exits 0: the record of its end that does not need SLURM's
+    accounting (a supervisor that did not see it end learns it here; sacct may have nothing)."""
+    write_atomic(job_dir.trainer_finished, json.dumps({"time": time.time(), "pid": os.getpid()}))
+
+
+def read_trainer_finished(job_dir: JobDir, launched: float) -> bool:
+    """Whether the trainer launched at `launched` (unix time) ran to its end and exits 0."""
+    try:
+        return float(json.loads(job_dir.trainer_finished.read_text())["time"]) >= launched
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 # ------------------------------------------------------------------ the trainer's metrics

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from slurm.devcluster import DevCluster, netns
-from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, ClusterShape
 from slurm.devcluster.daemons import DevclusterError
+from slurm.devcluster.install import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.netns import IP_MISSING, NAMESPACES_REFUSED
 
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
@@ -95,8 +95,10 @@ def worker_cluster(worker: int) -> tuple[Path, ClusterShape | None]:
 
 def _up(root: Path, shape: ClusterShape | None, network: str) -> subprocess.CompletedProcess[str]:
     flags = ["--port-base", str(shape.port_base), "--node-prefix", shape.node_prefix] if shape else []
-    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--dir", str(root), *flags],
-                          capture_output=True, text=True)
+    # Fake GPUs on a GPU machine too: the toy jobs ask for more GPUs than it has (tests/gpu bring
+    # up clusters of their own with --gpus real).
+    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--gpus", "fake", "--dir",
+                           str(root), *flags], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")
