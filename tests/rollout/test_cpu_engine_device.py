@@ -54,7 +54,8 @@ def test_the_gpu_flags_parse_and_reach_the_engines_command_line() -> None:
     default = parse_args(["--model-path", "m"])
     assert (default.device, default.base_gpu_id, default.mem_fraction_static) == ("cpu", 0, None)
     # on the CPU they change nothing: the engine says so at start
-    assert parse_args(["--model-path", "m", "--mem-fraction-static", "0.8"]).without_effect()["mem_fraction_static"] == 0.8
+    on_cpu = parse_args(["--model-path", "m", "--mem-fraction-static", "0.8"])
+    assert on_cpu.without_effect()["mem_fraction_static"] == 0.8
     # the launcher passes SGLang's --device on (a GPU stand-in's), and the engine parses its command line
     launch = EngineLaunch("m", "127.0.0.1", 30000, base_gpu_id=1, device="cuda",
                           sglang_args=["--mem-fraction-static", "0.4"])
