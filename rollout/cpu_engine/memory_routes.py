@@ -50,6 +50,12 @@ class MemorySaver:
         self.released.difference_update(tags)
 
 
+def _usage(engine: Engine) -> str:
+    """' allocated_gb=X reserved_gb=Y' on a GPU (what the engine holds there now), '' on the CPU."""
+    usage = engine.device.memory_usage()
+    return "".join(f" {key}={usage[key]:.3f}" for key in ("allocated_gb", "reserved_gb") if key in usage)
+
+
 def _tags(body: dict[str, Any]) -> list[str] | str:
     """The body's tags (every tag if none), or the problem with them."""
     tags = body.get("tags")
@@ -74,7 +80,8 @@ def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
             if not saver.released:  # new requests wait from now until every tag is resumed
                 await run_on_scheduler(engine, lambda: scheduler.hold_admission(+1))
             await run_on_scheduler(engine, lambda: saver.release(tags), needs_idle=True)
-        print(f"cpu_engine memory released tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
+        print(f"cpu_engine memory released tags={','.join(tags)} weight_version={scheduler.weight_version}"
+              f"{_usage(engine)}", flush=True)
         return JSONResponse(None)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -89,7 +96,8 @@ def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
             await run_on_scheduler(engine, lambda: saver.resume(tags))
             if not saver.released:
                 await run_on_scheduler(engine, lambda: scheduler.hold_admission(-1))
-        print(f"cpu_engine memory resumed tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
+        print(f"cpu_engine memory resumed tags={','.join(tags)} weight_version={scheduler.weight_version}"
+              f"{_usage(engine)}", flush=True)
         return JSONResponse(None)
 
     return saver
