@@ -94,6 +94,9 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
                                                               engine.args.weight_update_group_timeout, backend)
             except WeightSyncError as err:
                 return _result(False, str(err))
+        # One line per group joined: which transport the weights take, and when (a rebuilt group is a new line).
+        print(f"cpu_engine joined weight update group {name} backend={backend} rank={offset} world_size={world}",
+              flush=True)
         return _result(True, f"Succeeded to initialize custom process group {name!r} ({backend}).")
 
     @app.post("/begin_weight_update")
