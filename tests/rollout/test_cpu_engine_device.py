@@ -4,13 +4,11 @@ engine cannot do is refused at start with one line naming the flag. On a GPU: te
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,26 +16,9 @@ from rollout.cpu_engine.args import parse_args
 from rollout.cpu_engine.engine import load_engine
 from rollout.cpu_engine.server import build_app
 from rollout.launch import EngineLaunch, cpu_engine_command
-from tests.rollout.cpu_engine_helpers import REPO, make_tiny_model
+from tests.rollout.cpu_engine_helpers import REPO, asgi_get, make_tiny_model
 
 ENGINE_START_S = 120  # an engine process's start on a loaded 2-core machine, up to its first error
-
-
-def _get_json(app: Any, path: str) -> Any:
-    """One GET through the ASGI app, without a server: its JSON body."""
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    asyncio.run(app(scope, receive, send))
-    return json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
 
 
 def _engine_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -70,7 +51,7 @@ def test_the_cpu_device_is_unchanged(tmp_path: Path) -> None:
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     # a trainer on a GPU asks for nccl: a CPU engine joins over gloo and receives into host tensors
     assert engine.device.update_backend("nccl") == "gloo" and engine.device.receive_device("gloo").type == "cpu"
-    info = _get_json(build_app(engine), "/server_info")
+    info = json.loads(asgi_get(build_app(engine), "/server_info")[1])
     assert info["device"] == "cpu" and info["internal_states"][0]["memory_usage"] == {}
 
 
