@@ -137,7 +137,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if ns.nnodes > 1 and not (ns.dist_init_addr and ns.dist_init_addr.rpartition(":")[2].isdigit()):
         parser.error(f"--nnodes {ns.nnodes} needs --dist-init-addr HOST:PORT (node rank 0's), got "
                      f"{ns.dist_init_addr!r}")
-    _check_device(parser, ns)
+    problem = _device_problem(ns.device, ns.base_gpu_id, ns.mem_fraction_static, ns.tp_size, ns.nnodes,
+                              ns.disaggregation_mode)
+    if problem:
+        parser.error(problem)
     ignored_names = {flag[2:].replace("-", "_") for flag, _, _ in _IGNORED_FLAGS}
     return ServerArgs(
         model_path=ns.model_path, tokenizer_path=ns.tokenizer_path or ns.model_path,
@@ -154,19 +157,21 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     )
 
 
-def _check_device(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
-    """The GPU flags' values, and what the stand-in engine does on the CPU only."""
-    if ns.base_gpu_id < 0:
-        parser.error(f"--base-gpu-id must be 0 or more, got {ns.base_gpu_id}")
-    if ns.mem_fraction_static is not None and not 0.0 < ns.mem_fraction_static <= 1.0:
-        parser.error(f"--mem-fraction-static must be in (0, 1], got {ns.mem_fraction_static}")
-    if ns.device != "cuda":
-        return
-    if ns.nnodes > 1:
-        parser.error(f"--device cuda: the stand-in engine spans nodes (--nnodes {ns.nnodes}) on CPU only; "
-                     "give --device cpu or --nnodes 1")
-    if ns.tp_size != 1:
-        parser.error(f"--tp-size {ns.tp_size}: the stand-in engine uses one GPU (--device cuda); give --tp-size 1")
-    if ns.disaggregation_mode != "null":
-        parser.error(f"--device cuda: the stand-in engine's prefill/decode disaggregation (--disaggregation-mode "
-                     f"{ns.disaggregation_mode}) runs on CPU only; give --device cpu")
+def _device_problem(device: str, base_gpu_id: int, mem_fraction: float | None, tp_size: int, nnodes: int,
+                    disaggregation_mode: str) -> str | None:
+    """What is wrong with the GPU flags' values, or with what the stand-in engine does on the CPU only."""
+    if base_gpu_id < 0:
+        return f"--base-gpu-id must be 0 or more, got {base_gpu_id}"
+    if mem_fraction is not None and not 0.0 < mem_fraction <= 1.0:
+        return f"--mem-fraction-static must be in (0, 1], got {mem_fraction}"
+    if device != "cuda":
+        return None
+    if nnodes > 1:
+        return (f"--device cuda: the stand-in engine spans nodes (--nnodes {nnodes}) on CPU only; give --device cpu "
+                "or --nnodes 1")
+    if tp_size != 1:
+        return f"--tp-size {tp_size}: the stand-in engine uses one GPU (--device cuda); give --tp-size 1"
+    if disaggregation_mode != "null":
+        return (f"--device cuda: the stand-in engine's prefill/decode disaggregation (--disaggregation-mode "
+                f"{disaggregation_mode}) runs on CPU only; give --device cpu")
+    return None
