@@ -23,7 +23,7 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       rollout_num_gpus: 0
       rollout_num_gpus_per_engine: 1
       rollout_num_gpus_per_node: 8
-      num_engines: 2                # cpu engine only
+      num_engines: 2                # cpu engine; standin: more than its GPUs shares them
       cpus_per_engine: 2            # cpu engine only
       engines_per_node: 2
       spare_nodes: 0                # extra rollout nodes: an engine whose node fails is relaunched on one

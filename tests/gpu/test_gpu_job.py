@@ -58,8 +58,13 @@ TWO_ENGINES_ON_ONE_GPU = ("--rollout-num-gpus", "1", "--rollout-num-engines", "2
 ONE_ENGINE_NCCL = ("--rollout-num-gpus", "1", "--rollout-num-engines", "1", "--update-weight-transport", "nccl")
 DP2_TWO_ENGINES_NCCL = ("--actor-num-nodes", "2", "--rollout-num-gpus", "2", "--rollout-num-engines", "2",
                         "--update-weight-transport", "nccl")
+# A reward model that takes 20 ms a sample: a rollout of 64 samples lasts 1.3 s or more on any GPU, so
+# that a signal or a kill lands while the job runs, mid-rollout.
+SLOW_REWARD = ("--custom-rm-path", "tests.trainer.plugins.slow_toy_reward")
 # c: as tests/integration/test_resume.py (--adam-eps 1: see there), without eval
-RESUME_FLAGS = ("--num-rollout", "8", "--save-interval", "100", "--rollout-batch-size", "8", "--adam-eps", "1")
+RESUME_ROLLOUTS = 12
+RESUME_FLAGS = ("--num-rollout", str(RESUME_ROLLOUTS), "--save-interval", "100", "--rollout-batch-size", "8",
+                "--adam-eps", "1", *SLOW_REWARD)
 # bf16 keeps 8 bits of mantissa: two runs that differ in the order of a sum differ by ~1e-2 relative
 # in a loss near 0 or a grad norm (fp32 runs: tests/integration/test_resume.py's 1e-4)
 BF16_REL, BF16_ABS = 2e-2, 1e-3
@@ -208,7 +213,7 @@ def test_a_preempted_gpu_job_resumes_exactly(gpu_cluster, toy, tmp_path: Path) -
                 for x, y in zip(whole, cut)]
     keep("preemption_two_gpus", {"events": events(cut_dir, "preemption") + events(cut_dir, "requeue"),
                                  "whole_vs_resumed": compared})
-    assert [m["rollout_id"] for m in cut] == [m["rollout_id"] for m in whole] == list(range(8))
+    assert [m["rollout_id"] for m in cut] == [m["rollout_id"] for m in whole] == list(range(RESUME_ROLLOUTS))
     for row in compared:
         # the samples: their rewards and the version that generated them, exactly
         for key in ("reward_mean", "weight_version"):
@@ -222,7 +227,7 @@ def test_a_preempted_gpu_job_resumes_exactly(gpu_cluster, toy, tmp_path: Path) -
 def test_four_gpus_dp2_trainer_two_engines_and_faults_over_nccl(gpu_cluster, toy, tmp_path: Path) -> None:  # noqa: F811
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, *DP2_TWO_ENGINES_NCCL, "--num-rollout", "100000", "--save-interval", "2",
-                    "--rollout-batch-size", "8")
+                    "--rollout-batch-size", "8", *SLOW_REWARD)
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 2, JOB_START_S, "the first rollouts")
         steps = status(job_dir)["steps"]
