@@ -196,6 +196,8 @@ class Metric:
     TRAIN_SECONDS = "train_seconds"  # log-probs and optimizer steps
     LOG_PROBS_SECONDS = "log_probs_seconds"  # of which the forward passes before the first step
     PUBLISH_SECONDS = "publish_seconds"
+    PUBLISH_BYTES = "publish_bytes"  # the weights sent (disk: written) by the publish
+    TRAIN_TOKENS_PER_S = "perf/actor_train_tok_per_s"  # slime's: the rollout's tokens / the optimizer steps' time
     SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
     EVAL_SECONDS = "eval_seconds"  # only on rollouts that evaluated
 
@@ -205,6 +207,12 @@ class Metric:
 # stacks them): log-probs are the forward passes before the first optimizer step, train the steps.
 PHASE_TIMES = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time", "train": "perf/actor_train_time",
                "publish": "perf/update_weights_time", "save": "perf/save_model_time", "eval": "perf/eval_time"}
+
+
+# Where the trainer has a GPU, each phase's peak GPU memory (GiB; trainer/phase_memory.py): the
+# trainer rank's own, and the GPU's use by every process on it (colocated engines too).
+PHASE_PEAK_GPU_MEMORY = {phase: (f"perf/{phase}_trainer_peak_gpu_gb", f"perf/{phase}_gpu_used_peak_gb")
+                         for phase in PHASE_TIMES}
 
 
 def phase_times(metrics: dict[str, Any]) -> dict[str, float]:

@@ -29,6 +29,7 @@ from trainer.checkpointer import ROLLOUT_ID_KEY, Checkpointer
 from trainer.colocation import Colocation
 from trainer.evals import EvalSchedule
 from trainer.metrics import Reporter
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publisher import Publisher
 from trainer.rollout_source import Rollout, RolloutSource
@@ -62,8 +63,9 @@ class Loop:
     def __init__(self, backend: Backend, progress: Progress, source: RolloutSource, train_step: TrainStep,
                  publisher: Publisher, checkpointer: Checkpointer, evals: EvalSchedule, stops: StopRequests,
                  colocation: Colocation | None, reporter: Reporter | None, profiler: TrainProfiler,
-                 num_rollout: int, log_passrate: bool) -> None:
-        """reporter: rank 0's. log_passrate: report pass@k over the rollout's groups (--log-passrate)."""
+                 memory: PhaseMemory, num_rollout: int, log_passrate: bool) -> None:
+        """reporter: rank 0's. memory: each phase's peak GPU memory (train_step measures log-probs
+        and train with the same). log_passrate: report pass@k over the rollout's groups (--log-passrate)."""
         self.backend = backend
         self.progress = progress
         self.source = source
@@ -75,6 +77,7 @@ class Loop:
         self.colocation = colocation
         self.reporter = reporter
         self.profiler = profiler
+        self.memory = memory
         self.num_rollout = num_rollout
         self.log_passrate = log_passrate
 
@@ -103,7 +106,8 @@ class Loop:
                 self.save_before_stop()
                 break
             began = time.monotonic()
-            rollout = self.source.rollout(rollout_id, self.progress.weight_version)
+            with self.memory.phase("rollout"):
+                rollout = self.source.rollout(rollout_id, self.progress.weight_version)
             if rollout is None:
                 log.warning("abandoned rollout %d to save at once, as the supervisor asked", rollout_id)
                 self.save_before_stop()
@@ -144,17 +148,25 @@ class Loop:
             # Colocated, the trainer saves while it holds the GPUs, before it publishes; the eval
             # that follows is owed in that checkpoint, as after a save-now.
             if save_due:
-                with self.evals.owed_while_saving(rollout_id):
+                with self.evals.owed_while_saving(rollout_id), self.memory.phase("save"):
                     metrics[Metric.SAVE_SECONDS] = self.checkpointer.save(rollout_id)
                 save_due = False
             self.colocation.before_publish()
-        metrics.update(self.publish() if publish else {}, published_version=self.progress.weight_version)
+        if publish:
+            with self.memory.phase("publish"):
+                metrics.update(self.publish())
+        metrics["published_version"] = self.progress.weight_version
         if publish and self.colocation:
             self.colocation.to_engines()
-        metrics.update(self.evals.after_publish(rollout_id, published=publish))
+        with self.memory.phase("eval"):
+            evaluated = self.evals.after_publish(rollout_id, published=publish)
+        if Metric.EVAL_SECONDS not in evaluated:
+            self.memory.forget("eval")  # none was due: the figures would be of nothing
+        metrics.update(evaluated)
         if save_due:
-            metrics[Metric.SAVE_SECONDS] = self.checkpointer.save(rollout_id)
-        metrics.update(phase_times(metrics))
+            with self.memory.phase("save"):
+                metrics[Metric.SAVE_SECONDS] = self.checkpointer.save(rollout_id)
+        metrics.update(phase_times(metrics), **self.memory.take())
         if self.reporter:
             self.reporter.rollout(rollout_id, metrics)
 

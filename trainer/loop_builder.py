@@ -29,6 +29,7 @@ from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
 from trainer.loop import Loop, Progress
 from trainer.metrics import Reporter
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publish import WeightPublisher
 from trainer.publisher import Publisher
@@ -105,6 +106,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None),
         parts, [rank0.journal.checkpointed] if rank0 and rank0.journal else [], heartbeat)
     profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
+    memory = PhaseMemory.of_this_process() if rank0 else PhaseMemory(None)  # rank 0 reports
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
@@ -112,7 +114,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
         per_token_loss=loss.calculate_per_token_loss),
         rl_step.loss_config(loss),
-        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat)
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory)
     supervisor = rank0.fleet.supervisor if rank0 else None
     publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
                           supervisor, heartbeat)
@@ -120,7 +122,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
                          profiler.arm)
     return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops,
                 colocation(config, backend, rank0.fleet if rank0 else None), rank0.reporter if rank0 else None,
-                profiler, run.num_rollout, config.logging.log_passrate)
+                profiler, memory, run.num_rollout, config.logging.log_passrate)
 
 
 def colocation(config: TrainerConfig, backend: Backend, fleet: EngineFleet | None) -> Colocation | None:

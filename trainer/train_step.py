@@ -15,6 +15,7 @@ from trainer import rl_step
 from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.rollout_source import Heartbeat
 
@@ -38,21 +39,28 @@ class TrainStepConfig:
 class TrainStep:
     def __init__(self, backend: Backend, config: TrainStepConfig, loss: LossConfig,
                  advantages: Callable[[list[TrainSample]], None], profiler: TrainProfiler,
-                 heartbeat: Heartbeat) -> None:
-        """advantages: fills each sample's advantages (and returns) in place."""
+                 heartbeat: Heartbeat, memory: PhaseMemory) -> None:
+        """advantages: fills each sample's advantages (and returns) in place. memory: the loop's
+        per-phase peak GPU memory (log_probs and train are measured here)."""
         self.backend = backend
         self.config = config
         self.loss = loss
         self.advantages = advantages
         self.profiler = profiler
         self.heartbeat = heartbeat
+        self.memory = memory
 
     def run(self, rollout_id: int, samples: list[TrainSample]) -> dict[str, Any]:
         began = time.monotonic()
-        out = self.prepare(samples)
+        with self.memory.phase("log_probs"):
+            out = self.prepare(samples)
         # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
         out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
-        out.update(self.optimize(rollout_id, samples))
+        stepping = time.monotonic()
+        with self.memory.phase("train"):
+            out.update(self.optimize(rollout_id, samples))
+        tokens = sum(s.tokens.numel() for s in samples)  # prompts and responses, as slime counts seq_lens
+        out[Metric.TRAIN_TOKENS_PER_S] = tokens / max(time.monotonic() - stepping, 1e-9)
         return out
 
     def prepare(self, samples: list[TrainSample]) -> dict[str, Any]:
