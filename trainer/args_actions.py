@@ -84,6 +84,26 @@ def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any 
                    help=f"refused: {reason}" + ("" if allowed is None else f" (accepted: {allowed})"), **kwargs)
 
 
+class Choice:
+    """An argparse type for a flag of named values: one of `allowed`, or refused with the reason
+    `refused` gives for it (slime's and Megatron's other values), never a bare "invalid choice"."""
+
+    def __init__(self, allowed: tuple[str, ...], refused: dict[str, str]) -> None:
+        self.allowed, self.refused = allowed, refused
+        self.__name__ = "choice"  # argparse names the type in its messages
+
+    def __call__(self, value: str) -> str:
+        if value in self.allowed:
+            return value
+        if value in self.refused:
+            raise argparse.ArgumentTypeError(f"{value}: {self.refused[value]}")
+        raise argparse.ArgumentTypeError(f"{value!r}: give one of {', '.join(self.allowed)}")
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(self.allowed) + "}"
+
+
 def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)

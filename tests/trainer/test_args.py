@@ -230,7 +230,8 @@ def test_ckpt_step_flags_pick_that_iteration_of_ref_load(tmp_path: Path) -> None
         (ref / iteration_dirname(step) / ".metadata").write_bytes(b"")
     write_tracker(ref, 2)
     ckpt = CheckpointOptions(load=None, ckpt_step=None, ref_load=str(ref), ref_ckpt_step=None, opd_teacher_load=None,
-                             opd_teacher_ckpt_step=None, save=None, save_interval=0, keep_checkpoints=None)
+                             opd_teacher_ckpt_step=None, save=None, save_interval=0, keep_checkpoints=None,
+                             no_save_optim=False)
 
     def initial(step: int | None) -> Path:
         return initial_weights(dataclasses.replace(ckpt, ref_ckpt_step=step), "unused", "unused", True, None)

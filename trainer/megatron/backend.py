@@ -29,7 +29,7 @@ from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
 from trainer import context_parallel, main_grads
 from trainer.args import ArgsError
-from trainer.backend import Backend, PackLoss, built, check_finite
+from trainer.backend import OPTIMIZER_SAVED, Backend, PackLoss, built, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
@@ -93,6 +93,7 @@ class MegatronBackend(Backend):
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
         self.sequence_parallel = config.parallel.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
+        self.save_optimizer = not config.checkpoint.no_save_optim
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         check_attention_backend(config.model.attention_kernels, self.device, "megatron", parallel.context_parallel_size)
@@ -354,31 +355,43 @@ class MegatronBackend(Backend):
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
-        megatron_state.save_megatron(ckpt_dir, self.model, self.actor.optimizer,
-                                     {**common, "lr_scheduler": self.actor.scheduler.state_dict()})
+        keep = self.save_optimizer  # --no-save-optim: the weights, RNG and loop state only
+        megatron_state.save_megatron(ckpt_dir, self.model, self.actor.optimizer if keep else None,
+                                     {**common, OPTIMIZER_SAVED: keep,
+                                      "lr_scheduler": self.actor.scheduler.state_dict()})
         if self.critic is not None:
             (ckpt_dir / CRITIC_DIR).mkdir(exist_ok=True)
-            megatron_state.save_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer,
+            megatron_state.save_megatron(ckpt_dir / CRITIC_DIR, self.critic.model,
+                                         self.critic.optimizer if keep else None,
                                          {"lr_scheduler": self.critic.scheduler.state_dict()})
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
-        common = self._load(ckpt_dir, weights_only)
-        if weights_only:  # a full load restored the masters with the optimizer
+        with_optimizer = not weights_only and megatron_state.holds_optimizer(ckpt_dir)
+        common = self._load(ckpt_dir, weights_only, with_optimizer)
+        if not with_optimizer:  # a load with the optimizer restored the masters with it
             for trainee in (self.actor, self.critic):
                 if trainee is not None:
                     trainee.optimizer.refresh_masters()
         return common
 
-    def _load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
-        common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.actor.optimizer)
+    def _load(self, ckpt_dir: Path, weights_only: bool, with_optimizer: bool) -> dict[str, Any]:
+        common = megatron_state.load_megatron(ckpt_dir, self.model, self.actor.optimizer if with_optimizer else None,
+                                              with_rng=not weights_only)
         if weights_only:
             if self.critic is not None:  # the critic starts as the initial policy with a zero value head
                 backbone = {k: v for k, v in self.model.state_dict().items() if not k.startswith("output_layer")}
                 self.critic.model.load_state_dict(backbone, strict=False)
             return {}
+        if not with_optimizer:
+            if common.get(OPTIMIZER_SAVED) is not False:  # not a --no-save-optim checkpoint: a converted one
+                raise RuntimeError(f"{ckpt_dir} holds no optimizer state and no trainer state (converted from HF?): "
+                                   "give it as --ref-load, not --load")
+            log.warning("%s was saved with --no-save-optim: the optimizer starts afresh", ckpt_dir)
+        common.pop(OPTIMIZER_SAVED, None)
         self.actor.scheduler.load_state_dict(common.pop("lr_scheduler"))
         if self.critic is not None:
-            critic_state = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer)
+            critic_state = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model,
+                                                        self.critic.optimizer if with_optimizer else None)
             self.critic.scheduler.load_state_dict(critic_state["lr_scheduler"])
         return common
 
