@@ -54,6 +54,10 @@ def train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     except ArgsError as err:
         own += err.problems
     own += _device_problems(spec, parsed)
+    if parsed.debug_train_only:  # (an engine-less job shape is not there yet: the supervisor starts what the spec asks)
+        notes.append("--debug-train-only: the trainer uses no engine, but the job still starts the router and the "
+                     f"{spec.rollout.engine_count} engine(s) of rollout.*; keep them small (--rollout-engine cpu "
+                     "--rollout-num-engines 1)")
     hf = parsed.hf_checkpoint
     if Path(hf, "config.json").is_file():  # (else build_config said so)
         hf_config = read_hf_config(hf)

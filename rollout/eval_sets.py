@@ -167,7 +167,9 @@ def _eval_set(args: Any, dataset: dict[str, Any], defaults: dict[str, Any], wher
         elif f.name in _FROM_FLAGS and _from_flags(args, f.name) is not None:
             values[f.name] = _from_flags(args, f.name)
     if not Path(values["path"]).is_file():
-        raise EvalConfigError(f"{where}: set {name}: {values['path']}: no such file; give a jsonl or parquet file")
+        at = f"{where} {name} {values['path']}" if where == "--eval-prompt-data" else f"{where}: set {name}: " \
+                                                                                      f"{values['path']}"
+        raise EvalConfigError(f"{at}: no such file; give a jsonl file")
     missing = [f.name for f in fields(EvalSet)
                if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
     if missing:

@@ -30,8 +30,9 @@ from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
 
-from rollout import debug_data, trace
+from rollout import custom_generate, debug_data, trace
 from rollout.buffer import DataBuffer
+from rollout.custom_generate import CustomGenerates
 from rollout.engine_check import CHECK_TIMEOUT_S
 from rollout.engine_client import version_from_wire
 from rollout.filters import judge_group
@@ -49,17 +50,12 @@ log = logging.getLogger(__name__)
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 _DONE = (Status.COMPLETED, Status.TRUNCATED)
-CUSTOM_GENERATE, SAMPLE_HOOK = "--custom-generate-function-path", "--rollout-sample-hook-path"
-SET_GENERATE = "--eval-config custom_generate_function_path"
+SAMPLE_HOOK = "--rollout-sample-hook-path"
 
 
 class UnfinishedSample(Exception):
     """A custom generate returned a sample that is neither complete nor truncated while the round
     goes on (an aborted one is continued first)."""
-
-
-class BadReturn(TypeError):
-    """A custom generate returned something other than a Sample, a non-empty list of them, or None."""
 
 
 @dataclass
@@ -162,26 +158,6 @@ def _tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _returned(out: Any, argument: Sample) -> list[Sample]:
-    """A custom generate's return value as the samples that take its argument's place."""
-    if out is None:
-        return [argument]  # filled in place
-    if isinstance(out, Sample):
-        return [out]
-    if isinstance(out, (list, tuple)) and out and all(isinstance(s, Sample) for s in out):
-        return list(out)
-    raise BadReturn(f"returned {type(out).__name__} {out!r:.100}: a custom generate returns a Sample or a "
-                    "non-empty list of Samples (or None, having filled its argument in place)")
-
-
-def _takes_evaluation(function: CustomGenerate) -> bool:
-    """slime passes evaluation= to a custom generate whose signature names it."""
-    try:
-        return "evaluation" in inspect.signature(function).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin): slime's inspect would fail too
-        return False
-
-
 def _seed(*parts: object) -> int:
     """A stable per-sample sampling seed, so a resumed run samples exactly as an uninterrupted one."""
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
@@ -196,10 +172,7 @@ class _Round:
             concurrency=args.rollout_concurrency, retry_timeout_s=args.retry_timeout_s,
             check_timeout_s=args.engine_check_timeout_s, decode_speed=args.decode_speed, counts=args.request_counts,
             on_failure=args.engine_failure_handler, on_unresponsive=args.engine_unresponsive_handler)
-        self._set_generates: dict[str, CustomGenerate] = {}  # eval sets' custom_generate_function_path
-        self.custom_generate: CustomGenerate | None = (
-            load_function(args.custom_generate_function_path, CUSTOM_GENERATE) if args.custom_generate_function_path
-            else None)
+        self.generates = CustomGenerates(args.custom_generate_function_path)
         self.remote_rm = (RemoteRewardModel(args.rm_url, concurrency=args.rm_concurrency, timeout_s=args.rm_timeout,
                                             max_retries=args.rm_max_retries, backoff_s=args.rm_retry_backoff)
                           if args.rm_url else None)
@@ -296,12 +269,9 @@ class _Round:
     def _unfinished(self, samples: list[Sample]) -> int:
         """Samples left unfinished while the round goes on: errors of the custom generate that
         returned them (an engine's abort at the length limit, with the built-in one, is no one's)."""
-        path = self.args.custom_generate_function_path
-        if not path:
-            return 0
-        unfinished = [s for s in samples if s.status not in _DONE]
+        unfinished = [s for s in samples if s.status not in _DONE and self.generates.for_sample(s) is not None]
         for sample in unfinished:
-            self._record(CUSTOM_GENERATE, path, sample, UnfinishedSample(
+            self._record(*self.generates.named(sample), sample, UnfinishedSample(
                 f"sample {sample.index} came back with status {sample.status.value}: set sample.status to "
                 "COMPLETED or TRUNCATED (ABORTED is continued)"))
         return len(unfinished)
@@ -360,7 +330,7 @@ class _Round:
             if sample.status is Status.ABORTED and not self.transport.stopped:  # stopped earlier, continued now
                 trace.add(sample, "resume", time.time(), weight_version=sample.weight_version,
                           rollout_id=self.rollout_id, tokens=sample.response_length)
-            generate = self._generate_for(sample)
+            generate = self.generates.for_sample(sample)
             if generate is not None:
                 returned = await self._custom_generate(generate, sample)
                 if returned is None or len(returned) > 1:
@@ -378,35 +348,18 @@ class _Round:
                     or sample.response_length >= self.args.rollout_max_response_len):
                 return [sample]  # (a sample the round ended before it started stays PENDING, for partial rollout)
 
-    def _generate_for(self, sample: Sample) -> CustomGenerate | None:
-        """The sample's own generate function (an eval set's, --eval-config), else the flag's."""
-        path = sample.generate_function_path
-        if not path:
-            return self.custom_generate
-        if path not in self._set_generates:
-            self._set_generates[path] = load_function(path, SET_GENERATE)
-        return self._set_generates[path]
-
     async def _custom_generate(self, generate: CustomGenerate, sample: Sample) -> list[Sample] | None:
-        """One call of --custom-generate-function-path on `sample`: the samples it returned, each
-        of `sample`'s group, or None when it raised or returned what is not samples (recorded)."""
+        """One call of the sample's custom generate: the samples it returned, each of `sample`'s
+        group, or None when it raised or returned what is not samples (recorded)."""
         try:
             async with self.transport.gate:  # a plug-in's requests count against --rollout-concurrency too
                 with trace.span(sample, "generate", attempt=trace.generate_attempts(sample), custom=True) as span:
-                    out = await generate(self.args.for_plugins, sample, self._sampling_params(sample),
-                                         **({"evaluation": self.evaluation} if _takes_evaluation(generate) else {}))
-                    returned = _returned(out, sample)
+                    returned = await custom_generate.call(generate, self.args.for_plugins, sample,
+                                                          self._sampling_params(sample), self.evaluation)
                     span.update(weight_version=returned[0].weight_version, outcome=returned[0].status.value)
         except Exception as err:
-            flag, path = ((SET_GENERATE, sample.generate_function_path) if sample.generate_function_path
-                          else (CUSTOM_GENERATE, self.args.custom_generate_function_path or ""))
-            self._record(flag, path, sample, err)
+            self._record(*self.generates.named(sample), sample, err)
             return None
-        for new in returned:
-            new.group_index = sample.group_index  # slime's: the returned samples stand in the argument's group
-            new.index = sample.index if new.index is None else new.index
-            if new is not sample and not new.spans:
-                new.spans = list(sample.spans)  # what happened to the argument, for rollout.trace
         return returned
 
     def _rid(self, sample: Sample) -> str:

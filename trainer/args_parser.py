@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ref-load", help="torch_dist weights to start from and, with KL, the reference model")
     add("--save", help="torch_dist save folder (SAVE/iter_XXXXXXX)")
     add("--save-interval", type=int, default=0, help="save every N rollouts (0: only at the end)")
+    add("--save-hf", help="with each save, also the weights as an HF checkpoint in this folder, formatted with "
+        "{rollout_id} (slime's; e.g. /ckpt/hf/iter_{rollout_id})")
     add("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints")
     add("--ckpt-step", type=int, help="resume from exactly this iteration of --load")
     add("--job-dir", help="folder for weights, metrics and the heartbeat (default: --save or the cwd)")
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--recompute-granularity", choices=("full", "selective"))
     add("--recompute-method", choices=("uniform", "block"))
     add("--recompute-num-layers", type=int)
+    add("--only-train-params-name-list", nargs="*", help="regexes (re.search) of the megatron parameter names that "
+        "train; every other parameter is frozen (slime's)")
+    add("--freeze-params-name-list", nargs="*", help="regexes of the megatron parameter names to freeze (slime's)")
     add("--custom-megatron-init-path")
     add("--custom-megatron-before-log-prob-hook-path")
     add("--custom-megatron-before-train-step-hook-path")

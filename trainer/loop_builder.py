@@ -109,7 +109,8 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     checkpointer = Checkpointer(backend, CheckpointConfig(
         save_dir=Path(ckpt.save) if ckpt.save else None, load_dir=Path(ckpt.load) if ckpt.load else None,
         load_step=ckpt.ckpt_step, save_interval=ckpt.save_interval, keep=ckpt.keep_checkpoints,
-        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None),
+        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None, save_hf=ckpt.save_hf,
+        model_files=Path(config.model.model_files)),
         parts, [rank0.journal.checkpointed] if rank0 and rank0.journal else [], heartbeat)
     memory = (MemoryHistory(backend.rank, run.memory_snapshot_dir, run.memory_snapshot_path,
                             run.memory_snapshot_num_steps) if run.record_memory_history else None)

@@ -148,11 +148,6 @@ REFUSED: tuple[Refusal, ...] = (
                                          "backward pass is not supported (use --recompute-granularity)"),
     Refusal("--log-probs-chunk-size", "log-probs are computed over the whole micro-batch (bound it with "
                                       "--log-probs-max-tokens-per-gpu)", allowed=-1, type=int),
-    Refusal("--only-train-params-name-list", "freezing parameters is not supported; every parameter trains",
-            nargs="+"),
-    Refusal("--freeze-params-name-list", "freezing parameters is not supported; every parameter trains", nargs="+"),
-    Refusal("--save-hf", "checkpoints are torch_dist; convert one with `python -m ckpt_tools torch-dist-to-hf`, "
-                         "or read a published version in JOB_DIR/weights, which is an HF checkpoint"),
     Refusal("--megatron-config-path", "per-role Megatron YAML is not supported; the critic takes the actor's "
                                       "flags and --critic-lr"),
     _switch("--reset-optimizer-states", "the optimizer's moments persist across rollouts, as in an exact resume"),

@@ -164,3 +164,22 @@ def test_random_and_ifbench_rewards(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rule_based_reward("ifbench", "all done.", None, metadata) == 1.0
     assert rule_based_reward("ifbench", "not finished", None, metadata) == 0.0
     assert rule_based_reward("ifbench", "all done.", None, {}) == 0.0  # no instructions: slime's 0
+
+
+def test_an_eval_sets_own_functions_win_over_the_flags(model: Path, tmp_path: Path) -> None:
+    """--eval-config's per-set custom_rm_path and custom_generate_function_path reach its samples and
+    are used for them, as slime's eval rollout uses them."""
+    from rollout.eval_sets import EvalSet
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input": f"repeat: {i + 1}", "label": str(i + 1)}) + "\n" for i in range(2)))
+    eval_set = EvalSet(name="s", path=str(data), input_key="input", label_key="label", metadata_key=None,
+                       n_samples_per_eval_prompt=2, temperature=1.0, top_p=1.0, top_k=-1, max_response_len=4,
+                       custom_rm_path=f"{PLUGINS}.one_rm",
+                       custom_generate_function_path=f"{PLUGINS}.generate_with_evaluation")
+    buffer = DataBuffer(JsonlDataSource(data, label_key="label", n_samples_per_prompt=2, shuffle=False,
+                                        stamp=eval_set.stamp))
+    args = RolloutArgs(hf_checkpoint=str(model), router_url="http://127.0.0.1:1", rollout_batch_size=2,
+                       n_samples_per_prompt=2, rm_type="toy")
+    samples = [s for g in generate_rollout(args, 0, buffer, evaluation=True) for s in g]
+    assert [s.reward for s in samples] == [42.0] * 4 and all(s.metadata["evaluation"] for s in samples)

@@ -146,3 +146,25 @@ def test_every_refused_or_accepted_flag_keeps_a_reason() -> None:
     for flag in ("--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
                  "--enable-experimental"):
         assert actions[flag].allowed is True and actions[flag].reason.startswith("accepted: ")
+
+
+def test_save_hf_writes_an_hf_checkpoint_with_each_save(model: Path, tmp_path: Path) -> None:
+    """slime's --save-hf: with each checkpoint, the weights as an HF folder at the formatted path."""
+    from safetensors.torch import load_file
+
+    from tests.trainer.test_loop_parts import FakeBackend
+    from trainer.checkpointer import CheckpointConfig, Checkpointer
+
+    backend = FakeBackend()
+    checkpointer = Checkpointer(backend, CheckpointConfig(
+        save_dir=tmp_path / "save", load_dir=None, load_step=None, save_interval=1, keep=None, num_rollout=3,
+        job_dir=None, save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"), model_files=model), [], [],
+        lambda phase, rollout_id: None)
+    checkpointer.state_dict = lambda: {"rollout_id": 1}  # type: ignore[method-assign]
+    backend.weight = torch.tensor([3.0, 4.0])
+    checkpointer.save(1)
+    folder = tmp_path / "hf" / "iter_1"
+    assert torch.equal(load_file(folder / "model.safetensors")["w"], torch.tensor([3.0, 4.0]))
+    assert json.loads((folder / "config.json").read_text()) == json.loads((model / "config.json").read_text())
+    with pytest.raises(ArgsError, match="--save-hf writes an HF checkpoint with each save: give --save too"):
+        parse_args(_argv(model, "--save-hf", str(tmp_path / "x_{rollout_id}")))

@@ -18,8 +18,9 @@ from contract.job_dir import API_KEY_ENV, JobDir, model_files_dir
 from rollout.data import PROMPT_SUFFIXES
 from rollout.ifbench import missing_evaluation_lib
 from rollout.rewards import DICT_REWARDS
-from trainer.args_parser import ArgsError
+from trainer.config.checks import Checks
 from trainer.config.model_checks import read_hf_config, validate_megatron_parallel
+from trainer.config.plugin_checks import check_loss_plugins, check_patterns, epoch_rollouts
 from trainer.config.sections import (
     BatchingOptions,
     CheckpointOptions,
@@ -52,23 +53,6 @@ _WANDB_FLAGS = ("wandb_mode", "wandb_dir", "wandb_key", "wandb_host", "wandb_tea
 Section = TypeVar("Section")
 
 
-class Checks:
-    """`need(ok, message)` for every check of a command line: the message of each one that fails is
-    kept, and `raise_any` raises them all as one ArgsError."""
-
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-
-    def __call__(self, ok: bool, message: str) -> bool:
-        if not ok:
-            self.problems.append(message)
-        return ok
-
-    def raise_any(self) -> None:
-        if self.problems:
-            raise ArgsError(*self.problems)
-
-
 def build_config(args: argparse.Namespace) -> TrainerConfig:
     """The flags as parsed by trainer.args_parser.build_parser -> TrainerConfig, or ArgsError
     with every problem, each naming the flag and the fix."""
@@ -81,7 +65,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     hf_config = (read_hf_config(model_files)
                  if need(Path(model_files, "config.json").is_file(), f"--hf-checkpoint {args.hf_checkpoint}: "
                          "no config.json there; point it at a Hugging Face model folder") else None)
-    num_rollout = args.num_rollout if args.num_rollout is not None else _epoch_rollouts(args, model_files, need)
+    num_rollout = args.num_rollout if args.num_rollout is not None else epoch_rollouts(args, model_files, need)
     need(num_rollout is None or num_rollout >= 1, f"--num-rollout must be 1 or more, got {num_rollout}")
     _check_parallel(args, hf_config, need)
     global_batch_size = _check_batching(args, need)
@@ -98,6 +82,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
                                             "--use-wandb; add --use-wandb or drop it")
     need(args.tb_project_name or not args.tb_experiment_name,
          "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
+    _check_save_hf(args, hf_config, need)
     need(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
          "give --lr-warmup-iters or --lr-warmup-fraction, not both")
     need.raise_any()
@@ -149,38 +134,16 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         plugin_only=tuple((name, value) for name, value in vars(args).items() if name not in named))
 
 
-def _epoch_rollouts(args: argparse.Namespace, model_files: str, need: Checks) -> int | None:
-    """slime's num_rollout from --num-epoch: epochs x (the prompts --prompt-data yields, after the
-    long ones are dropped, // --rollout-batch-size)."""
-    if not need(args.num_epoch is not None, "give --num-rollout N, or --num-epoch N with --prompt-data"):
-        return None
-    if not need(bool(args.prompt_data) and args.rollout_global_dataset and Path(args.prompt_data).is_file(),
-                f"--num-epoch {args.num_epoch} counts the prompts of --prompt-data: give an existing file (or give "
-                "--num-rollout)"):
-        return None
-    from rollout.data import DataError, JsonlDataSource
-
-    tokenizer = None
-    if args.apply_chat_template or args.rollout_max_prompt_len is not None or args.rollout_max_context_len:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_files)
-    max_prompt_len = args.rollout_max_prompt_len
-    if max_prompt_len is None and args.rollout_max_context_len is not None:
-        max_prompt_len = args.rollout_max_context_len - 1
+def _check_save_hf(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
+    if not args.save_hf:
+        return
+    need(bool(args.save), "--save-hf writes an HF checkpoint with each save: give --save too")
     try:
-        prompts = len(JsonlDataSource(args.prompt_data, input_key=args.input_key, label_key=args.label_key,
-                                      metadata_key=args.metadata_key, tool_key=args.tool_key, tokenizer=tokenizer,
-                                      apply_chat_template=args.apply_chat_template,
-                                      apply_chat_template_kwargs=args.apply_chat_template_kwargs,
-                                      max_prompt_len=max_prompt_len).rows)
-    except DataError as err:
-        need(False, f"--prompt-data {args.prompt_data}: {err}")
-        return None
-    per_epoch = prompts // max(1, args.rollout_batch_size)
-    need(per_epoch >= 1, f"--num-epoch: --prompt-data {args.prompt_data} has {prompts} prompts, fewer than one "
-                         f"--rollout-batch-size {args.rollout_batch_size}; lower it or give --num-rollout")
-    return args.num_epoch * per_epoch
+        args.save_hf.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as err:
+        need(False, f"--save-hf {args.save_hf}: only {{rollout_id}} may be formatted in ({type(err).__name__}: {err})")
+    need(not (hf_config or {}).get("quantization_config"), f"--save-hf: {args.hf_checkpoint} is a quantized "
+         "checkpoint (quantization_config in config.json); slurmrl writes unquantized weights only")
 
 
 def _check_parallel(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
@@ -285,26 +248,8 @@ def _check_training(args: argparse.Namespace, need: Checks) -> None:
     need(not (args.kl_coef and args.kl_loss_coef), "only one of --kl-coef and --kl-loss-coef can be non-zero")
     need(args.loss_type == "policy_loss" or args.advantage_estimator != "ppo",
          f"--loss-type {args.loss_type} has no critic: drop --advantage-estimator ppo")
-    _check_loss_plugins(args, need)
-
-
-def _check_loss_plugins(args: argparse.Namespace, need: Checks) -> None:
-    """slime's loss plug-ins and SFT switch: each with what it needs, none given without effect."""
-    need((args.loss_type == "custom_loss") == bool(args.custom_loss_function_path),
-         "--loss-type custom_loss and --custom-loss-function-path go together (as in slime); give both or neither")
-    need(args.compute_advantages_and_returns or args.loss_type != "policy_loss",
-         "--disable-compute-advantages-and-returns: the policy loss needs advantages; it is for --loss-type sft_loss "
-         "(or custom_loss)")
-    need(args.compute_advantages_and_returns or not (args.custom_advantage_function_path
-                                                     or args.rollout_data_postprocess_path),
-         "--disable-compute-advantages-and-returns skips --custom-advantage-function-path / "
-         "--rollout-data-postprocess-path; drop one")
-    need(not args.custom_tis_function_path or args.use_tis or args.get_mismatch_metrics,
-         "--custom-tis-function-path has no effect without --use-tis or --get-mismatch-metrics (as in slime); add one")
-    need(not (args.custom_tis_function_path or args.get_mismatch_metrics) or args.loss_type == "policy_loss",
-         "--custom-tis-function-path / --get-mismatch-metrics act in the policy loss: use --loss-type policy_loss")
-    need(not args.custom_pg_loss_reducer_function_path or args.loss_type == "policy_loss",
-         "--custom-pg-loss-reducer-function-path reduces the policy loss: use --loss-type policy_loss")
+    check_loss_plugins(args, need)
+    check_patterns(args, need)
 
 
 def _check_fsdp(args: argparse.Namespace, need: Checks) -> None:
@@ -318,6 +263,8 @@ def _check_fsdp(args: argparse.Namespace, need: Checks) -> None:
                      "--recompute-num-layers": args.recompute_num_layers is not None,
                      "--torch-compile": args.torch_compile,
                      "--custom-megatron-init-path": args.custom_megatron_init_path,
+                     "--only-train-params-name-list": args.only_train_params_name_list,
+                     "--freeze-params-name-list": args.freeze_params_name_list,
                      "--custom-megatron-before-log-prob-hook-path": args.custom_megatron_before_log_prob_hook_path,
                      "--custom-megatron-before-train-step-hook-path":
                          args.custom_megatron_before_train_step_hook_path}

@@ -47,6 +47,8 @@ class ModelOptions:
     padded_vocab_size: int | None  # checked: what make_vocab_size_divisible_by x TP gives
     moe_token_dispatcher_type: str | None
     moe_router_dtype: str | None
+    only_train_params_name_list: list[str] | None  # trainer.freezing
+    freeze_params_name_list: list[str] | None
     custom_megatron_init_path: str | None
     custom_megatron_before_log_prob_hook_path: str | None
     custom_megatron_before_train_step_hook_path: str | None
@@ -296,6 +298,7 @@ class CheckpointOptions:
     save_interval: int
     keep_checkpoints: int | None
     no_save_optim: bool
+    save_hf: str | None  # a folder name with {rollout_id}
 
 
 @dataclass(frozen=True)
