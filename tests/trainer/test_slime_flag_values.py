@@ -168,3 +168,21 @@ def test_save_hf_writes_an_hf_checkpoint_with_each_save(model: Path, tmp_path: P
     assert json.loads((folder / "config.json").read_text()) == json.loads((model / "config.json").read_text())
     with pytest.raises(ArgsError, match="--save-hf writes an HF checkpoint with each save: give --save too"):
         parse_args(_argv(model, "--save-hf", str(tmp_path / "x_{rollout_id}")))
+
+
+def test_quantized_rollout_weights_are_refused(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slime's FP8/INT4 recipes: an --hf-checkpoint whose config.json asks the engines for quantized
+    weights, and slime's INT4 fake-QAT switch, are refused with the reason (main accepted both and
+    published unquantized weights)."""
+    fp8 = tmp_path / "Qwen3-4B-FP8"
+    fp8.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArgsError, match="config.json's quantization_config asks the engines for fp8 weights; "
+                                        "slurmrl publishes the trainer's weights unquantized"):
+        parse_args(_argv(fp8))
+    monkeypatch.setenv("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "1")
+    with pytest.raises(ArgsError, match="OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1: slime's INT4 fake quantization-aware "
+                                        "training is not implemented"):
+        parse_args(_argv(model))

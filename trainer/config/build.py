@@ -38,6 +38,8 @@ from trainer.config.sections import (
 )
 from trainer.config.trainer_config import SECTIONS, TrainerConfig
 
+# slime's INT4 fake QAT switches (environment variables its INT4 recipes set for every Ray actor)
+INT4_QAT_ENV = ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG",)
 # slime's default --rollout-function-path: given explicitly, it means the built-in rollout.
 SLIME_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
 _PLUGIN_PATH_FLAGS = ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
@@ -83,6 +85,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     need(args.tb_project_name or not args.tb_experiment_name,
          "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
     _check_save_hf(args, hf_config, need)
+    _check_quantized_rollout(args, hf_config, need)
     need(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
          "give --lr-warmup-iters or --lr-warmup-fraction, not both")
     need.raise_any()
@@ -132,6 +135,21 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         eval=section(EvalOptions), publish=section(PublishOptions), checkpoint=section(CheckpointOptions),
         logging=section(LoggingOptions),
         plugin_only=tuple((name, value) for name, value in vars(args).items() if name not in named))
+
+
+def _check_quantized_rollout(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
+    """slime publishes FP8 (block-wise) or INT4 (compressed-tensors) weights to engines whose checkpoint
+    asks for them, and trains INT4 with fake QAT; slurmrl publishes the trainer's weights unquantized:
+    such a job is refused, never run with engines serving what they cannot load as asked."""
+    quantization = (hf_config or {}).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "quantized") if isinstance(quantization, dict) else "quantized"
+        need(False, f"--hf-checkpoint {args.hf_checkpoint}: config.json's quantization_config asks the engines for "
+                    f"{method} weights; slurmrl publishes the trainer's weights unquantized (slime's FP8/INT4 "
+                    "update-weight quantizers are not implemented): use the unquantized checkpoint")
+    for variable in INT4_QAT_ENV:
+        need(os.environ.get(variable) in (None, "", "0"), f"{variable}={os.environ.get(variable)}: slime's INT4 "
+             "fake quantization-aware training is not implemented (the trainer trains unquantized); unset it")
 
 
 def _check_save_hf(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
