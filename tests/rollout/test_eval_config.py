@@ -12,25 +12,8 @@ import pytest
 from rollout.eval_sets import EvalConfigError, eval_sets
 from rollout.sample import Sample
 
-# slime's examples/eval_multi_task/multi_task.yaml, unchanged but for the paths
-MULTI_TASK = """eval:
-  defaults:
-    max_response_len: 16384
-    top_p: 0.7
-  datasets:
-    - name: aime
-      path: {root}/aime-2024/aime-2024.jsonl
-      rm_type: deepscaler
-      n_samples_per_eval_prompt: 16
-    - name: gpqa    # hf download --repo-type dataset zyzshishui0627/gpqa_diamond --local-dir /root/gpqa
-      path: {root}/gpqa/gpqa_eval.jsonl
-      rm_type: gpqa
-      n_samples_per_eval_prompt: 2
-    - name: ifbench   # hf download --repo-type dataset zyzshishui0627/IFBench --local-dir /root/ifbench
-      path: {root}/ifbench/IFBench_eval.jsonl
-      rm_type: ifbench
-      n_samples_per_eval_prompt: 1
-"""
+# slime's examples/eval_multi_task/multi_task.yaml (tests/slime_examples/), its paths this machine's
+MULTI_TASK = Path(__file__).resolve().parents[1] / "slime_examples" / "eval_multi_task" / "multi_task.yaml"
 
 
 def _args(config: Path, **kw) -> Namespace:
@@ -48,7 +31,7 @@ def _files(root: Path) -> Path:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text('{"prompt": "q", "label": "a"}\n')
     config = root / "multi_task.yaml"
-    config.write_text(MULTI_TASK.format(root=root))
+    config.write_text(MULTI_TASK.read_text().replace("/root/", f"{root}/"))
     return config
 
 
