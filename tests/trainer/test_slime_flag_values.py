@@ -186,3 +186,13 @@ def test_quantized_rollout_weights_are_refused(model: Path, tmp_path: Path, monk
     with pytest.raises(ArgsError, match="OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1: slime's INT4 fake quantization-aware "
                                         "training is not implemented"):
         parse_args(_argv(model))
+
+
+def test_moe_layer_freq_takes_megatrons_expression() -> None:
+    """slime's GLM-4.7 scripts give --moe-layer-freq [0]*1+[1]*46 (Megatron evaluates it): read, not
+    refused as a bad value; a dense first layer is a layout slurmrl does not build (0)."""
+    from trainer.args_actions import moe_layer_freq
+
+    assert (moe_layer_freq("[0]*1+[1]*46"), moe_layer_freq("[1]*48"), moe_layer_freq("[1, 1]")) == (0, 1, 1)
+    with pytest.raises(Exception, match="is not a list of 0/1"):
+        moe_layer_freq("[__import__('os')]")
