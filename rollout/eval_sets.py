@@ -170,6 +170,8 @@ def _eval_set(args: Any, dataset: dict[str, Any], defaults: dict[str, Any], wher
         at = f"{where} {name} {values['path']}" if where == "--eval-prompt-data" else f"{where}: set {name}: " \
                                                                                       f"{values['path']}"
         raise EvalConfigError(f"{at}: no such file; give a jsonl file")
+    for optional in ("label_key", "metadata_key"):  # may be none at all
+        values.setdefault(optional, None)
     missing = [f.name for f in fields(EvalSet)
                if f.name not in values and f.default is MISSING and f.default_factory is MISSING]
     if missing:
