@@ -30,33 +30,32 @@ from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
 
-from rollout import debug_data, trace
+from rollout import custom_generate, debug_data, trace
 from rollout.buffer import DataBuffer
+from rollout.custom_generate import CustomGenerates
 from rollout.engine_check import CHECK_TIMEOUT_S
 from rollout.engine_client import version_from_wire
 from rollout.filters import judge_group
+from rollout.plugin_contracts import CustomGenerate, DynamicSamplingFilter, RolloutFunction, SampleHook
 from rollout.plugins import load_function, raised
 from rollout.remote_rm import RemoteRewardModel
 from rollout.request_deadline import DecodeSpeed
 from rollout.request_transport import RequestCounts, RequestTransport
 from rollout.reward_dispatch import RewardDispatch
-from rollout.sample import Sample, Status
+from rollout.rollout_output import RolloutFnTrainOutput, train_groups
+from rollout.sample import Sample, Status, numbered
 from rollout.sample_errors import SampleError, SampleErrors, nothing_trainable
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 _DONE = (Status.COMPLETED, Status.TRUNCATED)
-CUSTOM_GENERATE, SAMPLE_HOOK = "--custom-generate-function-path", "--rollout-sample-hook-path"
+SAMPLE_HOOK = "--rollout-sample-hook-path"
 
 
 class UnfinishedSample(Exception):
     """A custom generate returned a sample that is neither complete nor truncated while the round
     goes on (an aborted one is continued first)."""
-
-
-class BadReturn(TypeError):
-    """A custom generate returned something other than a Sample, a non-empty list of them, or None."""
 
 
 @dataclass
@@ -128,21 +127,28 @@ class RolloutArgs:
 def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
                      evaluation: bool = False) -> list[list[Sample]]:
     """data_buffer is None only where --rollout-function-path supplies every prompt."""
+    return run_rollout(args, rollout_id, data_buffer, evaluation).samples
+
+
+def run_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
+                evaluation: bool = False) -> RolloutFnTrainOutput:
+    """The rollout's groups and the metrics a --rollout-function-path reported with them."""
     if args.rollout_function_path:
-        function = load_function(args.rollout_function_path, "--rollout-function-path")
-        try:
-            return function(args.for_plugins, rollout_id, data_buffer, evaluation)
+        function: RolloutFunction = load_function(args.rollout_function_path, "--rollout-function-path")
+        try:  # slime's call: evaluation by keyword, a data source with get_samples/add_samples
+            groups, metrics = train_groups(function(args.for_plugins, rollout_id, data_buffer, evaluation=evaluation))
         except Exception as err:
             raise raised("--rollout-function-path", args.rollout_function_path, err,
                          f"in rollout {rollout_id}") from err
+        return RolloutFnTrainOutput(groups, metrics)
     if args.load_debug_rollout_data:
-        return debug_data.load(args.load_debug_rollout_data, rollout_id)
+        return RolloutFnTrainOutput(debug_data.load(args.load_debug_rollout_data, rollout_id))
     if data_buffer is None:
         raise ValueError("the built-in rollout draws prompts from a data buffer: give --prompt-data")
     groups = asyncio.run(_Round(args, rollout_id, data_buffer, evaluation).run())
     if args.save_debug_rollout_data:
         debug_data.save(args.save_debug_rollout_data, rollout_id, [s for group in groups for s in group])
-    return groups
+    return RolloutFnTrainOutput(groups)
 
 
 @lru_cache(maxsize=4)
@@ -150,18 +156,6 @@ def _tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def _returned(out: Any, argument: Sample) -> list[Sample]:
-    """A custom generate's return value as the samples that take its argument's place."""
-    if out is None:
-        return [argument]  # filled in place
-    if isinstance(out, Sample):
-        return [out]
-    if isinstance(out, (list, tuple)) and out and all(isinstance(s, Sample) for s in out):
-        return list(out)
-    raise BadReturn(f"returned {type(out).__name__} {out!r:.100}: a custom generate returns a Sample or a "
-                    "non-empty list of Samples (or None, having filled its argument in place)")
 
 
 def _seed(*parts: object) -> int:
@@ -178,16 +172,16 @@ class _Round:
             concurrency=args.rollout_concurrency, retry_timeout_s=args.retry_timeout_s,
             check_timeout_s=args.engine_check_timeout_s, decode_speed=args.decode_speed, counts=args.request_counts,
             on_failure=args.engine_failure_handler, on_unresponsive=args.engine_unresponsive_handler)
-        self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
-                                if args.custom_generate_function_path else None)
+        self.generates = CustomGenerates(args.custom_generate_function_path)
         self.remote_rm = (RemoteRewardModel(args.rm_url, concurrency=args.rm_concurrency, timeout_s=args.rm_timeout,
                                             max_retries=args.rm_max_retries, backoff_s=args.rm_retry_backoff)
                           if args.rm_url else None)
         self.errors = args.sample_errors
         self.rewards = RewardDispatch(rm_type=args.rm_type, custom_rm_path=args.custom_rm_path, group_rm=args.group_rm,
                                       plugin_args=args.for_plugins, remote_rm=self.remote_rm, errors=self.errors)
-        self.hooks = [load_function(path, "--rollout-sample-hook-path") for path in args.rollout_sample_hook_path]
-        self.keep = (load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+        self.hooks: list[SampleHook] = [load_function(path, SAMPLE_HOOK) for path in args.rollout_sample_hook_path]
+        self.keep: DynamicSamplingFilter | None = (
+            load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
                      if args.dynamic_sampling_filter_path and not evaluation else None)
         self.finished_samples = 0  # of groups done (kept, filtered out or dropped), not left over
         self.failed: list[SampleError] = []  # users' functions' errors on those samples
@@ -215,11 +209,11 @@ class _Round:
             self.transport.stop()
             leftovers = await self._abort(running) if running else []
         self._stop_if_nothing_trainable()
-        kept.sort(key=lambda g: g[0].group_index)
+        kept.sort(key=lambda g: numbered(g[0].group_index))
         for group in kept[target:]:
             leftovers.append(group)  # finished beyond the target: not wasted with partial rollout
         if self.args.partial_rollout:
-            self.buffer.add(sorted(leftovers, key=lambda g: g[0].group_index))
+            self.buffer.add(sorted(leftovers, key=lambda g: numbered(g[0].group_index)))
         return kept[:target]
 
     async def _abort(self, running: set[asyncio.Task[list[Sample] | None]]) -> list[list[Sample]]:
@@ -265,7 +259,7 @@ class _Round:
             self.errors.zero_reward(sample, error, self.args.reward_key)
         return samples
 
-    def _drop(self, group_index: int, finished: int, failed: int) -> None:
+    def _drop(self, group_index: int | None, finished: int, failed: int) -> None:
         """A group that cannot be trained on: `failed` of its `finished` samples failed (recorded)."""
         self.finished_samples += finished
         self.dropped_groups += 1
@@ -275,12 +269,9 @@ class _Round:
     def _unfinished(self, samples: list[Sample]) -> int:
         """Samples left unfinished while the round goes on: errors of the custom generate that
         returned them (an engine's abort at the length limit, with the built-in one, is no one's)."""
-        path = self.args.custom_generate_function_path
-        if not path:
-            return 0
-        unfinished = [s for s in samples if s.status not in _DONE]
+        unfinished = [s for s in samples if s.status not in _DONE and self.generates.for_sample(s) is not None]
         for sample in unfinished:
-            self._record(CUSTOM_GENERATE, path, sample, UnfinishedSample(
+            self._record(*self.generates.named(sample), sample, UnfinishedSample(
                 f"sample {sample.index} came back with status {sample.status.value}: set sample.status to "
                 "COMPLETED or TRUNCATED (ABORTED is continued)"))
         return len(unfinished)
@@ -302,7 +293,10 @@ class _Round:
             except Exception as err:
                 self._record(SAMPLE_HOOK, path, sample, err)
                 return None
-            sample = sample if out is None else out
+            if out is not None:  # a new sample stands in the argument's place
+                out.group_index = sample.group_index
+                out.index = sample.index if out.index is None else out.index
+                sample = out
         return sample
 
     def _sampling_params(self, sample: Sample) -> dict[str, Any]:
@@ -336,8 +330,9 @@ class _Round:
             if sample.status is Status.ABORTED and not self.transport.stopped:  # stopped earlier, continued now
                 trace.add(sample, "resume", time.time(), weight_version=sample.weight_version,
                           rollout_id=self.rollout_id, tokens=sample.response_length)
-            if self.custom_generate:
-                returned = await self._custom_generate(self.custom_generate, sample)
+            generate = self.generates.for_sample(sample)
+            if generate is not None:
+                returned = await self._custom_generate(generate, sample)
                 if returned is None or len(returned) > 1:
                     return returned  # several samples from one call: each must be finished
                 sample = returned[0]
@@ -353,22 +348,18 @@ class _Round:
                     or sample.response_length >= self.args.rollout_max_response_len):
                 return [sample]  # (a sample the round ended before it started stays PENDING, for partial rollout)
 
-    async def _custom_generate(self, generate: Callable[..., Any], sample: Sample) -> list[Sample] | None:
-        """One call of --custom-generate-function-path on `sample`: the samples it returned, each
-        of `sample`'s group, or None when it raised or returned what is not samples (recorded)."""
+    async def _custom_generate(self, generate: CustomGenerate, sample: Sample) -> list[Sample] | None:
+        """One call of the sample's custom generate: the samples it returned, each of `sample`'s
+        group, or None when it raised or returned what is not samples (recorded)."""
         try:
             async with self.transport.gate:  # a plug-in's requests count against --rollout-concurrency too
                 with trace.span(sample, "generate", attempt=trace.generate_attempts(sample), custom=True) as span:
-                    out = await generate(self.args.for_plugins, sample, self._sampling_params(sample))
-                    returned = _returned(out, sample)
+                    returned = await custom_generate.call(generate, self.args.for_plugins, sample,
+                                                          self._sampling_params(sample), self.evaluation)
                     span.update(weight_version=returned[0].weight_version, outcome=returned[0].status.value)
         except Exception as err:
-            self._record(CUSTOM_GENERATE, self.args.custom_generate_function_path or "", sample, err)
+            self._record(*self.generates.named(sample), sample, err)
             return None
-        for new in returned:
-            new.group_index = sample.group_index  # slime's: the returned samples stand in the argument's group
-            if new is not sample and not new.spans:
-                new.spans = list(sample.spans)  # what happened to the argument, for rollout.trace
         return returned
 
     def _rid(self, sample: Sample) -> str:

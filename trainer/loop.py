@@ -130,11 +130,12 @@ class Loop:
             self.colocation.to_trainer()
         metrics = self.train_step.run(rollout.rollout_id, samples)
         metrics.update(rollout.metrics)
-        metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
+        rewards = [s.reward if s.raw_reward is None else s.raw_reward for s in samples]  # as the rollout scored them
+        metrics.update({"reward_mean": sum(rewards) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rollout_seconds, Metric.TRAIN_SECONDS: time.monotonic() - began})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
         if self.log_passrate:  # slime's passrate/pass@k over the rollout's groups
-            passrate = pass_at_k([s.reward for s in samples], [s.group_index for s in samples])
+            passrate = pass_at_k(rewards, [s.group_index for s in samples])
             metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         return metrics
 
@@ -169,6 +170,7 @@ class Loop:
         metrics.update(phase_times(metrics), **self.memory.take())
         if self.reporter:
             self.reporter.rollout(rollout_id, metrics)
+        self.profiler.after_rollout(rollout_id)
 
     def publish(self) -> dict[str, Any]:
         """The trainer's weights to every ready engine, as its current version."""

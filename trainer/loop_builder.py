@@ -18,6 +18,7 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.engine_client import EngineClient
 from rollout.eval import Evaluator
+from rollout.plugins import load_function
 from rollout.router_client import RouterClient
 from trainer import rl_step, rollout_journal, save_now
 from trainer.backend import Backend
@@ -28,6 +29,7 @@ from trainer.config.rollout_args import rollout_args
 from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
 from trainer.loop import Loop, Progress
+from trainer.memory_history import MemoryHistory
 from trainer.metrics import Reporter
 from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
@@ -38,8 +40,10 @@ from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_only import RolloutOnly
 from trainer.rollout_source import RolloutGenerator, SyncRolloutSource
 from trainer.save_now import StopRequests
+from trainer.slime_loss import SlimeLossPlugins
 from trainer.supervisor_link import SupervisorLink
-from trainer.train_step import TrainStep, TrainStepConfig
+from trainer.train_data import CONVERT, POST_PROCESS, TrainData
+from trainer.train_step import TrainPlugins, TrainStep, TrainStepConfig
 from trainer.wandb_log import WandbRun
 
 
@@ -54,13 +58,17 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
     router = RouterClient(router_url, pub.api_key, ft.router_request_timeout) if router_url else None
     fleet = EngineFleet(pub.engine_urls, SupervisorLink.of(job_dir, ft) if run.supervised else None, router)
     tokenizer = (AutoTokenizer.from_pretrained(config.model.model_files)
-                 if ro.apply_chat_template or ro.rollout_max_prompt_len is not None else None)
+                 if ro.apply_chat_template or ro.rollout_max_prompt_len is not None
+                 or any(s.apply_chat_template for s in ev.eval_datasets) else None)
+    plugin_args = config.plugin_namespace()
     buffer = DataBuffer(JsonlDataSource(
         ro.prompt_data, input_key=ro.input_key, label_key=ro.label_key, metadata_key=ro.metadata_key,
         tokenizer=tokenizer, apply_chat_template=ro.apply_chat_template,
         apply_chat_template_kwargs=ro.apply_chat_template_kwargs, tool_key=ro.tool_key,
         max_prompt_len=ro.rollout_max_prompt_len, shuffle=ro.rollout_shuffle,
-        seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt)) if ro.prompt_data else None
+        seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt),
+        _plugin(ro.buffer_filter_path, "--buffer-filter-path"), plugin_args,
+        ro.buffer_filter_path or "") if ro.prompt_data else None
     rollout = rollout_args(config, router_url or "", ft.router_request_timeout,
                            (lambda url: fleet.drop(url, "a request to it failed")) if router else None,
                            fleet.unresponsive if router else None,
@@ -72,7 +80,6 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
                if config.checkpoint.save else None)
     evaluator = Evaluator(
         rollout, ev.eval_datasets, rollout.for_plugins, tokenizer=tokenizer,
-        apply_chat_template=ro.apply_chat_template, apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
         eval_function_path=ev.eval_function_path or ro.rollout_function_path,
         log_function_path=ev.custom_eval_rollout_log_function_path) if ev.eval_interval is not None else None
     transport = None if run.debug_train_only else WeightPublisher(
@@ -81,7 +88,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
         timeout_s=pub.update_weight_timeout, on_drop=fleet.drop)
     return Rank0Parts(
         fleet=fleet, reporter=reporter,
-        generator=RolloutGenerator(rollout, buffer, journal, config.reward.reward_key, save_now.install()),
+        generator=RolloutGenerator(rollout, buffer, journal, train_data(config, plugin_args), save_now.install()),
         journal=journal,
         evals=EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, evaluator, buffer, reporter.heartbeat,
                            reporter.amend),
@@ -103,18 +110,21 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     checkpointer = Checkpointer(backend, CheckpointConfig(
         save_dir=Path(ckpt.save) if ckpt.save else None, load_dir=Path(ckpt.load) if ckpt.load else None,
         load_step=ckpt.ckpt_step, save_interval=ckpt.save_interval, keep=ckpt.keep_checkpoints,
-        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None),
+        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None, save_hf=ckpt.save_hf,
+        model_files=Path(config.model.model_files)),
         parts, [rank0.journal.checkpointed] if rank0 and rank0.journal else [], heartbeat)
-    profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
+    memory_history = (MemoryHistory(backend.rank, run.memory_snapshot_dir, run.memory_snapshot_path,
+                                    run.memory_snapshot_num_steps) if run.record_memory_history else None)
+    profiler = TrainProfiler(backend.rank, memory_history)  # slurmrl profile --train, --record-memory-history
     memory = PhaseMemory.of_this_process() if rank0 else PhaseMemory(None)  # rank 0 reports
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
         ref_model=loss.ref_model_needed, teacher=bool(ckpt.opd_teacher_load),
         critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
-        per_token_loss=loss.calculate_per_token_loss),
+        per_token_loss=loss.calculate_per_token_loss, kl_coef=loss.kl_coef),
         rl_step.loss_config(loss),
-        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory)
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, train_plugins(config))
     supervisor = rank0.fleet.supervisor if rank0 else None
     publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
                           supervisor, heartbeat)
@@ -123,6 +133,36 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops,
                 colocation(config, backend, rank0.fleet if rank0 else None), rank0.reporter if rank0 else None,
                 profiler, memory, run.num_rollout, config.logging.log_passrate)
+
+
+def _plugin(path: str | None, flag: str) -> Any:
+    """A slime plug-in by its dotted path (typed by its contract where it is called), or None."""
+    return load_function(path, flag) if path else None
+
+
+def train_data(config: TrainerConfig, plugin_args: Any) -> TrainData:
+    """How a rollout's samples become the trainer's, with slime's conversion plug-ins."""
+    rm = config.reward
+    post_process, convert = rm.custom_reward_post_process_path, rm.custom_convert_samples_to_train_data_path
+    return TrainData(rm.reward_key, plugin_args, _plugin(post_process, POST_PROCESS), post_process or "",
+                     _plugin(convert, CONVERT), convert or "")
+
+
+def train_plugins(config: TrainerConfig) -> TrainPlugins:
+    """slime's trainer plug-ins, on every rank (each rank runs the train step on the whole rollout)."""
+    loss = config.loss
+    args = config.plugin_namespace()
+    slime_loss = None
+    if loss.custom_loss_function_path or loss.custom_tis_function_path or loss.custom_pg_loss_reducer_function_path \
+            or loss.get_mismatch_metrics:
+        slime_loss = SlimeLossPlugins(
+            args, _plugin(loss.custom_loss_function_path, "--custom-loss-function-path"),
+            _plugin(loss.custom_tis_function_path, "--custom-tis-function-path"),
+            _plugin(loss.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path"),
+            loss.get_mismatch_metrics)
+    return TrainPlugins(args, loss.compute_advantages_and_returns,
+                        _plugin(loss.custom_advantage_function_path, "--custom-advantage-function-path"),
+                        _plugin(loss.rollout_data_postprocess_path, "--rollout-data-postprocess-path"), slime_loss)
 
 
 def colocation(config: TrainerConfig, backend: Backend, fleet: EngineFleet | None) -> Colocation | None:

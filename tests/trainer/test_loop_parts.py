@@ -37,6 +37,7 @@ from trainer.rollout_source import (
     SyncRolloutSource,
 )
 from trainer.save_now import StopRequests
+from trainer.train_data import TrainData
 from trainer.train_step import TrainStep, TrainStepConfig
 
 ROLLOUTS = 3
@@ -218,7 +219,7 @@ def test_the_checkpoint_manager_restores_every_part(tmp_path: Path) -> None:
     def parts() -> tuple[Progress, EvalSchedule, SyncRolloutSource, RolloutJournal, DataBuffer]:
         buffer = DataBuffer(JsonlDataSource(data, label_key="label", seed=3, n_samples_per_prompt=2))
         journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
-        generator = RolloutGenerator(None, buffer, journal, None, save_now.install())  # type: ignore[arg-type]
+        generator = RolloutGenerator(None, buffer, journal, TrainData(None), save_now.install())  # type: ignore[arg-type]
         return (Progress(), EvalSchedule(2, True, None, None, Lines().heartbeat, Lines().amend),
                 SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat), journal, buffer)
 
@@ -260,7 +261,7 @@ def test_each_rollouts_line_counts_the_requests_it_retried(tmp_path: Path) -> No
     args = RolloutArgs(hf_checkpoint="unused", router_url="http://127.0.0.1:1",
                        rollout_function_path=f"{__name__}.retrying_rollout")
     journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
-    generator = RolloutGenerator(args, None, journal, None, save_now.install())
+    generator = RolloutGenerator(args, None, journal, TrainData(None), save_now.install())
     source = SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat)
     assert [source.rollout(r, 0).metrics[RETRIED_METRIC] for r in RETRIES] == list(RETRIES.values())
     # Generated again after a restart: replayed from the rollout journal, no request sent.
