@@ -283,7 +283,7 @@ class WeightPublisher:
         members that took every bucket and the bytes sent; the version rides on the last bucket."""
         feeds = {url: _Feed(self._engines, url) for url in group.engines}
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
-        in_flight: deque[list[Any]] = deque()
+        in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's tensors, held till waited
         nbytes, last, broken = 0, None, None
         try:
             for bucket, last in _buckets(weights, self.bucket_bytes):
@@ -294,10 +294,10 @@ class WeightPublisher:
                         "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
                 for feed in feeds.values():
                     feed.post(body)
-                in_flight.append(group.group.start_all(tensors))
+                in_flight.append((tensors, group.group.start_all(tensors)))
                 nbytes += sum(t.numel() * t.element_size() for t in tensors)
                 while len(in_flight) >= _BUCKETS_IN_FLIGHT or (last and in_flight):
-                    broken = broken or _wait(group.group, in_flight.popleft())
+                    broken = broken or _wait(group.group, in_flight.popleft()[1])
                 if broken or all(feed.failure for feed in feeds.values()):
                     break
         except WeightSyncError as err:  # the group was closed under us
