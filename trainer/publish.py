@@ -4,9 +4,12 @@ Two transports, named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
-  while the engine set is unchanged; tensors are broadcast bucket by bucket between
-  /begin_weight_update and /end_weight_update. Without a GPU, or with a CPU engine in the group
-  (its /server_info says device cpu), it runs on gloo, as the CPU engine does.
+  while the engine set is unchanged; tensors are broadcast in buckets of --update-weight-buffer-size
+  between /begin_weight_update and /end_weight_update, pipelined (no lock step): a bucket's
+  broadcasts are all queued before any is waited on, the next bucket is gathered and queued while
+  the previous one is on the wire, and engines get each bucket's request as soon as they answered
+  the one before. Without a GPU, or with a CPU engine in the group (its /server_info says device
+  cpu), it runs on gloo, as the CPU engine does.
 
 An engine whose update fails or times out is dropped: reported, handed to on_drop and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only

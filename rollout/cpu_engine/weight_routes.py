@@ -1,5 +1,9 @@
 """Weight routes: from disk, over a gloo or NCCL group (init/begin/update/end/destroy), the version tag,
-and reading a parameter back. Every update answers {"success", "message"}: 200 or 400."""
+and reading a parameter back. Every update answers {"success", "message"}: 200 or 400.
+
+A distributed bucket is answered once it is received (every receive queued before any is waited on)
+and checked against the model; it loads in the background (BucketLoads) while the trainer sends the
+next, and the versioned last bucket answers once every bucket has loaded."""
 
 from __future__ import annotations
 
