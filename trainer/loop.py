@@ -80,6 +80,7 @@ class Loop:
         self.memory = memory
         self.num_rollout = num_rollout
         self.log_passrate = log_passrate
+        self._trained_at: float | None = None  # when the last train step ended (run() starts this clock)
 
     def start(self, initial_weights: Path | None, load_reference: Callable[[], None] | None) -> None:
         """Resume from --load if it holds a checkpoint, else start from `initial_weights` (None:
@@ -100,6 +101,7 @@ class Loop:
         self.evals.start(resumed=resumed is not None)
 
     def run(self) -> None:
+        self._trained_at = time.monotonic()  # the trainer waits from here until its first train step
         for rollout_id in range(self.progress.next_rollout, self.num_rollout):
             if self.stops.before_rollout(rollout_id):
                 log.info("stopping before rollout %d, as the supervisor asked", rollout_id)
@@ -125,6 +127,7 @@ class Loop:
 
     def train(self, rollout: Rollout, rollout_seconds: float) -> dict[str, Any]:
         began = time.monotonic()
+        waited = began - (began if self._trained_at is None else self._trained_at)
         samples = rollout.samples()
         if self.colocation:
             self.colocation.to_trainer()
@@ -134,6 +137,8 @@ class Loop:
         metrics.update({"reward_mean": sum(rewards) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rollout_seconds, Metric.TRAIN_SECONDS: time.monotonic() - began})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
+        self._trained_at = time.monotonic()
+        metrics[Metric.WAIT_TIME_RATIO] = waited / max(waited + metrics[Metric.TRAIN_SECONDS], 1e-9)
         if self.log_passrate:  # slime's passrate/pass@k over the rollout's groups
             passrate = pass_at_k(rewards, [s.group_index for s in samples])
             metrics.update({f"passrate/{k}": v for k, v in passrate.items()})

@@ -24,10 +24,11 @@ from trainer import rl_step, rollout_journal, save_now
 from trainer.backend import Backend
 from trainer.checkpointer import CheckpointConfig, Checkpointer, Stateful
 from trainer.colocation import Colocation, EngineSide
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, read_hf_config
 from trainer.config.rollout_args import rollout_args
 from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
+from trainer.flops import fwd_flops
 from trainer.loop import Loop, Progress
 from trainer.memory_history import MemoryHistory
 from trainer.metrics import Reporter
@@ -122,7 +123,8 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
         ref_model=loss.ref_model_needed, teacher=bool(ckpt.opd_teacher_load),
         critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
-        per_token_loss=loss.calculate_per_token_loss, kl_coef=loss.kl_coef),
+        per_token_loss=loss.calculate_per_token_loss, kl_coef=loss.kl_coef,
+        fwd_flops=functools.partial(fwd_flops, read_hf_config(config.model.model_files))),
         rl_step.loss_config(loss),
         functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, train_plugins(config))
     supervisor = rank0.fleet.supervisor if rank0 else None

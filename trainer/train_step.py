@@ -39,6 +39,7 @@ class TrainStepConfig:
     value_clip: float
     per_token_loss: bool
     kl_coef: float = 0.0  # --kl-coef: a custom advantage function gets the KL to the reference
+    fwd_flops: Callable[[list[int]], float] | None = None  # the model's forward FLOPs for sequence lengths
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,13 @@ class TrainStep:
         stepping = time.monotonic()
         with self.memory.phase("train"):
             out.update(self.optimize(rollout_id, samples))
-        tokens = sum(s.tokens.numel() for s in samples)  # prompts and responses, as slime counts seq_lens
-        out[Metric.TRAIN_TOKENS_PER_S] = tokens / max(time.monotonic() - stepping, 1e-9)
+        train_s = max(time.monotonic() - stepping, 1e-9)
+        seq_lens = [s.tokens.numel() for s in samples]  # prompts and responses, as slime counts seq_lens
+        out[Metric.TRAIN_TOKENS_PER_S] = sum(seq_lens) / train_s
+        if self.config.fwd_flops is not None:  # per GPU, as slime divides by the world size
+            tflops = self.config.fwd_flops(seq_lens) / self.backend.world_size / 1e12
+            out[Metric.TRAIN_TFLOPS] = 3 * tflops / train_s
+            out[Metric.LOG_PROBS_TFLOPS] = tflops / max(out[Metric.LOG_PROBS_SECONDS], 1e-9)
         return out
 
     def prepare(self, samples: list[TrainSample], rollout_id: int = 0) -> dict[str, Any]:

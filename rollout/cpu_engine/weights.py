@@ -43,12 +43,19 @@ def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+Plan = list[tuple[torch.Tensor, torch.Tensor]]  # (the model's parameter, its new value)
+
+
 def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> None:
-    """Copy `tensors` into the model's parameters, or change nothing and raise WeightError.
+    """Copy `tensors` into the model's parameters, or change nothing and raise WeightError."""
+    copy_plan(plan_load(model, tensors, complete))
+
+
+def plan_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> Plan:
+    """Check `tensors` against the model (WeightError if they do not fit) and pair each with its parameter.
 
     complete=True (a whole checkpoint) requires every parameter; tied parameters (an lm_head
-    sharing the embedding) count as one and may come under either name. Everything is checked
-    before the first copy, and the copies are undone if one fails."""
+    sharing the embedding) count as one and may come under either name."""
     targets = model.state_dict(keep_vars=True)
     unknown = sorted(set(tensors) - set(targets))
     if unknown:
@@ -57,7 +64,7 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
     by_storage: dict[int, list[str]] = {}
     for name, target in targets.items():
         by_storage.setdefault(target.data_ptr(), []).append(name)
-    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    plan: Plan = []
     for names in by_storage.values():
         given = [name for name in names if name in tensors]
         if not given:
@@ -72,6 +79,11 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
             if not torch.equal(tensors[name], tensors[given[0]]):
                 raise WeightError(f"tied tensors {given[0]} and {name} differ")
         plan.append((target, tensors[given[0]]))
+    return plan
+
+
+def copy_plan(plan: Plan) -> None:
+    """Copy every new value into its parameter; if one copy fails, the copies are undone (WeightError)."""
     # On the host: a GPU engine capped by --mem-fraction-static has no room for a second copy.
     backup = [target.detach().to("cpu", copy=True) for target, _ in plan]
     with torch.no_grad():

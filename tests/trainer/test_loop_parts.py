@@ -5,7 +5,7 @@ part. (The whole trainer, exactly: tests/trainer/test_rl_loop.py, tests/integrat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +129,9 @@ class Lines:
 
 def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | None,
           published: list[int] | None = None, transport: WeightPublisher | None = None,
-          memory: PhaseMemory | None = None) -> Loop:
+          memory: PhaseMemory | None = None, fwd_flops: Callable[[list[int]], float] | None = None) -> Loop:
     """The loop over these parts; transport: rank 0's weight publisher (None: nothing is sent);
-    memory: the per-phase GPU memory (None: no GPU)."""
+    memory: the per-phase GPU memory (None: no GPU); fwd_flops: the model's FLOPs (None: no perf/*_tflops)."""
     memory = memory or PhaseMemory(None)
     progress = Progress()
     evals = EvalSchedule(None, True, None, None, reporter.heartbeat, reporter.amend)
@@ -141,7 +141,7 @@ def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | N
     profiler = TrainProfiler(0)
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=2, need_entropy=False, on_policy_tolerance=None, ref_model=False, teacher=False,
-        critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat,
+        critic=False, value_clip=0.2, per_token_loss=False, fwd_flops=fwd_flops), LossConfig(), no_advantages, profiler, reporter.heartbeat,
         memory)
 
     class Recording(Publisher):
