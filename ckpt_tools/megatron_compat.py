@@ -36,6 +36,11 @@ def apply() -> None:
     # calls isinstance() with one (TypeError): tell it TE is absent.
     if importlib.util.find_spec("transformer_engine") is None:
         _patch(importlib.import_module("megatron.core.transformer.multi_latent_attention"), "HAVE_TE", False)
+    # megatron's replicated local Linear (MLA's down-projections at TP > 1) keeps no extra state, its
+    # parallel linears an empty one: the same checkpoint then loads at every TP size.
+    replicated = importlib.import_module("megatron.core.post_training.modelopt.layers").Linear
+    _patch(replicated, "get_extra_state", lambda self: None)
+    _patch(replicated, "set_extra_state", lambda self, state: None)
     if torch.cuda.is_available():
         return
     cuda = torch.cuda
