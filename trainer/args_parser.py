@@ -19,7 +19,15 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models"
+_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 models"
+
+def _deepseek(c: dict[str, Any]) -> bool:
+    return c["architectures"][0] == "DeepseekV3ForCausalLM"
+
+
+def _moe_experts(c: dict[str, Any]) -> int | None:
+    return c.get("n_routed_experts") if _deepseek(c) else c.get("num_experts")
+
 
 # flag -> how to read the same quantity from an HF config
 _MODEL_FLAGS: dict[str, Any] = {
@@ -28,26 +36,45 @@ _MODEL_FLAGS: dict[str, Any] = {
     "ffn_hidden_size": lambda c: c["intermediate_size"],
     "num_attention_heads": lambda c: c["num_attention_heads"],
     "num_query_groups": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
-    "kv_channels": lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+    # DeepSeek's config.json head_dim is the RoPE part; megatron's kv_channels is the value head (slime's scripts)
+    "kv_channels": lambda c: c["v_head_dim"] if _deepseek(c) else (
+        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "vocab_size": lambda c: c["vocab_size"],
     "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
     "rotary_percent": lambda c: c.get("partial_rotary_factor", 1.0),
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
     "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
-    "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+    # DeepSeek: the norms of MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
+    "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                                         "DeepseekV3ForCausalLM"),
     "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
     "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
     "add_qkv_bias": lambda c: c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias")),
     # no bias on any linear but (Qwen2's) q/k/v, which --add-qkv-bias covers
     "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
         not c.get("attention_bias") or c["architectures"][0] == "Qwen2ForCausalLM"),
-    # MoE (Qwen3-MoE): every layer's MLP is the experts'
-    "num_experts": lambda c: c.get("num_experts"),
+    # MoE (Qwen3-MoE, DeepSeek-V3): every layer's MLP is the experts'
+    "num_experts": _moe_experts,
     "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
     "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
-    "moe_router_score_function": lambda c: "softmax" if c.get("num_experts") else None,
-    "moe_router_pre_softmax": lambda c: bool(c.get("num_experts")) and not c.get("norm_topk_prob", False),
-    "moe_layer_freq": lambda c: 1 if c.get("num_experts") and not c.get("mlp_only_layers") else None,
+    "moe_router_score_function": lambda c: "sigmoid" if _deepseek(c) else "softmax" if c.get("num_experts") else None,
+    # DeepSeek: slime's scripts give it; megatron's sigmoid router has no pre-softmax
+    "moe_router_pre_softmax": lambda c: _deepseek(c) or (bool(c.get("num_experts"))
+                                                         and not c.get("norm_topk_prob", False)),
+    "moe_layer_freq": lambda c: 1 if _moe_experts(c) and not c.get("mlp_only_layers")
+    and not c.get("first_k_dense_replace") else None,
+    # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
+    "multi_latent_attention": _deepseek,
+    "q_lora_rank": lambda c: c["q_lora_rank"],
+    "kv_lora_rank": lambda c: c["kv_lora_rank"],
+    "qk_head_dim": lambda c: c["qk_nope_head_dim"],
+    "qk_pos_emb_head_dim": lambda c: c["qk_rope_head_dim"],
+    "v_head_dim": lambda c: c["v_head_dim"],
+    "moe_shared_expert_intermediate_size": lambda c: c["n_shared_experts"] * c["moe_intermediate_size"],
+    "moe_router_enable_expert_bias": _deepseek,
+    "moe_router_num_groups": lambda c: c["n_group"],
+    "moe_router_group_topk": lambda c: c["topk_group"],
+    "moe_router_topk_scaling_factor": lambda c: c["routed_scaling_factor"],
     # Llama 3.1's RoPE scaling (ckpt_tools.megatron_model builds it from config.json); no scaling is factor 1
     "use_rope_scaling": lambda c: _rope_type(c) == "llama3",
     "rotary_scaling_factor": lambda c: float(_rope(c)["factor"]) if _rope_type(c) == "llama3" else 1.0,
@@ -110,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
         add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
     add("--moe-router-score-function", choices=("softmax", "sigmoid"), help="must agree with config.json (MoE)")
+    for flag in ("multi_latent_attention", "moe_router_enable_expert_bias"):
+        add("--" + flag.replace("_", "-"), action="store_true", default=None,
+            help="must agree with config.json (DeepSeek-V3)")
+    for flag in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                 "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk"):
+        add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (DeepSeek-V3)")
+    add("--moe-router-topk-scaling-factor", type=float, help="must equal config.json's routed_scaling_factor")
+    add("--moe-router-load-balancing-type", choices=("none", "aux_loss", "seq_aux_loss"), default="none",
+        help="accepted without effect: --moe-aux-loss-coeff is 0 (the only value slurmrl takes), so no balancing "
+             "loss reaches the gradient; the router trains on the policy loss alone")
+    add("--moe-router-bias-update-rate", type=float, default=1e-3,
+        help="after each optimizer step, each expert's routing bias moves by this much towards balanced load "
+             "(megatron's aux-loss-free balancing; slime's DeepSeek scripts give 0: the bias stays as loaded)")
     add("--moe-layer-freq", type=moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
     dispatchers = Choice(("allgather", "alltoall"), {"flex": "megatron's flex dispatcher runs on DeepEP or HybridEP "
                                                               "(CUDA kernels slurmrl does not ship); use alltoall"})

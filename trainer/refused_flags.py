@@ -22,9 +22,9 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = "slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models from --hf-checkpoint's config.json"
+_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 (every layer MoE, plain RoPE) models "
+           "from --hf-checkpoint's config.json")
 _RAY = "slurmrl runs as one SLURM job with no Ray"
-_MLA = f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
 
 
@@ -43,9 +43,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
-    _switch("--multi-latent-attention", _MLA),
-    *(Refusal(flag, _MLA) for flag in ("--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                                       "--v-head-dim")),
     Refusal("--mscale", f"YaRN rope scaling is not supported; {_MODELS}"),
     Refusal("--mscale-all-dim", f"YaRN rope scaling is not supported; {_MODELS}"),
     _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
@@ -58,20 +55,10 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--mtp-num-layers", "multi-token prediction layers are not supported; drop it"),
     Refusal("--mtp-loss-scaling-factor", "multi-token prediction layers are not supported; drop it", type=float),
     _switch("--enable-mtp-training", "multi-token prediction layers are not supported; drop it"),
-    # -- MoE features beyond Qwen3-MoE's (shared experts, grouped routing, expert bias, DeepEP)
-    Refusal("--moe-shared-expert-intermediate-size", f"shared experts are not supported; {_MODELS}"),
-    _switch("--moe-shared-expert-gate", f"shared experts are not supported; {_MODELS}"),
-    Refusal("--moe-router-num-groups", f"grouped expert routing (DeepSeek-V3) is not supported; {_MODELS}"),
-    Refusal("--moe-router-group-topk", f"grouped expert routing (DeepSeek-V3) is not supported; {_MODELS}"),
-    _switch("--moe-router-enable-expert-bias", f"expert-bias routing (DeepSeek-V3) is not supported; {_MODELS}"),
-    Refusal("--moe-router-bias-update-rate", f"expert-bias routing (DeepSeek-V3) is not supported; {_MODELS}",
-            type=float),
-    Refusal("--moe-router-topk-scaling-factor", f"routing scale factors (DeepSeek) are not supported; {_MODELS}",
-            type=float),
+    # -- MoE features beyond Qwen3-MoE's and DeepSeek-V3's (gated shared experts, DeepEP)
+    _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next) are not supported; {_MODELS}"),
     _switch("--moe-enable-deepep", "DeepEP's dispatcher needs the deep_ep package and CUDA; slurmrl uses "
                                    "megatron's alltoall (GPU) or allgather (CPU) dispatcher"),
-    Refusal("--moe-router-load-balancing-type", "load-balancing losses are not used in RL fine-tuning (the "
-            "router trains on the policy loss alone)", allowed="none"),
     Refusal("--moe-aux-loss-coeff", "load-balancing losses are not used in RL fine-tuning (the router trains on "
             "the policy loss alone)", allowed=0.0, type=float),
     Refusal("--moe-token-drop-policy", "experts are dropless (no capacity factor), so no token is dropped",
@@ -99,7 +86,7 @@ REFUSED: tuple[Refusal, ...] = (
                             "(a checkpoint is never half-written); asynchronous saving is not supported"),
     _switch("--allgather-cp", "slurmrl's context parallelism always all-gathers K/V over the CP group, with "
             "megatron's load-balanced zigzag split; slime's --allgather-cp (a contiguous split, for DeepSeek sparse "
-            f"attention) does not apply: {_MLA}"),
+            "attention, which slurmrl does not build) does not apply"),
     # -- weight sync: slurmrl publishes full versions over --update-weight-transport disk | nccl
     Refusal("--update-weight-mode", "weights are published in full each version", allowed="full"),
     Refusal("--update-weight-delta-encoding", "weights are published in full each version (no deltas)",

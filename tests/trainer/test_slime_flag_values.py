@@ -52,7 +52,7 @@ def test_the_no_op_switches_are_accepted(model: Path) -> None:
 @pytest.mark.parametrize("flag, value, reason", [
     ("--moe-token-dispatcher-type", "flex", "flex: megatron's flex dispatcher runs on DeepEP or HybridEP"),
     ("--lr-decay-style", "WSD", "WSD: megatron's inverse-square-root and WSD schedules are not implemented"),
-    ("--normalization", "LayerNorm", "LayerNorm: slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models, all "
+    ("--normalization", "LayerNorm", "LayerNorm: slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 models, all "
                                      "with RMSNorm"),
     ("--profile-target", "train_actor", "profile the trainer with `slurmrl profile JOB --train --steps N`"),
     ("--freeze-indexer", None, "the DSA indexer (DeepSeek sparse attention) is not in the models slurmrl builds"),

@@ -49,6 +49,8 @@ class ModelOptions:
     moe_router_dtype: str | None
     only_train_params_name_list: list[str] | None  # trainer.freezing
     freeze_params_name_list: list[str] | None
+    moe_router_bias_update_rate: float  # DeepSeek-V3's expert bias: its step after each optimizer step
+    moe_router_load_balancing_type: str  # no effect: the aux-loss coefficient is 0
     custom_megatron_init_path: str | None
     custom_megatron_before_log_prob_hook_path: str | None
     custom_megatron_before_train_step_hook_path: str | None
@@ -89,6 +91,18 @@ class ShapeFlags:
     moe_layer_freq: int | None
     use_rope_scaling: bool | None
     rotary_scaling_factor: float | None
+    # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
+    multi_latent_attention: bool | None
+    q_lora_rank: int | None
+    kv_lora_rank: int | None
+    qk_head_dim: int | None
+    qk_pos_emb_head_dim: int | None
+    v_head_dim: int | None
+    moe_shared_expert_intermediate_size: int | None
+    moe_router_enable_expert_bias: bool | None
+    moe_router_num_groups: int | None
+    moe_router_group_topk: int | None
+    moe_router_topk_scaling_factor: float | None
 
 
 @dataclass(frozen=True)

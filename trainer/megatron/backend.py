@@ -37,6 +37,7 @@ from trainer.megatron import state as megatron_state
 from trainer.megatron import trainee_state
 from trainer.megatron.attention import gpt_block_spec
 from trainer.megatron.compile import compile_layers
+from trainer.megatron.expert_bias import update_expert_bias
 from trainer.megatron.hf_export import HFExport
 from trainer.megatron.optimizer import ShardedOptimizer
 from trainer.megatron.rope import PackedRope
@@ -141,6 +142,7 @@ class MegatronBackend(Backend):
                 raise ArgsError("--moe-token-dispatcher-type alltoall needs CUDA streams; use allgather on CPU")
             config.moe_token_dispatcher_type = options.model.moe_token_dispatcher_type or "allgather"
             config.moe_router_dtype = options.model.moe_router_dtype
+            config.moe_router_bias_update_rate = options.model.moe_router_bias_update_rate
         spec = gpt_block_spec(config, options.model.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                          post_process=self.last_stage, **model_kwargs).to(self.device)
@@ -284,6 +286,7 @@ class MegatronBackend(Backend):
             for name, m in metrics.items():
                 totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
         self._reduce_gradients(trainee.model)
+        update_expert_bias(trainee.model)
         grad_norm = self._grad_norm(trainee.model)
         check_finite(grad_norm, role)
         if self.config.optimizer.clip_grad > 0 and grad_norm > self.config.optimizer.clip_grad:
@@ -303,7 +306,9 @@ class MegatronBackend(Backend):
         expert weights over the expert-DP group."""
         megatron_pipeline.reduce_embedding_grads(model)
         named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
-        partial = [g for n, p, g in named if "q_layernorm" in n or "k_layernorm" in n
+        # MLA's q/kv norms are over whole latents (HiddenStateNorm): partial only under SP, marked so.
+        head_norms = not model.config.multi_latent_attention
+        partial = [g for n, p, g in named if (head_norms and ("q_layernorm" in n or "k_layernorm" in n))
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         main_grads.all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
         dense_group = ps.get_data_parallel_group(with_context_parallel=True)
