@@ -12,7 +12,7 @@ python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
-COMMON="-p no:cacheprovider -p no:randomly -p no:benchmark -rfEs --tb=short -o timeout=240"
+COMMON="-p no:cacheprovider -p no:randomly -p no:benchmark -rfEs --tb=short"
 WORKERS=${WORKERS:-8}
 if [ "${PART:-gpu}" != suite ]; then
   ( timeout -s INT -k 10 "${GPU_LIMIT:-540}" python -m pytest ${GPU_TESTS:-tests/gpu} -m "not gpu_job" -v $COMMON --durations=0 \

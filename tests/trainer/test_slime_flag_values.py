@@ -109,6 +109,7 @@ def test_the_distributed_backend_and_timeout() -> None:
             "print(dist.group.WORLD._get_backend(torch.device('cpu')).options._timeout); dist_env.shutdown()")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a trainer on the CPU, where gloo is the backend (on a GPU it is refused above)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "0:03:00"  # --distributed-timeout-minutes 3
