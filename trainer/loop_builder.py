@@ -20,6 +20,7 @@ from rollout.engine_client import EngineClient
 from rollout.eval import Evaluator
 from rollout.router_client import RouterClient
 from trainer import rl_step, rollout_journal, save_now
+from trainer.ahead_source import AheadRolloutSource
 from trainer.backend import Backend
 from trainer.checkpointer import CheckpointConfig, Checkpointer, Stateful
 from trainer.colocation import Colocation, EngineSide
@@ -29,13 +30,14 @@ from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
 from trainer.loop import Loop, Progress
 from trainer.metrics import Reporter
+from trainer.old_actor import OldActor
 from trainer.profiling import TrainProfiler
 from trainer.publish import WeightPublisher
 from trainer.publisher import Publisher
 from trainer.rank0_parts import Rank0Parts
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_only import RolloutOnly
-from trainer.rollout_source import RolloutGenerator, SyncRolloutSource
+from trainer.rollout_source import Heartbeat, RolloutGenerator, RolloutSource, SyncRolloutSource
 from trainer.save_now import StopRequests
 from trainer.supervisor_link import SupervisorLink
 from trainer.train_step import TrainStep, TrainStepConfig
@@ -94,7 +96,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     evals = rank0.evals if rank0 else EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, None, None,
                                                    heartbeat, _no_amend)
     progress = Progress()
-    source = SyncRolloutSource(rank0.generator if rank0 else None, backend.broadcast_object, heartbeat)
+    source = rollout_source(config, rank0.generator if rank0 else None, backend, heartbeat)
     parts: list[Stateful] = [progress, evals, source]
     if rank0 and rank0.journal:
         parts.append(rank0.journal)
@@ -105,6 +107,9 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None),
         parts, [rank0.journal.checkpointed] if rank0 and rank0.journal else [], heartbeat)
     profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
+    asynchronous = config.asynchronous
+    # The staleness a sample can reach: the versions whose weights --keep-old-actor keeps.
+    old_actor = OldActor(backend, asynchronous.update_weights_interval) if asynchronous.keep_old_actor else None
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
@@ -112,7 +117,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
         per_token_loss=loss.calculate_per_token_loss),
         rl_step.loss_config(loss),
-        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat)
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, old_actor)
     supervisor = rank0.fleet.supervisor if rank0 else None
     publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
                           supervisor, heartbeat)
@@ -120,7 +125,16 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
                          profiler.arm)
     return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops,
                 colocation(config, backend, rank0.fleet if rank0 else None), rank0.reporter if rank0 else None,
-                profiler, run.num_rollout, config.logging.log_passrate)
+                profiler, run.num_rollout, config.logging.log_passrate, asynchronous.update_weights_interval, old_actor)
+
+
+def rollout_source(config: TrainerConfig, generator: RolloutGenerator | None, backend: Backend,
+                   heartbeat: Heartbeat) -> RolloutSource:
+    """slime's train.py order, or train_async.py's (--train-async): generation ahead of training."""
+    if config.asynchronous.train_async:
+        return AheadRolloutSource(generator, backend.broadcast_object, heartbeat, save_now.install(),
+                                  config.run.num_rollout)
+    return SyncRolloutSource(generator, backend.broadcast_object, heartbeat)
 
 
 def colocation(config: TrainerConfig, backend: Backend, fleet: EngineFleet | None) -> Colocation | None:

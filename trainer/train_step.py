@@ -15,6 +15,7 @@ from trainer import rl_step
 from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
+from trainer.old_actor import OldActor
 from trainer.profiling import TrainProfiler
 from trainer.rollout_source import Heartbeat
 
@@ -38,27 +39,31 @@ class TrainStepConfig:
 class TrainStep:
     def __init__(self, backend: Backend, config: TrainStepConfig, loss: LossConfig,
                  advantages: Callable[[list[TrainSample]], None], profiler: TrainProfiler,
-                 heartbeat: Heartbeat) -> None:
-        """advantages: fills each sample's advantages (and returns) in place."""
+                 heartbeat: Heartbeat, old_actor: OldActor | None = None) -> None:
+        """advantages: fills each sample's advantages (and returns) in place. old_actor
+        (--keep-old-actor): the old log-probs are the generating weights'."""
         self.backend = backend
         self.config = config
         self.loss = loss
         self.advantages = advantages
         self.profiler = profiler
         self.heartbeat = heartbeat
+        self.old_actor = old_actor
 
-    def run(self, rollout_id: int, samples: list[TrainSample]) -> dict[str, Any]:
+    def run(self, rollout_id: int, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:
+        """version: the trainer's weight version (what --keep-old-actor's live weights are)."""
         began = time.monotonic()
-        out = self.prepare(samples)
+        out = self.prepare(samples, version)
         # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
         out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
         out.update(self.optimize(rollout_id, samples))
         return out
 
-    def prepare(self, samples: list[TrainSample]) -> dict[str, Any]:
+    def prepare(self, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:
         """Fill every sample's log-probs, values and advantages; returns their metrics."""
         cfg, ids = self.config, list(range(len(samples)))
-        old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
+        old = (self.old_actor.log_probs(samples, ids, version) if self.old_actor
+               else self.backend.log_probs(samples, ids, "actor", with_entropy=True))
         for i, s in enumerate(samples):
             s.old_log_probs = old[i][0]
         out: dict[str, Any] = {}

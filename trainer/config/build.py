@@ -20,6 +20,7 @@ from rollout.rewards import DICT_REWARDS
 from trainer.args_parser import ArgsError
 from trainer.config.model_checks import read_hf_config, validate_megatron_parallel
 from trainer.config.sections import (
+    AsyncOptions,
     BatchingOptions,
     CheckpointOptions,
     EvalOptions,
@@ -83,6 +84,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     _check_training(args, need)
     eval_datasets = _check_eval(args, need)
     _check_rollout(args, rollout_function_path, need)
+    _check_async(args, need)
     rollout_max_prompt_len = _check_lengths(args, need)
     _check_rewards(args, need)
     for flag in _PLUGIN_PATH_FLAGS:
@@ -134,7 +136,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         run=section(RunOptions), model=section(ModelOptions), shape=section(ShapeFlags),
         parallel=section(ParallelOptions), optimizer=section(OptimizerOptions), batching=section(BatchingOptions),
         loss=section(LossOptions), rollout=section(RolloutOptions), reward=section(RewardOptions),
-        eval=section(EvalOptions), publish=section(PublishOptions), checkpoint=section(CheckpointOptions),
+        eval=section(EvalOptions), publish=section(PublishOptions), asynchronous=section(AsyncOptions),
+        checkpoint=section(CheckpointOptions),
         logging=section(LoggingOptions),
         refused_flags=tuple((name, value) for name, value in vars(args).items() if name not in named))
 
@@ -289,6 +292,19 @@ def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None, 
          "give it and drop --prompt-data")
     need(args.rollout_temperature > 0, f"--rollout-temperature {args.rollout_temperature}: must be > 0; temperature "
          "0 is greedy decoding and is not a valid RL policy (as in slime); use --eval-temperature 0 for greedy evals")
+
+
+def _check_async(args: argparse.Namespace, need: Checks) -> None:
+    need(args.update_weights_interval >= 1,
+         f"--update-weights-interval must be 1 or more, got {args.update_weights_interval}")
+    need(args.update_weights_interval == 1 or args.train_async,
+         f"--update-weights-interval {args.update_weights_interval} takes effect with --train-async (slime's "
+         "train_async.py); train.py publishes after every rollout: add --train-async or drop the flag")
+    need(not (args.train_async and (args.offload_train or args.offload_rollout)),
+         "--train-async: the engines generate while the trainer trains, so they cannot share its GPUs "
+         "(--colocate, --offload-train, --offload-rollout), as slime's train_async.py refuses --colocate; drop them")
+    need(not (args.train_async and args.debug_rollout_only),
+         "--train-async trains; --debug-rollout-only does not: drop one")
 
 
 def _check_lengths(args: argparse.Namespace, need: Checks) -> int | None:

@@ -261,6 +261,15 @@ class PublishOptions:
 
 
 @dataclass(frozen=True)
+class AsyncOptions:
+    """Generation overlapping training (trainer.ahead_source; slime's train_async.py)."""
+
+    train_async: bool  # slime's train_async.py: rollout N+1 is generated while rollout N trains
+    update_weights_interval: int  # publish after every N-th rollout (train_async only, as in slime)
+    keep_old_actor: bool  # old log-probs by the weights that generated each sample (trainer.old_actor)
+
+
+@dataclass(frozen=True)
 class CheckpointOptions:
     """Where weights start, resume and are saved (trainer.checkpoint, ckpt_tools.tracker)."""
 
