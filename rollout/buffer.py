@@ -22,6 +22,10 @@ class DataBuffer:
         """Keep groups a round could not finish; the next round resumes them first."""
         self.pending.extend(groups)
 
+    def put_back(self, groups: list[list[Sample]]) -> None:
+        """Groups taken and not finished, to go out again before the rest (rollout.group_ledger)."""
+        self.pending[:0] = groups
+
     def state_dict(self) -> dict[str, Any]:
         return {"source": self.source.state_dict(),
                 "pending": [[s.to_dict() for s in group] for group in self.pending]}

@@ -74,16 +74,27 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
+def _oldest(sample: Sample, before: int | None, sent: int | None) -> None:
+    """The oldest version of its tokens: its earlier tokens', the one served when the request was
+    sent, the one that answered."""
+    versions = [v for v in (before, sent, sample.weight_version) if v is not None]
+    sample.oldest_weight_version = min(versions) if versions else None
+
+
 class GroupGenerator:
     """Generates groups for one round (rollout_id) or for the fully asynchronous worker, and counts
     what the round's checks need: samples finished, users' functions' errors, groups dropped or scored."""
 
     def __init__(self, args: RolloutArgs, transport: RequestTransport, rollout_id: int, evaluation: bool,
-                 halted: Callable[[], bool] = lambda: False) -> None:
+                 halted: Callable[[], bool] = lambda: False,
+                 served_version: Callable[[], int | None] = lambda: None) -> None:
         """halted: generation ends for another reason than the transport's stop (the fully
-        asynchronous worker's pause with mode abort, or its stop)."""
+        asynchronous worker's pause with mode abort, or its stop). served_version: the version
+        the engines serve as a request is sent (None: not known; the answer's is used), so a
+        request that spans a weight update counts from the older one."""
         self.args, self.transport, self.rollout_id, self.evaluation, self.halted = (
             args, transport, rollout_id, evaluation, halted)
+        self.served_version = served_version
         self.tokenizer = _tokenizer(args.hf_checkpoint)
         self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
                                 if args.custom_generate_function_path else None)
@@ -201,15 +212,22 @@ class GroupGenerator:
             if sample.status is Status.ABORTED and not self.ended:  # stopped earlier, continued now
                 trace.add(sample, "resume", time.time(), weight_version=sample.weight_version,
                           rollout_id=self.rollout_id, tokens=sample.response_length)
+            before = sample.generating_version if sample.response_length else None
+            sent = self.served_version()
             if self.custom_generate:
                 returned = await self._custom_generate(self.custom_generate, sample)
-                if returned is None or len(returned) > 1:
+                if returned is None:
+                    return None
+                for new in returned:
+                    _oldest(new, before, sent)
+                if len(returned) > 1:
                     return returned  # several samples from one call: each must be finished
                 sample = returned[0]
             else:
                 body = await self.transport.generate(sample, self._rid(sample), self._sampling_params(sample))
                 if body is not None:  # None: the round ended while the request waited its turn
                     self._apply(sample, body)
+                    _oldest(sample, before, sent)
             if sample.status is Status.ABORTED:
                 trace.add(sample, "abort", time.time(), weight_version=sample.weight_version,
                           tokens=sample.response_length)

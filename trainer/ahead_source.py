@@ -4,7 +4,7 @@ the version that generated it, is 1; up to --update-weights-interval).
 
     rollout(N)      take rollout N (waiting while it is still generated), then start N+1 in the
                     background with the weights the engines serve
-    before_update   the trainer is about to publish (every --update-weights-interval rollouts) or
+    settle          the trainer is about to publish (every --update-weights-interval rollouts) or
                     to checkpoint: wait for the rollout in flight, as slime syncs the generation
                     before update_weights; a checkpoint never holds half a rollout
     stop_generating the trainer stops (save-now, the supervisor's stop): the rollout in flight is
@@ -107,7 +107,7 @@ class AheadRolloutSource(RolloutSource):
                     self._start(rollout_id + 1)
         return self.broadcast(rollout)
 
-    def before_update(self) -> bool:
+    def settle(self, publishing: bool) -> bool:
         return self._wait_abandonable()
 
     def stop_generating(self) -> None:

@@ -26,7 +26,7 @@ class TrainSample:
     reward: float
     group_index: int  # the rollout sample's: the samples of one prompt share it (advantages per group)
     rollout_log_probs: Tensor | None = None  # [R], from the engine
-    weight_version: int | None = None  # the weights that generated it (None: the initial checkpoint)
+    weight_version: int | None = None  # the (oldest) weights that generated it (None: the initial checkpoint)
     staleness: int = 0  # the trainer's version minus weight_version when trained (set by the loop)
     sample_index: int | None = None  # the rollout sample's index (unique over the run: the data source counts)
     # Filled in by the trainer before the update, one [R] tensor each.
@@ -49,7 +49,7 @@ class TrainSample:
         return cls(tokens=torch.tensor(sample.tokens, dtype=torch.int64), response_length=r,
                    loss_mask=torch.tensor(sample.loss_mask[:r] or [1] * r, dtype=torch.float32),
                    reward=sample.reward_value(reward_key), group_index=sample.group_index, rollout_log_probs=logp,
-                   weight_version=sample.weight_version, sample_index=sample.index)
+                   weight_version=sample.generating_version, sample_index=sample.index)
 
 
 @dataclass

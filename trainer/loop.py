@@ -106,6 +106,7 @@ class Loop:
         if load_reference is not None:
             load_reference()
         self.publish()  # the engines serve exactly the trainer's weights from the first rollout on
+        self.source.published(self.progress.weight_version)
         if self.colocation:
             self.colocation.to_engines()
         self.evals.start(resumed=resumed is not None)
@@ -164,7 +165,7 @@ class Loop:
         save_due = self.checkpointer.due(rollout_id)
         stopping = not publish
         due = (rollout_id + 1) % self.update_weights_interval == 0
-        if not stopping and (due or save_due) and not self.source.before_update():
+        if not stopping and (due or save_due) and not self.source.settle(publishing=due):
             stopping = True  # a save-now came while the source settled what it generates
         due = due and not stopping
         if due and self.colocation:
@@ -177,7 +178,7 @@ class Loop:
             self.colocation.before_publish()
         metrics.update(self.publish() if due else {}, published_version=self.published)
         if due:
-            self.source.after_update(self.progress.weight_version)
+            self.source.published(self.progress.weight_version)
             if self.colocation:
                 self.colocation.to_engines()
         metrics.update(self.evals.after_publish(rollout_id, published=not stopping))

@@ -18,6 +18,8 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.engine_client import EngineClient
 from rollout.eval import Evaluator
+from rollout.fully_async import FullyAsyncWorker
+from rollout.group_ledger import GroupLedger
 from rollout.router_client import RouterClient
 from trainer import rl_step, rollout_journal, save_now
 from trainer.ahead_source import AheadRolloutSource
@@ -28,6 +30,7 @@ from trainer.config import TrainerConfig
 from trainer.config.rollout_args import rollout_args
 from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
+from trainer.fully_async_source import ENGINE_CALL_TIMEOUT_S, FullyAsyncOptions, FullyAsyncSource
 from trainer.loop import Loop, Progress
 from trainer.metrics import Reporter
 from trainer.old_actor import OldActor
@@ -74,7 +77,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
     evaluator = Evaluator(
         rollout, ev.eval_datasets, rollout.for_plugins, tokenizer=tokenizer,
         apply_chat_template=ro.apply_chat_template, apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
-        eval_function_path=ev.eval_function_path or ro.rollout_function_path,
+        eval_function_path=ev.eval_function_path or ro.rollout_plugin,
         log_function_path=ev.custom_eval_rollout_log_function_path) if ev.eval_interval is not None else None
     transport = None if run.debug_train_only else WeightPublisher(
         pub.update_weight_transport, Path(run.job_dir), Path(config.model.model_files), pub.api_key,
@@ -96,7 +99,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     evals = rank0.evals if rank0 else EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, None, None,
                                                    heartbeat, _no_amend)
     progress = Progress()
-    source = rollout_source(config, rank0.generator if rank0 else None, backend, heartbeat)
+    source = rollout_source(config, rank0, backend, heartbeat)
     parts: list[Stateful] = [progress, evals, source]
     if rank0 and rank0.journal:
         parts.append(rank0.journal)
@@ -109,7 +112,9 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
     asynchronous = config.asynchronous
     # The staleness a sample can reach: the versions whose weights --keep-old-actor keeps.
-    old_actor = OldActor(backend, asynchronous.update_weights_interval) if asynchronous.keep_old_actor else None
+    reach = (asynchronous.max_weight_staleness or 0) if config.rollout.fully_async else \
+        asynchronous.update_weights_interval
+    old_actor = OldActor(backend, reach) if asynchronous.keep_old_actor else None
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
@@ -128,12 +133,25 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
                 profiler, run.num_rollout, config.logging.log_passrate, asynchronous.update_weights_interval, old_actor)
 
 
-def rollout_source(config: TrainerConfig, generator: RolloutGenerator | None, backend: Backend,
+def rollout_source(config: TrainerConfig, rank0: Rank0Parts | None, backend: Backend,
                    heartbeat: Heartbeat) -> RolloutSource:
-    """slime's train.py order, or train_async.py's (--train-async): generation ahead of training."""
-    if config.asynchronous.train_async:
-        return AheadRolloutSource(generator, backend.broadcast_object, heartbeat, save_now.install(),
-                                  config.run.num_rollout)
+    """slime's train.py order, train_async.py's (--train-async: generation one rollout ahead of
+    training), or its fully asynchronous rollout (groups generating across rollouts)."""
+    run, ro, asynchronous = config.run, config.rollout, config.asynchronous
+    generator = rank0.generator if rank0 else None
+    if ro.fully_async:
+        worker, client, engines = None, None, _no_engines
+        if rank0 and generator and generator.buffer:
+            capacity = int(asynchronous.async_data_buffer_capacity_factor * ro.rollout_batch_size)
+            worker = FullyAsyncWorker(generator.rollout_args, GroupLedger(generator.buffer, capacity))
+            client, engines = EngineClient(config.publish.api_key, ENGINE_CALL_TIMEOUT_S), rank0.fleet.engines
+        options = FullyAsyncOptions(ro.rollout_batch_size, asynchronous.max_weight_staleness,
+                                    asynchronous.async_unused_samples_handler, asynchronous.pause_generation_mode,
+                                    config.reward.reward_key)
+        return FullyAsyncSource(worker, rank0.journal if rank0 else None, engines, client, options,
+                                backend.broadcast_object, heartbeat, save_now.install())
+    if asynchronous.train_async:
+        return AheadRolloutSource(generator, backend.broadcast_object, heartbeat, save_now.install(), run.num_rollout)
     return SyncRolloutSource(generator, backend.broadcast_object, heartbeat)
 
 

@@ -63,13 +63,14 @@ class RolloutSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     # What a source running ahead of training is told (rank 0 acts; defaults: nothing to do).
-    def before_update(self) -> bool:
-        """The trainer is about to publish new weights, and to checkpoint: nothing may be left half
-        generated. False when a save-now request came meanwhile (generation was stopped)."""
+    def settle(self, publishing: bool) -> bool:
+        """The trainer is about to checkpoint and/or, `publishing`, to update the engines' weights:
+        nothing may be left half generated, and the engines pause if they must. False when a
+        save-now request came meanwhile (generation was stopped)."""
         return True
 
-    def after_update(self, version: int) -> None:
-        """The engines serve `version` now."""
+    def published(self, version: int) -> None:
+        """The engines serve `version` now (after a `settle(publishing=True)`)."""
         return None
 
     def stop_generating(self) -> None:

@@ -62,4 +62,5 @@ def test_the_trainer_refuses_train_async_with_colocations_offloading(tmp_path: P
         parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--train-async", "--offload-rollout",
                     "--engine-urls", "http://127.0.0.1:1", "--rollout-function-path", "m.f",
                     "--disable-rollout-global-dataset"])
-    assert any(p.startswith("--train-async: the engines generate while the trainer trains") for p in err.value.problems)
+    assert any(p.startswith("--train-async and the fully async rollout: the engines generate while the trainer "
+                            "trains") for p in err.value.problems)
