@@ -91,7 +91,8 @@ def test_the_state_puts_in_flight_groups_in_front_of_pending_as_they_were_sent(t
     assert state["buffer"]["pending"][0][0]["tokens"] == [7, 7, 7], "as it was sent"
     restored = ledger(tmp_path / "again")
     restored.load_state_dict(state)
-    assert restored.buffer.get(1)[0][0].tokens == [7, 7, 7] and [g[0].index for g in restored.ready] == [second[0].index]
+    assert restored.buffer.get(1)[0][0].tokens == [7, 7, 7]
+    assert [g[0].index for g in restored.ready] == [second[0].index]
     assert restored.buffer.get(1)[0][0].index == second[0].index + N, "the data source goes on after the last taken"
 
 

@@ -19,6 +19,7 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs
 from rollout.sample import Sample, Status
+from tests.trainer.test_loop_parts import FakeBackend, Lines, no_advantages
 from trainer import save_now
 from trainer.ahead_source import AheadRolloutSource
 from trainer.batch import TrainSample
@@ -33,7 +34,6 @@ from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import AHEAD_KEY, RolloutGenerator
 from trainer.save_now import StopRequests
 from trainer.train_step import TrainStep, TrainStepConfig
-from tests.trainer.test_loop_parts import FakeBackend, Lines, no_advantages
 
 GROUPS, PER_GROUP = 2, 2
 NEXT_STARTS_WITHIN_S = 20.0  # bound on rollout N+1's generation starting while rollout N trains
