@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract.job_dir import Phase
+from rollout import debug_data
 from rollout.engine_client import EngineClient, EngineError
 from rollout.fully_async import FullyAsyncWorker
 from rollout.group_ledger import GroupLedger
@@ -143,6 +144,8 @@ class FullyAsyncSource(RolloutSource):
         worker.wake()  # room for more
         if self.journal:
             self.journal.record(rollout_id, groups, ledger.state_dict())
+        if worker.args.save_debug_rollout_data:  # slime's dump of what the rollout trains on
+            debug_data.save(worker.args.save_debug_rollout_data, rollout_id, [s for g in groups for s in g])
         return groups
 
     def _metrics(self) -> dict[str, Any]:
