@@ -15,7 +15,8 @@ id, its group_index, is unique) is at any moment in exactly one place:
 
 Every move is one call under the ledger's lock. The ledger's state (`state_dict`) is the data
 buffer (its position in the data source, and pending with the in-flight copies in front: a resume
-generates them again from where they were sent) plus ready, with every sample. That state goes
+generates them again from where they were sent) plus ready, with every sample, and the count of
+samples dropped over the run (so that handed out = trained + waiting + dropped can be checked). That state goes
 into the checkpoint after rollout N, and into the rollout journal's entry for each rollout M > N
 with M's groups (trainer.fully_async_source): a resume from N replays M = N+1, N+2... in order,
 each entry putting the ledger where it was right after M was taken, then generates on. So a
@@ -72,6 +73,7 @@ class GroupLedger:
         self.in_flight: dict[int, dict[str, Any]] = {}  # group id -> its samples' dicts when sent
         self.ready: deque[Group] = deque()
         self.counts = Counts()
+        self.dropped_samples = 0  # over the run (kept in the state), by either rule
         self.changed = threading.Condition()  # notified on every move: a rollout may be ready
 
     # ---- the worker's moves
@@ -103,7 +105,7 @@ class GroupLedger:
     def dropped(self, gid: int) -> None:
         """A user function failed on it (sample_errors.py counts the samples)."""
         with self.changed:
-            del self.in_flight[gid]
+            self.dropped_samples += len(self.in_flight.pop(gid)["samples"])
             self.counts.dropped_groups += 1
             self.changed.notify_all()
 
@@ -128,6 +130,7 @@ class GroupLedger:
                         self.counts.retried_stale_samples += len(group)
                     else:
                         self.counts.dropped_stale_samples += len(group)
+                        self.dropped_samples += len(group)
             if len(self.ready) < count:
                 return None
             return [self.ready.popleft() for _ in range(count)]
@@ -148,10 +151,12 @@ class GroupLedger:
         with self.changed:
             buffer = self.buffer.state_dict()
             buffer["pending"] = [g["samples"] for g in self.in_flight.values()] + buffer["pending"]
-            return {"buffer": buffer, "ready": [[s.to_dict() for s in g] for g in self.ready]}
+            return {"buffer": buffer, "ready": [[s.to_dict() for s in g] for g in self.ready],
+                    "dropped_samples": self.dropped_samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.changed:
             self.buffer.load_state_dict(state["buffer"])
             self.in_flight = {}
             self.ready = deque([Sample.from_dict(s) for s in g] for g in state["ready"])
+            self.dropped_samples = state["dropped_samples"]

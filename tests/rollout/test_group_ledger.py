@@ -73,6 +73,7 @@ def test_every_sample_is_in_one_place_through_random_moves(tmp_path: Path) -> No
         handed_out = book.buffer.source.next_sample_index
         every = sorted([*where["pending"], *where["ready"], *trained, *dropped])
         assert every == list(range(handed_out)), "each sample handed out is in exactly one place"
+        assert book.state_dict()["dropped_samples"] == len(dropped), "the state counts the drops"
         assert len(in_flight) + len(where["ready"]) // N <= 6, "the capacity bounds in flight and ready"
     assert len(set(trained)) == len(trained) > 20
 

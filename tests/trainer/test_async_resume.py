@@ -25,7 +25,7 @@ import torch
 from contract.job_dir import JobDir
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
-from rollout.engine_client import EngineClient
+from rollout.engine_client import EngineClient, EngineError
 from rollout.fully_async import FullyAsyncWorker
 from rollout.generate import RolloutArgs
 from rollout.group_ledger import DROP, GroupLedger
@@ -123,8 +123,9 @@ def ahead(model: Path, router: RouterClient, job: Path, backend: Backend, journa
 
 
 def loop(job: Path, backend: Backend, make_source: Callable[..., RolloutSource], model: Path,
-         router: RouterClient, save_interval: int) -> Loop:
-    """The loop over `job` (its checkpoints and rollout journal): a trainer that restarts there resumes."""
+         router: RouterClient, save_interval: int, drop: Callable[[str], None] | None = None) -> Loop:
+    """The loop over `job` (its checkpoints and rollout journal): a trainer that restarts there
+    resumes. drop: told an engine that failed a weight update (the supervisor's part)."""
     reporter, journal = Lines(), RolloutJournal(JobDir(job).rollout_journal, "flags")
     source = make_source(model, router, job, backend, journal)
     progress, evals = Progress(), EvalSchedule(None, True, None, None, reporter.heartbeat, reporter.amend)
@@ -138,10 +139,16 @@ def loop(job: Path, backend: Backend, make_source: Callable[..., RolloutSource],
         critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat)
 
     class EnginesPublisher(Publisher):
-        """Loads each version on the engine (the same weights), as the real transport does."""
+        """Loads each version on the engines (the same weights), as the real transport does: an
+        engine whose update fails is dropped."""
         def publish(self, version: int, rollout_id: int, weights: Any) -> dict[str, Any]:
-            for url in router.workers():
-                EngineClient(API_KEY, 120).load_from_disk(url, model, version, 120)
+            for url in sorted(router.workers()):
+                try:
+                    EngineClient(API_KEY, 120).load_from_disk(url, model, version, 120)
+                except EngineError:
+                    if drop is None:
+                        raise
+                    drop(url)
             return super().publish(version, rollout_id, weights)
 
     stops = StopRequests(save_now.install(), None, backend.broadcast_object, profiler.arm)
