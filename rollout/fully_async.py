@@ -25,10 +25,10 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from rollout.engine_idle import EngineIdle
 from rollout.group_generate import DONE, GroupGenerator
 from rollout.group_ledger import GroupLedger, group_id
 from rollout.request_deadline import ABORT_GRACE_S
@@ -42,37 +42,6 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")  # --pause-generation-mode (miles'; SGLang's /pause_generation)
 START_WAIT_S = 30.0  # bound on the worker's thread starting its event loop
 CALL_WAIT_S = 30.0  # bound on one of the trainer's calls (hold, release) running in the worker's loop
-
-
-class EngineIdle:
-    """Seconds the engines had nothing of the worker's to generate (held for a weight update, or
-    nothing in flight), since the last `take` (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle_since: float | None = time.monotonic()
-        self._idle = 0.0
-        self._since = time.monotonic()
-
-    def mark(self, idle: bool) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if idle and self._idle_since is None:
-                self._idle_since = now
-            elif not idle and self._idle_since is not None:
-                self._idle += now - self._idle_since
-                self._idle_since = None
-
-    def take(self) -> float:
-        """The idle share of the time since the last take; starts again."""
-        with self._lock:
-            now = time.monotonic()
-            idle = self._idle + (now - self._idle_since if self._idle_since is not None else 0.0)
-            wall = now - self._since
-            self._idle, self._since = 0.0, now
-            if self._idle_since is not None:
-                self._idle_since = now
-            return idle / wall if wall > 0 else 0.0
 
 
 class FullyAsyncWorker:

@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.job_dir import Phase
+from rollout.engine_idle import EngineIdle
 from rollout.round_stop import RoundStop, RoundStopped
 from rollout.sample import Sample
 from trainer.rollout_source import (
     AHEAD_KEY,
     DATA_BUFFER_KEY,
+    ENGINE_WAIT_RATIO,
     Broadcast,
     Heartbeat,
     Rollout,
@@ -93,6 +95,7 @@ class AheadRolloutSource(RolloutSource):
         self.num_rollout = num_rollout
         self.ready: _Generated | None = None  # generated, not yet taken by the loop
         self.in_flight: _InFlight | None = None
+        self.idle = EngineIdle()  # no rollout generating
 
     def rollout(self, rollout_id: int, weight_version: int) -> Rollout | None:
         rollout = None
@@ -103,6 +106,7 @@ class AheadRolloutSource(RolloutSource):
             if self._wait_abandonable():
                 generated = self._take(rollout_id)
                 rollout = tagged(generated, self.generator.train_samples)
+                rollout.metrics[ENGINE_WAIT_RATIO] = self.idle.take()
                 if rollout_id + 1 < self.num_rollout:
                     self._start(rollout_id + 1)
         return self.broadcast(rollout)
@@ -154,6 +158,7 @@ class AheadRolloutSource(RolloutSource):
         buffer = self.generator.buffer
         flight = _InFlight(rollout_id, buffer.state_dict() if buffer else None)
         self.in_flight = flight
+        self.idle.mark(False)
         threading.Thread(target=self._generate, args=(flight,), name=f"rollout-{rollout_id}", daemon=True).start()
 
     def _generate(self, flight: _InFlight) -> None:
@@ -164,6 +169,7 @@ class AheadRolloutSource(RolloutSource):
         except BaseException as err:  # noqa: BLE001 - raised again in the loop's thread
             flight.error = err
         finally:
+            self.idle.mark(True)
             flight.done.set()
 
     def _wait_abandonable(self) -> bool:

@@ -29,7 +29,7 @@ from rollout.sample import Sample
 from rollout.sample_errors import METRIC as SAMPLE_ERRORS
 from trainer.batch import TrainSample
 from trainer.rollout_journal import RolloutJournal
-from trainer.rollout_source import Broadcast, Heartbeat, Rollout, RolloutSource, SampleGroup
+from trainer.rollout_source import ENGINE_WAIT_RATIO, Broadcast, Heartbeat, Rollout, RolloutSource, SampleGroup
 from trainer.save_now import SaveNow, SaveNowSignal
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ ENGINE_CALL_TIMEOUT_S = 30.0  # one engine's /pause_generation or /continue_gene
 QUEUE, IN_FLIGHT = "async/queue_groups", "async/in_flight_groups"
 DROPPED_STALE, RETRIED_STALE = "async/dropped_stale_samples", "async/retried_stale_samples"
 REQUEUED = "async/requeued_groups"
-ENGINE_WAIT_RATIO = "perf/engine_wait_time_ratio"  # the engines with nothing to generate (held, or none in flight)
 
 
 @dataclass(frozen=True)

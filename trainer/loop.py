@@ -135,7 +135,7 @@ class Loop:
             self.reporter.close()
 
     def train(self, rollout: Rollout, rollout_seconds: float) -> dict[str, Any]:
-        began = time.monotonic()
+        began, started_at = time.monotonic(), time.time()
         samples = rollout.samples()
         if self.colocation:
             self.colocation.to_trainer()
@@ -149,7 +149,8 @@ class Loop:
                         Metric.ROLLOUT_SECONDS: rollout_seconds, Metric.TRAIN_SECONDS: train_seconds,
                         STALENESS_MEAN: sum(s.staleness for s in samples) / max(1, len(samples)),
                         STALENESS_MAX: max((s.staleness for s in samples), default=0), TRAIN_WAIT: rollout_seconds,
-                        WAIT_RATIO: rollout_seconds / max(rollout_seconds + train_seconds, 1e-9)})
+                        WAIT_RATIO: rollout_seconds / max(rollout_seconds + train_seconds, 1e-9),
+                        Metric.TRAIN_STARTED_AT: started_at, Metric.TRAIN_ENDED_AT: time.time()})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
         if self.log_passrate:  # slime's passrate/pass@k over the rollout's groups
             passrate = pass_at_k([s.reward for s in samples], [s.group_index for s in samples])

@@ -33,6 +33,7 @@ Heartbeat = Callable[[Phase, int], None]  # the supervisor's sign of life: rank 
 Broadcast = Callable[[Any], Any]  # rank 0's value on every trainer rank (collective)
 
 DATA_BUFFER_KEY = "data_buffer"  # in the trainer state of a checkpoint (common.pt)
+ENGINE_WAIT_RATIO = "perf/engine_wait_time_ratio"  # a rollout's line: the engines with nothing to generate
 AHEAD_KEY = "ahead_rollout"  # the same: a rollout generated ahead of training, not trained yet (--train-async)
 
 

@@ -11,6 +11,8 @@ always in flight (the worker keeps generating while the trainer trains):
   replays the rollouts the journal holds before its worker starts;
 - `slurmrl stop`: the trainer stops its worker, keeps the tokens of what was generating, saves.
 
+`slurmrl trace DUMP --metrics metrics.jsonl` then shows generation overlapping training.
+
 Then every rollout id is in metrics.jsonl once, the rollout dumps (what each rollout trained on)
 hold each sample id once, and every sample the data source handed out is trained or waits in the
 last checkpoint's ledger: nothing lost, nothing trained twice. The staleness bound holds. (Each
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -84,3 +87,8 @@ def test_async_job_survives_engine_trainer_and_update_faults_losing_no_sample(de
     # Dropped by the staleness rule (counted; the crashed run's count came back with the journal).
     assert not waiting & set(trained) and set(trained) | waiting <= set(range(handed_out))
     assert len(trained) + len(waiting) + ledger["dropped_samples"] == handed_out, "no sample lost"
+    # The trace viewer: the last rollout's samples generated while the rollouts before it trained.
+    shown = slurmrl("trace", str(job_dir / "dumps" / f"{rollouts[-1]}.pt"), "--metrics",
+                    str(job_dir / "metrics.jsonl")).stdout
+    overlap = re.search(r"generation overlapping training for ([\d.]+) s", shown)
+    assert overlap and float(overlap.group(1)) > 0, shown

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from contract.job_dir import JobDir
+from contract.job_dir import JobDir, Metric
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.generate import RolloutArgs
@@ -25,13 +25,13 @@ from trainer.ahead_source import AheadRolloutSource
 from trainer.batch import TrainSample
 from trainer.checkpointer import CheckpointConfig, Checkpointer
 from trainer.evals import EvalSchedule
-from trainer.loop import STALENESS_MAX, Loop, Progress
+from trainer.loop import STALENESS_MAX, WAIT_RATIO, Loop, Progress
 from trainer.losses import LossConfig
 from trainer.old_actor import OldActor
 from trainer.profiling import TrainProfiler
 from trainer.publisher import Publisher
 from trainer.rollout_journal import RolloutJournal
-from trainer.rollout_source import AHEAD_KEY, RolloutGenerator
+from trainer.rollout_source import AHEAD_KEY, ENGINE_WAIT_RATIO, RolloutGenerator
 from trainer.save_now import StopRequests
 from trainer.train_step import TrainStep, TrainStepConfig
 
@@ -156,6 +156,9 @@ def test_rollout_n_plus_1_is_generated_while_n_trains(tmp_path: Path) -> None:
     assert [[s.weight_version for s in backend.trained[r]] for r in range(4)] == [[v] * 4 for v in (0, 0, 1, 2)]
     assert staleness(backend) == [[0] * 4, [1] * 4, [1] * 4, [1] * 4]
     assert [line[STALENESS_MAX] for line in reporter.lines.values()] == [0, 1, 1, 1]
+    for line in reporter.lines.values():  # what the trainer waited for data, and the engines for work
+        assert 0 <= line[WAIT_RATIO] <= 1 and 0 <= line[ENGINE_WAIT_RATIO] <= 1
+        assert line[Metric.TRAIN_STARTED_AT] <= line[Metric.TRAIN_ENDED_AT]
 
 
 def test_update_weights_interval_publishes_every_nth_rollout(tmp_path: Path) -> None:
