@@ -19,19 +19,16 @@ import requests
 from rollout.router_client import RouterClient
 from slurm.devcluster.daemons import wait_for
 from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.trainer.held_engine import HOLD_MS, TOKENS_SEEN_S, model, more_tokens
 from tests.trainer.test_async_resume import (
     BATCH,
-    HOLD_MS,
     ROLLOUTS,
-    TOKENS_SEEN_S,
     Backend,
     N,
     final_ledger_ids,
     fully_async,
     handed_out,
     loop,
-    model,
-    more_tokens,
     run,
 )
 

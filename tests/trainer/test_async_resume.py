@@ -14,12 +14,11 @@ tests/integration/test_async_faults.py.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 
 from contract.job_dir import JobDir
@@ -30,10 +29,10 @@ from rollout.fully_async import FullyAsyncWorker
 from rollout.generate import RolloutArgs
 from rollout.group_ledger import DROP, GroupLedger
 from rollout.router_client import RouterClient
-from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
-from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.rollout.servers import API_KEY
+from tests.trainer.held_engine import TOKENS_SEEN_S, engine, model, more_tokens
 from tests.trainer.test_loop_parts import FakeBackend, Lines, no_advantages
 from trainer import save_now
 from trainer.ahead_source import AheadRolloutSource
@@ -50,33 +49,14 @@ from trainer.rollout_source import RolloutGenerator, RolloutSource
 from trainer.save_now import StopRequests
 from trainer.train_step import TrainStep, TrainStepConfig
 
-HOLD_MS, BATCH, N, MAX_TOKENS, ROLLOUTS = 60, 2, 2, 16, 5
-TOKENS_SEEN_S = 60.0  # bound on the engine generating more tokens while the trainer trains
+BATCH, N, MAX_TOKENS, ROLLOUTS = 2, 2, 16, 5
+
+
+__all__ = ["engine", "model"]  # the fixtures
 
 
 class Killed(Exception):
     """The trainer dies mid-step (as a SIGKILL would end it)."""
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterClient, Server]]:
-    with engines_behind_router(model, tmp_path_factory.mktemp("engine"), count=1,
-                               flags=("--decode-step-hold-ms", str(HOLD_MS))) as (router, [server]):
-        yield router, server
-
-
-def more_tokens(server: Server) -> Callable[[], bool]:
-    """A condition: the engine generated tokens since it was made (something is mid-generation)."""
-    def generated() -> int:
-        info = requests.get(server.url + "/server_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
-        return info.json()["internal_states"][0]["generated_tokens"]
-    before = generated()
-    return lambda: generated() > before
 
 
 class Backend(FakeBackend):

@@ -6,12 +6,10 @@ staleness bound with a slow engine, a stop that keeps the tokens, and slime's pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
@@ -21,10 +19,10 @@ from rollout.generate import RolloutArgs
 from rollout.group_ledger import DROP, RETRY, GroupLedger
 from rollout.router_client import RouterClient
 from rollout.sample import Status
-from rollout.tiny_model import write_tiny_model
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
-from tests.rollout.servers import API_KEY, Server, engines_behind_router
+from tests.rollout.servers import API_KEY
+from tests.trainer.held_engine import TOKENS_SEEN_S, engine, generated_tokens, model
 from trainer import save_now
 from trainer.fully_async_source import (
     DROPPED_STALE,
@@ -35,22 +33,11 @@ from trainer.fully_async_source import (
 )
 from trainer.rollout_source import Rollout
 
-HOLD_MS = 60  # each decode step of the engine: a slow GPU
 BATCH, N, MAX_TOKENS = 2, 2, 12
-TOKENS_SEEN_S = 60.0  # bound on the engine generating its first tokens
 PUBLISH_S = 120.0  # bound on one weight load
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterClient, Server]]:
-    with engines_behind_router(model, tmp_path_factory.mktemp("engine"), count=1,
-                               flags=("--decode-step-hold-ms", str(HOLD_MS))) as (router, [server]):
-        yield router, server
+__all__ = ["engine", "model"]  # the fixtures
 
 
 class Ledger(GroupLedger):
@@ -94,11 +81,6 @@ def publish(src: FullyAsyncSource, router: RouterClient, model: Path, version: i
     for url in router.workers():
         EngineClient(API_KEY, PUBLISH_S).load_from_disk(url, model, version, PUBLISH_S)
     src.published(version)
-
-
-def generated_tokens(server: Server) -> int:
-    info = requests.get(server.url + "/server_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
-    return info.json()["internal_states"][0]["generated_tokens"]
 
 
 def take(src: FullyAsyncSource, rollout_id: int, version: int) -> Rollout:
