@@ -160,10 +160,11 @@ def _model_groups(model: Any, spec: JobSpec, where: str) -> tuple[list[EngineGro
     if problems:
         return [], problems
     gpus = sum(g.count for g in found) * r.rollout_num_gpus_per_engine
-    if r.engine == "cpu" and sum(g.count for g in found) != r.engine_count:
+    counted = r.engine == "cpu" or r.engines_share_gpus  # engines not one per GPU: counted, not sized
+    if counted and sum(g.count for g in found) != r.engine_count:
         return [], [f"{where}.server_groups: they make {sum(g.count for g in found)} engines, the job has "
                     f"{r.engine_count} (--rollout-num-engines); make them equal"]
-    if r.engine != "cpu" and gpus != r.rollout_num_gpus:
+    if not counted and gpus != r.rollout_num_gpus:
         return [], [f"{where}.server_groups: their num_gpus add up to {gpus}, --rollout-num-gpus is "
                     f"{r.rollout_num_gpus} (slime's rule: they must be equal); give --rollout-num-gpus {gpus}"]
     return found, []

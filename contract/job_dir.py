@@ -55,6 +55,7 @@ class JobDir:
     events = property(lambda self: self.root / "events.jsonl")
     heartbeat = property(lambda self: self.root / "trainer_heartbeat.json")
     trainer_fatal = property(lambda self: self.root / "trainer_fatal.json")
+    trainer_finished = property(lambda self: self.root / "trainer_finished.json")
     metrics = property(lambda self: self.root / "metrics.jsonl")
     weights = property(lambda self: self.root / "weights")
     checkpoints = property(lambda self: self.root / "checkpoints")
@@ -172,6 +173,20 @@ def read_trainer_fatal(job_dir: JobDir, launched: float) -> str | None:
         return None
 
 
+def write_trainer_finished(job_dir: JobDir) -> None:
+    """The trainer's last act before it exits 0: the record of its end that does not need SLURM's
+    accounting (a supervisor that did not see it end learns it here; sacct may have nothing)."""
+    write_atomic(job_dir.trainer_finished, json.dumps({"time": time.time(), "pid": os.getpid()}))
+
+
+def read_trainer_finished(job_dir: JobDir, launched: float) -> bool:
+    """Whether the trainer launched at `launched` (unix time) ran to its end and exits 0."""
+    try:
+        return float(json.loads(job_dir.trainer_finished.read_text())["time"]) >= launched
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 # ------------------------------------------------------------------ the trainer's metrics
 class Metric:
     """Keys of metrics.jsonl that other programs read (the trainer writes more)."""
@@ -181,6 +196,8 @@ class Metric:
     TRAIN_SECONDS = "train_seconds"  # log-probs and optimizer steps
     LOG_PROBS_SECONDS = "log_probs_seconds"  # of which the forward passes before the first step
     PUBLISH_SECONDS = "publish_seconds"
+    PUBLISH_BYTES = "publish_bytes"  # the weights sent (disk: written) by the publish
+    TRAIN_TOKENS_PER_S = "perf/actor_train_tok_per_s"  # slime's: the rollout's tokens / the optimizer steps' time
     SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
     EVAL_SECONDS = "eval_seconds"  # only on rollouts that evaluated
     TRAIN_STARTED_AT, TRAIN_ENDED_AT = "train_started_at", "train_ended_at"  # unix s: the trace viewer's trainer row
@@ -191,6 +208,12 @@ class Metric:
 # stacks them): log-probs are the forward passes before the first optimizer step, train the steps.
 PHASE_TIMES = {"rollout": "perf/rollout_time", "log_probs": "perf/log_probs_time", "train": "perf/actor_train_time",
                "publish": "perf/update_weights_time", "save": "perf/save_model_time", "eval": "perf/eval_time"}
+
+
+# Where the trainer has a GPU, each phase's peak GPU memory (GiB; trainer/phase_memory.py): the
+# trainer rank's own, and the GPU's use by every process on it (colocated engines too).
+PHASE_PEAK_GPU_MEMORY = {phase: (f"perf/{phase}_trainer_peak_gpu_gb", f"perf/{phase}_gpu_used_peak_gb")
+                         for phase in PHASE_TIMES}
 
 
 def phase_times(metrics: dict[str, Any]) -> dict[str, float]:

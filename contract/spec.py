@@ -19,11 +19,11 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       train_args: [--hf-checkpoint, /models/qwen, --num-rollout, "20"]   # or a mapping:
       # train_args: {hf-checkpoint: /models/qwen, num-rollout: 20, apply-chat-template: true}
     rollout:
-      engine: cpu                   # sglang | cpu
+      engine: cpu                   # sglang | cpu | standin (the stand-in engine on GPUs, below)
       rollout_num_gpus: 0
       rollout_num_gpus_per_engine: 1
       rollout_num_gpus_per_node: 8
-      num_engines: 2                # cpu engine only
+      num_engines: 2                # cpu engine; standin: more than its GPUs shares them
       cpus_per_engine: 2            # cpu engine only
       engines_per_node: 2
       spare_nodes: 0                # extra rollout nodes: an engine whose node fails is relaunched on one
@@ -33,6 +33,11 @@ YAML shape (every key optional but the trainer's --hf-checkpoint and --num-rollo
       # The cpu engine takes its topology from the same flags (with no GPUs asked for): with
       # engine: cpu, num_engines: 1, rollout_num_gpus_per_engine: 8, rollout_num_gpus_per_node: 4
       # it is one engine of 2 nodes (engines_per_node must stay unset or 1).
+      # engine: standin is the stand-in engine (rollout/cpu_engine) on GPUs, where SGLang cannot run:
+      # placed as SGLang's engines are (rollout_num_gpus, rollout_num_gpus_per_node; one GPU each),
+      # each started with --device cuda on the GPU SLURM binds to its step. With num_engines above
+      # rollout_num_gpus the engines of a node share its GPUs (their steps overlap, each takes one
+      # by --base-gpu-id); engines sharing a GPU take weights from disk (NCCL refuses two ranks on one GPU).
       sglang_args: [--sglang-mem-fraction-static, "0.8"]
       router_args: []
       colocate: false
@@ -69,7 +74,8 @@ import yaml
 from contract.bounds import bounded
 from contract.job_dir import Phase, write_atomic
 
-ENGINES = ("sglang", "cpu")
+ENGINES = ("sglang", "cpu", "standin")
+GPU_ENGINES = ("sglang", "standin")  # placed on GPUs by the rollout_num_gpus* fields
 # Trainer flags naming files or folders: made absolute at submission (the steps run elsewhere).
 PATH_FLAGS = ("--hf-checkpoint", "--prompt-data", "--save", "--load", "--ref-load", "--opd-teacher-load",
               "--save-debug-rollout-data", "--load-debug-rollout-data", "--tensorboard-dir")
@@ -122,7 +128,8 @@ class RolloutSpec:
     rollout_num_gpus: int = 8
     rollout_num_gpus_per_engine: int = 1
     rollout_num_gpus_per_node: int = 8
-    num_engines: int | None = field(default=None, metadata=_flag("--rollout-num-engines"))  # cpu engine
+    # the cpu engine's count; the standin engine's where it is more than its GPUs (engines share them)
+    num_engines: int | None = field(default=None, metadata=_flag("--rollout-num-engines"))
     cpus_per_engine: int = field(default=2, metadata=_flag("--rollout-cpus-per-engine"))
     engines_per_node: int | None = field(default=None, metadata=_flag("--rollout-engines-per-node"))
     spare_nodes: int = field(default=0, metadata=_flag("--rollout-spare-nodes"))  # beyond num_nodes, idle
@@ -143,7 +150,25 @@ class RolloutSpec:
     def engine_count(self) -> int:
         if self.engine == "cpu":
             return self.num_engines or 0
-        return self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine)
+        own_gpus = self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine)
+        return (self.num_engines or own_gpus) if self.engine == "standin" else own_gpus
+
+    @property
+    def engines_share_gpus(self) -> bool:
+        """Stand-in engines beyond one per GPU: a node's engines share its GPUs."""
+        own_gpus = self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine)
+        return self.engine == "standin" and self.engine_count > own_gpus
+
+    @property
+    def gpus_per_engine_step(self) -> int:
+        """GPUs each engine's step binds on each of its nodes: none for the cpu engine, the node's
+        rollout GPUs for stand-in engines that share them (each takes one by --base-gpu-id), else
+        its own."""
+        if self.engine == "cpu":
+            return 0
+        if self.engines_share_gpus:
+            return self.gpus_per_node
+        return min(self.rollout_num_gpus_per_engine, self.rollout_num_gpus_per_node)
 
     @property
     def nodes_per_engine(self) -> int:
@@ -164,6 +189,8 @@ class RolloutSpec:
         """Engines (or, for a multi-node engine, engine processes) per rollout node."""
         if self.engine == "cpu" and self.nodes_per_engine == 1:
             return max(1, min(self.engines_per_node or self.engine_count, self.engine_count or 1))
+        if self.engines_share_gpus:
+            return -(-self.engine_count // self.num_nodes)
         return max(1, self.gpus_per_node // max(1, self.rollout_num_gpus_per_engine))
 
     @property

@@ -38,7 +38,9 @@ Decisions:
   NOT_RESPONDING: then the DOWN touches no job.
 - Job state: sacct lists a hetjob as JOBID+0, JOBID+1 (briefly just JOBID while the components
   are recorded); Submitit's watcher knows neither, and would report UNKNOWN forever. HetInfoWatcher
-  reports component 0's state (where the batch step, hence the callable, runs) as the job's.
+  reports component 0's state (where the batch step, hence the callable, runs) as the job's. Where
+  the accounting does not answer (a cluster without slurmdbd: Submitit's state would stay UNKNOWN),
+  it reads squeue instead, which lists an ended job too until SLURM's MinJobAge.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,7 @@ from submitit.core import core, job_environment
 from submitit.slurm import slurm as submitit_slurm
 
 from contract.spec import JobSpec
+from slurm.client import SlurmClient
 from slurm.watchdog import watch_self
 
 PREEMPT_SIGNAL = "USR1"
@@ -107,7 +111,29 @@ def het_groups(spec: JobSpec) -> list[HetGroup]:
 
 
 class HetInfoWatcher(submitit_slurm.SlurmInfoWatcher):
-    """Submitit's sacct watcher, reading JOBID+K rows: the job's state is component 0's."""
+    """Submitit's sacct watcher, reading JOBID+K rows: the job's state is component 0's; squeue's
+    rows where sacct does not answer. SLURM's programs run through slurmrl's client."""
+
+    def update(self) -> None:
+        """Submitit's update (one sacct call for every job not finished), with squeue's view of the
+        jobs when the accounting does not answer."""
+        command = self._make_command()
+        if command is None:
+            return
+        self._num_calls += 1
+        client = SlurmClient()
+        accounted = client.call(*command)
+        if accounted.ok:
+            self._info_dict.update(self.read_info(accounted.stdout))
+        else:
+            job_ids = [word for flag, word in zip(command, command[1:]) if flag == "-j"]
+            queued = client.call("squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%N")
+            if queued.ok:
+                self._info_dict.update(self.read_info("JobID|State|NodeList\n" + queued.stdout))
+        self._last_status_check = time.time()
+        for job_id in self._registered - self._finished:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
 
     def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
         text = string.decode() if isinstance(string, bytes) else string

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import bounds, engine_groups, step_options
-from contract.spec import ENGINES, JobSpec, RolloutSpec, flag_value
+from contract.spec import ENGINES, GPU_ENGINES, JobSpec, RolloutSpec, flag_value
 from jobs.hetjob import het_groups
 from jobs.trainer_flags import train_args_problems
 from slurm.client import SlurmClient
@@ -65,11 +65,11 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
     problems: list[str] = []
     if r.engine not in ENGINES:
         problems.append(f"rollout.engine: {r.engine!r} is not one of {', '.join(ENGINES)}")
-    elif r.engine == "sglang":
+    elif r.engine in GPU_ENGINES:
         g, tp_, per_node = r.rollout_num_gpus, r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node
         if g < 1 or tp_ < 1 or per_node < 1:
             problems.append("rollout: rollout_num_gpus, rollout_num_gpus_per_engine and rollout_num_gpus_per_node "
-                            "must be 1 or more for the sglang engine (or use --rollout-engine cpu)")
+                            f"must be 1 or more for the {r.engine} engine (or use --rollout-engine cpu)")
         elif g % tp_:
             problems.append(f"rollout.rollout_num_gpus: {g} is not a multiple of rollout_num_gpus_per_engine {tp_}; "
                             f"give --rollout-num-gpus {max(tp_, g - g % tp_)}")
@@ -80,6 +80,8 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
             problems.append(f"rollout.rollout_num_gpus_per_engine: {tp_} does not tile nodes of {per_node} GPUs; "
                             f"an engine must fit a node evenly or span whole nodes: give a divisor or a "
                             f"multiple of {per_node}")
+        elif r.engine == "standin":
+            problems += _standin_problems(spec)
     else:
         problems += _cpu_topology_problems(r)
         if not r.num_engines or r.num_engines < 1:
@@ -88,10 +90,15 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
             problems.append("rollout.cpus_per_engine: must be 1 or more")
         if r.engines_per_node is not None and r.engines_per_node < 1:
             problems.append("rollout.engines_per_node: must be 1 or more")
+        device = flag_value(r.sglang_args, "--sglang-device")
+        if device not in (None, "cpu"):
+            problems.append(f"rollout.sglang_args: --sglang-device {device}, but the cpu engine's steps are bound no "
+                            "GPU; use --rollout-engine standin for the stand-in engine on GPUs")
     if bool(r.sglang_router_ip) != bool(r.sglang_router_port):
         problems.append("rollout.sglang_router_ip/port: give both (an external router) or neither")
     try:
-        EngineLaunch(model_path="m", host="h", port=1, sglang_args=passthrough(r.sglang_args, "sglang")).flags()
+        EngineLaunch(model_path="m", host="h", port=1, sglang_args=passthrough(r.sglang_args, "sglang"),
+                     device="cuda" if r.engine == "standin" else None).flags()
         router_command(RouterLaunch(host="h", port=1, prometheus_port=2, router_args=passthrough(r.router_args,
                                                                                                 "router")))
     except LaunchError as err:
@@ -106,13 +113,49 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
                         "drop --rollout-spare-nodes or --colocate")
     if r.colocate and not problems:
         trainer_gpus = t.actor_num_nodes * t.actor_num_gpus_per_node
-        if r.engine == "sglang" and r.rollout_num_gpus != trainer_gpus:
+        if r.engine in GPU_ENGINES and r.rollout_num_gpus != trainer_gpus:
             problems.append(f"rollout.colocate: rollout_num_gpus {r.rollout_num_gpus} != actor_num_nodes x "
                             f"actor_num_gpus_per_node = {trainer_gpus}; colocated engines share the trainer's "
                             f"GPUs: give --rollout-num-gpus {trainer_gpus}")
         else:
             problems += colocation_problems(spec)
+    if not problems:
+        problems += _nccl_problems(spec)
     return problems
+
+
+def _standin_problems(spec: JobSpec) -> list[str]:
+    """The stand-in engine on GPUs (engine: standin): one GPU each; engines beyond one per GPU share
+    the GPUs evenly, as steps of their own (a node agent gives each engine GPUs of its own)."""
+    r = spec.rollout
+    if r.rollout_num_gpus_per_engine != 1:
+        return [f"rollout.rollout_num_gpus_per_engine: {r.rollout_num_gpus_per_engine}, but the standin engine runs "
+                "on one GPU; give --rollout-num-gpus-per-engine 1 (or use --rollout-engine sglang)"]
+    n, gpus = r.num_engines, r.rollout_num_gpus
+    if n is not None and (n < gpus or n % gpus):
+        return [f"rollout.num_engines: {n} standin engines on {gpus} GPUs; give a multiple of {gpus} (every GPU the "
+                "same number of engines), or leave it unset for one engine per GPU"]
+    if r.engines_share_gpus and spec.steps.engine_launch != "step":
+        return [f"steps.engine_launch: {spec.steps.engine_launch}, but standin engines that share GPUs run as steps "
+                "of their own; give engine_launch: step"]
+    return []
+
+
+def _nccl_problems(spec: JobSpec) -> list[str]:
+    """--update-weight-transport nccl puts the trainer and every engine rank in one NCCL group, and
+    NCCL refuses two ranks on one GPU: colocated, the trainer's rank 0 shares engine 0's GPU;
+    stand-in engines may share theirs."""
+    r = spec.rollout
+    if flag_value(spec.trainer.train_args, "--update-weight-transport") != "nccl" or r.engine not in GPU_ENGINES:
+        return []
+    if r.colocate:
+        who = "the colocated trainer and engines share their GPUs"
+    elif r.engines_share_gpus:
+        who = f"{r.engine_count} engines share {r.rollout_num_gpus} GPUs"
+    else:
+        return []
+    return [f"trainer.train_args: --update-weight-transport nccl: NCCL refuses two ranks on one GPU, and {who}; "
+            "give --update-weight-transport disk"]
 
 
 # --colocate: the engines' static pool (weights + KV cache) at most this fraction of each GPU: the
@@ -126,7 +169,7 @@ COLOCATE_RESIDENT_MAX_MEM_FRACTION = 0.5
 def colocation_problems(spec: JobSpec) -> list[str]:
     """Colocated engines and trainer must both fit on the trainer's GPUs."""
     r, t = spec.rollout, spec.trainer
-    if r.engine != "sglang":
+    if r.engine == "cpu":
         return []
     problems = []
     if r.rollout_num_gpus_per_node != t.actor_num_gpus_per_node:
@@ -181,6 +224,9 @@ def _engine_group_problems(spec: JobSpec) -> list[str]:
         found = engine_groups.groups(probe)
     except ValueError as err:
         return [str(err)]
+    if probe.rollout.engine == "standin" and any(g.role != "regular" for g in found):
+        return ["rollout: the standin engine's prefill/decode disaggregation runs on CPU only; drop "
+                "--prefill-num-servers (or the config's prefill/decode groups), or use --rollout-engine cpu"]
     for group in found:
         try:
             EngineLaunch("m", "h", 1, sglang_args=list(group.flags)).flags()
@@ -205,7 +251,7 @@ def _engine_flag_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     if (not r.sglang_args and all(g.role == "regular" and not g.flags for g in found)) \
             or not spec.trainer.hf_checkpoint:
         return []  # only slurmrl's own flags: tests/jobs/test_sglang_args.py parses those
-    gpus = 0 if r.engine == "cpu" else min(r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node)
+    gpus = r.gpus_per_engine_step
     nodes = tuple(f"node{k}" for k in range(r.nodes_per_engine))
     firsts = [sum(g.count for g in found[:i]) for i in range(len(found))]  # the first engine of each group
     places = [EnginePlace(f"engine-{k}", k, nodes, "127.0.0.1", 30000, spec.rollout_group, gpus, 30001, g.role,

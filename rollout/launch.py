@@ -62,11 +62,14 @@ class EngineLaunch:
     sglang_args: list[str] = field(default_factory=list)  # already stripped of --sglang-
     role: str = "regular"  # one of ROLES
     bootstrap_port: int | None = None  # a prefill engine's KV bootstrap server (decode engines fetch there)
+    device: str | None = None  # SGLang's --device, where slurmrl sets it (the stand-in on GPUs: cuda)
 
     def flags(self) -> list[str]:
-        _check_owned(self.sglang_args, _ENGINE_OWNED, "sglang")
+        _check_owned(self.sglang_args, _ENGINE_OWNED | ({"device"} if self.device else set()), "sglang")
         argv = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
                 "--tp-size", str(self.tp), "--base-gpu-id", str(self.base_gpu_id)]
+        if self.device:
+            argv += ["--device", self.device]
         if self.nnodes > 1:
             if not self.dist_init_addr:
                 raise LaunchError("a multi-node engine needs dist_init_addr (node-rank 0's host:port)")
@@ -97,7 +100,8 @@ def sglang_command(engine: EngineLaunch, python: str = sys.executable) -> list[s
 
 
 def cpu_engine_command(engine: EngineLaunch, python: str = sys.executable) -> list[str]:
-    """The CPU engine takes SGLang's flags (those meaningless on CPU are accepted and ignored)."""
+    """The stand-in engine (rollout/cpu_engine) takes SGLang's flags (those meaningless to it are
+    accepted and ignored), on the CPU or, with device cuda, on its GPU."""
     return [python, "-m", "rollout.cpu_engine", *engine.flags()]
 
 

@@ -1,6 +1,7 @@
 """The weight-update process group: a trainer (rank 0, the source) and engine ranks, for
-broadcasting new weights. The trainer hosts it (trainer/publish.py); the CPU engine joins it over
-gloo, SGLang engines over NCCL with their own init_custom_process_group.
+broadcasting new weights. The trainer hosts it (trainer/publish.py); the stand-in engine joins it
+over gloo on the CPU and over NCCL on a GPU, SGLang engines over NCCL with their own
+init_custom_process_group.
 
 The group is built from a TCPStore and a process group directly instead of through
 torch.distributed's default group, so neither side's own distributed state is touched and a
@@ -44,6 +45,7 @@ class UpdateGroup:
     timeout: timedelta  # bounds the rendezvous and every broadcast's wait
     store: dist.Store  # held so the rendezvous store (hosted by rank 0) lives as long as the group
     pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None  # None once closed
+    backend: Backend = "gloo"
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Send (on src) or receive (elsewhere) one tensor, in place."""
@@ -54,11 +56,13 @@ class UpdateGroup:
         # torch 2.13's stubs lack Backend.broadcast, which both backends have at run time
         self.pg.broadcast([tensor], options).wait(self.timeout)  # type: ignore[union-attr]
 
-    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Receive one CPU tensor per name, in order, from rank 0."""
+    def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
+                device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Receive one tensor per name, in order, from rank 0, into `device` (default: the CPU; an
+        NCCL group's tensors live on this process's GPU)."""
         tensors = {}
         for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
             self.broadcast(tensor, src=0)
             tensors[name] = tensor
         return tensors
@@ -102,7 +106,7 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
     except (RuntimeError, OSError, ValueError) as err:
         raise WeightSyncError(f"cannot join {backend} group {group_name!r} at {master_address}:{master_port} "
                               f"as rank {rank}: {err}") from err
-    return UpdateGroup(group_name, rank, world_size, timeout, tcp, pg)
+    return UpdateGroup(group_name, rank, world_size, timeout, tcp, pg, backend)
 
 
 def _gloo(store: dist.Store, rank: int, world_size: int, timeout: timedelta, address: str) -> dist.ProcessGroupGloo:

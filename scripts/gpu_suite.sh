@@ -3,7 +3,8 @@
 # themselves) and, beside it, the rest of the suite in parallel. Logs and junit XML go to $OUT.
 # Wheels the machine lacks (megatron-core, sglang-router, pylatexenc...) are taken from .whl/.
 # GPU_LIMIT, SUITE_LIMIT (seconds) and WORKERS bound the two runs; PART=gpu or PART=suite runs one;
-# GPU_TESTS picks GPU tests (default tests/gpu).
+# GPU_TESTS picks GPU tests (default tests/gpu, without the whole-job ones: scripts/gpu_job_tests.sh
+# runs those, minutes each, one machine kind per call).
 # The suite's workers share the cores (OMP_NUM_THREADS): torch's default of one thread per core
 # in every worker and rank starves the rest (timeouts seen at -n 10 on 16 cores).
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is
 COMMON="-p no:cacheprovider -p no:randomly -p no:benchmark -rfEs --tb=short -o timeout=240"
 WORKERS=${WORKERS:-8}
 if [ "${PART:-gpu}" != suite ]; then
-  ( timeout -s INT -k 10 "${GPU_LIMIT:-540}" python -m pytest ${GPU_TESTS:-tests/gpu} -v $COMMON --durations=0 \
+  ( timeout -s INT -k 10 "${GPU_LIMIT:-540}" python -m pytest ${GPU_TESTS:-tests/gpu} -m "not gpu_job" -v $COMMON --durations=0 \
       --junitxml="$OUT/gpu.xml" > "$OUT/gpu.txt" 2>&1; echo "gpu rc=$?" >> "$OUT/gpu.txt" ) &
 fi
 if [ "${PART:-suite}" != gpu ]; then

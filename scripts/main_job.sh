@@ -8,11 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-# A network namespace per node; shared loopback where this machine does not allow namespaces.
-if ! up=$(slurmrl cluster up --isolated 2>&1); then
+# A network namespace per node; shared loopback where this machine does not allow namespaces. Fake
+# GPUs even on a GPU machine: the demo runs on CPUs (scripts/gpu_job.sh is its GPU twin).
+if ! up=$(slurmrl cluster up --isolated --gpus fake 2>&1); then
     grep -q "network namespaces are not allowed here" <<<"$up" || { echo "$up" >&2; exit 1; }
     echo "$up"
-    slurmrl cluster up --shared-loopback
+    slurmrl cluster up --shared-loopback --gpus fake
 else
     echo "$up"
 fi

@@ -13,7 +13,7 @@ timeout -s INT -k 10 "${BENCH_LIMIT:-320}" python3 -m bench.bench_multi_gpu --pa
     2>&1 | tee "$OUT/bench.log" | grep -E "RESULT|FAILED|Error" | cut -c1-300
 echo "bench rc=${PIPESTATUS[0]} after $((SECONDS - began)) s"
 left=$(( ${TOTAL:-535} - SECONDS ))
-timeout -s INT -k 10 "$left" python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:randomly -rfEs --tb=short \
+timeout -s INT -k 10 "$left" python3 -m pytest tests/gpu -m "not gpu_job" -v -p no:cacheprovider -p no:randomly -rfEs --tb=short \
     -o timeout=240 --durations=0 --junitxml="$OUT/gpu.xml" > "$OUT/gpu.txt" 2>&1
 echo "gpu rc=$? after $((SECONDS - began)) s"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu.txt" | cut -c1-200 | tail -30

@@ -5,6 +5,7 @@ after a requeue adopts nothing, but stops the previous run's engines SLURM left 
 
 from __future__ import annotations
 
+from contract.job_dir import read_trainer_finished
 from supervisor.context import JobContext
 from supervisor.fencing import own_run
 from supervisor.launcher import ROUTER, TRAINER, JobFailed, StepLauncher
@@ -64,8 +65,10 @@ def adopt(job: JobContext, previous: JobState | None, steps: StepControl, launch
         trainer.adopted()
     elif trainer_step := recorded.get(TRAINER):
         # It ended while no supervisor watched: its end reaches the monitor like any trainer exit,
-        # with the exit code SLURM's accounting has (0: the job is complete).
-        step = steps.ended(TRAINER, trainer_step)
+        # with its exit code (0: the job is complete): its own record of a finish, which needs no
+        # accounting, else SLURM's accounting.
+        launched = previous.steps[TRAINER].launched_at or 0.0
+        step = steps.ended(TRAINER, trainer_step, 0 if read_trainer_finished(job.dir, launched) else None)
         assert step.proc is not None  # ended() gives it a stand-in
         launcher.set_current(step)
         job.events.emit("step_ended_unseen", TRAINER, slurm_step=trainer_step, exit_code=step.proc.wait())

@@ -97,7 +97,8 @@ def _before_start(job_dir: JobDir) -> tuple[str, int, bool]:
     slurm = _slurm_job(job_dir)
     if slurm is None:
         return (f"{job_dir.root}: no supervisor state yet, and SLURM knows no job of it "
-                f"({job_dir.slurm_job_id.name} is missing or names a job SLURM forgot)"), 1, True
+                f"({job_dir.slurm_job_id.name} is missing or names a job SLURM forgot: slurmctld no longer "
+                "holds it, and the accounting has no record or does not answer)"), 1, True
     if slurm.state == "PENDING":
         return (f"job {slurm.job_id} is pending ({slurm.reason or 'no reason given'}): the supervisor starts "
                 "when SLURM runs the job"), 0, False

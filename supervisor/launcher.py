@@ -134,12 +134,13 @@ class StepLauncher:
             argv = node_rank.wrapped(argv)
             env = node_rank.step_env(place.nodes, tuple(self.job.layout.addresses[n] for n in place.nodes))
         # --colocate: the step shares the trainer's CPUs and GPUs (--overlap) and sees every GPU of
-        # the node the trainer sees; the engine takes its slice of them with --base-gpu-id.
+        # the node the trainer sees; the engine takes its slice of them with --base-gpu-id. Stand-in
+        # engines sharing GPUs share them the same way, among themselves.
         colocated = r.colocate and place.gpus_per_node
         gpus = self.job.spec.trainer.actor_num_gpus_per_node if colocated else place.gpus_per_node
         return self.launch(engine.name, "engine", _with_key(argv), place.nodes, place.het_group,
                            ntasks=len(place.nodes), gpus_per_node=gpus, cpus_per_task=r.cpus_per_engine, env=env,
-                           overlap=r.colocate)
+                           overlap=r.colocate or r.engines_share_gpus)
 
     def launch_trainer(self) -> Step:
         t, layout = self.job.spec.trainer, self.job.layout
@@ -184,20 +185,26 @@ def engine_command(spec: JobSpec, place: EnginePlace, python: str) -> list[str]:
     sglang_args = passthrough(r.sglang_args, "sglang") + list(group_flags)
     if r.offloads_rollout and "--enable-memory-saver" not in sglang_args:  # /release_memory_occupation needs it
         sglang_args.append("--enable-memory-saver")
-    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port,
-                          tp=max(1, place.gpus_per_node) * len(place.nodes), nnodes=len(place.nodes),
-                          dist_init_addr=place.dist_init_addr, base_gpu_id=colocated_base_gpu(spec, place),
-                          sglang_args=sglang_args, role=place.role, bootstrap_port=place.bootstrap_port)
-    return cpu_engine_command(launch, python) if r.engine == "cpu" else sglang_command(launch, python)
+    # The stand-in on GPUs (engine: standin) is one process on one GPU: --device cuda, --tp-size 1.
+    tp = 1 if r.engine == "standin" else max(1, place.gpus_per_node) * len(place.nodes)
+    launch = EngineLaunch(spec.trainer.hf_checkpoint, place.address, place.port, tp=tp, nnodes=len(place.nodes),
+                          dist_init_addr=place.dist_init_addr, base_gpu_id=engine_base_gpu(spec, place),
+                          sglang_args=sglang_args, role=place.role, bootstrap_port=place.bootstrap_port,
+                          device="cuda" if r.engine == "standin" else None)
+    return sglang_command(launch, python) if r.engine == "sglang" else cpu_engine_command(launch, python)
 
 
-def colocated_base_gpu(spec: JobSpec, place: EnginePlace) -> int:
-    """--colocate: engine k's first GPU among the node's (it uses [k*tp, (k+1)*tp) of them, in the
-    order of the GPU list the node's steps all see); otherwise 0, the first of the step's own GPUs."""
+def engine_base_gpu(spec: JobSpec, place: EnginePlace) -> int:
+    """Engine k's first GPU among those its step sees (in the order of the GPU list the node's steps
+    all see): --colocate, its slice [k*tp, (k+1)*tp) of the node's; stand-in engines sharing GPUs,
+    the node's GPUs in turn; otherwise 0, the first of the step's own GPUs."""
     r = spec.rollout
-    if not r.colocate or not place.gpus_per_node:
-        return 0
-    return (place.index % r.engines_on_each_node) * place.gpus_per_node
+    slot = place.index % r.engines_on_each_node
+    if r.engines_share_gpus:
+        return slot % max(1, r.gpus_per_node)
+    if r.colocate and place.gpus_per_node:
+        return slot * place.gpus_per_node
+    return 0
 
 
 @dataclass(frozen=True)

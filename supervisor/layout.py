@@ -111,7 +111,7 @@ def from_environment(spec: JobSpec, timeout_s: float, env: Mapping[str, str] | N
     base = _PORT_BASE + (int(job_id) * _PORTS_PER_JOB) % _PORT_SPAN
     r = spec.rollout
     span = r.nodes_per_engine
-    gpus = 0 if r.engine == "cpu" else min(r.rollout_num_gpus_per_engine, r.rollout_num_gpus_per_node)
+    gpus = r.gpus_per_engine_step
     engine_nodes = rollout_nodes[:max(1, len(rollout_nodes) - r.spare_nodes)]
     if span > 1 and len(engine_nodes) < r.engine_count * span:
         raise ValueError(f"{r.engine_count} engines of {span} nodes need {r.engine_count * span} rollout nodes "

@@ -139,8 +139,8 @@ class LocalSteps:
                     alive.append(stand_in(name, step_id, self._watcher))
         return alive
 
-    def ended(self, name: str, step_id: str) -> Step:
-        code = self.exit_codes([step_id]).get(step_id)
+    def ended(self, name: str, step_id: str, code: int | None = None) -> Step:
+        code = self.exit_codes([step_id]).get(step_id) if code is None else code
         step = stand_in(name, step_id, self._watcher)
         release(step, UNKNOWN_EXIT if code is None else code)
         return step

@@ -193,8 +193,8 @@ class NodeAgentSteps:
             self.steps.cancel(stale, AGENT_END_S, AGENT_END_S)
         return self.steps.adopt({name: step_id for name, step_id in recorded.items() if name not in self.engines})
 
-    def ended(self, name: str, step_id: str) -> Step:
-        return self.steps.ended(name, step_id)
+    def ended(self, name: str, step_id: str, code: int | None = None) -> Step:
+        return self.steps.ended(name, step_id, code)
 
     def exit_codes(self, step_ids: Collection[str]) -> dict[str, int]:
         return self.steps.exit_codes(step_ids)

@@ -1,5 +1,7 @@
-"""What SLURM itself says about a job, for `slurmrl status`: its state while queued or running
-(squeue), after it ended (sacct), and which job dir a job id belongs to."""
+"""What SLURM itself says about a job, for `slurmrl status`: its state while slurmctld holds it
+(squeue, an ended job too until MinJobAge), else as the accounting recorded its end (sacct), and
+which job dir a job id belongs to. Without accounting (no slurmdbd, or it is down) a job slurmctld
+no longer holds is one SLURM does not know."""
 
 from __future__ import annotations
 
@@ -30,13 +32,19 @@ class SlurmJob:
 
 
 def job_state(job_id: str, timeout_s: float) -> SlurmJob | None:
-    """The job as squeue lists it, else as sacct recorded its end; None if neither knows it."""
-    queued = SlurmClient(timeout_s).require("squeue", "-h", "-j", job_id, "-o", "%T|%r", unknown_job_ok=True)
-    rows = [line.split("|") for line in queued.splitlines() if "|" in line]
-    if rows:
-        state, reason = rows[0][:2]
+    """The job as squeue lists it, else as sacct recorded its end; None if neither knows it (sacct
+    silent included). A heterogeneous job's state is its component 0's, where the supervisor runs."""
+    queued = SlurmClient(timeout_s).require("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T|%r",
+                                            unknown_job_ok=True)
+    rows = {row[0]: row[1:3] for line in queued.splitlines() if len(row := line.split("|")) >= 3}
+    listed = rows.get(f"{job_id}+0") or rows.get(job_id)
+    if listed:
+        state, reason = listed
         return SlurmJob(job_id, state, "" if reason == "None" else reason)
-    states = sacct_states(job_id, timeout_s)
+    try:
+        states = sacct_states(job_id, timeout_s)
+    except SlurmUnavailable:
+        return None
     return SlurmJob(job_id, states[-1]) if states else None
 
 

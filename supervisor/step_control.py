@@ -94,8 +94,9 @@ class StepControl(Protocol):
     def adopt(self, recorded: Mapping[str, str | None]) -> list[Step] | None:
         """{name: step id or None} -> the steps of those names still running, each with a stand-in."""
 
-    def ended(self, name: str, step_id: str) -> Step:
-        """A step that ended unwatched, as an adopted Step whose stand-in exits with its exit code."""
+    def ended(self, name: str, step_id: str, code: int | None = None) -> Step:
+        """A step that ended unwatched, as an adopted Step whose stand-in exits with its exit code:
+        `code` where the caller knows it (no scheduler is asked), else the scheduler's record."""
 
     def exit_codes(self, step_ids: Collection[str]) -> dict[str, int]:
         """{step id: exit code} of those of the steps that ended and whose end is recorded."""

@@ -6,7 +6,8 @@ which bounds each call, paces the launches and counts them against MaxStepCount.
 SLURM is asked about all steps in one squeue call per cycle, never one per step; a failed or slow
 query answers "unknown", never "dead", so a slurmctld that stops answering for a while is ridden out.
 An adopted step's stand-in exits with the step's exit code (from SLURM's accounting) once squeue no
-longer lists the step.
+longer lists the step; on a cluster without accounting (sacct: "accounting storage is disabled") at
+once, with UNKNOWN_EXIT, instead of waiting exit_code_wait_s for a record that never comes.
 
 Seen on slurm 22.05: steps of het group K are listed and cancelled under that component's own
 job id (hetjob 110 -> group 1 is job 111: steps "111.3"; "110+1.3" is refused by scancel), and
@@ -42,6 +43,7 @@ from supervisor.step_control import (
 _ACCOUNTING_POLL_S = 1.0  # between two asks to sacct for an ended step's exit code
 _GONE_POLL_S = 0.5  # between two looks whether SLURM still lists a cancelled step
 _UNFINISHED = {"PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "REQUEUED", "RESIZING"}
+_NO_ACCOUNTING = "accounting storage is disabled"  # what sacct says where AccountingStorageType is none
 
 
 class StepController:
@@ -58,6 +60,7 @@ class StepController:
         self.slurm = slurm or SlurmClient(query_timeout_s)
         self.exit_code_wait_s = exit_code_wait_s
         self._component_ids: list[str] | None = None
+        self._no_accounting = False  # sacct said the cluster keeps no accounting: no exit code will come
         self._claimed: set[str] = set()  # step ids already tied to a Step object
         self._watcher = ExitWatcher(on_exit) if on_exit is not None else None
 
@@ -156,11 +159,15 @@ class StepController:
                 alive.append(stand_in(name, step_id, self._watcher))
         return alive
 
-    def ended(self, name: str, step_id: str) -> Step:
+    def ended(self, name: str, step_id: str, code: int | None = None) -> Step:
         """A step that ended while no supervisor watched it, as an adopted Step whose stand-in exits
-        at once with the step's exit code (UNKNOWN_EXIT if accounting has none within exit_code_wait_s)."""
+        at once with its exit code: `code` where the caller knows it, else the accounting's
+        (UNKNOWN_EXIT if it has none within exit_code_wait_s, or keeps none)."""
         deadline = time.monotonic() + self.exit_code_wait_s
-        while (code := self.exit_codes([step_id]).get(step_id)) is None and time.monotonic() < deadline:
+        while code is None:
+            code = self.exit_codes([step_id]).get(step_id)
+            if code is not None or self._no_accounting or time.monotonic() >= deadline:
+                break
             time.sleep(_ACCOUNTING_POLL_S)
         step = stand_in(name, step_id, self._watcher)
         release(step, UNKNOWN_EXIT if code is None else code)
@@ -170,6 +177,7 @@ class StepController:
         """{step id: exit code} of the given steps that ended, from SLURM's accounting in one sacct
         call (128 + N for a step killed by signal N). A step whose end is not recorded is left out."""
         out = self.slurm.call("sacct", "-n", "-P", "-j", ",".join(step_ids), "-o", "JobIDRaw,State,ExitCode")
+        self._no_accounting = self._no_accounting or _NO_ACCOUNTING in out.stderr
         codes = {}
         for line in out.stdout.splitlines() if out.ok else []:
             step_id, state, exit_code = line.split("|")[:3]
@@ -237,7 +245,7 @@ class StepController:
         for step in ended:
             step.gone_since = step.gone_since or now
             code = codes.get(step.slurm_step or "")
-            if code is not None or now - step.gone_since > self.exit_code_wait_s:
+            if code is not None or self._no_accounting or now - step.gone_since > self.exit_code_wait_s:
                 release(step, UNKNOWN_EXIT if code is None else code)
 
     def _claim(self, name: str, rows: Mapping[str, tuple[str, str]]) -> str | None:

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from slurm.devcluster import DevCluster, netns
-from slurm.devcluster.cluster import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.config import DEFAULT_PORT_BASE, DEFAULT_ROOT, ClusterShape
 from slurm.devcluster.daemons import DevclusterError
+from slurm.devcluster.install import REQUIRED_PROGRAMS, ensure_installed
 from slurm.devcluster.netns import IP_MISSING, NAMESPACES_REFUSED
 
 SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLURM or a devcluster
@@ -58,6 +58,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "slurm_programs" in item.fixturenames or item.path.parent.name in SLURM_DIRS:
             group = f"slurm:{item.nodeid.split('::')[0]}" if per_file else "slurm"
             item.add_marker(pytest.mark.xdist_group(group))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.nodeid.split('::')[0]}"))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture made once per module (or class): its file's tests then run
+    in one worker, else each worker that gets one of them builds the fixture again (a megatron
+    layouts fixture of minutes was built twice)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    return defs is not None and any(d.scope in ("module", "class", "package")
+                                    for fixture in defs.name2fixturedefs.values() for d in fixture)
 
 
 @pytest.fixture(scope="session")
@@ -84,8 +95,10 @@ def worker_cluster(worker: int) -> tuple[Path, ClusterShape | None]:
 
 def _up(root: Path, shape: ClusterShape | None, network: str) -> subprocess.CompletedProcess[str]:
     flags = ["--port-base", str(shape.port_base), "--node-prefix", shape.node_prefix] if shape else []
-    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--dir", str(root), *flags],
-                          capture_output=True, text=True)
+    # Fake GPUs on a GPU machine too: the toy jobs ask for more GPUs than it has (tests/gpu bring
+    # up clusters of their own with --gpus real).
+    return subprocess.run([sys.executable, "-m", "slurm.devcluster", "up", network, "--gpus", "fake", "--dir",
+                           str(root), *flags], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")

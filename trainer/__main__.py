@@ -6,7 +6,9 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
+from contract.job_dir import JobDir, write_trainer_finished
 from trainer import save_now
 from trainer.args import ArgsError, main_error, parse_args
 from trainer.config import TrainerConfig
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if config.run.debug_rollout_only:
             rollout_only(config)
+            _finished(config, rank)
             return
         try:
             loop, initial, load_reference = build(config)
@@ -66,6 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     except FATAL_ERRORS as err:  # a restart would repeat it: the supervisor fails the job with this reason
         exit_fatal(err, config.run.job_dir, rank)
     dist_env.shutdown()
+    _finished(config, rank)
+
+
+def _finished(config: TrainerConfig, rank: int) -> None:
+    """Rank 0 records that the trainer ran to its end, for a supervisor that did not see its exit."""
+    if config.run.supervised and rank == 0:
+        write_trainer_finished(JobDir(Path(config.run.job_dir)))
 
 
 def rollout_only(config: TrainerConfig) -> None:

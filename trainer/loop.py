@@ -35,6 +35,7 @@ from trainer.colocation import Colocation
 from trainer.evals import EvalSchedule
 from trainer.metrics import Reporter
 from trainer.old_actor import OldActor
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publisher import Publisher
 from trainer.rollout_source import Rollout, RolloutSource
@@ -70,9 +71,10 @@ class Loop:
     def __init__(self, backend: Backend, progress: Progress, source: RolloutSource, train_step: TrainStep,
                  publisher: Publisher, checkpointer: Checkpointer, evals: EvalSchedule, stops: StopRequests,
                  colocation: Colocation | None, reporter: Reporter | None, profiler: TrainProfiler,
-                 num_rollout: int, log_passrate: bool, update_weights_interval: int = 1,
+                 memory: PhaseMemory, num_rollout: int, log_passrate: bool, update_weights_interval: int = 1,
                  old_actor: OldActor | None = None) -> None:
-        """reporter: rank 0's. log_passrate: report pass@k over the rollout's groups (--log-passrate).
+        """reporter: rank 0's. memory: each phase's peak GPU memory (train_step measures log-probs
+        and train with the same). log_passrate: report pass@k over the rollout's groups (--log-passrate).
         update_weights_interval: publish after every N-th rollout (--train-async's). old_actor
         (--keep-old-actor): told each version published."""
         self.backend = backend
@@ -86,6 +88,7 @@ class Loop:
         self.colocation = colocation
         self.reporter = reporter
         self.profiler = profiler
+        self.memory = memory
         self.num_rollout = num_rollout
         self.log_passrate = log_passrate
         self.update_weights_interval = update_weights_interval
@@ -118,7 +121,8 @@ class Loop:
                 self.save_before_stop()
                 break
             began = time.monotonic()
-            rollout = self.source.rollout(rollout_id, self.progress.weight_version)
+            with self.memory.phase("rollout"):
+                rollout = self.source.rollout(rollout_id, self.progress.weight_version)
             if rollout is None:
                 log.warning("abandoned rollout %d to save at once, as the supervisor asked", rollout_id)
                 self.save_before_stop()
@@ -173,21 +177,29 @@ class Loop:
             # Colocated, the trainer saves while it holds the GPUs, before it publishes; the eval
             # that follows is owed in that checkpoint, as after a save-now.
             if save_due:
-                with self.evals.owed_while_saving(rollout_id):
+                with self.evals.owed_while_saving(rollout_id), self.memory.phase("save"):
                     metrics[Metric.SAVE_SECONDS] = self.checkpointer.save(rollout_id)
                 save_due = False
             self.colocation.before_publish()
-        metrics.update(self.publish() if due else {}, published_version=self.published)
+        if due:
+            with self.memory.phase("publish"):
+                metrics.update(self.publish())
+        metrics["published_version"] = self.published
         if due:
             self.source.published(self.progress.weight_version)
             if self.colocation:
                 self.colocation.to_engines()
-        metrics.update(self.evals.after_publish(rollout_id, published=not stopping))
+        with self.memory.phase("eval"):
+            evaluated = self.evals.after_publish(rollout_id, published=not stopping)
+        if Metric.EVAL_SECONDS not in evaluated:
+            self.memory.forget("eval")  # none was due: the figures would be of nothing
+        metrics.update(evaluated)
         if save_due:
             if stopping:
                 self.source.stop_generating()
-            metrics[Metric.SAVE_SECONDS] = self.checkpointer.save(rollout_id)
-        metrics.update(phase_times(metrics))
+            with self.memory.phase("save"):
+                metrics[Metric.SAVE_SECONDS] = self.checkpointer.save(rollout_id)
+        metrics.update(phase_times(metrics), **self.memory.take())
         if self.reporter:
             self.reporter.rollout(rollout_id, metrics)
         return not stopping

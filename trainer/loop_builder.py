@@ -34,6 +34,7 @@ from trainer.fully_async_source import ENGINE_CALL_TIMEOUT_S, FullyAsyncOptions,
 from trainer.loop import Loop, Progress
 from trainer.metrics import Reporter
 from trainer.old_actor import OldActor
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publish import WeightPublisher
 from trainer.publisher import Publisher
@@ -115,6 +116,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     reach = (asynchronous.max_weight_staleness or 0) if config.rollout.fully_async else \
         asynchronous.update_weights_interval
     old_actor = OldActor(backend, reach) if asynchronous.keep_old_actor else None
+    memory = PhaseMemory.of_this_process() if rank0 else PhaseMemory(None)  # rank 0 reports
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
@@ -122,7 +124,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
         per_token_loss=loss.calculate_per_token_loss),
         rl_step.loss_config(loss),
-        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, old_actor)
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, old_actor)
     supervisor = rank0.fleet.supervisor if rank0 else None
     publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
                           supervisor, heartbeat)
@@ -130,7 +132,8 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
                          profiler.arm)
     return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops,
                 colocation(config, backend, rank0.fleet if rank0 else None), rank0.reporter if rank0 else None,
-                profiler, run.num_rollout, config.logging.log_passrate, asynchronous.update_weights_interval, old_actor)
+                profiler, memory, run.num_rollout, config.logging.log_passrate, asynchronous.update_weights_interval,
+                old_actor)
 
 
 def rollout_source(config: TrainerConfig, rank0: Rank0Parts | None, backend: Backend,

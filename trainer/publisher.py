@@ -37,5 +37,6 @@ class Publisher:
         result = self.transport.publish(version, self.engines(), weights)
         if self.supervisor:
             self.supervisor.published(version, result.updated, result.dropped)
-        return {Metric.PUBLISH_SECONDS: result.seconds, "engines_updated": len(result.updated),
+        return {Metric.PUBLISH_SECONDS: result.seconds, Metric.PUBLISH_BYTES: result.bytes,
+                "engines_updated": len(result.updated),
                 "engines_dropped": len(result.dropped)}

@@ -16,6 +16,7 @@ from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
 from trainer.old_actor import OldActor
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.rollout_source import Heartbeat
 
@@ -39,8 +40,9 @@ class TrainStepConfig:
 class TrainStep:
     def __init__(self, backend: Backend, config: TrainStepConfig, loss: LossConfig,
                  advantages: Callable[[list[TrainSample]], None], profiler: TrainProfiler,
-                 heartbeat: Heartbeat, old_actor: OldActor | None = None) -> None:
-        """advantages: fills each sample's advantages (and returns) in place. old_actor
+                 heartbeat: Heartbeat, memory: PhaseMemory, old_actor: OldActor | None = None) -> None:
+        """advantages: fills each sample's advantages (and returns) in place. memory: the loop's
+        per-phase peak GPU memory (log_probs and train are measured here). old_actor
         (--keep-old-actor): the old log-probs are the generating weights'."""
         self.backend = backend
         self.config = config
@@ -48,15 +50,21 @@ class TrainStep:
         self.advantages = advantages
         self.profiler = profiler
         self.heartbeat = heartbeat
+        self.memory = memory
         self.old_actor = old_actor
 
     def run(self, rollout_id: int, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:
         """version: the trainer's weight version (what --keep-old-actor's live weights are)."""
         began = time.monotonic()
-        out = self.prepare(samples, version)
+        with self.memory.phase("log_probs"):
+            out = self.prepare(samples, version)
         # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
         out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
-        out.update(self.optimize(rollout_id, samples))
+        stepping = time.monotonic()
+        with self.memory.phase("train"):
+            out.update(self.optimize(rollout_id, samples))
+        tokens = sum(s.tokens.numel() for s in samples)  # prompts and responses, as slime counts seq_lens
+        out[Metric.TRAIN_TOKENS_PER_S] = tokens / max(time.monotonic() - stepping, 1e-9)
         return out
 
     def prepare(self, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:

@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after the flags are checked, so a bad command line fails at once.
     import torch
 
+    from rollout.cpu_engine.device import DeviceError
     from rollout.cpu_engine.engine import EngineLoadError, load_engine
     from rollout.cpu_engine.server import EngineServer
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     try:
         engine = load_engine(args)
-    except EngineLoadError as err:
+    except (EngineLoadError, DeviceError) as err:
         print(f"cpu_engine: error: {err}", file=sys.stderr)
         return 1
     engine.link = link
@@ -47,12 +48,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_ignored(args: ServerArgs) -> None:
-    defaults = parse_args(["--model-path", args.model_path]).ignored
-    changed = {k: v for k, v in args.ignored.items() if v != defaults[k]
+    defaults = parse_args(["--model-path", args.model_path]).without_effect()
+    changed = {k: v for k, v in args.without_effect().items() if v != defaults[k]
                and not (k == "tp_size" and v == args.nnodes)}  # one rank per node: as many as it has
     if changed:
         shown = ", ".join(f"--{k.replace('_', '-')}={v}" for k, v in changed.items())
-        print(f"cpu_engine: no effect on CPU, ignored: {shown}", flush=True)
+        print(f"cpu_engine: no effect on the stand-in engine on {args.device}, ignored: {shown}", flush=True)
 
 
 if __name__ == "__main__":

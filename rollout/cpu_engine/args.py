@@ -1,4 +1,4 @@
-"""Command-line flags of the CPU engine: `sglang.launch_server`'s names, so launch code is shared."""
+"""Command-line flags of the stand-in engine: `sglang.launch_server`'s names, so launch code is shared."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-# sglang.launch_server flags that a job spec may pass but that mean nothing on one CPU process.
-# They are accepted (so the same command line works) and reported in /server_info.
+# sglang.launch_server flags that a job spec may pass but that mean nothing to the stand-in engine
+# (one process, one device). They are accepted (so the same command line works) and reported in
+# /server_info.
 _IGNORED_FLAGS: tuple[tuple[str, type | None, Any], ...] = (
-    ("--tp-size", int, 1), ("--dp-size", int, 1), ("--mem-fraction-static", float, None),
-    ("--base-gpu-id", int, 0), ("--gpu-id-step", int, 1), ("--enable-memory-saver", None, False),
+    ("--tp-size", int, 1), ("--dp-size", int, 1),
+    ("--gpu-id-step", int, 1), ("--enable-memory-saver", None, False),
     ("--trust-remote-code", None, False),
     ("--log-level", str, "info"), ("--disable-radix-cache", None, False), ("--chunked-prefill-size", int, None),
     ("--cuda-graph-max-bs", int, None), ("--disable-cuda-graph", None, False), ("--attention-backend", str, None),
@@ -47,7 +48,16 @@ class ServerArgs:
     dist_init_addr: str | None = None  # HOST:PORT where node-rank 0 gathers the engine's ranks
     disaggregation_mode: str = "null"  # SGLang's: null (whole requests), prefill or decode
     disaggregation_bootstrap_port: int = 8998
+    device: str = "cpu"  # SGLang's --device: cpu or cuda (rollout/cpu_engine/device.py)
+    base_gpu_id: int = 0  # --device cuda: which of the GPUs this process sees
+    mem_fraction_static: float | None = None  # --device cuda: the most of the GPU's memory it may take
     ignored: dict[str, Any] = field(default_factory=dict)
+
+    def without_effect(self) -> dict[str, Any]:
+        """The flags that change nothing here, with their values: the ignored ones, and on the CPU the
+        GPU's own."""
+        gpu_only = {"base_gpu_id": self.base_gpu_id, "mem_fraction_static": self.mem_fraction_static}
+        return {**self.ignored, **(gpu_only if self.device == "cpu" else {})}
 
     def public(self) -> dict[str, Any]:
         """The resolved flags as /server_info shows them: flat, and without the API key. tp_size is
@@ -60,7 +70,7 @@ class ServerArgs:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m rollout.cpu_engine",
-        description="SGLang-compatible HTTP engine over a transformers causal LM on CPU")
+        description="SGLang-compatible HTTP engine over a transformers causal LM, on CPU or one CUDA GPU")
     parser.add_argument("--model-path", required=True, help="HF model folder (config, safetensors, tokenizer)")
     parser.add_argument("--tokenizer-path", help="tokenizer folder (default: --model-path)")
     parser.add_argument("--served-model-name", help="name in /model_info (default: --model-path)")
@@ -98,7 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "continue requests from a prefill engine's bootstrap server (default %(default)s)")
     parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
                         help="a prefill engine's bootstrap server port (default %(default)s)")
-    ignored = parser.add_argument_group("accepted for sglang compatibility, no effect on CPU")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the model runs (default %(default)s; SGLang's default is to detect): cuda "
+                             "takes one GPU, --base-gpu-id among those CUDA_VISIBLE_DEVICES shows")
+    parser.add_argument("--base-gpu-id", type=int, default=0,
+                        help="--device cuda: the GPU to use among those this process sees (default %(default)s)")
+    parser.add_argument("--mem-fraction-static", type=float,
+                        help="--device cuda: the most of the GPU's memory this engine may take, weights and "
+                             "cache (default: no cap); past it a load or a batch fails with out-of-memory")
+    ignored = parser.add_argument_group("accepted for sglang compatibility, no effect on the stand-in engine")
     for flag, kind, default in _IGNORED_FLAGS:
         if kind is None:
             ignored.add_argument(flag, action="store_true", default=default)
@@ -126,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if ns.nnodes > 1 and not (ns.dist_init_addr and ns.dist_init_addr.rpartition(":")[2].isdigit()):
         parser.error(f"--nnodes {ns.nnodes} needs --dist-init-addr HOST:PORT (node rank 0's), got "
                      f"{ns.dist_init_addr!r}")
+    problem = _device_problem(ns.device, ns.base_gpu_id, ns.mem_fraction_static, ns.tp_size, ns.nnodes,
+                              ns.disaggregation_mode)
+    if problem:
+        parser.error(problem)
     ignored_names = {flag[2:].replace("-", "_") for flag, _, _ in _IGNORED_FLAGS}
     return ServerArgs(
         model_path=ns.model_path, tokenizer_path=ns.tokenizer_path or ns.model_path,
@@ -137,5 +159,26 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         enable_deterministic_inference=ns.enable_deterministic_inference, decode_step_hold_ms=ns.decode_step_hold_ms,
         nnodes=ns.nnodes, node_rank=ns.node_rank, dist_init_addr=ns.dist_init_addr,
         disaggregation_mode=ns.disaggregation_mode, disaggregation_bootstrap_port=ns.disaggregation_bootstrap_port,
+        device=ns.device, base_gpu_id=ns.base_gpu_id, mem_fraction_static=ns.mem_fraction_static,
         ignored={name: getattr(ns, name) for name in sorted(ignored_names)},
     )
+
+
+def _device_problem(device: str, base_gpu_id: int, mem_fraction: float | None, tp_size: int, nnodes: int,
+                    disaggregation_mode: str) -> str | None:
+    """What is wrong with the GPU flags' values, or with what the stand-in engine does on the CPU only."""
+    if base_gpu_id < 0:
+        return f"--base-gpu-id must be 0 or more, got {base_gpu_id}"
+    if mem_fraction is not None and not 0.0 < mem_fraction <= 1.0:
+        return f"--mem-fraction-static must be in (0, 1], got {mem_fraction}"
+    if device != "cuda":
+        return None
+    if nnodes > 1:
+        return (f"--device cuda: the stand-in engine spans nodes (--nnodes {nnodes}) on CPU only; give --device cpu "
+                "or --nnodes 1")
+    if tp_size != 1:
+        return f"--tp-size {tp_size}: the stand-in engine uses one GPU (--device cuda); give --tp-size 1"
+    if disaggregation_mode != "null":
+        return (f"--device cuda: the stand-in engine's prefill/decode disaggregation (--disaggregation-mode "
+                f"{disaggregation_mode}) runs on CPU only; give --device cpu")
+    return None

@@ -12,6 +12,7 @@ import torch
 
 from rollout.cpu_engine.args import ServerArgs
 from rollout.cpu_engine.codec import Codec
+from rollout.cpu_engine.device import EngineDevice, open_device
 from rollout.cpu_engine.scheduler import Scheduler
 from rollout.weight_group import UpdateGroup
 
@@ -30,6 +31,7 @@ class EngineLoadError(Exception):
 @dataclass
 class Engine:
     args: ServerArgs
+    device: EngineDevice
     model: PreTrainedModel
     codec: Codec
     scheduler: Scheduler
@@ -55,9 +57,11 @@ class Engine:
 
 
 def load_engine(args: ServerArgs) -> Engine:
+    """The engine of `args`, its model on its device (EngineLoadError, or DeviceError for the device's flags)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    device = open_device(args)  # first: a device the flags cannot have fails before anything is read
     folder = Path(args.model_path)
     if not (folder / "config.json").is_file():
         raise EngineLoadError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -70,10 +74,11 @@ def load_engine(args: ServerArgs) -> Engine:
     model.requires_grad_(False)
     # The batched forward keeps every past token per sequence: sliding windows are not honoured.
     if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
-        raise EngineLoadError(f"{folder} uses sliding-window attention, which the CPU engine does not support")
+        raise EngineLoadError(f"{folder} uses sliding-window attention, which the stand-in engine does not support")
     codec = Codec(tokenizer, model.config, args.model_path)
+    model = device.place(model)
     return Engine(
-        args=args, model=model, codec=codec,
+        args=args, device=device, model=model, codec=codec,
         scheduler=Scheduler(model, codec, args.weight_version, args.max_running_requests,
                             batch_invariant=args.enable_deterministic_inference,
                             step_hold_s=args.decode_step_hold_ms / 1000),

@@ -17,7 +17,8 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [kv_heads, tokens, 
 
 def forward_step(model: torch.nn.Module, new_tokens: list[list[int]],
                  pasts: list[list[LayerKV] | None]) -> tuple[torch.Tensor, list[list[LayerKV]]]:
-    """Logits of the last new token of each sequence ([B, vocab], float32) and the grown caches."""
+    """Logits of the last new token of each sequence ([B, vocab], float32, on the CPU where sampling
+    runs) and the grown caches (on the model's device)."""
     batch = len(new_tokens)
     past_lens = [0 if past is None else past[0][0].shape[1] for past in pasts]
     new_lens = [len(tokens) for tokens in new_tokens]
@@ -34,8 +35,9 @@ def forward_step(model: torch.nn.Module, new_tokens: list[list[int]],
         # Padding queries attend to themselves only: a fully masked row would give NaN.
         pad = torch.arange(N - n)
         allowed[b, pad, P + pad] = True
-    dtype = next(model.parameters()).dtype
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     mask = torch.zeros(batch, 1, N, P + N, dtype=dtype).masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+    input_ids, positions, mask = input_ids.to(device), positions.to(device), mask.to(device)
     # Full-attention layers only (no config: a sliding-window layer would trim the padded past).
     cache = DynamicCache(ddp_cache_data=_padded_past(pasts, past_lens, P) if P else None)
     with torch.no_grad():
@@ -54,7 +56,7 @@ def forward_step(model: torch.nn.Module, new_tokens: list[list[int]],
                 layers.append((torch.cat([past[layer_idx][0], new_k], dim=1),
                                torch.cat([past[layer_idx][1], new_v], dim=1)))
         grown.append(layers)
-    return out.logits[:, -1, :].float(), grown
+    return out.logits[:, -1, :].float().cpu(), grown
 
 
 def _layer_kv(layer: object) -> LayerKV:

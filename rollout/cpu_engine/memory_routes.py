@@ -6,23 +6,21 @@ engine idle (SGLang asserts it; here running requests finish first and new ones 
 tag that is not released is an error (SGLang's set.remove raises); while anything is released the
 engine's /health_generate probe is not answered with a 200 (SGLang's scheduler ignores health
 checks while `offload_tags` is not empty, so the probe times out with 503) and generate requests
-wait until every tag is resumed. Released weights are really freed: written to a host file and the
-model's tensors emptied; resuming reads that file back, so the engine serves the same weights and
-the same version as before (SGLang's --enable-weights-cpu-backup; without it SGLang's weights come
-back undefined and the trainer republishes, as slurmrl always does after a resume).
+wait until every tag is resumed. Released memory is really freed (rollout/cpu_engine/device.py): on
+the CPU the weights go to a host file and the model's tensors are emptied; on a GPU they go to
+pinned host memory, and the GPU's cached blocks (the KV cache's too) go back to the driver, where
+a colocated trainer can take them. Resuming brings the weights back, so the engine serves the same
+weights and the same version as before (SGLang's --enable-weights-cpu-backup; without it SGLang's
+weights come back undefined and the trainer republishes, as slurmrl always does after a resume).
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from safetensors.torch import load_file, save_file
 
 from rollout.cpu_engine.engine import Engine
 from rollout.cpu_engine.http_util import error, read_json, run_on_scheduler
@@ -32,47 +30,30 @@ ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)  # SGLang's GPU_MEMORY_ALL_TYPES
 
 
 class MemorySaver:
-    """The engine's released tags and its weights while released (one per engine)."""
+    """The engine's released tags (one per engine); its device keeps the weights while released."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.released = engine.released
-        self._backup: Path | None = None
-        self._tmp = tempfile.TemporaryDirectory(prefix="cpu-engine-weights-")
 
     def release(self, tags: list[str]) -> None:
         """On the scheduler thread, with no request running."""
         if WEIGHTS in tags and WEIGHTS not in self.released:
-            model = self.engine.model
-            state = {name: t.detach().contiguous() for name, t in _unique_tensors(model).items()}
-            self._backup = Path(self._tmp.name) / "weights.safetensors"
-            save_file(state, str(self._backup))
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.data = torch.empty(0, dtype=param.dtype)  # freed: a forward now fails loudly
+            self.engine.device.release_weights(self.engine.model)
         self.released.update(tags)
+        self.engine.device.free_cache()  # no request runs: every cached block is the KV cache's or free
 
     def resume(self, tags: list[str]) -> None:
         """On the scheduler thread."""
-        if WEIGHTS in tags and self._backup is not None:
-            tensors = load_file(str(self._backup))
-            with torch.no_grad():
-                for name, param in self.engine.model.named_parameters():  # a tied weight is listed once
-                    param.data = tensors[name]
-            self._backup.unlink()
-            self._backup = None
+        if WEIGHTS in tags:
+            self.engine.device.restore_weights(self.engine.model)
         self.released.difference_update(tags)
 
 
-def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter once (a tied lm_head is the embedding's tensor, saved under one name)."""
-    seen: set[int] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            out[name] = param
-    return out
+def _usage(engine: Engine) -> str:
+    """' allocated_gb=X reserved_gb=Y' on a GPU (what the engine holds there now), '' on the CPU."""
+    usage = engine.device.memory_usage()
+    return "".join(f" {key}={usage[key]:.3f}" for key in ("allocated_gb", "reserved_gb") if key in usage)
 
 
 def _tags(body: dict[str, Any]) -> list[str] | str:
@@ -99,7 +80,8 @@ def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
             if not saver.released:  # new requests wait from now until every tag is resumed
                 await run_on_scheduler(engine, lambda: scheduler.hold_admission(+1))
             await run_on_scheduler(engine, lambda: saver.release(tags), needs_idle=True)
-        print(f"cpu_engine memory released tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
+        print(f"cpu_engine memory released tags={','.join(tags)} weight_version={scheduler.weight_version}"
+              f"{_usage(engine)}", flush=True)
         return JSONResponse(None)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -114,7 +96,8 @@ def add_memory_routes(app: FastAPI, engine: Engine) -> MemorySaver:
             await run_on_scheduler(engine, lambda: saver.resume(tags))
             if not saver.released:
                 await run_on_scheduler(engine, lambda: scheduler.hold_admission(-1))
-        print(f"cpu_engine memory resumed tags={','.join(tags)} weight_version={scheduler.weight_version}", flush=True)
+        print(f"cpu_engine memory resumed tags={','.join(tags)} weight_version={scheduler.weight_version}"
+              f"{_usage(engine)}", flush=True)
         return JSONResponse(None)
 
     return saver

@@ -42,7 +42,8 @@ class ProfileError(ValueError):
 class EngineProfiler:
     """The engine's torch profiler: started, counted and stopped on the scheduler thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_gpu: bool) -> None:
+        self.on_gpu = on_gpu  # --device cuda: the GPU activity records the engine's kernels
         self.forward_ct = 0  # forward steps since the engine started
         self._profiler: torch.profiler.profile | None = None
         self._pending: dict[str, Any] | None = None  # a request waiting for its start_step
@@ -88,8 +89,11 @@ class EngineProfiler:
         out.mkdir(parents=True, exist_ok=True)
         prefix = f"{request['profile_prefix']}-" if request["profile_prefix"] else ""
         self._path = out / f"{prefix}{request['profile_id']}-TP-0.trace.json.gz"
-        # GPU is accepted and empty: a CPU engine runs no kernels to record.
-        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+        # On the CPU, GPU is accepted and empty: the engine runs no kernels to record.
+        kinds = [torch.profiler.ProfilerActivity.CPU]
+        if self.on_gpu and GPU in activities:
+            kinds.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(activities=kinds,
                                                 record_shapes=bool(request["record_shapes"]),
                                                 with_stack=bool(request["with_stack"]),
                                                 profile_memory=MEM in activities)
@@ -133,7 +137,7 @@ def parse(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_profile_routes(app: FastAPI, engine: Engine) -> EngineProfiler:
-    profiler = EngineProfiler()
+    profiler = EngineProfiler(on_gpu=engine.device.name == "cuda")
     engine.scheduler.on_step = profiler.after_step
 
     @app.api_route("/start_profile", methods=["GET", "POST"])

@@ -144,11 +144,12 @@ def build_app(engine: Engine) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        # `internal_states` as SGLang nests scheduler state; forward_passes shows batching at work.
-        # device: SGLang's --device; a trainer on a GPU forms a gloo update group with a cpu engine.
-        return {**engine.args.public(), "device": "cpu", "model_path": engine.model_path,
-                "context_length": engine.context_len,
-                "weight_version": scheduler.weight_version, "internal_states": [scheduler.stats()],
+        # `internal_states` as SGLang nests scheduler state; forward_passes shows batching at work, and
+        # memory_usage (on a GPU) what this engine holds there. device: SGLang's --device; a trainer on
+        # a GPU forms a gloo update group with a cpu engine, an NCCL one with a cuda engine.
+        return {**engine.args.public(), "device": engine.device.name, "model_path": engine.model_path,
+                "context_length": engine.context_len, "weight_version": scheduler.weight_version,
+                "internal_states": [{**scheduler.stats(), "memory_usage": engine.device.memory_usage()}],
                 "version": VERSION}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -1,4 +1,4 @@
-"""Weight routes: from disk, over a gloo group (init/begin/update/end/destroy), the version tag,
+"""Weight routes: from disk, over a gloo or NCCL group (init/begin/update/end/destroy), the version tag,
 and reading a parameter back. Every update answers {"success", "message"}: 200 or 400."""
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
                 and isinstance(name, str) and name):
             return _result(False, "need master_address (str), master_port, rank_offset, world_size (ints) "
                                   "and a group_name")
+        # On the CPU always gloo, whatever `backend` asked for (nccl needs GPUs); on a GPU what was asked.
+        backend = engine.device.update_backend(body.get("backend"))
         async with group_lock:
             if name in engine.groups:
                 return _result(False, f"group {name!r} already exists; destroy it first")
@@ -91,11 +93,13 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
                 engine.tell_followers("join", master_address=address, master_port=port, rank_offset=offset,
                                       world_size=world, group_name=name)
                 engine.groups[name] = await asyncio.to_thread(create_group, address, port, offset, world, name,
-                                                              engine.args.weight_update_group_timeout)
+                                                              engine.args.weight_update_group_timeout, backend)
             except WeightSyncError as err:
                 return _result(False, str(err))
-        # The CPU engine always uses gloo, whatever `backend` asked for (nccl needs GPUs).
-        return _result(True, f"Succeeded to initialize custom process group {name!r} (gloo).")
+        # One line per group joined: which transport the weights take, and when (a rebuilt group is a new line).
+        print(f"cpu_engine joined weight update group {name} backend={backend} rank={offset} world_size={world}",
+              flush=True)
+        return _result(True, f"Succeeded to initialize custom process group {name!r} ({backend}).")
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
@@ -144,7 +148,8 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
             try:
                 # Receive everything even if a name is wrong, so the trainer's broadcasts complete.
                 engine.tell_followers("receive", group_name=name, names=names, dtypes=dtypes, shapes=shapes)
-                tensors = await asyncio.to_thread(group.receive, names, torch_dtypes, shapes)
+                tensors = await asyncio.to_thread(group.receive, names, torch_dtypes, shapes,
+                                                  engine.device.receive_device(group.backend))
             except RuntimeError as err:
                 return _result(False, f"broadcast failed: {err}")
         failed = await apply(tensors, complete=False, version=version)

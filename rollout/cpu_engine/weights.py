@@ -72,7 +72,8 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
             if not torch.equal(tensors[name], tensors[given[0]]):
                 raise WeightError(f"tied tensors {given[0]} and {name} differ")
         plan.append((target, tensors[given[0]]))
-    backup = [target.detach().clone() for target, _ in plan]
+    # On the host: a GPU engine capped by --mem-fraction-static has no room for a second copy.
+    backup = [target.detach().to("cpu", copy=True) for target, _ in plan]
     with torch.no_grad():
         try:
             for target, source in plan:

@@ -9,8 +9,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from slurm.devcluster import faults, netns
-from slurm.devcluster.cluster import DevCluster, ensure_installed
+from slurm.devcluster import faults, gpus, netns
+from slurm.devcluster.cluster import DevCluster
 from slurm.devcluster.config import (
     DEFAULT_PORT_BASE,
     DEFAULT_ROOT,
@@ -19,6 +19,8 @@ from slurm.devcluster.config import (
     load_shape,
 )
 from slurm.devcluster.daemons import DevclusterError
+from slurm.devcluster.host import Host
+from slurm.devcluster.install import ensure_installed
 
 HELP = "a real SLURM cluster on loopback for development and tests"
 
@@ -40,7 +42,10 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     # Flags left out keep the shape of the cluster last brought up at --dir (else the defaults).
     up.add_argument("--nodes", type=int, help=f"emulated nodes (default {ClusterShape.nodes})")
     up.add_argument("--gpus-per-node", type=int,
-                    help=f"fake GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
+                    help=f"GPUs per node, as gres (default {ClusterShape.gpus_per_node})")
+    up.add_argument("--gpus", choices=gpus.GPU_CHOICES,
+                    help="real: this machine's /dev/nvidia* as gres, each node its own --gpus-per-node of them; "
+                         "fake: placeholder files; auto (the default): real where there are any")
     up.add_argument("--cpus-per-node", type=int, help=f"CPUs each node declares (default {ClusterShape.cpus_per_node})")
     up.add_argument("--port-base", type=int, help=f"first of the ports the daemons use (default {DEFAULT_PORT_BASE})")
     up.add_argument("--node-prefix", help=f"node names are PREFIX1..PREFIXN (default {ClusterShape.node_prefix!r}); "
@@ -51,6 +56,17 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
                           "(the default)")
     net.add_argument("--shared-loopback", dest="isolated", action="store_const", const=False,
                      help="every node is 127.0.0.1, told apart by port (where namespaces are not allowed)")
+    accounting = up.add_mutually_exclusive_group()
+    accounting.add_argument("--accounting", dest="accounting", action="store_const", const=True,
+                            help="MariaDB and slurmdbd, for sacct (the default)")
+    accounting.add_argument("--no-accounting", dest="accounting", action="store_const", const=False,
+                            help="neither: sacct answers nothing, slurmrl asks squeue and scontrol instead")
+    slurm_from = up.add_mutually_exclusive_group()
+    slurm_from.add_argument("--debs", type=Path, metavar="DIR",
+                            help="run SLURM and munge from the .deb files in DIR (scripts/fetch_slurm_debs.sh), "
+                                 "unpacked under --dir, where apt-get reaches no registry; needs --no-accounting")
+    slurm_from.add_argument("--system-slurm", dest="debs", action="store_const", const="",
+                            help="SLURM installed on this machine, with apt-get if missing (the default)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for idle nodes (default %(default)s)")
     actions.add_parser("down", help="cancel all jobs and stop the daemons that `up` started")
     actions.add_parser("status", help="daemons, nodes, partitions and the SLURM_CONF line to export")
@@ -77,10 +93,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "up":
             shape = _requested_shape(args)
+            cluster = DevCluster(args.dir, shape)
+            cluster.gpu_devices()  # more real GPUs than there are: refused before anything else
             if shape.isolated:
                 netns.check_allowed()
-            ensure_installed()
-            cluster = DevCluster(args.dir, shape)
+            if not shape.debs:
+                ensure_installed(shape.accounting)
             cluster.up(timeout_s=args.timeout)
             print(cluster.status())
         elif args.action == "down":
@@ -107,10 +125,15 @@ def _fault(args: argparse.Namespace) -> None:
 
 
 def _requested_shape(args: argparse.Namespace) -> ClusterShape:
+    debs = None if args.debs is None else str(args.debs.resolve()) if args.debs else ""
     flags = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "cpus_per_node": args.cpus_per_node,
-             "port_base": args.port_base, "isolated": args.isolated, "node_prefix": args.node_prefix}
-    base = load_shape(ClusterPaths(args.dir.resolve())) or ClusterShape()
-    shape = replace(base, **{k: v for k, v in flags.items() if v is not None})
+             "port_base": args.port_base, "isolated": args.isolated, "node_prefix": args.node_prefix,
+             "accounting": args.accounting, "debs": debs}
+    saved = load_shape(ClusterPaths(args.dir.resolve()))
+    shape = replace(saved or ClusterShape(), **{k: v for k, v in flags.items() if v is not None})
+    # --gpus left out: as the cluster last brought up at --dir, else auto.
+    choice = args.gpus or (saved.gpus if saved else gpus.AUTO)
+    shape = replace(shape, gpus=gpus.resolve(choice, shape.gpus_per_node, Host().dev))
     try:
         shape.validate()
     except ValueError as err:

@@ -1,5 +1,6 @@
-"""Bring a real SLURM cluster up and down on loopback: munge, MariaDB, slurmdbd, slurmctld and
-one `slurmd -N nodeK` per emulated node, each with placeholder GPU files as gres.
+"""Bring a real SLURM cluster up and down on loopback: munge, MariaDB and slurmdbd (unless
+--no-accounting), slurmctld and one `slurmd -N nodeK` per emulated node, with the machine's GPUs
+or placeholder files as gres; SLURM installed, or unpacked from carried packages (--debs).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import os
 import secrets
 import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import psutil
@@ -17,113 +17,103 @@ import psutil
 from slurm import env as slurm_env
 from slurm.client import SlurmClient
 from slurm.contact import SlurmContact
-from slurm.devcluster import faults, netns
+from slurm.devcluster import carried, faults, gpus, netns
+from slurm.devcluster.accounting import Accounting
 from slurm.devcluster.config import (
-    ACCOUNTING_DB,
-    CLUSTER_NAME,
     ClusterPaths,
     ClusterShape,
     load_shape,
-    render_gres_conf,
     render_slurm_conf,
-    render_slurmdbd_conf,
     save_shape,
+    write_private,
 )
-from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, machine_lock, wait_for, wait_gone
+from slurm.devcluster.daemons import Daemon, DevclusterError, log_tail, port_open, wait_for, wait_gone
+from slurm.devcluster.host import Host, render_cgroup_conf
 
-APT_PACKAGES = ["slurm-wlm", "slurmdbd", "munge", "mariadb-server", "mariadb-client"]
-REQUIRED_PROGRAMS = ["munged", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
-                     "slurmd", "sbatch", "srun", "sacct", "sacctmgr", "sinfo", "scontrol", "scancel"]
 STRAY_KILL_S = 10.0  # stray step processes dying after SIGKILL
-SLURM_CALL_S = 30.0  # one sinfo/scontrol/scancel/squeue/sacctmgr call to the devcluster
-
-
-def ensure_installed() -> None:
-    """apt-get install SLURM, munge and MariaDB if any of their programs is missing. One caller at
-    a time (apt-get refuses a second while one runs): the next finds them installed."""
-    if all(shutil.which(p) for p in REQUIRED_PROGRAMS):
-        return
-    with machine_lock("install"):
-        if not all(shutil.which(p) for p in REQUIRED_PROGRAMS):  # else another caller installed them meanwhile
-            _apt_get_install()
-    missing = [p for p in REQUIRED_PROGRAMS if not shutil.which(p)]
-    if missing:
-        raise DevclusterError(f"installed {' '.join(APT_PACKAGES)} but still missing: {', '.join(missing)}")
-
-
-def _apt_get_install() -> None:
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *APT_PACKAGES]):
-        result = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise DevclusterError(f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stderr[-2000:]}")
+SLURM_CALL_S = 30.0  # one sinfo/scontrol/scancel/squeue call to the devcluster
 
 
 class DevCluster:
     """A devcluster rooted at one directory. `up` is idempotent; `down` stops what `up` started."""
 
-    def __init__(self, root: Path, shape: ClusterShape | None = None) -> None:
+    def __init__(self, root: Path, shape: ClusterShape | None = None, host: Host | None = None) -> None:
+        """host: where this machine's GPUs, cgroups and slurmstepd are (tests hand in a fake tree)."""
         self.paths = ClusterPaths(Path(root).resolve())
         self.shape = shape or load_shape(self.paths) or ClusterShape()
-        self.env = {slurm_env.CONF: str(self.paths.slurm_conf)}
+        self.host = host or Host()
+        self.programs = carried.SlurmPrograms(self.paths.prefix if self.shape.debs else None)
+        self._set_env()
+        self.accounting = Accounting(self.paths, self.shape, self._daemon, self.env) if self.shape.accounting else None
+        self.net = netns.load_plan(self.paths.root) if self.shape.isolated else None
+
+    def _set_env(self) -> None:
+        """The environment of the daemons and of SLURM's programs: SLURM_CONF, and the carried
+        packages' programs and libraries once they are unpacked."""
+        unpacked = self.programs.prefix is not None and carried.unpacked(self.programs.prefix)
+        self.env = {slurm_env.CONF: str(self.paths.slurm_conf), **(self.programs.env() if unpacked else {})}
         # Its own record of SLURM's answers: the devcluster's calls say nothing of a job's SLURM.
         self.slurm = SlurmClient(SLURM_CALL_S, env=self.env, contact=SlurmContact())
-        self.net = netns.load_plan(self.paths.root) if self.shape.isolated else None
 
     # ---- daemons -------------------------------------------------------------------------
     def _daemon(self, name: str, argv: list[str]) -> Daemon:
         return Daemon(name, argv, self.paths.pids / f"{name}.pid", self.paths.log(name), self.env)
 
+    def client_env(self) -> dict[str, str]:
+        """What to add to an environment to point SLURM's programs (sbatch, srun, slurmrl) at this
+        cluster: SLURM_CONF, and with --debs PATH and LD_LIBRARY_PATH (also in env.sh)."""
+        return dict(self.env)
+
     def munged(self) -> Daemon:
         p = self.paths
         return self._daemon("munged", [
-            "munged", "--foreground", "--force", f"--socket={p.munge_socket}", f"--key-file={p.munge_key}",
-            f"--pid-file={p.slurm_run}/munged.pid", f"--log-file={p.logs}/munged-internal.log",
-            f"--seed-file={p.state}/munge.seed",
+            self.programs.daemon("munged"), "--foreground", "--force", f"--socket={p.munge_socket}",
+            f"--key-file={p.munge_key}", f"--pid-file={p.slurm_run}/munged.pid",
+            f"--log-file={p.logs}/munged-internal.log", f"--seed-file={p.state}/munge.seed",
         ])
-
-    def mariadbd(self) -> Daemon:
-        p = self.paths
-        return self._daemon("mariadbd", [
-            "mariadbd", "--no-defaults", f"--datadir={p.mariadb_data}", f"--socket={p.mariadb_socket}",
-            f"--port={self.shape.mariadb_port}", "--bind-address=127.0.0.1", "--skip-name-resolve",
-            # As root, like every devcluster daemon: --dir may sit below a directory other users cannot enter.
-            f"--pid-file={p.mariadb_socket.parent}/mariadbd.pid", "--user=root",
-            "--innodb-buffer-pool-size=64M", "--skip-log-bin",
-        ])
-
-    def slurmdbd(self) -> Daemon:
-        return self._daemon("slurmdbd", ["slurmdbd", "-D"])
 
     def slurmctld(self) -> Daemon:
-        return self._daemon("slurmctld", ["slurmctld", "-D"])
+        return self._daemon("slurmctld", [self.programs.daemon("slurmctld"), "-D"])
 
     def slurmd(self, node: str) -> Daemon:
         # nsenter enters only the network namespace (`ip netns exec` also remounts /sys, hiding the
         # cgroup mount slurmd needs) and execs slurmd in place: the PID recorded is slurmd's.
         inside = ["nsenter", f"--net={netns.NETNS_DIR / self.net.namespace(node)}"] if self.net else []
-        return self._daemon(f"slurmd-{node}", [*inside, "slurmd", "-D", "-N", node])
+        return self._daemon(f"slurmd-{node}", [*inside, self.programs.daemon("slurmd"), "-D", "-N", node])
 
     def daemons(self) -> list[Daemon]:
         """Every daemon, in start order."""
         nodes = [self.slurmd(n) for n in self.shape.node_names]
-        return [self.munged(), self.mariadbd(), self.slurmdbd(), self.slurmctld(), *nodes]
+        accounting = self.accounting.daemons() if self.accounting else []
+        return [self.munged(), *accounting, self.slurmctld(), *nodes]
 
     def running_daemons(self) -> list[Daemon]:
         return [d for d in self.daemons() if d.is_running()]
 
+    def gpu_devices(self) -> dict[str, list[Path]]:
+        """Node -> the GPU device files it declares (gres.conf); DevclusterError for a shape that
+        needs more real GPUs than the machine has."""
+        return gpus.assign(self.shape.gpus, self.shape.node_names, self.shape.gpus_per_node, self.host.dev,
+                           self.paths.fake_gpu_dir)
+
     # ---- up ------------------------------------------------------------------------------
     def up(self, timeout_s: float = 90.0) -> None:
         self._refuse_reshape_while_running()
-        if not self.running_daemons():
+        self.gpu_devices()  # first: a shape that does not fit is refused before anything starts
+        running = bool(self.running_daemons())
+        if self.shape.debs:
+            carried.unpack(Path(self.shape.debs), self.paths.prefix, in_use=running)
+            carried.link_stepd(self.paths.prefix, self.host)
+            self._set_env()
+        if not running:
             self._check_ports_free()
-        if self.shape.isolated:  # first: a machine without namespaces is refused before anything starts
+        if self.shape.isolated:  # before the files: a machine without namespaces is refused before anything starts
             self.net = netns.set_up(self.paths.root, self.shape.port_base, self.shape.node_names)
-        self._write_files()
+        self.write_files()
         self._start_munge()
-        self._start_mariadb(timeout_s)
-        self._start_slurmdbd(timeout_s)
-        self._continue_job_ids()
+        if self.accounting is not None:
+            # Past every job id the accounting holds (Accounting._first_job_id says why).
+            self.paths.slurm_conf.write_text(self._slurm_conf(self.accounting.start(timeout_s)))
         self._start_slurmctld(timeout_s)
         for node in self.shape.node_names:
             self.slurmd(node).start()
@@ -148,8 +138,9 @@ class DevCluster:
                         f"port {port} (for {name}) is in use by another program; pick other ports with --port-base"
                     ) from None
 
-    def _write_files(self) -> None:
-        p, shape = self.paths, self.shape
+    def write_files(self) -> None:
+        """Every file under --dir the daemons read (configs, keys, fake GPUs), and cluster.json."""
+        p, shape, devices = self.paths, self.shape, self.gpu_devices()
         saved = load_shape(p)
         for d in (p.root, p.etc, p.logs, p.pids, p.slurm_run, p.state, p.munge_socket.parent):
             d.mkdir(parents=True, exist_ok=True)
@@ -160,24 +151,26 @@ class DevCluster:
         (p.state / "slurmctld").mkdir(exist_ok=True)
         for node in shape.node_names:
             (p.state / f"slurmd-{node}").mkdir(exist_ok=True)
-            gpu_dir = p.fake_gpu_dir(node)
-            gpu_dir.mkdir(parents=True, exist_ok=True)
-            for i in range(shape.gpus_per_node):
+        if shape.gpus == gpus.FAKE:
+            for gpu in (gpu for files in devices.values() for gpu in files):
                 # slurmd wants each GPU file to be a device: a link to /dev/null is one.
-                gpu = gpu_dir / f"nvidia{i}"
+                gpu.parent.mkdir(parents=True, exist_ok=True)
                 if not gpu.is_symlink():
                     gpu.symlink_to("/dev/null")
+        if self.host.cgroup_v2:
+            (self.host.cgroup / "system.slice").mkdir(exist_ok=True)  # host.render_cgroup_conf says why
         if not p.munge_key.exists():
-            _write_private(p.munge_key, secrets.token_bytes(1024))
-        if not p.db_password_file.exists():
-            _write_private(p.db_password_file, secrets.token_hex(16).encode())
+            write_private(p.munge_key, secrets.token_bytes(1024))
         p.slurm_conf.write_text(self._slurm_conf())
-        p.gres_conf.write_text(render_gres_conf(p, shape))
-        _write_private(p.slurmdbd_conf, render_slurmdbd_conf(p, shape, self._db_password()).encode())
+        p.gres_conf.write_text(gpus.render_gres_conf(shape.gpus, devices))
+        if shape.gpus == gpus.REAL:
+            p.gpu_task_prolog.write_text(gpus.render_task_prolog(devices))
+            p.gpu_task_prolog.chmod(0o755)
+        p.cgroup_conf.write_text(render_cgroup_conf(self.host.cgroup_v2))
+        p.env_script.write_text(carried.env_script(p.slurm_conf, self.programs))
+        if self.accounting is not None:
+            self.accounting.write_files()
         save_shape(p, shape)
-
-    def _db_password(self) -> str:
-        return self.paths.db_password_file.read_text().strip()
 
     def _start_munge(self) -> None:
         daemon = self.munged()
@@ -185,60 +178,19 @@ class DevCluster:
         wait_for(lambda: self.paths.munge_socket.exists() or not daemon.is_running(), 15, "munged's socket")
         daemon.check_alive()
 
-    def _start_mariadb(self, timeout_s: float) -> None:
-        p = self.paths
-        if not (p.mariadb_data / "mysql").exists():
-            p.mariadb_data.mkdir(parents=True, exist_ok=True)
-            _run(["mariadb-install-db", "--no-defaults", f"--datadir={p.mariadb_data}", "--user=root",
-                  "--auth-root-authentication-method=socket", "--skip-test-db"], "initialising MariaDB")
-        p.mariadb_socket.parent.mkdir(parents=True, exist_ok=True)
-        daemon = self.mariadbd()
-        daemon.start()
-        wait_for(lambda: p.mariadb_socket.exists() or not daemon.is_running(), timeout_s, "MariaDB's socket")
-        daemon.check_alive()
-        password = self._db_password()
-        sql = (
-            f"CREATE DATABASE IF NOT EXISTS {ACCOUNTING_DB}; "
-            f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}'; "
-            f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}'; "
-            f"GRANT ALL ON {ACCOUNTING_DB}.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
-        )
-        # The SQL goes through stdin so the password never shows in a process list.
-        _run(["mariadb", "--no-defaults", f"--socket={p.mariadb_socket}", "-u", "root"],
-             "creating the accounting database", stdin=sql)
-
-    def _start_slurmdbd(self, timeout_s: float) -> None:
-        daemon = self.slurmdbd()
-        daemon.start()
-        wait_for(lambda: _port_open("127.0.0.1", self.shape.slurmdbd_port) or not daemon.is_running(), timeout_s,
-                 "slurmdbd")
-        daemon.check_alive()
-        clusters = self._sacctmgr(["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"], timeout_s)
-        if CLUSTER_NAME not in clusters.split():
-            self._sacctmgr(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], timeout_s)
-
-    def _continue_job_ids(self) -> None:
-        """Start job ids past the accounting's highest. slurmctld's own state can be gone (a
-        reshape drops it) while MariaDB keeps the old jobs: ids would start at 1 again, and
-        `sacct -j N` would show an old job N beside the new one. Read from the table itself:
-        sacct's time window leaves out a job cancelled before it started."""
-        highest = _run(["mariadb", "--no-defaults", f"--socket={self.paths.mariadb_socket}", "-u", "root", "-N", "-B"],
-                       "reading the highest job id in the accounting",
-                       stdin=f"SELECT COALESCE(MAX(id_job), 0) FROM {ACCOUNTING_DB}.`{CLUSTER_NAME}_job_table`;")
-        first_job_id = int(highest.strip()) + 1
-        self.paths.slurm_conf.write_text(self._slurm_conf(first_job_id))
-
     def _slurm_conf(self, first_job_id: int = 1) -> str:
+        plugin_dir = self.programs.plugin_dir
         if self.net is None:
-            return render_slurm_conf(self.paths, self.shape, first_job_id)
+            return render_slurm_conf(self.paths, self.shape, first_job_id, plugin_dir=plugin_dir)
         return render_slurm_conf(self.paths, self.shape, first_job_id, ctld_addr=self.net.host_addr,
-                                 node_addrs={n: self.net.node_addr(n) for n in self.shape.node_names})
+                                 node_addrs={n: self.net.node_addr(n) for n in self.shape.node_names},
+                                 plugin_dir=plugin_dir)
 
     def _start_slurmctld(self, timeout_s: float) -> None:
         daemon = self.slurmctld()
         daemon.start()
         addr = self.net.host_addr if self.net else "127.0.0.1"
-        wait_for(lambda: _port_open(addr, self.shape.slurmctld_port) or not daemon.is_running(), timeout_s, "slurmctld")
+        wait_for(lambda: port_open(addr, self.shape.slurmctld_port) or not daemon.is_running(), timeout_s, "slurmctld")
         daemon.check_alive()
 
     def wait_nodes_idle(self, timeout_s: float) -> None:
@@ -293,8 +245,15 @@ class DevCluster:
         return dict(line.split() for line in result.stdout.splitlines() if line.strip())
 
     def status(self) -> str:
-        lines = [f"devcluster at {self.paths.root} ({self.shape.nodes} nodes, "
-                 f"{self.shape.gpus_per_node} GPUs and {self.shape.cpus_per_node} CPUs each)", "", "daemons:"]
+        shape = self.shape
+        lines = [f"devcluster at {self.paths.root} ({shape.nodes} nodes, "
+                 f"{shape.gpus_per_node} {shape.gpus} GPUs and {shape.cpus_per_node} CPUs each; "
+                 f"{'SLURM from ' + shape.debs if shape.debs else 'SLURM installed'}, "
+                 f"{'with' if shape.accounting else 'no'} accounting)", "", "daemons:"]
+        if shape.gpus == gpus.REAL:
+            with contextlib.suppress(DevclusterError):  # the machine's devices changed since `up`
+                lines[1:1] = ["gpus: " + ", ".join(f"{node} {' '.join(map(str, files))}"
+                                                   for node, files in self.gpu_devices().items())]
         if self.net:
             lines[1:1] = [f"isolated: bridge {self.net.bridge} at {self.net.host_addr}, "
                           + ", ".join(f"{n} {self.net.node_addr(n)}" for n in self.shape.node_names)]
@@ -305,7 +264,8 @@ class DevCluster:
             for title, args in (("nodes", ("-N", "-o", "%N %P %t %c %G")), ("partitions", ("-o", "%P %a %l %D %N"))):
                 result = self.slurm.call("sinfo", *args)
                 lines += ["", f"{title}:", *("  " + row for row in result.stdout.splitlines())]
-        lines += ["", "to use it from a shell:", f"  {self.paths.env_line()}"]
+        lines += ["", f"to use it from a shell (or: source {self.paths.env_script}):",
+                  *(f"  {line}" for line in carried.env_script(self.paths.slurm_conf, self.programs).splitlines())]
         return "\n".join(lines)
 
     def down(self) -> list[str]:
@@ -352,31 +312,3 @@ class DevCluster:
         if not reply.ok:
             raise DevclusterError(f"squeue failed: {reply.why or reply.stderr.strip()}")
         return reply.stdout
-
-    def _sacctmgr(self, argv: list[str], timeout_s: float) -> str:
-        """A call of sacctmgr (the accounting's admin tool, not a SLURM client the client runs)."""
-        result = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=timeout_s)
-        if result.returncode != 0:
-            raise DevclusterError(f"`{' '.join(argv)}` failed ({result.returncode}): {result.stderr.strip()}")
-        return result.stdout
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write a file readable by its owner only, without a window where it is world-readable."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    path.chmod(0o600)
-
-
-def _run(argv: list[str], doing: str, stdin: str = "") -> str:
-    result = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
-    if result.returncode != 0:
-        raise DevclusterError(f"{doing} failed: `{argv[0]}` exited {result.returncode}:\n{result.stderr[-2000:]}")
-    return result.stdout
-
-
-def _port_open(addr: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((addr, port)) == 0

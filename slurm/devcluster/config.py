@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from slurm.devcluster.gpus import FAKE, REAL
 
 DEFAULT_ROOT = Path(os.environ.get("SLURMRL_DEVCLUSTER_DIR", "/tmp/slurmrl-devcluster"))
 CLUSTER_NAME = "slurmrl-dev"
@@ -35,6 +37,9 @@ class ClusterShape:
     port_base: int = DEFAULT_PORT_BASE
     isolated: bool = True  # one network namespace per node (netns.py); else every node is 127.0.0.1
     node_prefix: str = "node"  # nodes are <prefix>1..<prefix>N (two isolated clusters need two prefixes)
+    gpus: str = FAKE  # REAL: the machine's /dev/nvidia* as gres, a slice per node (gpus.py); FAKE: placeholders
+    accounting: bool = True  # MariaDB and slurmdbd, for sacct; else accounting_storage/none
+    debs: str = ""  # a folder of carried .deb files to run SLURM and munge from (carried.py); "": the installed ones
 
     def validate(self) -> None:
         if not 1 <= self.nodes <= MAX_NODES:
@@ -48,6 +53,14 @@ class ClusterShape:
                              f"got {self.node_prefix!r}")
         if not 1024 <= self.port_base <= 65535 - (20 + MAX_NODES):
             raise ValueError(f"--port-base must be between 1024 and {65535 - 20 - MAX_NODES}, got {self.port_base}")
+        if self.gpus not in (REAL, FAKE):
+            raise ValueError(f"--gpus must be auto, real or fake, got {self.gpus!r}")
+        if self.debs and self.accounting:
+            raise ValueError(f"--debs {self.debs}: the carried packages hold no slurmdbd or MariaDB; "
+                             "add --no-accounting")
+        if self.debs and not Path(self.debs).is_dir():
+            raise ValueError(f"--debs {self.debs}: no such folder; fetch the packages into it with "
+                             f"`bash scripts/fetch_slurm_debs.sh {self.debs}` where apt-get works")
 
     @property
     def node_names(self) -> list[str]:
@@ -70,7 +83,8 @@ class ClusterShape:
         return self.port_base + 20 + node_index
 
     def all_ports(self) -> dict[str, int]:
-        ports = {"mariadb": self.mariadb_port, "slurmctld": self.slurmctld_port, "slurmdbd": self.slurmdbd_port}
+        ports = {"mariadb": self.mariadb_port, "slurmdbd": self.slurmdbd_port} if self.accounting else {}
+        ports["slurmctld"] = self.slurmctld_port
         ports.update({f"slurmd-{n}": self.slurmd_port(k) for k, n in enumerate(self.node_names, 1)})
         return ports
 
@@ -140,35 +154,68 @@ class ClusterPaths:
         """PID files SLURM's daemons write themselves."""
         return self.root / "run"
 
+    @property
+    def cgroup_conf(self) -> Path:
+        return self.etc / "cgroup.conf"
+
+    @property
+    def gpu_task_prolog(self) -> Path:
+        """With real GPUs: maps each task's CUDA_VISIBLE_DEVICES to this machine's devices (gpus.py)."""
+        return self.etc / "gpu_task_prolog.sh"
+
+    @property
+    def prefix(self) -> Path:
+        """Where --debs unpacks the carried packages."""
+        return self.root / "prefix"
+
+    @property
+    def env_script(self) -> Path:
+        """`source` it to use the cluster from a shell (SLURM_CONF; with --debs, the prefix's programs)."""
+        return self.root / "env.sh"
+
     def fake_gpu_dir(self, node: str) -> Path:
         return self.root / "dev" / node
 
     def log(self, daemon: str) -> Path:
         return self.logs / f"{daemon}.log"
 
-    def env_line(self) -> str:
-        return f"export SLURM_CONF={self.slurm_conf}"
+
+# Fields added after cluster.json first had a shape: left out at their defaults, so that the code of
+# an older checkout reads the file too (several checkouts share the default cluster).
+_LATER_FIELDS = ("node_prefix", "gpus", "accounting", "debs")
 
 
 def load_shape(paths: ClusterPaths) -> ClusterShape | None:
     if not paths.shape_file.exists():
         return None
-    fields = json.loads(paths.shape_file.read_text())
-    fields.setdefault("isolated", False)  # written before namespaces were the default: a shared-loopback cluster
-    return ClusterShape(**fields)
+    saved = json.loads(paths.shape_file.read_text())
+    saved.setdefault("isolated", False)  # written before namespaces were the default: a shared-loopback cluster
+    return ClusterShape(**saved)
 
 
 def save_shape(paths: ClusterPaths, shape: ClusterShape) -> None:
-    fields = asdict(shape)
-    if shape.node_prefix == ClusterShape.node_prefix:  # a file code from before --node-prefix reads too
-        del fields["node_prefix"]
-    paths.shape_file.write_text(json.dumps(fields, indent=2) + "\n")
+    saved = asdict(shape)
+    defaults = {f.name: f.default for f in fields(ClusterShape)}
+    for name in _LATER_FIELDS:
+        if saved[name] == defaults[name]:
+            del saved[name]
+    paths.shape_file.write_text(json.dumps(saved, indent=2) + "\n")
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write a file readable by its owner only, without a window where it is world-readable."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    path.chmod(0o600)
 
 
 def render_slurm_conf(paths: ClusterPaths, shape: ClusterShape, first_job_id: int = 1,
-                      ctld_addr: str = "127.0.0.1", node_addrs: dict[str, str] | None = None) -> str:
+                      ctld_addr: str = "127.0.0.1", node_addrs: dict[str, str] | None = None,
+                      plugin_dir: Path | None = None) -> str:
     """`node_addrs` (node -> its namespace's address) makes the isolated shape: slurmctld listens
-    on `ctld_addr` (the bridge's), and each node is its name at its own address."""
+    on `ctld_addr` (the bridge's), and each node is its name at its own address. `plugin_dir`: the
+    plugins of carried packages (else SLURM's built-in folder)."""
     auth_info = f"socket={paths.munge_socket},cred_expire={CRED_EXPIRE_S}"
     gres = f" Gres=gpu:{shape.gpus_per_node}" if shape.gpus_per_node else ""
     hosts = {n: (n, node_addrs[n]) if node_addrs else ("localhost", "127.0.0.1") for n in shape.node_names}
@@ -201,7 +248,9 @@ SlurmctldLogFile={paths.logs}/slurmctld.log
 SlurmdLogFile={paths.logs}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-# Emulated nodes declare more than the host has, and need no cgroup setup.
+{f"PluginDir={plugin_dir}" if plugin_dir else ""}
+{f"TaskProlog={paths.gpu_task_prolog}" if shape.gpus == REAL else ""}
+# Emulated nodes declare more than the host has, and need no cgroup setup of their own.
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -221,12 +270,7 @@ MessageTimeout=10
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
-AccountingStorageType=accounting_storage/slurmdbd
-# sacct talks to slurmdbd itself: from a node's namespace, only the bridge's address reaches it.
-AccountingStorageHost={ctld_addr}
-AccountingStoragePort={shape.slurmdbd_port}
-# For slurmdbd this names the munge socket that connections to it authenticate with.
-AccountingStoragePass={paths.munge_socket}
+{_accounting(paths, shape, ctld_addr)}
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 {nodes}
@@ -234,15 +278,16 @@ PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def render_gres_conf(paths: ClusterPaths, shape: ClusterShape) -> str:
-    lines = ["# Fake GPUs: links to /dev/null, one per GPU. Generated.", "AutoDetect=off"]
-    if shape.gpus_per_node:
-        last = shape.gpus_per_node - 1
-        lines += [
-            f"NodeName={node} Name=gpu File={paths.fake_gpu_dir(node)}/nvidia[0-{last}]"
-            for node in shape.node_names
-        ]
-    return "\n".join(lines) + "\n"
+def _accounting(paths: ClusterPaths, shape: ClusterShape, ctld_addr: str) -> str:
+    if not shape.accounting:
+        return "# No accounting (--no-accounting): sacct answers nothing; slurmrl asks squeue and scontrol.\n" \
+               "AccountingStorageType=accounting_storage/none"
+    return f"""AccountingStorageType=accounting_storage/slurmdbd
+# sacct talks to slurmdbd itself: from a node's namespace, only the bridge's address reaches it.
+AccountingStorageHost={ctld_addr}
+AccountingStoragePort={shape.slurmdbd_port}
+# For slurmdbd this names the munge socket that connections to it authenticate with.
+AccountingStoragePass={paths.munge_socket}"""
 
 
 def render_slurmdbd_conf(paths: ClusterPaths, shape: ClusterShape, db_password: str) -> str:

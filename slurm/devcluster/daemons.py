@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -127,3 +128,9 @@ class Daemon:
             wait_gone(proc, 10)
         self.pid_file.unlink(missing_ok=True)
         return True
+
+
+def port_open(addr: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((addr, port)) == 0

@@ -3,9 +3,10 @@ router, CPU engines and trainer, no mocks: the slurmd of engine-1's node is kill
 node's engine step (on a devcluster every node is this host, so the step's processes would outlive
 their slurmd otherwise).
 
-- With a spare rollout node, engine-1 is relaunched there, rejoins the router, and the job completes.
-- Without one, the job goes on with engine-0 alone (min_engines 1) and completes.
-- Without one and with min_engines 2, the trainer saves, the job requeues itself excluding the
+- With a spare rollout node, engine-1 is relaunched there and rejoins the router; when that node
+  dies next, no spare is left, and the job goes on with engine-0 alone (min_engines 1) and
+  completes (one job for both cases: the second loss comes once the first is recovered).
+- Without a spare and with min_engines 2, the trainer saves, the job requeues itself excluding the
   lost node, and the new start runs both engines on other nodes and completes.
 
 Either way no rollout id is skipped or repeated, and no engine served a rollout with stale weights.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from slurm.devcluster import DevCluster
@@ -30,25 +32,31 @@ from tests.integration.test_rl_job import (
 )
 from tests.slurm_helpers import kill_node, wait_job_gone, wait_sacct_states
 
-ROLLOUTS = 100  # about 1 s each: the job outlives the node's loss and the recovery
+ROLLOUTS = 100  # about 1 s each: the job outlives the nodes' losses and the recoveries
+RECOVERY_S = 180  # bound on one engine's recovery (or giving up) after its node died
 
 
-def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_dir: Path, *flags: str,
-                               while_down: Callable[[str, str], None] = lambda job_id, node: None) -> tuple[str, dict]:
-    """Submit the toy job, kill engine-1's node after a few rollouts, wait for the job to end (with
-    `while_down(job_id, node)` called meanwhile). Returns that node and the job's final status."""
+def run_and_kill_engine_nodes(cluster: DevCluster, toy: tuple[Path, Path], job_dir: Path, *flags: str,
+                              engines: tuple[str, ...] = ("engine-1",),
+                              while_down: Callable[[str, str], None] = lambda job_id, node: None) -> tuple[list[str], dict]:
+    """Submit the toy job and, after a few rollouts, kill the node of each of `engines` in turn, the
+    next once the last is recovered (or given up); `while_down(job_id, node)` is called after the
+    last. Wait for the job to end. Returns the killed nodes and the job's final status."""
     job_id = submit(toy, job_dir, "--num-rollout", str(ROLLOUTS), *flags)
-    node = None
+    nodes: list[str] = []
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 3, 240, "the first rollouts")
-        engine = status(job_dir)["steps"]["engine-1"]
-        node = engine["nodes"][0]
-        kill_node(cluster, node, listening_pid(engine["url"]))
-        while_down(job_id, node)
+        for previous, name in zip((None, *engines), engines):
+            if previous is not None:
+                wait_for(partial(_settled, job_dir, previous), RECOVERY_S, f"{previous}'s recovery")
+            engine = status(job_dir)["steps"][name]
+            nodes.append(engine["nodes"][0])
+            kill_node(cluster, nodes[-1], listening_pid(engine["url"]))
+        while_down(job_id, nodes[-1])
         wait_job_gone(job_id, timeout_s=300)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-        if node is not None:
+        for node in nodes:
             cluster.revive_slurmd(node)
     wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
     state = status(job_dir)
@@ -57,33 +65,35 @@ def run_and_kill_engine_1_node(cluster: DevCluster, toy: tuple[Path, Path], job_
     assert ids == list(range(ROLLOUTS)), "a rollout id was skipped or repeated"
     assert_never_stale(job_dir)
     lost = events(job_dir, "node_failed")
-    assert [e["node"] for e in lost] == [node], lost
-    assert "NOT_RESPONDING" in lost[0]["reason"] and lost[0]["allocation"].startswith("released"), lost
-    return node, state
+    assert [e["node"] for e in lost] == nodes, lost
+    assert all("NOT_RESPONDING" in e["reason"] and e["allocation"].startswith("released") for e in lost), lost
+    return nodes, state
 
 
-def test_engine_of_a_dead_node_moves_to_the_spare_node(devcluster: DevCluster, toy, tmp_path: Path) -> None:
+def _settled(job_dir: Path, engine: str) -> bool:
+    """Whether the supervisor has dealt with `engine`'s lost node: recovered it, or given it up."""
+    return bool(events(job_dir, "engine_recovered", engine) or events(job_dir, "engine_given_up", engine))
+
+
+def test_a_dead_engine_node_moves_to_the_spare_then_with_none_left_the_job_goes_on_with_fewer(
+        devcluster: DevCluster, toy, tmp_path: Path) -> None:
+    # engine-1's node dies, then the spare it moved to: engine-0's node is its group's first, whose
+    # loss SLURM answers by requeueing the whole job (the requeue test's case), so it is spared here
     job_dir = tmp_path / "job"
-    node, state = run_and_kill_engine_1_node(devcluster, toy, job_dir, "--rollout-spare-nodes", "1")
+    (first, spare), state = run_and_kill_engine_nodes(devcluster, toy, job_dir, "--rollout-spare-nodes", "1",
+                                                      engines=("engine-1", "engine-1"))
     moved = events(job_dir, "engine_moved", "engine-1")
-    assert len(moved) == 1 and moved[0]["from_nodes"] == [node], moved
-    spare = moved[0]["to_node"]
-    assert spare not in (node, *state["steps"]["engine-0"]["nodes"], *state["steps"]["trainer"]["nodes"])
-    assert state["steps"]["engine-1"]["nodes"] == [spare] and state["steps"]["engine-1"]["url"] == moved[0]["url"]
+    assert len(moved) == 1 and moved[0]["from_nodes"] == [first] and moved[0]["to_node"] == spare, moved
+    assert spare not in (first, *state["steps"]["engine-0"]["nodes"], *state["steps"]["trainer"]["nodes"])
     recovered = events(job_dir, "engine_recovered", "engine-1")
-    assert recovered and recovered[-1]["in_router"] and recovered[-1]["weight_version"] is not None, recovered
-    assert not events(job_dir, "engine_given_up")
-
-
-def test_without_a_spare_node_the_job_goes_on_with_fewer_engines(devcluster: DevCluster, toy,
-                                                                  tmp_path: Path) -> None:
-    job_dir = tmp_path / "job"
-    node, state = run_and_kill_engine_1_node(devcluster, toy, job_dir)
+    assert recovered and recovered[0]["in_router"] and recovered[0]["weight_version"] is not None, recovered
+    # then the spare's loss, with no spare left: the job went on with engine-0 alone
     given_up = events(job_dir, "engine_given_up", "engine-1")
-    assert len(given_up) == 1 and f"node {node} is lost" in given_up[0]["reason"], given_up
+    assert len(given_up) == 1 and f"node {spare} is lost" in given_up[0]["reason"], given_up
+    assert given_up[0]["time"] > recovered[0]["time"]
     degraded = events(job_dir, "engine_degraded", "engine-1")
     assert len(degraded) == 1 and degraded[0]["engines"] == 1, degraded
-    assert not events(job_dir, "engine_moved") and state["steps"]["engine-1"]["state"] == "failed"
+    assert state["steps"]["engine-1"]["state"] == "failed" and state["steps"]["engine-0"]["restarts"] == 0
 
 
 def test_below_min_engines_the_job_requeues_without_the_lost_node(devcluster: DevCluster, toy,
@@ -100,8 +110,8 @@ def test_below_min_engines_the_job_requeues_without_the_lost_node(devcluster: De
         job = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
         seen["ExcNodeList"] = " ".join(f for f in job.split() if f.startswith("ExcNodeList="))
 
-    node, state = run_and_kill_engine_1_node(devcluster, toy, job_dir, "--min-engines", "2",
-                                             while_down=requeued_without_it)
+    (node,), state = run_and_kill_engine_nodes(devcluster, toy, job_dir, "--min-engines", "2",
+                                               while_down=requeued_without_it)
     assert events(job_dir, "engine_given_up", "engine-1") and not events(job_dir, "engine_degraded")
     preempted = events(job_dir, "preemption")
     assert len(preempted) == 1 and f"node {node} is lost" in preempted[0]["reason"], preempted

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -12,24 +11,11 @@ import pytest
 from rollout.cpu_engine.args import parse_args
 from rollout.cpu_engine.engine import UP, load_engine
 from rollout.cpu_engine.server import build_app
-from tests.rollout.cpu_engine_helpers import REPO, make_tiny_model
+from tests.rollout.cpu_engine_helpers import REPO, asgi_get, make_tiny_model
 
 
 def _status(app, path: str) -> int:
-    """One GET through the ASGI app, without a server."""
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    asyncio.run(app(scope, receive, send))
-    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return asgi_get(app, path)[0]
 
 
 def test_health_is_503_until_warmup_is_done(tmp_path: Path) -> None:

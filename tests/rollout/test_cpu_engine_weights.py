@@ -202,6 +202,8 @@ def test_distributed_update_loads_exactly_the_broadcast_tensors(engine: EnginePr
     try:
         thread.join(60)
         assert box["result"].status_code == 200 and box["result"].json()["success"] is True
+        # asked for nccl, a CPU engine joins over gloo (a cuda one over nccl: tests/gpu/test_gpu_engine.py)
+        assert "cpu_engine joined weight update group wg backend=gloo rank=1 world_size=2" in engine.log_text()
         tensors = _trainer_tensors(models[2])
         names = list(tensors)
         update = {"names": names, "dtypes": [str(tensors[n].dtype) for n in names],

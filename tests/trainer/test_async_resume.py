@@ -42,6 +42,7 @@ from trainer.evals import EvalSchedule
 from trainer.fully_async_source import LEDGER_KEY, FullyAsyncOptions, FullyAsyncSource
 from trainer.loop import Loop, Progress
 from trainer.losses import LossConfig
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publisher import Publisher
 from trainer.rollout_journal import RolloutJournal
@@ -116,7 +117,8 @@ def loop(job: Path, backend: Backend, make_source: Callable[..., RolloutSource],
     profiler = TrainProfiler(0)
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=BATCH * N, need_entropy=False, on_policy_tolerance=None, ref_model=False, teacher=False,
-        critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat)
+        critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat,
+        PhaseMemory(None))
 
     class EnginesPublisher(Publisher):
         """Loads each version on the engines (the same weights), as the real transport does: an
@@ -133,7 +135,8 @@ def loop(job: Path, backend: Backend, make_source: Callable[..., RolloutSource],
 
     stops = StopRequests(save_now.install(), None, backend.broadcast_object, profiler.arm)
     return Loop(backend, progress, source, train_step, EnginesPublisher(None, list, None, reporter.heartbeat),
-                checkpointer, evals, stops, None, reporter, profiler, ROLLOUTS, False)  # type: ignore[arg-type]
+                checkpointer, evals, stops, None, reporter, profiler, PhaseMemory(None), ROLLOUTS,  # type: ignore[arg-type]
+                False)
 
 
 def run(job_loop: Loop) -> None:

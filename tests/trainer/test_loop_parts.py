@@ -25,7 +25,9 @@ from trainer.checkpointer import CheckpointConfig, Checkpointer
 from trainer.evals import EvalSchedule
 from trainer.loop import Loop, Progress
 from trainer.losses import LossConfig
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
+from trainer.publish import WeightPublisher
 from trainer.publisher import Publisher
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import (
@@ -126,7 +128,11 @@ class Lines:
 
 
 def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | None,
-          published: list[int] | None = None) -> Loop:
+          published: list[int] | None = None, transport: WeightPublisher | None = None,
+          memory: PhaseMemory | None = None) -> Loop:
+    """The loop over these parts; transport: rank 0's weight publisher (None: nothing is sent);
+    memory: the per-phase GPU memory (None: no GPU)."""
+    memory = memory or PhaseMemory(None)
     progress = Progress()
     evals = EvalSchedule(None, True, None, None, reporter.heartbeat, reporter.amend)
     checkpointer = Checkpointer(backend, CheckpointConfig(
@@ -135,7 +141,8 @@ def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | N
     profiler = TrainProfiler(0)
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=2, need_entropy=False, on_policy_tolerance=None, ref_model=False, teacher=False,
-        critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat)
+        critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat,
+        memory)
 
     class Recording(Publisher):
         def publish(self, version: int, rollout_id: int, weights: Any) -> dict[str, Any]:
@@ -143,10 +150,10 @@ def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | N
                 published.append(version)
             return super().publish(version, rollout_id, weights)
 
-    publisher = Recording(None, list, None, reporter.heartbeat)
+    publisher = Recording(transport, list, None, reporter.heartbeat)
     stops = StopRequests(save_now.install(), None, backend.broadcast_object, profiler.arm)
     return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops, None,
-                reporter, profiler, ROLLOUTS, True)  # type: ignore[arg-type]  # Lines stands in for a Reporter
+                reporter, profiler, memory, ROLLOUTS, True)  # type: ignore[arg-type]  # Lines stands in for a Reporter
 
 
 def no_advantages(samples: list[TrainSample]) -> None:

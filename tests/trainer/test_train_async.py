@@ -28,6 +28,7 @@ from trainer.evals import EvalSchedule
 from trainer.loop import STALENESS_MAX, WAIT_RATIO, Loop, Progress
 from trainer.losses import LossConfig
 from trainer.old_actor import OldActor
+from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publisher import Publisher
 from trainer.rollout_journal import RolloutJournal
@@ -119,7 +120,7 @@ def build(tmp_path: Path, backend: TrainingBackend, num_rollout: int, *, interva
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=2, need_entropy=False, on_policy_tolerance=None, ref_model=False, teacher=False,
         critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler,
-        reporter.heartbeat, old_actor)
+        reporter.heartbeat, PhaseMemory(None), old_actor)
 
     class EnginesPublisher(Publisher):
         def publish(self, version: int, rollout_id: int, weights: Any) -> dict[str, Any]:
@@ -130,8 +131,8 @@ def build(tmp_path: Path, backend: TrainingBackend, num_rollout: int, *, interva
 
     stops = StopRequests(save_now.install(), None, backend.broadcast_object, profiler.arm)
     loop = Loop(backend, progress, source, train_step, EnginesPublisher(None, list, None, reporter.heartbeat),
-                checkpointer, evals, stops, None, reporter, profiler, num_rollout, False,  # type: ignore[arg-type]
-                interval, old_actor)
+                checkpointer, evals, stops, None, reporter, profiler, PhaseMemory(None),  # type: ignore[arg-type]
+                num_rollout, False, interval, old_actor)
     return loop, reporter
 
 
