@@ -221,7 +221,7 @@ if (data.training.length) {
     const b = el("div", "span k-train", lane);
     b.style.left = pct(t.start);
     b.style.width = (100 * Math.max(t.end - t.start, 0) / width) + "%";
-    hover(b, "training rollout " + t.rollout_id + "\n" + describe(t));
+    hover(b, "training rollout " + t.rollout_id + "\\n" + describe(t));
   }
 }
 for (const row of data.rows) {
