@@ -11,6 +11,12 @@
    --steps steps (bench/multigpu_colocate.py).
 
     python -m bench.bench_multi_gpu [--tiny] [--parts layouts,reshard,weights,colocate] [--out DIR]
+        [--torch-compile] [--max-tokens-per-gpu N] [--update-weight-buffer-size BYTES] [--weight-engines N]
+
+--torch-compile and --max-tokens-per-gpu set the layouts' (and colocate's) trainer as a user runs it
+(issue 31 measured users' figures with --torch-compile --max-tokens-per-gpu 8192);
+--update-weight-buffer-size is the publisher's bucket (slime's flag and default), --weight-engines
+how many engine processes one update reaches at once.
 
 Every figure is a "RESULT {json}" line; all of them go to DIR/multigpu.json (DIR: $OUT, else
 ./multigpu-out). NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 and friends).
@@ -30,6 +36,7 @@ import torch
 from bench.bench_trainer_step import SHAPES, make_model
 from ckpt_tools.convert import hf_to_torch_dist
 from rollout.tiny_model import write_tiny_model
+from trainer.publish import DEFAULT_BUCKET_BYTES
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
@@ -44,7 +51,7 @@ CPU_BATCH = {"samples": 8, "min_len": 16, "max_len": 48, "repeats": 2}
 def _layouts(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
     from bench import multigpu_layouts
 
-    return multigpu_layouts.run_layouts(model, ckpt, shape, batch, work, dtype, max_tokens)
+    return multigpu_layouts.run_layouts(model, ckpt, shape, batch, work, dtype, max_tokens, opts.torch_compile)
 
 
 def _reshard(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
@@ -59,7 +66,7 @@ def _weights(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
     from bench import multigpu_weights
 
     shapes = TINY_WEIGHTS if opts.tiny else {"qwen3-0.6b": SHAPES["qwen3-0.6b"], "qwen3-4b": QWEN3_4B}
-    return multigpu_weights.run(shapes, opts.weight_repeats, out)
+    return multigpu_weights.run(shapes, opts.weight_repeats, out, opts.update_weight_buffer_size, opts.weight_engines)
 
 
 def _colocate(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
@@ -81,7 +88,18 @@ def main() -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.8,
                         help="the colocated engines' share of each GPU (weights + KV cache)")
     parser.add_argument("--weight-repeats", type=int, default=3)
+    parser.add_argument("--torch-compile", action="store_true", help="the layouts' trainer compiled, as users run it")
+    parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                        help="the layouts' pack size (default: 4096 on GPUs, 64 with --tiny)")
+    parser.add_argument("--update-weight-buffer-size", type=int, default=DEFAULT_BUCKET_BYTES,
+                        help="the weight update's bucket in bytes (slime's default: 512 MiB)")
+    parser.add_argument("--weight-engines", type=int, default=1, help="engine processes one weight update reaches")
     opts = parser.parse_args()
+    for flag, value in (("--max-tokens-per-gpu", opts.max_tokens_per_gpu),
+                        ("--update-weight-buffer-size", opts.update_weight_buffer_size),
+                        ("--weight-engines", opts.weight_engines)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} must be at least 1, got {value}")
     os.environ.update(NO_MULTICAST)  # inherited by every process this one starts
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,10 +108,12 @@ def main() -> None:
         raise SystemExit(f"bench_multi_gpu needs 2 GPUs ({gpus} visible); use --tiny for the CPU dry run")
     shape = SHAPES["small"] if opts.tiny else SHAPES["qwen3-0.6b"]
     batch, dtype = (CPU_BATCH, "fp32") if opts.tiny else (GPU_BATCH, "bf16")
-    max_tokens = 64 if opts.tiny else 4096
+    max_tokens = opts.max_tokens_per_gpu or (64 if opts.tiny else 4096)
     parts = opts.parts.split(",")
     results: dict = {"machine": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus,
-                     "torch": torch.__version__, "shape": shape, "batch": batch, "dtype": dtype, "parts": parts}
+                     "torch": torch.__version__, "shape": shape, "batch": batch, "dtype": dtype, "parts": parts,
+                     "torch_compile": opts.torch_compile, "max_tokens_per_gpu": max_tokens,
+                     "update_weight_buffer_size": opts.update_weight_buffer_size, "weight_engines": opts.weight_engines}
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -86,11 +86,10 @@ class EngineState:
         return total
 
     def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        """One bucket: receive each tensor (as the CPU engine's group.receive, on the device), then
-        load it into its parameter."""
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=parse_dtype(dtype), device=DEVICE)
-            group.broadcast(tensor, src=0)
+        """One bucket: receive every tensor (all queued before any is waited on, as the CPU engine's
+        group.receive, on the device), then load each into its parameter."""
+        tensors = group.receive(names, [parse_dtype(d) for d in dtypes], shapes, DEVICE)
+        for name, tensor in tensors.items():
             if name in self.params:
                 self.params[name].copy_(tensor)
         if DEVICE.type == "cuda":

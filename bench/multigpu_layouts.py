@@ -130,12 +130,16 @@ def _logp_diff(a: dict, b: dict) -> tuple[float, float]:
 
 
 def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, dtype: str,
-                max_tokens: int) -> list[dict]:
-    """Every layout's step against TP=1's; figures per layout (MFU against the H200 bf16 peak)."""
+                max_tokens: int, torch_compile: bool = False) -> list[dict]:
+    """Every layout's step against TP=1's; figures per layout (MFU against the H200 bf16 peak).
+    torch_compile: every layout compiled (as users run the trainer), TP=1's the baseline of the same call."""
     common = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--lr", "1e-6",
               "--attention-backend", "sdpa", "--adam-eps", "1"] + (["--bf16"] if dtype == "bf16" else [])
+    common += ["--torch-compile"] if torch_compile else []
     tol, rows, base = TOLERANCE[dtype], [], None
     for name, (world, flags) in LAYOUTS.items():
+        if torch_compile and name.endswith("_compiled"):
+            continue  # every layout is compiled already
         began = time.monotonic()
         try:
             got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt), "flags": common + flags,

@@ -1,9 +1,11 @@
 """Part 2 of bench_multi_gpu: a weight update over NCCL from a one-rank trainer (this process, GPU 0)
-to an engine-side process (bench/multigpu_engine.py, GPU 1), through the real publisher
-(trainer/publish.py: /init_weights_update_group, /begin_weight_update, bucketed broadcasts with
+to N engine-side processes (bench/multigpu_engine.py, engine i on GPU (1 + i) mod the GPUs), through the
+real publisher, pipelined (trainer/publish.py: two buckets in flight, every broadcast queued before a wait;
+/init_weights_update_group, /begin_weight_update, bucketed broadcasts with
 /update_weights_from_distributed, /end_weight_update, /model_info) and update group
 (rollout/weight_group.py); against a plain broadcast of the same bytes, as one flat buffer, over
-an update group of the same two processes, in the same run. On the CPU both sides use gloo.
+an update group of the same processes, in the same run: ratio_vs_plain (the goal: >= 0.85). On the
+CPU every side uses gloo.
 """
 
 from __future__ import annotations
@@ -84,35 +86,43 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def plain_broadcast_seconds(url: str, backend: str, nbytes: int, repeats: int, device: torch.device) -> float:
-    """Mean seconds of one plain broadcast of nbytes (one flat buffer) over a fresh two-rank group."""
-    name, port = f"bench_plain_{os.getpid()}", free_port("127.0.0.1")
-    join = threading.Thread(target=post, args=(url, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": name}))
-    join.start()
-    group = create_group("127.0.0.1", port, 0, 2, name, CALL_TIMEOUT_S, backend)
-    join.join()
+def plain_broadcast_seconds(urls: list[str], backend: str, nbytes: int, repeats: int, device: torch.device) -> float:
+    """Mean seconds of one plain broadcast of nbytes (one flat buffer) over a fresh group of this
+    process and the engines."""
+    name, port, world = f"bench_plain_{os.getpid()}", free_port("127.0.0.1"), 1 + len(urls)
+    joins = [threading.Thread(target=post, args=(url, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1 + i, "world_size": world,
+        "group_name": name})) for i, url in enumerate(urls)]
+    for join in joins:
+        join.start()
+    group = create_group("127.0.0.1", port, 0, world, name, CALL_TIMEOUT_S, backend)
+    for join in joins:
+        join.join()
     flat = torch.ones(nbytes, dtype=torch.uint8, device=device)
     try:
         timings = []
         for count in (1, repeats):  # a warm-up round, then the timed one
-            receiver = threading.Thread(target=post, args=(url, "/bench_broadcast", {
-                "group_name": name, "nbytes": nbytes, "repeats": count}))
-            receiver.start()
+            receivers = [threading.Thread(target=post, args=(url, "/bench_broadcast", {
+                "group_name": name, "nbytes": nbytes, "repeats": count})) for url in urls]
+            for receiver in receivers:
+                receiver.start()
             _sync()
             began = time.perf_counter()
             for _ in range(count):
                 group.broadcast(flat)
             _sync()
             timings.append((time.perf_counter() - began) / count)
-            receiver.join()
+            for receiver in receivers:
+                receiver.join()
         return timings[-1]
     finally:
-        post(url, "/destroy_weights_update_group", {"group_name": name})
+        for url in urls:
+            post(url, "/destroy_weights_update_group", {"group_name": name})
         group.close()
 
 
-def bench_model(label: str, shape: dict, repeats: int, gpus: bool, work: Path) -> dict:
+def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bucket_bytes: int,
+                engines: int) -> dict:
     params = qwen3_params(shape)
     shapes_file = work / f"{label}.json"
     shapes_file.write_text(json.dumps({name: ["bfloat16", s] for name, s in params.items()}))
@@ -120,43 +130,51 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: bool, work: Path) -
     gen = torch.Generator(device=device).manual_seed(0)
     weights = {name: torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) for name, s in params.items()}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    port = free_port("127.0.0.1")
-    engine = start_engine(port, ["--param-shapes", str(shapes_file)], 1 if gpus else None, work / "engine.log")
-    url = f"http://127.0.0.1:{port}"
-    publisher = WeightPublisher("nccl", work / label, work / label, None, timeout_s=CALL_TIMEOUT_S)
+    ports = [free_port("127.0.0.1") for _ in range(engines)]
+    publisher = WeightPublisher("nccl", work / label, work / label, None, bucket_bytes=bucket_bytes,
+                                timeout_s=CALL_TIMEOUT_S)
+    procs = []
     try:
+        for i, port in enumerate(ports):
+            procs.append(start_engine(port, ["--param-shapes", str(shapes_file)], (1 + i) % gpus if gpus else None,
+                                      work / f"engine{i}.log"))
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
         times = []
         for i in range(repeats + 1):  # the first publish also forms the group
             _sync()
-            result = publisher.publish(i + 1, [url], iter(weights.items()))
-            if result.updated != [url]:
-                raise RuntimeError(f"the engine was dropped: {result.dropped}")
+            result = publisher.publish(i + 1, urls, iter(weights.items()))
+            if result.updated != urls:
+                raise RuntimeError(f"engines were dropped: {result.dropped}")
             times.append(result.seconds)
-        checksum = post(url, "/bench_checksum", {})["checksum"]
         want = sum(float(t.float().sum()) for t in weights.values())
+        checksums = [post(url, "/bench_checksum", {})["checksum"] for url in urls]
         publisher.close()
-        plain = plain_broadcast_seconds(url, publisher.backend, nbytes, repeats, device)
+        plain = plain_broadcast_seconds(urls, publisher.backend, nbytes, repeats, device)
     finally:
         publisher.close()
-        stop_engine(engine)
+        for proc in procs:
+            stop_engine(proc)
     steady = statistics.median(times[1:])
-    return {"model": label, "bytes": nbytes, "tensors": len(weights), "bucket_bytes": DEFAULT_BUCKET_BYTES,
-            "backend": publisher.backend, "first_publish_s": times[0], "publish_s": steady,
+    return {"model": label, "bytes": nbytes, "tensors": len(weights), "bucket_bytes": bucket_bytes,
+            "engines": engines, "backend": publisher.backend, "first_publish_s": times[0], "publish_s": steady,
             "publish_gbps": nbytes / steady / 1e9, "plain_broadcast_s": plain, "plain_gbps": nbytes / plain / 1e9,
-            "ratio_vs_plain": plain / steady, "checksum_equal": abs(checksum - want) <= 1e-3 * max(1.0, abs(want)),
+            "ratio_vs_plain": plain / steady,
+            "checksum_equal": all(abs(c - want) <= 1e-3 * max(1.0, abs(want)) for c in checksums),
             "all_publish_s": times}
 
 
-def run(shapes: dict[str, dict], repeats: int, out: Path) -> list[dict]:
-    gpus = torch.cuda.is_available()
+def run(shapes: dict[str, dict], repeats: int, out: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        engines: int = 1) -> list[dict]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
         torch.cuda.set_device(0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, shape in shapes.items():
-            results.append(bench_model(label, shape, repeats, gpus, Path(tmp)))
+            results.append(bench_model(label, shape, repeats, gpus, Path(tmp), bucket_bytes, engines))
             print("RESULT " + json.dumps({"part": "weights", **results[-1]}), flush=True)
             if gpus:
                 torch.cuda.empty_cache()
-        (out / "engine_weights.log").write_text((Path(tmp) / "engine.log").read_text())
+        logs = sorted(Path(tmp).glob("engine*.log"))
+        (out / "engine_weights.log").write_text("".join(log.read_text() for log in logs))
     return results

@@ -73,9 +73,7 @@ class HFCheckpoint:
         s = self.shape
         expected = {
             "model.embed_tokens.weight": (s.vocab_size, s.hidden_size),
-            "model.layers.0.self_attn.q_proj.weight": (s.num_heads * s.head_dim, s.hidden_size),
-            "model.layers.0.self_attn.k_proj.weight": (s.num_kv_heads * s.head_dim, s.hidden_size),
-            "model.layers.0.self_attn.o_proj.weight": (s.hidden_size, s.num_heads * s.head_dim),
+            **_attention_shapes(s, "model.layers.0.self_attn."),
             "model.norm.weight": (s.hidden_size,),
         }
         needed = set()
@@ -108,6 +106,21 @@ class HFCheckpoint:
             with safe_open(str(self.dir / self.weight_map[name]), framework="pt") as f:
                 out.append(f.get_tensor(name))
         return out
+
+
+def _attention_shapes(s: ModelShape, attn: str) -> dict[str, tuple[int, ...]]:
+    """The attention projections' shapes the config implies."""
+    if s.mla is None:
+        return {attn + "q_proj.weight": (s.num_heads * s.head_dim, s.hidden_size),
+                attn + "k_proj.weight": (s.num_kv_heads * s.head_dim, s.hidden_size),
+                attn + "o_proj.weight": (s.hidden_size, s.num_heads * s.head_dim)}
+    m = s.mla
+    q = ({attn + "q_a_proj.weight": (m.q_lora_rank, s.hidden_size),
+          attn + "q_b_proj.weight": (s.num_heads * s.head_dim, m.q_lora_rank)} if m.q_lora_rank
+         else {attn + "q_proj.weight": (s.num_heads * s.head_dim, s.hidden_size)})
+    return {**q, attn + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, s.hidden_size),
+            attn + "kv_b_proj.weight": (s.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            attn + "o_proj.weight": (s.hidden_size, s.num_heads * m.v_head_dim)}
 
 
 def _data_end(path: Path) -> int:

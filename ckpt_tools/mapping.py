@@ -11,7 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek's multi-latent attention (config.json names); q_lora_rank None: a plain q_proj."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,9 @@ class ModelShape:
     qkv_bias: bool
     qk_norm: bool
     num_experts: int  # 0 for dense models
+    mla: MLAShape | None = None
+    shared_experts: bool = False
+    expert_bias: bool = False  # the router's e_score_correction_bias (DeepSeek-V3's aux-loss-free balancing)
 
     @classmethod
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1) -> ModelShape:
@@ -48,11 +64,14 @@ class ModelShape:
         if heads % kv_heads:
             raise ValueError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
-        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
         mixed = config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1
         if arch == "Qwen3MoeForCausalLM" and mixed:
             raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "
                              "which is not supported; every layer must be MoE")
+        deepseek = arch == "DeepseekV3ForCausalLM"
+        if deepseek:
+            check_deepseek_v3(config)
         vocab = config["vocab_size"]
         multiple = max(1, make_vocab_size_divisible_by)
         return cls(
@@ -61,14 +80,38 @@ class ModelShape:
             hidden_size=config["hidden_size"],
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if deepseek
+            else config.get("head_dim") or config["hidden_size"] // heads,
             vocab_size=vocab,
             padded_vocab_size=-(-vocab // multiple) * multiple,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            num_experts=experts if arch == "Qwen3MoeForCausalLM" else 0,
+            num_experts=experts if arch in MOE_ARCHITECTURES else 0,
+            mla=MLAShape(config.get("q_lora_rank"), config["kv_lora_rank"], config["qk_nope_head_dim"],
+                         config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
+            shared_experts=deepseek and bool(config.get("n_shared_experts")),
+            expert_bias=deepseek,
         )
+
+
+def check_deepseek_v3(config: dict) -> None:
+    """What megatron-core's MLA and router compute like transformers' DeepseekV3 does, or ValueError
+    naming the config.json field."""
+    if config.get("first_k_dense_replace", 0):
+        raise ValueError(f"config.json: first_k_dense_replace {config['first_k_dense_replace']} mixes dense and "
+                         "MoE layers, which is not supported yet; every layer must be MoE (0)")
+    if not config.get("rope_interleave", True):
+        raise ValueError("config.json: rope_interleave false is not supported: megatron-core's MLA rotates "
+                         "interleaved pairs, as DeepSeek's checkpoints do")
+    if config["num_experts_per_tok"] > 1 and not config.get("norm_topk_prob", False):
+        raise ValueError("config.json: norm_topk_prob false is not supported: megatron-core's sigmoid router "
+                         "always normalises the top-k scores")
+    groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+    if groups > 1 and config["num_experts_per_tok"] != 2 * group_topk:
+        raise ValueError(f"config.json: num_experts_per_tok {config['num_experts_per_tok']} must be twice "
+                         f"topk_group ({group_topk}): transformers scores a group by its top 2 experts, "
+                         "megatron-core by its top num_experts_per_tok / topk_group")
 
 
 # How one Megatron slice relates to its HF tensors.
@@ -94,13 +137,16 @@ def rules(shape: ModelShape) -> list[Rule]:
     """Every tensor of the model, in the order the converter writes them."""
     attn = "model.layers.{l}.self_attn."
     mlp = "model.layers.{l}.mlp."
-    out = [
-        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, per_layer=False),
-        Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-             ("model.layers.{l}.input_layernorm.weight",)),
-        Rule("decoder.layers.self_attention.linear_qkv.weight",
-             (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), QKV, linear=True),
-    ]
+    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, per_layer=False)]
+    if shape.mla:
+        out += _mla_rules(shape.mla)
+    else:
+        out += [
+            Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                 ("model.layers.{l}.input_layernorm.weight",)),
+            Rule("decoder.layers.self_attention.linear_qkv.weight",
+                 (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), QKV, linear=True),
+        ]
     if shape.qkv_bias:
         out.append(Rule("decoder.layers.self_attention.linear_qkv.bias",
                         (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV))
@@ -110,11 +156,24 @@ def rules(shape: ModelShape) -> list[Rule]:
     out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
     if shape.num_experts:
         expert = mlp + "experts.{e}."
+        # The local spec stores a MoE layer's pre-MLP norm under the dense name, too (not with MLA).
+        norm = ("decoder.layers.pre_mlp_layernorm.weight" if shape.mla
+                else "decoder.layers.mlp.linear_fc1.layer_norm_weight")
         out += [
-            # The local spec stores a MoE layer's pre-MLP norm under the dense name, too.
-            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight",
-                 ("model.layers.{l}.post_attention_layernorm.weight",)),
+            Rule(norm, ("model.layers.{l}.post_attention_layernorm.weight",)),
             Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",)),
+        ]
+        if shape.expert_bias:
+            out.append(Rule("decoder.layers.mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)))
+        if shape.shared_experts:
+            shared = mlp + "shared_experts."
+            out += [
+                Rule("decoder.layers.mlp.shared_experts.linear_fc1.weight",
+                     (shared + "gate_proj.weight", shared + "up_proj.weight"), GATE_UP, linear=True),
+                Rule("decoder.layers.mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",),
+                     linear=True),
+            ]
+        out += [
             Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
                  (expert + "gate_proj.weight", expert + "up_proj.weight"), GATE_UP, per_expert=True, linear=True),
             Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", (expert + "down_proj.weight",),
@@ -132,6 +191,22 @@ def rules(shape: ModelShape) -> list[Rule]:
     if not shape.tied_embeddings:
         out.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
     return out
+
+
+def _mla_rules(mla: MLAShape) -> list[Rule]:
+    """Multi-latent attention: every projection keeps HF's layout (per head: no-RoPE part, then
+    RoPE part; K before V), so each tensor is copied; the local spec keeps the input norm apart."""
+    attn, mega = "model.layers.{l}.self_attn.", "decoder.layers.self_attention."
+    out = [Rule("decoder.layers.input_layernorm.weight", ("model.layers.{l}.input_layernorm.weight",))]
+    if mla.q_lora_rank:
+        out += [Rule(mega + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), linear=True),
+                Rule(mega + "q_layernorm.weight", (attn + "q_a_layernorm.weight",)),
+                Rule(mega + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), linear=True)]
+    else:
+        out.append(Rule(mega + "linear_q_proj.weight", (attn + "q_proj.weight",), linear=True))
+    return out + [Rule(mega + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), linear=True),
+                  Rule(mega + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",)),
+                  Rule(mega + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), linear=True)]
 
 
 def to_megatron(rule: Rule, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:

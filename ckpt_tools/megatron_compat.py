@@ -10,6 +10,7 @@ TransformerEngine; it is safe to call repeatedly.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 # Without psutil, dist_checkpointing.save hangs forever (its writer subprocess dies on
 # _process_memory() and the parent waits on a queue): fail at import time instead.
@@ -31,6 +32,15 @@ def apply() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(moe_utils, "te_general_gemm", None)
+    # Without TransformerEngine, 0.16.1's MLA module still finds megatron's TE stand-ins (mocks) and
+    # calls isinstance() with one (TypeError): tell it TE is absent.
+    if importlib.util.find_spec("transformer_engine") is None:
+        _patch(importlib.import_module("megatron.core.transformer.multi_latent_attention"), "HAVE_TE", False)
+    # megatron's replicated local Linear (MLA's down-projections at TP > 1) keeps no extra state, its
+    # parallel linears an empty one: the same checkpoint then loads at every TP size.
+    replicated = importlib.import_module("megatron.core.post_training.modelopt.layers").Linear
+    _patch(replicated, "get_extra_state", lambda self: None)
+    _patch(replicated, "set_extra_state", lambda self, state: None)
     if torch.cuda.is_available():
         return
     cuda = torch.cuda

@@ -15,11 +15,13 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ckpt_tools import megatron_compat
 from ckpt_tools.mapping import ModelShape
+from ckpt_tools.mla_attention import MLADotProductAttention
 
 megatron_compat.apply()
 
@@ -44,18 +46,56 @@ def _rope_kwargs(hf_config: dict) -> dict[str, Any]:
 
 
 def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
-    return {
+    common = {
         "num_moe_experts": shape.num_experts,
         "moe_ffn_hidden_size": hf_config["moe_intermediate_size"],
         "moe_router_topk": hf_config["num_experts_per_tok"],
-        "moe_router_score_function": "softmax",
-        # norm_topk_prob: softmax over the top-k logits; otherwise softmax over all, then top-k.
-        "moe_router_pre_softmax": not hf_config.get("norm_topk_prob", False),
         "moe_aux_loss_coeff": 0.0,
         "moe_router_load_balancing_type": "none",
         # alltoall creates a torch.cuda.Stream; grouped GEMM needs the grouped_gemm package.
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
+    }
+    if shape.expert_bias:  # DeepSeek-V3: sigmoid scores, bias-corrected grouped top-k, scaled weights
+        return {**common, **_deepseek_router_kwargs(hf_config, shape)}
+    return {
+        **common,
+        "moe_router_score_function": "softmax",
+        # norm_topk_prob: softmax over the top-k logits; otherwise softmax over all, then top-k.
+        "moe_router_pre_softmax": not hf_config.get("norm_topk_prob", False),
+    }
+
+
+def _deepseek_router_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
+    """transformers' DeepseekV3TopkRouter as megatron-core's (mapping.check_deepseek_v3 made sure
+    they agree); the bias starts at the checkpoint's e_score_correction_bias."""
+    groups = hf_config.get("n_group") or 1
+    shared = hf_config.get("n_shared_experts") or 0
+    return {
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": groups if groups > 1 else None,
+        "moe_router_group_topk": hf_config.get("topk_group") if groups > 1 else None,
+        "moe_router_topk_scaling_factor": hf_config.get("routed_scaling_factor", 1.0),
+        "moe_shared_expert_intermediate_size": shared * hf_config["moe_intermediate_size"] if shared else None,
+    }
+
+
+def _mla_kwargs(shape: ModelShape) -> dict[str, Any]:
+    """MLATransformerConfig's fields; plain RoPE (rope_type "rope"), no YaRN scaling."""
+    assert shape.mla is not None
+    mla = shape.mla
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_head_dim": mla.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_type": "rope",
+        "rotary_scaling_factor": 1.0,
+        # q_a_layernorm and kv_a_layernorm are the local spec's q/kv layernorms.
+        "qk_layernorm": True,
     }
 
 
@@ -105,13 +145,17 @@ def transformer_config_from_hf(
     }
     if shape.num_experts:
         config_kwargs.update(_moe_kwargs(hf_config, shape))
+    config_class = TransformerConfig
+    if shape.mla:
+        config_class = MLATransformerConfig
+        config_kwargs.update(_mla_kwargs(shape), rotary_base=_rope_kwargs(hf_config)["rotary_base"])
     model_kwargs = {
         "vocab_size": shape.padded_vocab_size,
         "max_sequence_length": hf_config.get("max_position_embeddings", 4096),
         "share_embeddings_and_output_weights": shape.tied_embeddings,
         **_rope_kwargs(hf_config),
     }
-    return TransformerConfig(**config_kwargs), model_kwargs
+    return config_class(**config_kwargs), model_kwargs
 
 
 def build_gpt_model(
@@ -126,7 +170,11 @@ def build_gpt_model(
     spec = spec or get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
+        multi_latent_attention=config.multi_latent_attention,
     )
+    attention = spec.submodules.self_attention.submodules
+    if config.multi_latent_attention and attention.core_attention is DotProductAttention:
+        attention.core_attention = MLADotProductAttention
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
     if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))

@@ -198,6 +198,13 @@ class Metric:
     PUBLISH_SECONDS = "publish_seconds"
     PUBLISH_BYTES = "publish_bytes"  # the weights sent (disk: written) by the publish
     TRAIN_TOKENS_PER_S = "perf/actor_train_tok_per_s"  # slime's: the rollout's tokens / the optimizer steps' time
+    # slime's, per GPU (trainer/flops.py): 3x the forward FLOPs of the rollout's tokens / the optimizer steps'
+    # time, and 1x / the log-probs' time
+    TRAIN_TFLOPS = "perf/actor_train_tflops"
+    LOG_PROBS_TFLOPS = "perf/log_probs_tflops"
+    # slime's: the time the trainer waited since its previous train step (rollout, publish, save, eval)
+    # over that plus this train step's
+    WAIT_TIME_RATIO = "perf/wait_time_ratio"
     SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
     EVAL_SECONDS = "eval_seconds"  # only on rollouts that evaluated
     TRAIN_STARTED_AT, TRAIN_ENDED_AT = "train_started_at", "train_ended_at"  # unix s: the trace viewer's trainer row

@@ -78,7 +78,8 @@ ENGINES = ("sglang", "cpu", "standin")
 GPU_ENGINES = ("sglang", "standin")  # placed on GPUs by the rollout_num_gpus* fields
 # Trainer flags naming files or folders: made absolute at submission (the steps run elsewhere).
 PATH_FLAGS = ("--hf-checkpoint", "--prompt-data", "--save", "--load", "--ref-load", "--opd-teacher-load",
-              "--save-debug-rollout-data", "--load-debug-rollout-data", "--tensorboard-dir")
+              "--save-debug-rollout-data", "--load-debug-rollout-data", "--tensorboard-dir", "--custom-config-path",
+              "--eval-config")
 # Trainer flags slurmrl sets itself on the trainer step.
 OWNED_TRAIN_FLAGS = ("--job-dir", "--supervised", "--sglang-router-ip", "--sglang-router-port",
                      "--engine-urls", "--master-port")

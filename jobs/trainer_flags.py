@@ -16,7 +16,7 @@ from contract.spec_loading import spec_flags
 
 
 def train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
-    from trainer.args import ArgsError, build_config, build_parser, read_hf_config
+    from trainer.args import ArgsError, apply_custom_config, build_config, build_parser, read_hf_config
     from trainer.config import ShapeFlags
     from trainer.config.model_checks import model_flag_problems
 
@@ -31,8 +31,9 @@ def train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
             problems.append(f"train_args: {name} is set by slurmrl itself; remove it (use {hint})")
     try:
         parsed, unknown = parser.parse_known_args(args)
+        apply_custom_config(parser, parsed)
     except ArgsError as err:
-        return problems + [f"train_args: {err}"]
+        return problems + [f"train_args: {p}" for p in err.problems]
     for token in unknown:
         if token.startswith("-") and not re.fullmatch(r"-[\d.e+-]+", token):
             flag = token.split("=", 1)[0]
@@ -53,6 +54,10 @@ def train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     except ArgsError as err:
         own += err.problems
     own += _device_problems(spec, parsed)
+    if parsed.debug_train_only:  # (an engine-less job shape is not there yet: the supervisor starts what the spec asks)
+        notes.append("--debug-train-only: the trainer uses no engine, but the job still starts the router and the "
+                     f"{spec.rollout.engine_count} engine(s) of rollout.*; keep them small (--rollout-engine cpu "
+                     "--rollout-num-engines 1)")
     hf = parsed.hf_checkpoint
     if Path(hf, "config.json").is_file():  # (else build_config said so)
         hf_config = read_hf_config(hf)
@@ -66,12 +71,19 @@ def train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
 def _device_problems(spec: JobSpec, parsed: argparse.Namespace) -> list[str]:
     """What the trainer's device cannot run: the job spec says which device that is (a trainer
     without GPUs per node runs its workers on CPU)."""
-    from trainer.config.device_checks import Device, attention_backend_problem
+    from trainer.config.device_checks import (
+        Device,
+        attention_backend_problem,
+        distributed_backend_problem,
+        memory_history_problem,
+    )
 
     device: Device = "cuda" if spec.trainer.actor_num_gpus_per_node > 0 else "cpu"
-    problem = attention_backend_problem(parsed.attention_backend, device, parsed.train_backend,
-                                        parsed.context_parallel_size)
-    return [] if problem is None else [problem]
+    problems = [attention_backend_problem(parsed.attention_backend, device, parsed.train_backend,
+                                          parsed.context_parallel_size),
+                distributed_backend_problem(parsed.distributed_backend, device),
+                memory_history_problem(parsed.record_memory_history, device)]
+    return [p for p in problems if p is not None]
 
 
 def _prompt_data_problems(parsed: argparse.Namespace, notes: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,9 @@ class JsonlDataSource:
                  metadata_key: str | None = None, tokenizer: Any = None, apply_chat_template: bool = False,
                  apply_chat_template_kwargs: dict[str, Any] | None = None, tool_key: str | None = "tools",
                  max_prompt_len: int | None = None,
-                 shuffle: bool = True, seed: int = 42, n_samples_per_prompt: int = 1) -> None:
+                 shuffle: bool = True, seed: int = 42, n_samples_per_prompt: int = 1,
+                 stamp: Callable[[Sample], None] | None = None) -> None:
+        """stamp: called on every sample made (an eval set gives its samples its own functions)."""
         if n_samples_per_prompt < 1:
             raise DataError(f"--n-samples-per-prompt must be 1 or more, got {n_samples_per_prompt}")
         if (apply_chat_template or max_prompt_len is not None) and tokenizer is None:
@@ -128,6 +130,7 @@ class JsonlDataSource:
         self.shuffle = shuffle
         self.seed = seed
         self.n_samples_per_prompt = n_samples_per_prompt
+        self.stamp = stamp
         self.epoch = 0
         self.offset = 0  # position in this epoch's order
         self.next_sample_index = 0
@@ -174,6 +177,8 @@ class JsonlDataSource:
             for _ in range(self.n_samples_per_prompt):
                 group.append(Sample(index=self.next_sample_index, group_index=group_index,
                                     prompt=self._prompt(row), label=row["label"], metadata=dict(metadata)))
+                if self.stamp is not None:
+                    self.stamp(group[-1])
                 self.next_sample_index += 1
             groups.append(group)
         return groups

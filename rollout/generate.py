@@ -20,38 +20,47 @@ import logging
 from rollout import debug_data
 from rollout.buffer import DataBuffer
 from rollout.filters import judge_group
-from rollout.group_generate import BadReturn, GroupGenerator, UnfinishedSample
+from rollout.group_generate import GroupGenerator, UnfinishedSample
+from rollout.plugin_contracts import DynamicSamplingFilter, RolloutFunction
 from rollout.plugins import load_function, raised
 from rollout.request_transport import RequestTransport
 from rollout.rollout_args import RolloutArgs
+from rollout.rollout_output import RolloutFnTrainOutput, train_groups
 from rollout.round_stop import RoundStop, RoundStopped
-from rollout.sample import Sample
+from rollout.sample import Sample, numbered
 from rollout.sample_errors import nothing_trainable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BadReturn", "RolloutArgs", "UnfinishedSample", "generate_rollout"]
+__all__ = ["RolloutArgs", "UnfinishedSample", "generate_rollout", "run_rollout"]
 
 
 def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
                      evaluation: bool = False, stop: RoundStop | None = None) -> list[list[Sample]]:
     """data_buffer is None only where --rollout-function-path supplies every prompt. stop: a
     request from another thread that the built-in round end now (rollout.round_stop)."""
+    return run_rollout(args, rollout_id, data_buffer, evaluation, stop).samples
+
+
+def run_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
+                evaluation: bool = False, stop: RoundStop | None = None) -> RolloutFnTrainOutput:
+    """The rollout's groups and the metrics a --rollout-function-path reported with them."""
     if args.rollout_function_path:
-        function = load_function(args.rollout_function_path, "--rollout-function-path")
-        try:
-            return function(args.for_plugins, rollout_id, data_buffer, evaluation)
+        function: RolloutFunction = load_function(args.rollout_function_path, "--rollout-function-path")
+        try:  # slime's call: evaluation by keyword, a data source with get_samples/add_samples
+            groups, metrics = train_groups(function(args.for_plugins, rollout_id, data_buffer, evaluation=evaluation))
         except Exception as err:
             raise raised("--rollout-function-path", args.rollout_function_path, err,
                          f"in rollout {rollout_id}") from err
+        return RolloutFnTrainOutput(groups, metrics)
     if args.load_debug_rollout_data:
-        return debug_data.load(args.load_debug_rollout_data, rollout_id)
+        return RolloutFnTrainOutput(debug_data.load(args.load_debug_rollout_data, rollout_id))
     if data_buffer is None:
         raise ValueError("the built-in rollout draws prompts from a data buffer: give --prompt-data")
     groups = asyncio.run(_Round(args, rollout_id, data_buffer, evaluation, stop).run())
     if args.save_debug_rollout_data:
         debug_data.save(args.save_debug_rollout_data, rollout_id, [s for group in groups for s in group])
-    return groups
+    return RolloutFnTrainOutput(groups)
 
 
 class _Round:
@@ -64,8 +73,9 @@ class _Round:
             check_timeout_s=args.engine_check_timeout_s, decode_speed=args.decode_speed, counts=args.request_counts,
             on_failure=args.engine_failure_handler, on_unresponsive=args.engine_unresponsive_handler)
         self.groups = GroupGenerator(args, self.transport, rollout_id, evaluation)
-        self.keep = (load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
-                     if args.dynamic_sampling_filter_path and not evaluation else None)
+        self.keep: DynamicSamplingFilter | None = (
+            load_function(args.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path")
+            if args.dynamic_sampling_filter_path and not evaluation else None)
 
     async def run(self) -> list[list[Sample]]:
         target = self.args.rollout_batch_size
@@ -94,16 +104,16 @@ class _Round:
             leftovers = await self._abort(running) if running else []
         if stopping and stopping.done():
             if self.args.partial_rollout:  # every group taken goes back, with what it has
-                self.buffer.add(sorted(kept + leftovers, key=lambda g: g[0].group_index))
+                self.buffer.add(sorted(kept + leftovers, key=lambda g: numbered(g[0].group_index)))
             raise RoundStopped(f"rollout {self.rollout_id} stopped with {len(kept)} groups done")
         if stopping:
             stopping.cancel()
         self._stop_if_nothing_trainable()
-        kept.sort(key=lambda g: g[0].group_index)
+        kept.sort(key=lambda g: numbered(g[0].group_index))
         for group in kept[target:]:
             leftovers.append(group)  # finished beyond the target: not wasted with partial rollout
         if self.args.partial_rollout:
-            self.buffer.add(sorted(leftovers, key=lambda g: g[0].group_index))
+            self.buffer.add(sorted(leftovers, key=lambda g: numbered(g[0].group_index)))
         return kept[:target]
 
     async def _abort(self, running: set[asyncio.Task[list[Sample] | None]]) -> list[list[Sample]]:

@@ -3,9 +3,8 @@ the request transport) or the --custom-generate-function-path, then the --rollou
 hooks, then the reward (reward_dispatch.py). Used by the round (generate.py) and by the fully
 asynchronous worker (fully_async.py).
 
-A --custom-generate-function-path returns what takes its argument's place in the group, as in
-slime: a Sample (the argument or a new one), or a list of them from one call (a multi-turn agent's
-samples), each then of the argument's group; None keeps the argument, filled in place. Users'
+A custom generate (--custom-generate-function-path, or an eval set's own) returns what takes its
+argument's place in the group, as in slime (custom_generate.py). Users'
 functions failing on single samples do not end the round (sample_errors.py): a group with a sample
 that failed or came back unfinished never reaches the trainer unless --sample-error-policy
 zero_reward gives a failed reward 0. A sample an engine aborted (a weight update's pause) is
@@ -24,8 +23,10 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from rollout import trace
+from rollout import custom_generate, trace
+from rollout.custom_generate import CustomGenerates
 from rollout.engine_client import version_from_wire
+from rollout.plugin_contracts import CustomGenerate, SampleHook
 from rollout.plugins import load_function
 from rollout.remote_rm import RemoteRewardModel
 from rollout.request_transport import RequestTransport
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 DONE = (Status.COMPLETED, Status.TRUNCATED)
-CUSTOM_GENERATE, SAMPLE_HOOK = "--custom-generate-function-path", "--rollout-sample-hook-path"
+SAMPLE_HOOK = "--rollout-sample-hook-path"
 
 
 class UnfinishedSample(Exception):
@@ -46,27 +47,11 @@ class UnfinishedSample(Exception):
     goes on (an aborted one is continued first)."""
 
 
-class BadReturn(TypeError):
-    """A custom generate returned something other than a Sample, a non-empty list of them, or None."""
-
-
 @lru_cache(maxsize=4)
 def _tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def _returned(out: Any, argument: Sample) -> list[Sample]:
-    """A custom generate's return value as the samples that take its argument's place."""
-    if out is None:
-        return [argument]  # filled in place
-    if isinstance(out, Sample):
-        return [out]
-    if isinstance(out, (list, tuple)) and out and all(isinstance(s, Sample) for s in out):
-        return list(out)
-    raise BadReturn(f"returned {type(out).__name__} {out!r:.100}: a custom generate returns a Sample or a "
-                    "non-empty list of Samples (or None, having filled its argument in place)")
 
 
 def _seed(*parts: object) -> int:
@@ -96,15 +81,14 @@ class GroupGenerator:
             args, transport, rollout_id, evaluation, halted)
         self.served_version = served_version
         self.tokenizer = _tokenizer(args.hf_checkpoint)
-        self.custom_generate = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
-                                if args.custom_generate_function_path else None)
+        self.generates = CustomGenerates(args.custom_generate_function_path)
         self.remote_rm = (RemoteRewardModel(args.rm_url, concurrency=args.rm_concurrency, timeout_s=args.rm_timeout,
                                             max_retries=args.rm_max_retries, backoff_s=args.rm_retry_backoff)
                           if args.rm_url else None)
         self.errors = args.sample_errors
         self.rewards = RewardDispatch(rm_type=args.rm_type, custom_rm_path=args.custom_rm_path, group_rm=args.group_rm,
                                       plugin_args=args.for_plugins, remote_rm=self.remote_rm, errors=self.errors)
-        self.hooks = [load_function(path, "--rollout-sample-hook-path") for path in args.rollout_sample_hook_path]
+        self.hooks: list[SampleHook] = [load_function(path, SAMPLE_HOOK) for path in args.rollout_sample_hook_path]
         self.finished_samples = 0  # of groups done (kept, filtered out or dropped), not left over
         self.failed: list[SampleError] = []  # users' functions' errors on those samples
         self.dropped_groups = self.scored_groups = 0  # finished groups dropped for those errors, or scored
@@ -144,7 +128,7 @@ class GroupGenerator:
             self.errors.zero_reward(sample, error, self.args.reward_key)
         return samples
 
-    def _drop(self, group_index: int, finished: int, failed: int) -> None:
+    def _drop(self, group_index: int | None, finished: int, failed: int) -> None:
         """A group that cannot be trained on: `failed` of its `finished` samples failed (recorded)."""
         self.finished_samples += finished
         self.dropped_groups += 1
@@ -154,19 +138,15 @@ class GroupGenerator:
     def _unfinished(self, samples: list[Sample]) -> int:
         """Samples left unfinished while the round goes on: errors of the custom generate that
         returned them (an engine's abort at the length limit, with the built-in one, is no one's)."""
-        path = self.args.custom_generate_function_path
-        if not path:
-            return 0
-        unfinished = [s for s in samples if s.status not in DONE]
+        unfinished = [s for s in samples if s.status not in DONE and self.generates.for_sample(s) is not None]
         for sample in unfinished:
-            self._record(CUSTOM_GENERATE, path, sample, UnfinishedSample(
+            self._record(*self.generates.named(sample), sample, UnfinishedSample(
                 f"sample {sample.index} came back with status {sample.status.value}: set sample.status to "
                 "COMPLETED or TRUNCATED (ABORTED is continued)"))
         return len(unfinished)
 
     def _record(self, flag: str, path: str, sample: Sample, err: Exception) -> None:
         self.failed.append(self.errors.record(flag, path, sample, err))
-
 
     async def _run_hooks(self, sample: Sample) -> Sample | None:
         """--rollout-sample-hook-path, in order, before the reward: a hook may return a new sample.
@@ -178,7 +158,10 @@ class GroupGenerator:
             except Exception as err:
                 self._record(SAMPLE_HOOK, path, sample, err)
                 return None
-            sample = sample if out is None else out
+            if out is not None:  # a new sample stands in the argument's place
+                out.group_index = sample.group_index
+                out.index = sample.index if out.index is None else out.index
+                sample = out
         return sample
 
     def _sampling_params(self, sample: Sample) -> dict[str, Any]:
@@ -214,8 +197,9 @@ class GroupGenerator:
                           rollout_id=self.rollout_id, tokens=sample.response_length)
             before = sample.generating_version if sample.response_length else None
             sent = self.served_version()
-            if self.custom_generate:
-                returned = await self._custom_generate(self.custom_generate, sample)
+            generate = self.generates.for_sample(sample)
+            if generate is not None:
+                returned = await self._custom_generate(generate, sample)
                 if returned is None:
                     return None
                 for new in returned:
@@ -236,22 +220,18 @@ class GroupGenerator:
                     or sample.response_length >= self.args.rollout_max_response_len):
                 return [sample]  # (a sample the round ended before it started stays PENDING, for partial rollout)
 
-    async def _custom_generate(self, generate: Callable[..., Any], sample: Sample) -> list[Sample] | None:
-        """One call of --custom-generate-function-path on `sample`: the samples it returned, each
-        of `sample`'s group, or None when it raised or returned what is not samples (recorded)."""
+    async def _custom_generate(self, generate: CustomGenerate, sample: Sample) -> list[Sample] | None:
+        """One call of the sample's custom generate: the samples it returned, each of `sample`'s
+        group, or None when it raised or returned what is not samples (recorded)."""
         try:
             async with self.transport.gate:  # a plug-in's requests count against --rollout-concurrency too
                 with trace.span(sample, "generate", attempt=trace.generate_attempts(sample), custom=True) as span:
-                    out = await generate(self.args.for_plugins, sample, self._sampling_params(sample))
-                    returned = _returned(out, sample)
+                    returned = await custom_generate.call(generate, self.args.for_plugins, sample,
+                                                          self._sampling_params(sample), self.evaluation)
                     span.update(weight_version=returned[0].weight_version, outcome=returned[0].status.value)
         except Exception as err:
-            self._record(CUSTOM_GENERATE, self.args.custom_generate_function_path or "", sample, err)
+            self._record(*self.generates.named(sample), sample, err)
             return None
-        for new in returned:
-            new.group_index = sample.group_index  # slime's: the returned samples stand in the argument's group
-            if new is not sample and not new.spans:
-                new.spans = list(sample.spans)  # what happened to the argument, for rollout.trace
         return returned
 
     def _rid(self, sample: Sample) -> str:

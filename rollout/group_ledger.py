@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.buffer import DataBuffer
-from rollout.sample import Sample
+from rollout.sample import Sample, numbered
 
 Group = list[Sample]
 DROP, RETRY = "drop", "retry"  # --async-unused-samples-handler (miles')
@@ -50,7 +50,7 @@ class Counts:
 
 
 def group_id(group: Group) -> int:
-    return group[0].group_index
+    return numbered(group[0].group_index)  # the data source numbers every group the ledger sees
 
 
 def from_prompt(sample: Sample) -> Sample:

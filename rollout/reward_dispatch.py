@@ -11,11 +11,13 @@ from typing import Any
 
 from rollout import rewards, trace
 from rollout.errors import RolloutError
+from rollout.plugin_contracts import RewardFunction
 from rollout.plugins import PluginError, load_function
 from rollout.remote_rm import RemoteRewardModel
 from rollout.sample import Sample
 from rollout.sample_errors import SampleError, SampleErrors
 
+SET_RM = "--eval-config custom_rm_path"
 Failed = list[tuple[Sample, SampleError]]  # samples the custom RM raised on, left without a reward
 
 
@@ -34,7 +36,9 @@ class RewardDispatch:
         self.rm_type, self.custom_rm_path, self.group_rm = rm_type, custom_rm_path, group_rm
         self.plugin_args, self.remote_rm = plugin_args, remote_rm
         self.errors = errors or SampleErrors()
-        self.custom_rm = load_function(custom_rm_path, "--custom-rm-path") if custom_rm_path else None
+        self.custom_rm: RewardFunction | None = (load_function(custom_rm_path, "--custom-rm-path") if custom_rm_path
+                                                 else None)
+        self._set_rms: dict[str, RewardFunction] = {}  # eval sets' custom_rm_path, loaded once
 
     async def score_group(self, group: list[Sample]) -> Failed:
         """Set the reward of each sample of a finished group (a custom generate may have scored
@@ -74,19 +78,26 @@ class RewardDispatch:
             with trace.span(sample, "reward"):
                 return await self._score(sample)
         except Exception as err:
-            if not self.custom_rm:
+            if not (self.custom_rm or sample.custom_rm_path):
                 raise  # a built-in reward's failure (a reward server's) is the rollout's
             return self._raised(sample, err)
 
     def _raised(self, sample: Sample, err: Exception) -> _Raised:
-        return _Raised(self.errors.record("--custom-rm-path", self.custom_rm_path or "", sample, err))
+        flag, path = ((SET_RM, sample.custom_rm_path) if sample.custom_rm_path
+                      else ("--custom-rm-path", self.custom_rm_path or ""))
+        return _Raised(self.errors.record(flag, path, sample, err))
 
-    async def _call_custom_rm(self, arg: Sample | list[Sample]) -> Any:
-        assert self.custom_rm is not None
-        value = self.custom_rm(self.plugin_args, arg)
+    async def _call_custom_rm(self, arg: Sample | list[Sample], rm: RewardFunction | None = None) -> Any:
+        rm = rm or self.custom_rm
+        assert rm is not None
+        value = rm(self.plugin_args, arg)
         return await value if inspect.isawaitable(value) else value
 
     async def _score(self, sample: Sample) -> Any:
+        if sample.custom_rm_path:  # an eval set's own (--eval-config), as slime's async_rm: first
+            if sample.custom_rm_path not in self._set_rms:
+                self._set_rms[sample.custom_rm_path] = load_function(sample.custom_rm_path, SET_RM)
+            return await self._call_custom_rm(sample, self._set_rms[sample.custom_rm_path])
         if self.custom_rm:
             return await self._call_custom_rm(sample)
         if rewards.sample_type(self.rm_type, sample.metadata).removeprefix("boxed_") == rewards.REMOTE:

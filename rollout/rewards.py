@@ -1,15 +1,18 @@
 """Built-in rewards (--rm-type, or a sample's metadata["rm_type"], as slime reads them): math,
-deepscaler, dapo, f1, gpqa and the toy task's; a `boxed_` prefix scores only the last
-\\boxed{...} of the response. remote_rm (a reward server at --rm-url) is rollout.remote_rm's."""
+deepscaler, dapo, f1, gpqa, ifbench (rollout.ifbench), random and the toy task's; a `boxed_`
+prefix scores only the last \\boxed{...} of the response. remote_rm (a reward server at --rm-url)
+is rollout.remote_rm's."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import string
 from collections import Counter
 from typing import Any
 
 from rollout.dapo_grading import dapo_reward
+from rollout.ifbench import ifbench_reward
 from rollout.math_grading import deepscaler_reward, extract_answer, grade_answer_verl
 
 
@@ -89,8 +92,16 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any]) -> float:
     return float(any(_qa_normalise(t) and f" {_qa_normalise(t)} " in said for t in targets))
 
 
+def random_reward(response: str, label: Any) -> int:
+    """slime's "random": 0 or 1, each half the time (a test of the pipeline, not of the model).
+    Drawn from a hash of the response and label, not from a global RNG, so a resumed run scores a
+    regenerated rollout as the uninterrupted run did."""
+    return hashlib.sha256(f"{response}\0{label}".encode()).digest()[0] & 1
+
+
 REMOTE = "remote_rm"
-REWARD_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "toy", REMOTE)  # each also with the boxed_ prefix
+# each also with the boxed_ prefix
+REWARD_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "ifbench", "random", "toy", REMOTE)
 DICT_REWARDS = {"dapo": ("score", "acc", "pred")}  # types whose reward is a dict: --reward-key picks one
 
 
@@ -117,6 +128,10 @@ def rule_based_reward(rm_type: str | None, response: str, label: Any, metadata: 
         return f1_reward(response, label)
     if rm_type == "gpqa":
         return gpqa_reward(response, label, metadata)
+    if rm_type == "ifbench":
+        return ifbench_reward(response, label, metadata)
+    if rm_type == "random":
+        return random_reward(response, label)
     known = f"one of {', '.join(REWARD_TYPES)} (each may take a boxed_ prefix), or give --custom-rm-path"
     if not rm_type:
         raise ValueError(f"no reward type: give --rm-type, {known}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from rollout.errors import RolloutError
 from rollout.plugins import PluginError, described, repeats
-from rollout.sample import Sample
+from rollout.sample import Sample, numbered
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ class SampleErrors:
             log.error("%s failed on sample %d (first error of this function; later ones are counted in the "
                       "sample_errors metric)", plugin, sample.index, exc_info=err)
             if self.on_first is not None:
-                self.on_first(plugin, text, sample.index)
-        return SampleError(plugin, text, sample.index, repeats(err))
+                self.on_first(plugin, text, numbered(sample.index))
+        return SampleError(plugin, text, numbered(sample.index), repeats(err))
 
     def zero_reward(self, sample: Sample, error: SampleError, reward_key: str | None) -> None:
         """zero_reward's verdict: reward 0 (under --reward-key's name for dict rewards)."""

@@ -47,25 +47,35 @@ class UpdateGroup:
     pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None  # None once closed
     backend: Backend = "gloo"
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Send (on src) or receive (elsewhere) one tensor, in place."""
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """Queue sending (on src) or receiving (elsewhere) one tensor, in place; wait() on the answer."""
         options = dist.BroadcastOptions()
         options.rootRank = src
         if self.pg is None:
             raise WeightSyncError(f"update group {self.name!r} is closed")
         # torch 2.13's stubs lack Backend.broadcast, which both backends have at run time
-        self.pg.broadcast([tensor], options).wait(self.timeout)  # type: ignore[union-attr]
+        return self.pg.broadcast([tensor], options)  # type: ignore[union-attr]
+
+    def start_all(self, tensors: list[torch.Tensor], src: int = 0) -> list[dist.Work]:
+        """Queue every tensor's broadcast before any is waited on: the link never idles between them."""
+        return [self.start_broadcast(tensor, src) for tensor in tensors]
+
+    def wait(self, works: list[dist.Work]) -> None:
+        """Wait for queued broadcasts, each bounded by the group's timeout (RuntimeError past it)."""
+        for work in works:
+            work.wait(self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Send (on src) or receive (elsewhere) one tensor, in place."""
+        self.wait([self.start_broadcast(tensor, src)])
 
     def receive(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """Receive one tensor per name, in order, from rank 0, into `device` (default: the CPU; an
-        NCCL group's tensors live on this process's GPU)."""
-        tensors = {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-            self.broadcast(tensor, src=0)
-            tensors[name] = tensor
-        return tensors
+        NCCL group's tensors live on this process's GPU); every receive is queued before any is waited on."""
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in zip(dtypes, shapes)]
+        self.wait(self.start_all(tensors))
+        return dict(zip(names, tensors))
 
     def close(self) -> None:
         """Shut the group down and let go of its process group now: only its destruction closes

@@ -3,7 +3,8 @@
     python scripts/list_slime_flags.py SLIME_GIT_DIR > docs/slime_flags.tsv
 
 Rows: group, flag, default. The groups are slime's own argument groups (slime/utils/arguments.py
-and its sglang_utils/arguments.py), then "megatron": the Megatron-LM flags slime's scripts/*.sh
+and its sglang_utils/arguments.py; the flags each adds with add_argument or with slime's
+reset_arg, which registers a Megatron-LM flag with slime's default), then "megatron": the Megatron-LM flags slime's scripts/*.sh
 pass (slime parses Megatron-LM's flags too). Ray's own flags in those scripts are left out.
 """
 
@@ -25,6 +26,10 @@ def _show(git_dir: str, path: str) -> str:
                           check=True).stdout
 
 
+def _callee(call: ast.Call) -> str:
+    return getattr(call.func, "attr", "") or getattr(call.func, "id", "")
+
+
 def slime_flags(git_dir: str) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     for path in SLIME_ARGUMENT_FILES:
@@ -34,8 +39,10 @@ def slime_flags(git_dir: str) -> list[tuple[str, str, str]]:
                 continue
             group = function.name.removeprefix("add_").removesuffix("_arguments")
             for call in ast.walk(function):
-                if not (isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument"):
+                if not isinstance(call, ast.Call) or _callee(call) not in ("add_argument", "reset_arg"):
                     continue
+                # reset_arg(parser, "--flag", ...) adds a Megatron-LM flag with slime's default (or
+                # only resets the default of one Megatron-LM already has): a flag slime takes either way.
                 names = [a.value for a in call.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
                 keywords = {k.arg: k.value for k in call.keywords}
                 default = ast.unparse(keywords["default"]) if "default" in keywords else (

@@ -16,9 +16,11 @@ from typing import NoReturn
 from contract.job_dir import JOB_DIR_ENV, TRAINER_FATAL_EXIT, JobDir, write_trainer_fatal
 from trainer.args_parser import ArgsError, build_parser, refused
 from trainer.config import TrainerConfig, build_config, check_model_flags, read_hf_config
+from trainer.custom_config import apply_custom_config
 
 __all__ = [
     "ArgsError",
+    "apply_custom_config",
     "build_config",
     "build_parser",
     "check_model_flags",
@@ -30,8 +32,12 @@ __all__ = [
 
 
 def parse_args(argv: list[str] | None = None) -> TrainerConfig:
-    """The flags -> the validated configuration (ArgsError on a wrong flag)."""
-    return build_config(build_parser().parse_args(argv))
+    """The flags (and --custom-config-path's keys) -> the validated configuration (ArgsError on a
+    wrong flag)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_custom_config(parser, args)
+    return build_config(args)
 
 
 def main_error(err: Exception) -> NoReturn:

@@ -4,22 +4,41 @@ formatter, and the action of slime's flags that slurmrl refuses."""
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import json
 from typing import Any
 
 
 def moe_layer_freq(text: str) -> int:
-    """Megatron's --moe-layer-freq: N (every Nth layer is MoE) or a per-layer list "[1, 1, 0, ...]";
-    1 when every layer is MoE, the only layout slurmrl builds; 0 for any other pattern."""
+    """Megatron's --moe-layer-freq: N (every Nth layer is MoE) or a per-layer list, "[1, 1, 0, ...]"
+    or the Python expression Megatron evaluates, "[0]*1+[1]*46"; 1 when every layer is MoE, the
+    only layout slurmrl builds; 0 for any other pattern."""
     text = text.strip()
     if text.startswith("["):
-        try:
-            pattern = json.loads(text)
-        except json.JSONDecodeError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a list of 0/1") from None
+        pattern = _layer_list(text)
+        if pattern is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list of 0/1 (or Megatron's [0]*K+[1]*N)")
         return 1 if pattern and all(x == 1 for x in pattern) else 0
     return int(text)
+
+
+def _layer_list(text: str) -> list[int] | None:
+    """A list literal, or list literals repeated (*) and joined (+): Megatron's form, read without eval."""
+    def value(node: ast.AST) -> list[int] | None:
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts):
+            return [int(e.value) for e in node.elts]  # type: ignore[attr-defined]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and isinstance(node.right, ast.Constant):
+            inner = value(node.left)
+            return None if inner is None or not isinstance(node.right.value, int) else inner * node.right.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = value(node.left), value(node.right)
+            return None if left is None or right is None else left + right
+        return None
+    try:
+        return value(ast.parse(text, mode="eval").body)
+    except SyntaxError:
+        return None
 
 
 class ArgsError(ValueError):
@@ -82,6 +101,26 @@ def refused(p: argparse.ArgumentParser, flag: str, reason: str, *, allowed: Any 
     kwargs: dict[str, Any] = {"nargs": 0} if switch else {"type": type, "nargs": nargs}
     p.add_argument(flag, action=RefusedFlag, reason=reason, allowed=allowed, default=None,
                    help=f"refused: {reason}" + ("" if allowed is None else f" (accepted: {allowed})"), **kwargs)
+
+
+class Choice:
+    """An argparse type for a flag of named values: one of `allowed`, or refused with the reason
+    `refused` gives for it (slime's and Megatron's other values), never a bare "invalid choice"."""
+
+    def __init__(self, allowed: tuple[str, ...], refused: dict[str, str]) -> None:
+        self.allowed, self.refused = allowed, refused
+        self.__name__ = "choice"  # argparse names the type in its messages
+
+    def __call__(self, value: str) -> str:
+        if value in self.allowed:
+            return value
+        if value in self.refused:
+            raise argparse.ArgumentTypeError(f"{value}: {self.refused[value]}")
+        raise argparse.ArgumentTypeError(f"{value!r}: give one of {', '.join(self.allowed)}")
+
+    @property
+    def metavar(self) -> str:
+        return "{" + ",".join(self.allowed) + "}"
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from trainer.args_actions import ArgsError, HelpFormatter, Parser, RefusedFlag, moe_layer_freq, refused
+from trainer.args_actions import ArgsError, Choice, HelpFormatter, Parser, RefusedFlag, moe_layer_freq, refused
 from trainer.args_async_flags import add_async_flags
 from trainer.args_rollout_flags import add_rollout_flags
 from trainer.refused_flags import REFUSED
@@ -19,7 +19,16 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # Megatron's --attention-backend names (and slurmrl's sdpa): unfused/local run megatron's unfused
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 models"
+
+def _deepseek(c: dict[str, Any]) -> bool:
+    return c["architectures"][0] == "DeepseekV3ForCausalLM"
+
+
+def _moe_experts(c: dict[str, Any]) -> int | None:
+    return c.get("n_routed_experts") if _deepseek(c) else c.get("num_experts")
+
 
 # flag -> how to read the same quantity from an HF config
 _MODEL_FLAGS: dict[str, Any] = {
@@ -28,27 +37,58 @@ _MODEL_FLAGS: dict[str, Any] = {
     "ffn_hidden_size": lambda c: c["intermediate_size"],
     "num_attention_heads": lambda c: c["num_attention_heads"],
     "num_query_groups": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
-    "kv_channels": lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+    # DeepSeek's config.json head_dim is the RoPE part; megatron's kv_channels is the value head (slime's scripts)
+    "kv_channels": lambda c: c["v_head_dim"] if _deepseek(c) else (
+        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "vocab_size": lambda c: c["vocab_size"],
     "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
     "rotary_percent": lambda c: c.get("partial_rotary_factor", 1.0),
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
     "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
-    "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+    # DeepSeek: the norms of MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
+    "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                                         "DeepseekV3ForCausalLM"),
     "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
     "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
     "add_qkv_bias": lambda c: c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias")),
     # no bias on any linear but (Qwen2's) q/k/v, which --add-qkv-bias covers
     "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
         not c.get("attention_bias") or c["architectures"][0] == "Qwen2ForCausalLM"),
-    # MoE (Qwen3-MoE): every layer's MLP is the experts'
-    "num_experts": lambda c: c.get("num_experts"),
+    # MoE (Qwen3-MoE, DeepSeek-V3): every layer's MLP is the experts'
+    "num_experts": _moe_experts,
     "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
     "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
-    "moe_router_score_function": lambda c: "softmax" if c.get("num_experts") else None,
-    "moe_router_pre_softmax": lambda c: bool(c.get("num_experts")) and not c.get("norm_topk_prob", False),
-    "moe_layer_freq": lambda c: 1 if c.get("num_experts") and not c.get("mlp_only_layers") else None,
+    "moe_router_score_function": lambda c: "sigmoid" if _deepseek(c) else "softmax" if c.get("num_experts") else None,
+    # DeepSeek: slime's scripts give it; megatron's sigmoid router has no pre-softmax
+    "moe_router_pre_softmax": lambda c: _deepseek(c) or (bool(c.get("num_experts"))
+                                                         and not c.get("norm_topk_prob", False)),
+    "moe_layer_freq": lambda c: 1 if _moe_experts(c) and not c.get("mlp_only_layers")
+    and not c.get("first_k_dense_replace") else None,
+    # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
+    "multi_latent_attention": _deepseek,
+    "q_lora_rank": lambda c: c["q_lora_rank"],
+    "kv_lora_rank": lambda c: c["kv_lora_rank"],
+    "qk_head_dim": lambda c: c["qk_nope_head_dim"],
+    "qk_pos_emb_head_dim": lambda c: c["qk_rope_head_dim"],
+    "v_head_dim": lambda c: c["v_head_dim"],
+    "moe_shared_expert_intermediate_size": lambda c: c["n_shared_experts"] * c["moe_intermediate_size"],
+    "moe_router_enable_expert_bias": _deepseek,
+    "moe_router_num_groups": lambda c: c["n_group"],
+    "moe_router_group_topk": lambda c: c["topk_group"],
+    "moe_router_topk_scaling_factor": lambda c: c["routed_scaling_factor"],
+    # Llama 3.1's RoPE scaling (ckpt_tools.megatron_model builds it from config.json); no scaling is factor 1
+    "use_rope_scaling": lambda c: _rope_type(c) == "llama3",
+    "rotary_scaling_factor": lambda c: float(_rope(c)["factor"]) if _rope_type(c) == "llama3" else 1.0,
 }
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE parameters (transformers >= 5: rope_parameters; older: rope_scaling)."""
+    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+
+
+def _rope_type(config: dict[str, Any]) -> str:
+    return str(_rope(config).get("rope_type", _rope(config).get("type", "default")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,26 +101,60 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ref-load", help="torch_dist weights to start from and, with KL, the reference model")
     add("--save", help="torch_dist save folder (SAVE/iter_XXXXXXX)")
     add("--save-interval", type=int, default=0, help="save every N rollouts (0: only at the end)")
+    add("--save-hf", help="with each save, also the weights as an HF checkpoint in this folder, formatted with "
+        "{rollout_id} (slime's; e.g. /ckpt/hf/iter_{rollout_id})")
     add("--keep-checkpoints", type=int, default=None, help="keep the newest N checkpoints")
     add("--ckpt-step", type=int, help="resume from exactly this iteration of --load")
     add("--job-dir", help="folder for weights, metrics and the heartbeat (default: --save or the cwd)")
     add("--train-backend", choices=("megatron", "fsdp"), default="megatron")
     add("--seed", type=int, default=1234)
-    add("--num-rollout", type=int, required=True, help="number of rollouts (RL iterations) to run")
+    add("--no-save-optim", action="store_true", help="checkpoints hold no optimizer state (smaller); a run resumed "
+        "from one starts its optimizer afresh, as slime's --no-load-optim does")
+    add("--distributed-backend", choices=("nccl", "gloo"), help="the trainer's process group: nccl with GPUs "
+        "(slime's default), gloo on CPU workers; the other one is refused")
+    add("--distributed-timeout-minutes", type=int, default=10, help="a collective that waits longer fails the "
+        "trainer (torch.distributed's timeout)")
+    add("--record-memory-history", action="store_true", help="record the CUDA allocator's history from the start; "
+        "dump a snapshot after rollout --memory-snapshot-num-steps - 1 (and on an out-of-memory error) to "
+        "--memory-snapshot-dir (open it at pytorch.org/memory_viz)")
+    add("--memory-snapshot-dir", default=".", help="where --record-memory-history's snapshots go")
+    add("--memory-snapshot-num-steps", type=int, help="dump the memory snapshot after this many rollouts")
+    add("--memory-snapshot-path", default="snapshot.pickle", help="the snapshot's file name (each rank's is "
+        "memory_snapshot_time<T>_rank<R>_<this>)")
+    add("--num-rollout", type=int, help="number of rollouts (RL iterations) to run (or give --num-epoch)")
+    add("--num-epoch", type=int, help="without --num-rollout: this many passes over --prompt-data, as slime's "
+        "num_rollout = num_epoch x (prompts // --rollout-batch-size)")
+    add("--custom-config-path", help="YAML of arguments for custom functions: each key is set on args after the "
+        "flags (a trainer flag's name changes that flag; others reach the plug-ins)")
     # model shape (optional; checked against the HF config)
     for flag in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "vocab_size"):
         add("--" + flag.replace("_", "-"), type=int)
-    for flag in ("rotary_base", "rotary_percent", "norm_epsilon"):
+    for flag in ("rotary_base", "rotary_percent", "norm_epsilon", "rotary_scaling_factor"):
         add("--" + flag.replace("_", "-"), type=float, help="must equal config.json's")
     for flag in ("qk_layernorm", "untie_embeddings_and_output_weights", "swiglu", "add_qkv_bias",
-                 "disable_bias_linear", "moe_router_pre_softmax"):
+                 "disable_bias_linear", "moe_router_pre_softmax", "use_rope_scaling"):
         add("--" + flag.replace("_", "-"), action="store_true", default=None, help="must agree with config.json")
     for flag in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
         add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
     add("--moe-router-score-function", choices=("softmax", "sigmoid"), help="must agree with config.json (MoE)")
+    for flag in ("multi_latent_attention", "moe_router_enable_expert_bias"):
+        add("--" + flag.replace("_", "-"), action="store_true", default=None,
+            help="must agree with config.json (DeepSeek-V3)")
+    for flag in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                 "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk"):
+        add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (DeepSeek-V3)")
+    add("--moe-router-topk-scaling-factor", type=float, help="must equal config.json's routed_scaling_factor")
+    add("--moe-router-load-balancing-type", choices=("none", "aux_loss", "seq_aux_loss"), default="none",
+        help="accepted without effect: --moe-aux-loss-coeff is 0 (the only value slurmrl takes), so no balancing "
+             "loss reaches the gradient; the router trains on the policy loss alone")
+    add("--moe-router-bias-update-rate", type=float, default=1e-3,
+        help="after each optimizer step, each expert's routing bias moves by this much towards balanced load "
+             "(megatron's aux-loss-free balancing; slime's DeepSeek scripts give 0: the bias stays as loaded)")
     add("--moe-layer-freq", type=moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
-    add("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+    dispatchers = Choice(("allgather", "alltoall"), {"flex": "megatron's flex dispatcher runs on DeepEP or HybridEP "
+                                                              "(CUDA kernels slurmrl does not ship); use alltoall"})
+    add("--moe-token-dispatcher-type", type=dispatchers, metavar=dispatchers.metavar,
         help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
     refused(p, "--moe-grouped-gemm", "accepted: experts run as megatron's SequentialMLP, one GEMM per expert (the "
@@ -90,10 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
             "the fused kernels need TransformerEngine)", switch=True, allowed=True)
     add("--group-query-attention", action="store_true",
         help="as in Megatron: --num-query-groups applies (the KV heads come from config.json)")
-    add("--normalization", choices=("RMSNorm",), default="RMSNorm", help="the supported models all use RMSNorm")
-    add("--position-embedding-type", choices=("rope",), default="rope", help="the supported models all use rope")
+    norms = Choice(("RMSNorm",), {"LayerNorm": f"{_SUPPORTED}, all with RMSNorm"})
+    add("--normalization", type=norms, metavar=norms.metavar, default="RMSNorm",
+        help="the supported models all use RMSNorm")
+    positions = Choice(("rope",), {kind: f"{_SUPPORTED}, all with rope" for kind in
+                                   ("learned_absolute", "mrope", "relative", "none")})
+    add("--position-embedding-type", type=positions, metavar=positions.metavar, default="rope",
+        help="the supported models all use rope")
     add("--use-rotary-position-embeddings", action="store_true", help="as --position-embedding-type rope")
     add("--make-vocab-size-divisible-by", type=int, default=128)
+    add("--padded-vocab-size", type=int, help="must equal config.json's vocab_size padded to a multiple of "
+        "--make-vocab-size-divisible-by x --tensor-model-parallel-size (slurmrl's padding, as megatron's)")
     add("--seq-length", type=int, help="a placeholder, as in slime (Megatron-LM requires it): samples are packed "
                                        "to --max-tokens-per-gpu and never cut")
     add("--max-position-embeddings", type=int, help="must equal config.json's (rope needs no position table)")
@@ -120,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--recompute-granularity", choices=("full", "selective"))
     add("--recompute-method", choices=("uniform", "block"))
     add("--recompute-num-layers", type=int)
+    add("--only-train-params-name-list", nargs="*", help="regexes (re.search) of the megatron parameter names that "
+        "train; every other parameter is frozen (slime's)")
+    add("--freeze-params-name-list", nargs="*", help="regexes of the megatron parameter names to freeze (slime's)")
     add("--custom-megatron-init-path")
     add("--custom-megatron-before-log-prob-hook-path")
     add("--custom-megatron-before-train-step-hook-path")
@@ -128,7 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min-lr", type=float, default=0.0)
     add("--lr-warmup-iters", type=int, default=0)
     add("--lr-warmup-fraction", type=float, help="warm up over this fraction of --lr-decay-iters (Megatron's)")
-    add("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
+    decays = Choice(("constant", "linear", "cosine"), {
+        style: "megatron's inverse-square-root and WSD schedules are not implemented; use constant, linear or cosine"
+        for style in ("inverse-square-root", "WSD")})
+    add("--lr-decay-style", type=decays, metavar=decays.metavar, default="linear",
         help="Megatron's default, as in slime: linear to --min-lr over the run (slime's recipes give constant)")
     add("--lr-decay-iters", type=int, help="optimizer steps to decay over (default: all of the run's steps)")
     add("--weight-decay", type=float, default=0.01, help="Megatron's default, as in slime")
@@ -199,17 +286,25 @@ def build_parser() -> argparse.ArgumentParser:
     add("--use-unbiased-kl", action="store_true", help="weigh the KL loss by the importance ratio pi/pi_old")
     add("--use-rollout-logprobs", action="store_true",
         help="the PPO ratio's old log-probs are the engines' instead of the trainer's")
-    add("--loss-type", choices=("policy_loss", "sft_loss"), default="policy_loss",
-        help="sft_loss: the masked mean negative log-likelihood of the responses")
-    refused(p, "--custom-loss-function-path", "custom loss functions are not supported; use --loss-type")
+    add("--loss-type", choices=("policy_loss", "sft_loss", "custom_loss"), default="policy_loss",
+        help="sft_loss: the masked mean negative log-likelihood of the responses; custom_loss: "
+             "--custom-loss-function-path's")
+    add("--custom-loss-function-path", help="module.function(args, batch, logits, sum_of_sample_mean) -> (loss, "
+        "metrics), slime's, per micro-batch, with --loss-type custom_loss (logits: trainer.slime_loss.ResponseLogits)")
     add("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
         help="grpo/gspo/reinforce_plus_plus_baseline: use the raw rewards, no group mean (and std) normalization")
-    refused(p, "--disable-compute-advantages-and-returns", "advantages are always computed", switch=True)
-    refused(p, "--custom-advantage-function-path", "custom advantage functions are not supported")
-    refused(p, "--custom-tis-function-path", "custom TIS functions are not supported; --use-tis is vanilla TIS")
-    refused(p, "--custom-pg-loss-reducer-function-path", "custom loss reducers are not supported; see "
-            "--calculate-per-token-loss")
-    refused(p, "--get-mismatch-metrics", "it needs --custom-tis-function-path, which is not supported", switch=True)
+    add("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns", action="store_false",
+        help="no log-prob passes and no advantages before training (SFT: --loss-type sft_loss needs neither)")
+    add("--custom-advantage-function-path", help="module.function(args, rollout_data) setting rollout_data's "
+        "'advantages' and 'returns' in place of --advantage-estimator's (slime's; trainer.rollout_batch)")
+    add("--custom-tis-function-path", help="module.function(args=, pg_loss=, train_log_probs=, rollout_log_probs=, "
+        "loss_masks=, ...) -> (pg_loss, loss_masks, metrics) in place of vanilla TIS (slime's)")
+    add("--custom-pg-loss-reducer-function-path", help="module.function(total_lengths, response_lengths, loss_masks, "
+        "calculate_per_token_loss) -> the reducer of the per-token policy loss (slime's)")
+    add("--get-mismatch-metrics", action="store_true", help="log the TIS function's train/rollout mismatch metrics "
+        "(without --use-tis the loss is not reweighted)")
+    add("--rollout-data-postprocess-path", help="module.function(args, rollout_id, rollout_data) after the "
+        "advantages, before training: it may change advantages, returns and loss_masks (slime's)")
     refused(p, "--use-rollout-entropy", "the trainer's entropy is always computed with the old log-probs; it "
             "needs no flag", switch=True, allowed=True)
     for flag in ("--use-routing-replay", "--use-rollout-routing-replay"):

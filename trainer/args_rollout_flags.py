@@ -45,14 +45,11 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     refused(p, "--data-source-path", "prompts come from --prompt-data (jsonl or parquet); a custom rollout "
             "brings its own with --rollout-function-path",
             allowed="slime.rollout.data_source.RolloutDataSourceWithBuffer")
-    refused(p, "--buffer-filter-path", "groups left over by partial rollout go back in their prompt order; a "
-            "filter over them is not supported")
-    refused(p, "--rollout-data-postprocess-path", "a hook after the log-probs is not supported; set loss_mask in a "
-            "custom generate function or a --rollout-sample-hook-path hook")
+    add("--buffer-filter-path", help="module.function(args, rollout_id, buffer, num_samples) taking the groups "
+        "given back (partial rollout, add_samples) for the next rollout (slime's; default: the first ones)")
     refused(p, "--custom-rollout-log-function-path", "rollout metrics go to metrics.jsonl, TensorBoard and W&B; "
             "a custom logger is not supported")
     refused(p, "--multimodal-keys", "slurmrl trains text-only models")
-    refused(p, "--num-epoch", "give --num-rollout (epochs x prompts / --rollout-batch-size)", type=int)
     refused(p, "--start-rollout-id", "a run starts at rollout 0, or where --load's checkpoint left off", type=int)
     add("--rollout-seed", type=int, default=42)
     add("--rollout-concurrency", type=int, default=64)
@@ -61,6 +58,11 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     add("--rm-type", choices=[p + t for p in ("", "boxed_") for t in REWARD_TYPES],
         help="built-in reward (a sample's metadata rm_type overrides it); slime's default: none")
     add("--custom-rm-path")
+    add("--custom-reward-post-process-path", help="module.function(args, samples) -> (raw_rewards, rewards) in "
+        "place of the group normalization: the rewards are trained on as given (slime's)")
+    add("--custom-convert-samples-to-train-data-path", help="module.function(args, samples) -> train_data, a dict of "
+        "per-sample 'tokens', 'response_lengths', 'rewards', 'loss_masks' (slime's): the rewards are trained on as "
+        "given")
     add("--custom-generate-function-path")
     add("--rollout-function-path")
     add("--over-sampling-batch-size", type=int)
@@ -91,7 +93,8 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
         "evaluation=True) -> {name: {'rewards', 'truncated', 'samples'}} (default: --rollout-function-path)")
     add("--custom-eval-rollout-log-function-path",
         help="module.function(rollout_id, args, data, extra_metrics) -> bool: True skips slurmrl's eval logging")
-    refused(p, "--eval-config", "give the eval sets as --eval-prompt-data NAME PATH ... and the --eval-* flags")
+    add("--eval-config", help="slime's eval YAML: eval.defaults and eval.datasets (each: name, path, rm_type, "
+        "custom_rm_path, n_samples_per_eval_prompt, sampling...), in place of --eval-prompt-data (rollout.eval_sets)")
     refused(p, "--eval-tool-key", "slurmrl's data has no tools field")
     refused(p, "--eval-max-prompt-len", "slurmrl does not drop long prompts; trim the eval set", type=int)
     refused(p, "--eval-min-new-tokens", "min_new_tokens is not a sampling parameter slurmrl sends", type=int)

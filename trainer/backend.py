@@ -24,6 +24,11 @@ from trainer.offload import Offloadable
 PackLoss = Callable[[Pack, list[Tensor], list[Tensor] | None], tuple[Tensor, dict[str, Tensor]]]
 
 
+# In the trainer state a backend writes (common): False when the checkpoint holds no optimizer state
+# (--no-save-optim), so a resume from it starts the optimizer afresh instead of failing.
+OPTIMIZER_SAVED = "optimizer_saved"
+
+
 class NonFiniteGradient(FloatingPointError):
     """A NaN or infinite gradient norm: the step is not taken and the trainer stops (Megatron's
     check_for_nan_in_loss_and_grad, always on), so no NaN ever reaches the weights or a checkpoint."""
@@ -50,6 +55,7 @@ class Backend(ABC):
     world_size: int
     dp_rank: int
     dp_size: int
+    save_optimizer: bool = True  # False: --no-save-optim
 
     @abstractmethod
     def log_probs(self, samples: list[TrainSample], ids: list[int], model: str = "actor",
@@ -79,13 +85,16 @@ class Backend(ABC):
 
     @abstractmethod
     def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
-        """Write model, optimizer and RNG state plus `common` (rank 0's loop state) into the
-        existing, empty folder ckpt_dir. Collective."""
+        """Write model, optimizer (unless save_optimizer is False) and RNG state plus `common`
+        (rank 0's loop state, with OPTIMIZER_SAVED) into the existing, empty folder ckpt_dir.
+        Collective."""
 
     @abstractmethod
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         """Read what save() wrote (weights_only: only the model, e.g. --ref-load or a converted
-        HF checkpoint) and return `common` ({} when weights_only). Collective."""
+        HF checkpoint) and return `common` ({} when weights_only); a checkpoint saved without its
+        optimizer state leaves the optimizer fresh, its moments zero and its masters the weights.
+        Collective."""
 
     def offloadable(self) -> Offloadable:
         """Its models and optimizers, for --offload-train (trainer.offload)."""

@@ -23,8 +23,9 @@ class TrainSample:
     tokens: Tensor  # int64 [L]: prompt, then response
     response_length: int
     loss_mask: Tensor  # float32 [R]
-    reward: float
+    reward: float  # what the advantages are computed from
     group_index: int  # the rollout sample's: the samples of one prompt share it (advantages per group)
+    raw_reward: float | None = None  # what the reward metrics report, where a plug-in gave `reward` (train_data)
     rollout_log_probs: Tensor | None = None  # [R], from the engine
     weight_version: int | None = None  # the (oldest) weights that generated it (None: the initial checkpoint)
     staleness: int = 0  # the trainer's version minus weight_version when trained (set by the loop)
@@ -42,14 +43,18 @@ class TrainSample:
         return self.tokens.numel() - self.response_length
 
     @classmethod
-    def from_sample(cls, sample: Sample, reward_key: str | None = None) -> TrainSample:
-        """reward_key (--reward-key): which entry of a dict reward is trained on."""
+    def from_sample(cls, sample: Sample, reward_key: str | None = None, check_reward: bool = True) -> TrainSample:
+        """reward_key (--reward-key): which entry of a dict reward is trained on; check_reward False:
+        the caller sets the reward (a plug-in gave it), the sample's is not read."""
         r = sample.response_length
         logp = torch.tensor(sample.rollout_log_probs, dtype=torch.float32) if sample.rollout_log_probs else None
+        if sample.group_index is None:  # rollout.rollout_output numbers every sample a plug-in hands back
+            raise ValueError(f"sample {sample.index} has no group_index")
+        mask = (sample.loss_mask or [])[:r] or [1] * r  # none given (slime's None, or empty): every token trains
         return cls(tokens=torch.tensor(sample.tokens, dtype=torch.int64), response_length=r,
-                   loss_mask=torch.tensor(sample.loss_mask[:r] or [1] * r, dtype=torch.float32),
-                   reward=sample.reward_value(reward_key), group_index=sample.group_index, rollout_log_probs=logp,
-                   weight_version=sample.generating_version, sample_index=sample.index)
+                   loss_mask=torch.tensor(mask, dtype=torch.float32),
+                   reward=sample.reward_value(reward_key) if check_reward else 0.0, group_index=sample.group_index,
+                   rollout_log_probs=logp, weight_version=sample.generating_version, sample_index=sample.index)
 
 
 @dataclass

@@ -23,10 +23,12 @@ from trainer import checkpoint
 from trainer.backend import Backend
 from trainer.rollout_source import Heartbeat
 from trainer.save_space import tensor_bytes
+from trainer.weight_folders import write_hf_folder
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_ID_KEY = "rollout_id"  # the rollout a checkpoint was saved after (its iteration)
+HF_SHARD_BYTES = 5 * 2**30  # --save-hf's shards: Hugging Face's default max_shard_size
 
 
 class Stateful(Protocol):
@@ -44,6 +46,8 @@ class CheckpointConfig:
     keep: int | None  # checkpoints kept (the newest)
     num_rollout: int
     job_dir: Path | None  # a newer run of the job there fences this trainer's saves
+    save_hf: str | None = None  # --save-hf: also an HF folder at save_hf.format(rollout_id=...) with each save
+    model_files: Path | None = None  # the config and tokenizer an HF folder gets
 
 
 class Checkpointer:
@@ -105,7 +109,17 @@ class Checkpointer:
         self.last_saved = rollout_id
         for tell in self.after_save:
             tell(state)
+        if cfg.save_hf:
+            self._save_hf(cfg.save_hf.format(rollout_id=rollout_id))
         return time.monotonic() - began
+
+    def _save_hf(self, folder: str) -> None:
+        """slime's --save-hf: the actor's weights as an HF checkpoint (collective; rank 0 writes)."""
+        assert self.config.model_files is not None
+        tensors = [(name, tensor.detach().cpu()) for name, tensor in self.backend.hf_weights()]  # rank 0's
+        if self.backend.rank == 0:
+            write_hf_folder(Path(folder), tensors, self.config.model_files, HF_SHARD_BYTES)
+            log.info("saved the weights as an HF checkpoint in %s", folder)
 
     def unsaved(self, rollout_id: int) -> bool:
         """Whether stopping after rollout_id (-1: none done) leaves work no checkpoint holds."""

@@ -21,6 +21,7 @@ _PORT_BASE, _PORT_SPAN = 20000, 20000
 # Until every rank joined the rendezvous: torch's own default for it (ranks load models first).
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 _LISTEN_BACKLOG = 1024  # ranks connecting at once
+DEFAULT_TIMEOUT_MINUTES = 10  # slime's --distributed-timeout-minutes
 
 
 def first_node(nodelist: str) -> str:
@@ -52,19 +53,28 @@ def setup(env: MutableMapping[str, str] = os.environ, master_port: int | None = 
     env.setdefault("MASTER_PORT", str(master_port or _free_port()))
 
 
-def init_process_group() -> None:
-    """The default process group from the environment setup() filled: NCCL with GPUs, else gloo."""
+def init_process_group(backend: str | None = None, timeout_minutes: int = DEFAULT_TIMEOUT_MINUTES) -> None:
+    """The default process group from the environment setup() filled: NCCL with GPUs, else gloo
+    (--distributed-backend, if given, must be that one); a collective that waits longer than
+    timeout_minutes fails (--distributed-timeout-minutes)."""
     import torch
     import torch.distributed as dist
 
+    from trainer.args_actions import ArgsError
+    from trainer.config.device_checks import distributed_backend_problem
+
     if dist.is_initialized():
         return
+    problem = distributed_backend_problem(backend, "cuda" if torch.cuda.is_available() else "cpu")
+    if problem is not None:
+        raise ArgsError(problem)
     if torch.cuda.is_available():
         # SLURM may already have narrowed CUDA_VISIBLE_DEVICES to this task's GPU.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend)  # torchrun's agent hosts the store already
+        dist.init_process_group(backend, timeout=timeout)  # torchrun's agent hosts the store already
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -80,7 +90,7 @@ def init_process_group() -> None:
                               master_listen_fd=listener.detach())
     else:
         store = dist.TCPStore(address, port, world, False, timeout=_RENDEZVOUS_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _interface_towards(address: str, port: int) -> str | None:

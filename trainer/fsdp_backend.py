@@ -15,6 +15,7 @@ number of forward (and backward) passes: a rank with fewer packs pads with one-t
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from trainer.backend import Backend, PackLoss, check_finite
+from trainer.backend import OPTIMIZER_SAVED, Backend, PackLoss, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.config import TrainerConfig
@@ -47,6 +48,7 @@ from trainer.offload import Offloadable
 
 Result = tuple[Tensor, Tensor | None]  # per-token log-probs [R], entropies [R] or None
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
+log = logging.getLogger(__name__)
 
 
 class FSDPBackend(Backend):
@@ -56,7 +58,8 @@ class FSDPBackend(Backend):
                  log_probs_batching: Batching | None = None, seed: int = 1234,
                  dtype: torch.dtype = torch.bfloat16, ref_checkpoint: str | Path | None = None,
                  lr_schedule: Callable[[int], float] | None = None,
-                 attn_implementation: str | None = None, attention_backend: str = "auto") -> None:
+                 attn_implementation: str | None = None, attention_backend: str = "auto",
+                 save_optimizer: bool = True) -> None:
         """torch.distributed must already be initialised (gloo on CPU, nccl on GPU).
         dtype: the compute dtype on GPU (master weights and gradient reduction stay fp32); CPU
         always computes in fp32. lr_schedule: the LR factor of each optimizer step (constant 1
@@ -64,6 +67,7 @@ class FSDPBackend(Backend):
         when None."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = self.rank, self.world_size
+        self.save_optimizer = save_optimizer
         self.cpu_group = dist.new_group(backend="gloo")
         self.device = _device()
         self.dtype = dtype if self.device.type == "cuda" else torch.float32
@@ -94,7 +98,8 @@ class FSDPBackend(Backend):
                    dtype=torch.bfloat16 if model.bf16 else torch.float32,
                    ref_checkpoint=model.hf_checkpoint if config.loss.ref_model_needed else None,
                    lr_schedule=lr_lambda(opt), attention_backend=model.attention_kernels,
-                   attn_implementation="eager" if model.attention_backend == "local" else "sdpa")
+                   attn_implementation="eager" if model.attention_backend == "local" else "sdpa",
+                   save_optimizer=not config.checkpoint.no_save_optim)
 
     def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
               trainable: bool) -> transformers.PreTrainedModel:
@@ -224,27 +229,32 @@ class FSDPBackend(Backend):
 
     def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt_dir)
+        state = {"model": model_state, **({"optim": optim_state} if self.save_optimizer else {})}
+        dcp.save(state, checkpoint_id=ckpt_dir)
         torch.save(process_rng_state(), Path(ckpt_dir) / f"rng_{self.rank}.pt")
         if self.rank == 0:
-            torch.save({**common, "lr_scheduler": self.scheduler.state_dict()}, Path(ckpt_dir) / "common.pt")
+            torch.save({**common, OPTIMIZER_SAVED: self.save_optimizer, "lr_scheduler": self.scheduler.state_dict()},
+                       Path(ckpt_dir) / "common.pt")
         dist.barrier(group=self.cpu_group)
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
         ckpt_dir = Path(ckpt_dir)
-        if weights_only:
+        # The loop state is the job's own file, written by save(): trusted, any picklable value.
+        common = {} if weights_only else torch.load(ckpt_dir / "common.pt", weights_only=False)
+        if weights_only or not common.pop(OPTIMIZER_SAVED, True):
             weights = {"model": get_model_state_dict(self.model)}
             dcp.load(weights, checkpoint_id=ckpt_dir)
             set_model_state_dict(self.model, weights["model"])
-            return {}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+            if weights_only:
+                return {}
+            log.warning("%s was saved with --no-save-optim: the optimizer starts afresh", ckpt_dir)
+        else:
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=ckpt_dir)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
         set_process_rng_state(torch.load(ckpt_dir / f"rng_{self.rank}.pt", weights_only=False))
-        # The loop state is the job's own file, written by save(): trusted, any picklable value.
-        common = torch.load(ckpt_dir / "common.pt", weights_only=False)
         self.scheduler.load_state_dict(common.pop("lr_scheduler"))
         return common
 

@@ -27,10 +27,10 @@ from rollout.group_ledger import GroupLedger
 from rollout.request_transport import RETRIED_METRIC
 from rollout.sample import Sample
 from rollout.sample_errors import METRIC as SAMPLE_ERRORS
-from trainer.batch import TrainSample
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import ENGINE_WAIT_RATIO, Broadcast, Heartbeat, Rollout, RolloutSource, SampleGroup
 from trainer.save_now import SaveNow, SaveNowSignal
+from trainer.train_data import TrainData
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class FullyAsyncOptions:
     max_staleness: int | None  # --max-weight-staleness
     unused_handler: str  # --async-unused-samples-handler: drop | retry
     pause_mode: str  # --pause-generation-mode: abort | retract | in_place
-    reward_key: str | None
+    train_data: TrainData  # how the samples become the trainer's (--reward-key, slime's conversion plug-ins)
 
 
 class FullyAsyncSource(RolloutSource):
@@ -78,7 +78,7 @@ class FullyAsyncSource(RolloutSource):
             if groups is None:
                 groups = self._take(rollout_id, weight_version)
             if groups is not None:
-                rollout = Rollout(rollout_id, [self._tagged(g) for g in groups], self._metrics())
+                rollout = Rollout(rollout_id, self._tagged(groups), self._metrics())
         return self.broadcast(rollout)
 
     def settle(self, publishing: bool) -> bool:
@@ -158,10 +158,11 @@ class FullyAsyncSource(RolloutSource):
                 ENGINE_WAIT_RATIO: self.worker.idle.take(), SAMPLE_ERRORS: errors - last_errors,
                 RETRIED_METRIC: retried - last_retried}
 
-    def _tagged(self, group: list[Sample]) -> SampleGroup:
-        key = self.options.reward_key
-        return SampleGroup(min((s.generating_version or 0) for s in group),
-                           [TrainSample.from_sample(s, key) for s in group])
+    def _tagged(self, groups: list[list[Sample]]) -> list[SampleGroup]:
+        """Each group with the oldest version that generated it (the whole rollout converted at once,
+        as slime's plug-ins see it)."""
+        return [SampleGroup(min((s.generating_version or 0) for s in group), train)
+                for group, train in zip(groups, self.options.train_data.of(groups))]
 
     def _each_engine(self, route: str, body: dict[str, Any]) -> None:
         """One engine call to every ready engine; one that fails is left to the publish (which

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_VERSION_KEY = "weight_version"  # in the trainer state of a checkpoint (common.pt)
 STALENESS_MEAN, STALENESS_MAX = "async/staleness_mean", "async/staleness_max"  # a rollout's samples'
-TRAIN_WAIT, WAIT_RATIO = "perf/train_wait_time", "perf/wait_time_ratio"  # slime's: the trainer waiting for data
+TRAIN_WAIT = "perf/train_wait_time"  # slime's: since the last train step ended (perf/wait_time_ratio's numerator)
 
 
 @dataclass
@@ -94,6 +94,7 @@ class Loop:
         self.update_weights_interval = update_weights_interval
         self.old_actor = old_actor
         self.published = 0  # the version the engines serve
+        self._trained_at: float | None = None  # when the last train step ended (run() starts this clock)
 
     def start(self, initial_weights: Path | None, load_reference: Callable[[], None] | None) -> None:
         """Resume from --load if it holds a checkpoint, else start from `initial_weights` (None:
@@ -115,6 +116,7 @@ class Loop:
         self.evals.start(resumed=resumed is not None)
 
     def run(self) -> None:
+        self._trained_at = time.monotonic()  # the trainer waits from here until its first train step
         for rollout_id in range(self.progress.next_rollout, self.num_rollout):
             if self.stops.before_rollout(rollout_id):
                 log.info("stopping before rollout %d, as the supervisor asked", rollout_id)
@@ -140,6 +142,7 @@ class Loop:
 
     def train(self, rollout: Rollout, rollout_seconds: float) -> dict[str, Any]:
         began, started_at = time.monotonic(), time.time()
+        waited = began - (began if self._trained_at is None else self._trained_at)  # slime's train_wait
         samples = rollout.samples()
         if self.colocation:
             self.colocation.to_trainer()
@@ -149,15 +152,17 @@ class Loop:
         metrics = self.train_step.run(rollout.rollout_id, samples, version)
         metrics.update(rollout.metrics)
         train_seconds = time.monotonic() - began
-        metrics.update({"reward_mean": sum(s.reward for s in samples) / max(1, len(samples)), "samples": len(samples),
+        rewards = [s.reward if s.raw_reward is None else s.raw_reward for s in samples]  # as the rollout scored them
+        metrics.update({"reward_mean": sum(rewards) / max(1, len(samples)), "samples": len(samples),
                         Metric.ROLLOUT_SECONDS: rollout_seconds, Metric.TRAIN_SECONDS: train_seconds,
                         STALENESS_MEAN: sum(s.staleness for s in samples) / max(1, len(samples)),
-                        STALENESS_MAX: max((s.staleness for s in samples), default=0), TRAIN_WAIT: rollout_seconds,
-                        WAIT_RATIO: rollout_seconds / max(rollout_seconds + train_seconds, 1e-9),
+                        STALENESS_MAX: max((s.staleness for s in samples), default=0), TRAIN_WAIT: waited,
                         Metric.TRAIN_STARTED_AT: started_at, Metric.TRAIN_ENDED_AT: time.time()})
         metrics["tokens_per_s"] = sum(s.tokens.numel() for s in samples) / max(metrics[Metric.TRAIN_SECONDS], 1e-9)
+        self._trained_at = time.monotonic()
+        metrics[Metric.WAIT_TIME_RATIO] = waited / max(waited + train_seconds, 1e-9)
         if self.log_passrate:  # slime's passrate/pass@k over the rollout's groups
-            passrate = pass_at_k([s.reward for s in samples], [s.group_index for s in samples])
+            passrate = pass_at_k(rewards, [s.group_index for s in samples])
             metrics.update({f"passrate/{k}": v for k, v in passrate.items()})
         return metrics
 
@@ -202,6 +207,7 @@ class Loop:
         metrics.update(phase_times(metrics), **self.memory.take())
         if self.reporter:
             self.reporter.rollout(rollout_id, metrics)
+        self.profiler.after_rollout(rollout_id)
         return not stopping
 
     def publish(self) -> dict[str, Any]:

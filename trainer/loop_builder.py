@@ -20,18 +20,21 @@ from rollout.engine_client import EngineClient
 from rollout.eval import Evaluator
 from rollout.fully_async import FullyAsyncWorker
 from rollout.group_ledger import GroupLedger
+from rollout.plugins import load_function
 from rollout.router_client import RouterClient
 from trainer import rl_step, rollout_journal, save_now
 from trainer.ahead_source import AheadRolloutSource
 from trainer.backend import Backend
 from trainer.checkpointer import CheckpointConfig, Checkpointer, Stateful
 from trainer.colocation import Colocation, EngineSide
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, read_hf_config
 from trainer.config.rollout_args import rollout_args
 from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
+from trainer.flops import fwd_flops
 from trainer.fully_async_source import ENGINE_CALL_TIMEOUT_S, FullyAsyncOptions, FullyAsyncSource
 from trainer.loop import Loop, Progress
+from trainer.memory_history import MemoryHistory
 from trainer.metrics import Reporter
 from trainer.old_actor import OldActor
 from trainer.phase_memory import PhaseMemory
@@ -43,8 +46,10 @@ from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_only import RolloutOnly
 from trainer.rollout_source import Heartbeat, RolloutGenerator, RolloutSource, SyncRolloutSource
 from trainer.save_now import StopRequests
+from trainer.slime_loss import SlimeLossPlugins
 from trainer.supervisor_link import SupervisorLink
-from trainer.train_step import TrainStep, TrainStepConfig
+from trainer.train_data import CONVERT, POST_PROCESS, TrainData
+from trainer.train_step import TrainPlugins, TrainStep, TrainStepConfig
 from trainer.wandb_log import WandbRun
 
 
@@ -59,13 +64,17 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
     router = RouterClient(router_url, pub.api_key, ft.router_request_timeout) if router_url else None
     fleet = EngineFleet(pub.engine_urls, SupervisorLink.of(job_dir, ft) if run.supervised else None, router)
     tokenizer = (AutoTokenizer.from_pretrained(config.model.model_files)
-                 if ro.apply_chat_template or ro.rollout_max_prompt_len is not None else None)
+                 if ro.apply_chat_template or ro.rollout_max_prompt_len is not None
+                 or any(s.apply_chat_template for s in ev.eval_datasets) else None)
+    plugin_args = config.plugin_namespace()
     buffer = DataBuffer(JsonlDataSource(
         ro.prompt_data, input_key=ro.input_key, label_key=ro.label_key, metadata_key=ro.metadata_key,
         tokenizer=tokenizer, apply_chat_template=ro.apply_chat_template,
         apply_chat_template_kwargs=ro.apply_chat_template_kwargs, tool_key=ro.tool_key,
         max_prompt_len=ro.rollout_max_prompt_len, shuffle=ro.rollout_shuffle,
-        seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt)) if ro.prompt_data else None
+        seed=ro.rollout_seed, n_samples_per_prompt=ro.n_samples_per_prompt),
+        _plugin(ro.buffer_filter_path, "--buffer-filter-path"), plugin_args,
+        ro.buffer_filter_path or "") if ro.prompt_data else None
     rollout = rollout_args(config, router_url or "", ft.router_request_timeout,
                            (lambda url: fleet.drop(url, "a request to it failed")) if router else None,
                            fleet.unresponsive if router else None,
@@ -77,7 +86,6 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
                if config.checkpoint.save else None)
     evaluator = Evaluator(
         rollout, ev.eval_datasets, rollout.for_plugins, tokenizer=tokenizer,
-        apply_chat_template=ro.apply_chat_template, apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
         eval_function_path=ev.eval_function_path or ro.rollout_plugin,
         log_function_path=ev.custom_eval_rollout_log_function_path) if ev.eval_interval is not None else None
     transport = None if run.debug_train_only else WeightPublisher(
@@ -86,7 +94,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
         timeout_s=pub.update_weight_timeout, on_drop=fleet.drop)
     return Rank0Parts(
         fleet=fleet, reporter=reporter,
-        generator=RolloutGenerator(rollout, buffer, journal, config.reward.reward_key, save_now.install()),
+        generator=RolloutGenerator(rollout, buffer, journal, train_data(config, plugin_args), save_now.install()),
         journal=journal,
         evals=EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, evaluator, buffer, reporter.heartbeat,
                            reporter.amend),
@@ -108,9 +116,12 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     checkpointer = Checkpointer(backend, CheckpointConfig(
         save_dir=Path(ckpt.save) if ckpt.save else None, load_dir=Path(ckpt.load) if ckpt.load else None,
         load_step=ckpt.ckpt_step, save_interval=ckpt.save_interval, keep=ckpt.keep_checkpoints,
-        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None),
+        num_rollout=run.num_rollout, job_dir=Path(run.job_dir) if run.job_dir else None, save_hf=ckpt.save_hf,
+        model_files=Path(config.model.model_files)),
         parts, [rank0.journal.checkpointed] if rank0 and rank0.journal else [], heartbeat)
-    profiler = TrainProfiler(backend.rank)  # slurmrl profile --train
+    memory_history = (MemoryHistory(backend.rank, run.memory_snapshot_dir, run.memory_snapshot_path,
+                                    run.memory_snapshot_num_steps) if run.record_memory_history else None)
+    profiler = TrainProfiler(backend.rank, memory_history)  # slurmrl profile --train, --record-memory-history
     asynchronous = config.asynchronous
     # The staleness a sample can reach: the versions whose weights --keep-old-actor keeps.
     reach = (asynchronous.max_weight_staleness or 0) if config.rollout.fully_async else \
@@ -122,9 +133,11 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         on_policy_tolerance=loss.true_on_policy_tolerance if loss.true_on_policy_mode else None,
         ref_model=loss.ref_model_needed, teacher=bool(ckpt.opd_teacher_load),
         critic=loss.advantage_estimator == "ppo", value_clip=loss.value_clip,
-        per_token_loss=loss.calculate_per_token_loss),
+        per_token_loss=loss.calculate_per_token_loss, kl_coef=loss.kl_coef,
+        fwd_flops=functools.partial(fwd_flops, read_hf_config(config.model.model_files))),
         rl_step.loss_config(loss),
-        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, old_actor)
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, train_plugins(config),
+        old_actor)
     supervisor = rank0.fleet.supervisor if rank0 else None
     publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
                           supervisor, heartbeat)
@@ -150,12 +163,42 @@ def rollout_source(config: TrainerConfig, rank0: Rank0Parts | None, backend: Bac
             client, engines = EngineClient(config.publish.api_key, ENGINE_CALL_TIMEOUT_S), rank0.fleet.engines
         options = FullyAsyncOptions(ro.rollout_batch_size, asynchronous.max_weight_staleness,
                                     asynchronous.async_unused_samples_handler, asynchronous.pause_generation_mode,
-                                    config.reward.reward_key)
+                                    generator.train_data if generator else TrainData(None))
         return FullyAsyncSource(worker, rank0.journal if rank0 else None, engines, client, options,
                                 backend.broadcast_object, heartbeat, save_now.install())
     if asynchronous.train_async:
         return AheadRolloutSource(generator, backend.broadcast_object, heartbeat, save_now.install(), run.num_rollout)
     return SyncRolloutSource(generator, backend.broadcast_object, heartbeat)
+
+
+def _plugin(path: str | None, flag: str) -> Any:
+    """A slime plug-in by its dotted path (typed by its contract where it is called), or None."""
+    return load_function(path, flag) if path else None
+
+
+def train_data(config: TrainerConfig, plugin_args: Any) -> TrainData:
+    """How a rollout's samples become the trainer's, with slime's conversion plug-ins."""
+    rm = config.reward
+    post_process, convert = rm.custom_reward_post_process_path, rm.custom_convert_samples_to_train_data_path
+    return TrainData(rm.reward_key, plugin_args, _plugin(post_process, POST_PROCESS), post_process or "",
+                     _plugin(convert, CONVERT), convert or "")
+
+
+def train_plugins(config: TrainerConfig) -> TrainPlugins:
+    """slime's trainer plug-ins, on every rank (each rank runs the train step on the whole rollout)."""
+    loss = config.loss
+    args = config.plugin_namespace()
+    slime_loss = None
+    if loss.custom_loss_function_path or loss.custom_tis_function_path or loss.custom_pg_loss_reducer_function_path \
+            or loss.get_mismatch_metrics:
+        slime_loss = SlimeLossPlugins(
+            args, _plugin(loss.custom_loss_function_path, "--custom-loss-function-path"),
+            _plugin(loss.custom_tis_function_path, "--custom-tis-function-path"),
+            _plugin(loss.custom_pg_loss_reducer_function_path, "--custom-pg-loss-reducer-function-path"),
+            loss.get_mismatch_metrics)
+    return TrainPlugins(args, loss.compute_advantages_and_returns,
+                        _plugin(loss.custom_advantage_function_path, "--custom-advantage-function-path"),
+                        _plugin(loss.rollout_data_postprocess_path, "--rollout-data-postprocess-path"), slime_loss)
 
 
 def colocation(config: TrainerConfig, backend: Backend, fleet: EngineFleet | None) -> Colocation | None:

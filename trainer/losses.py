@@ -16,6 +16,7 @@ from torch import Tensor
 from trainer.advantages import KLKind, kl
 
 Importance = Literal["token", "sequence"]
+Surrogate = Literal["ppo", "cispo"]
 
 
 def masked_mean(x: Tensor, mask: Tensor, per_token: bool = False) -> Tensor:
@@ -36,18 +37,11 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, tis_clip: float, tis_cli
     return torch.exp(old_logp - rollout_logp).clamp(min=tis_clip_low, max=tis_clip).detach()
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
-                eps_clip: float, eps_clip_high: float | None = None,
-                eps_clip_c: float | None = None, importance: Importance = "token",
-                per_token_loss: bool = False,
-                tis_weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with ratio clipped to [1 - eps_clip, 1 + eps_clip_high].
-
-    eps_clip_c (dual clip, > 1): for negative advantages the loss is at most -eps_clip_c * A,
-    so one very large ratio cannot dominate the update.
-    importance="sequence" (GSPO): every token of a sample uses the sample's ratio
-    exp(mean over its masked tokens of (logp - old_logp)).
-    tis_weight [B, T] multiplies the per-token loss. Returns (loss, {clipfrac, approx_kl})."""
+def token_losses(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+                 eps_clip: float, eps_clip_high: float | None = None, eps_clip_c: float | None = None,
+                 importance: Importance = "token", surrogate: Surrogate = "ppo") -> tuple[Tensor, Tensor, Tensor]:
+    """policy_loss's per-token losses [B, T], before any reduction (slime's pg_loss), with the
+    tokens whose ratio was clipped and the log-ratio logp - old_logp (per sample with GSPO)."""
     if eps_clip_c is not None and eps_clip_c <= 1:
         raise ValueError(f"eps_clip_c must be > 1, got {eps_clip_c}")
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
@@ -59,15 +53,39 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
     elif importance != "token":
         raise ValueError(f"importance must be 'token' or 'sequence', got {importance!r}")
     ratio = torch.exp(log_ratio)
+    if surrogate == "cispo":
+        truncated = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+        return -truncated.detach() * advantages * logp, truncated != ratio, log_ratio
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
     losses = torch.maximum(unclipped, clipped)  # pessimistic bound
     if eps_clip_c is not None:
         losses = torch.where(advantages < 0, torch.minimum(losses, -eps_clip_c * advantages), losses)
+    return losses, clipped > unclipped, log_ratio
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+                eps_clip: float, eps_clip_high: float | None = None,
+                eps_clip_c: float | None = None, importance: Importance = "token",
+                per_token_loss: bool = False,
+                tis_weight: Tensor | None = None, surrogate: Surrogate = "ppo") -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with ratio clipped to [1 - eps_clip, 1 + eps_clip_high].
+
+    surrogate="cispo" (MiniMax-M1's CISPO, slime's compute_cispo_loss): -sg(clip(ratio)) * A * logp,
+    the clipped ratio a constant weight, so clipped tokens still pass gradient through logp; its
+    clipfrac counts the tokens whose ratio was clipped.
+
+    eps_clip_c (dual clip, > 1): for negative advantages the loss is at most -eps_clip_c * A,
+    so one very large ratio cannot dominate the update.
+    importance="sequence" (GSPO): every token of a sample uses the sample's ratio
+    exp(mean over its masked tokens of (logp - old_logp)).
+    tis_weight [B, T] multiplies the per-token loss. Returns (loss, {clipfrac, approx_kl})."""
+    losses, clipped_tokens, log_ratio = token_losses(logp, old_logp, advantages, loss_mask, eps_clip, eps_clip_high,
+                                                     eps_clip_c, importance, surrogate)
     if tis_weight is not None:
         losses = losses * tis_weight
     metrics = {
-        "clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), loss_mask, per_token_loss),
+        "clipfrac": masked_mean(clipped_tokens.to(logp.dtype), loss_mask, per_token_loss),
         "approx_kl": masked_mean(-log_ratio, loss_mask, per_token_loss),  # old - new, as slime
     }
     return masked_mean(losses, loss_mask, per_token_loss), {k: v.detach() for k, v in metrics.items()}
@@ -83,6 +101,12 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: T
     loss = 0.5 * masked_mean(torch.maximum(surr_unclipped, surr_clipped), loss_mask, per_token_loss)
     clipfrac = masked_mean((surr_clipped > surr_unclipped).to(values.dtype), loss_mask, per_token_loss)
     return loss, {"value_clipfrac": clipfrac.detach()}
+
+
+def sft_loss(logp: Tensor, loss_mask: Tensor, per_token_loss: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+    """slime's sft_loss: the masked mean negative log-likelihood of the responses."""
+    nll = masked_mean(-logp, loss_mask, per_token_loss)
+    return nll, {"sft_loss": nll.detach()}
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,7 @@ class LossConfig:
     tis_clip_low: float = 0.0
     per_token_loss: bool = False
     importance: Importance = "token"
+    surrogate: Surrogate = "ppo"  # cispo: --advantage-estimator cispo
     sft: bool = False  # --loss-type sft_loss
 
 
@@ -115,8 +140,7 @@ def total_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tens
     Metrics: pg_loss, clipfrac, approx_kl, and entropy / kl_loss (unscaled) / tis_mean only when
     that term is computed; sft: sft_loss."""
     if cfg.sft:
-        nll = masked_mean(-logp, loss_mask, cfg.per_token_loss)
-        return nll, {"sft_loss": nll.detach()}
+        return sft_loss(logp, loss_mask, cfg.per_token_loss)
     metrics: dict[str, Tensor] = {}
     tis = None
     if cfg.use_tis:
@@ -126,7 +150,7 @@ def total_loss(cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tens
         metrics["tis_mean"] = masked_mean(tis, loss_mask, cfg.per_token_loss)
     pg, pg_metrics = policy_loss(logp, old_logp, advantages, loss_mask, cfg.eps_clip,
                                  cfg.eps_clip_high, cfg.eps_clip_c, cfg.importance,
-                                 cfg.per_token_loss, tis)
+                                 cfg.per_token_loss, tis, cfg.surrogate)
     metrics.update(pg_loss=pg.detach(), **pg_metrics)
     loss = pg
     if entropy is not None:

@@ -12,14 +12,18 @@ from typing import Any
 
 import torch
 
+from trainer.memory_history import MemoryHistory
+
 log = logging.getLogger(__name__)
 
 TRAIN_STEP = "slurmrl.train_step"
 
 
 class TrainProfiler:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, memory: MemoryHistory | None = None) -> None:
+        """memory: --record-memory-history's recorder, told when each rollout is done."""
         self.rank = rank
+        self.memory = memory
         self._request: dict[str, Any] | None = None  # armed, not started yet
         self._profiler: torch.profiler.profile | None = None
         self._path: Path | None = None
@@ -52,6 +56,10 @@ class TrainProfiler:
             self._left -= 1
             if self._left <= 0:
                 self._finish()
+
+    def after_rollout(self, rollout_id: int) -> None:
+        if self.memory is not None:
+            self.memory.after_rollout(rollout_id)
 
     def close(self) -> None:
         """The run ends before N steps: write what was recorded."""

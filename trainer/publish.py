@@ -4,9 +4,12 @@ Two transports, named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
-  while the engine set is unchanged; tensors are broadcast bucket by bucket between
-  /begin_weight_update and /end_weight_update. Without a GPU, or with a CPU engine in the group
-  (its /server_info says device cpu), it runs on gloo, as the CPU engine does.
+  while the engine set is unchanged; tensors are broadcast in buckets of --update-weight-buffer-size
+  between /begin_weight_update and /end_weight_update, pipelined (no lock step): a bucket's
+  broadcasts are all queued before any is waited on, the next bucket is gathered and queued while
+  the previous one is on the wire, and engines get each bucket's request as soon as they answered
+  the one before. Without a GPU, or with a CPU engine in the group (its /server_info says device
+  cpu), it runs on gloo, as the CPU engine does.
 
 An engine whose update fails or times out is dropped: reported, handed to on_drop and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +37,8 @@ from rollout.weight_group import Backend, UpdateGroup, WeightSyncError, create_g
 from trainer.weight_folders import WeightFolders
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # --update-weight-buffer-size
+# Two buffers: the bucket on the wire and the next one being gathered and queued behind it.
+_BUCKETS_IN_FLIGHT = 2
 Transport = Literal["disk", "nccl"]
 Weights = Iterable[tuple[str, torch.Tensor]]
 OnDrop = Callable[[str, str], None]
@@ -274,31 +280,46 @@ class WeightPublisher:
 
     def _send_buckets(self, version: int, group: _Group, weights: Weights,
                       dropped: dict[str, str]) -> tuple[list[str], int]:
-        """Broadcast bucket by bucket while every member receives it; returns the members that
-        took every bucket and the bytes sent. The version (and cache flush) ride on the last."""
-        members, nbytes, last = group.engines, 0, None
+        """Broadcast bucket by bucket, pipelined: a bucket's broadcasts are all queued before any is
+        waited on, and bucket k+1 is gathered and queued while k is still on the wire (two buckets
+        in flight at most). Each engine is asked for its buckets in order (_Feed). Returns the
+        members that took every bucket and the bytes sent; the version rides on the last bucket."""
+        feeds = {url: _Feed(self._engines, url) for url in group.engines}
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
-        for bucket, last in _buckets(weights, self.bucket_bytes):
-            tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
-            body = {"names": [name for name, _ in bucket],
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                    "shapes": [list(t.shape) for t in tensors], "group_name": group.group.name,
-                    "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
-            futures = self._engines.start_call(members, "/update_weights_from_distributed", body)
-            broken = _broadcast(group.group, tensors)
-            done, failed = self._engines.settle(futures)
-            nbytes += sum(t.numel() * t.element_size() for t in tensors)
-            failed.update({url: broken for url in members if broken and url not in done and url not in failed})
-            self._drop_engines(failed, dropped)
-            members = [url for url in members if url in done]
-            if broken or not members:
-                break
+        in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's tensors, held till waited
+        nbytes, last, broken = 0, None, None
+        try:
+            for bucket, last in _buckets(weights, self.bucket_bytes):
+                tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
+                body = {"names": [name for name, _ in bucket],
+                        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                        "shapes": [list(t.shape) for t in tensors], "group_name": group.group.name,
+                        "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
+                for feed in feeds.values():
+                    feed.post(body)
+                in_flight.append((tensors, group.group.start_all(tensors)))
+                nbytes += sum(t.numel() * t.element_size() for t in tensors)
+                while len(in_flight) >= _BUCKETS_IN_FLIGHT or (last and in_flight):
+                    broken = broken or _wait(group.group, in_flight.popleft()[1])
+                if broken or all(feed.failure for feed in feeds.values()):
+                    break
+        except WeightSyncError as err:  # the group was closed under us
+            broken = f"the weight broadcast broke off: {err}"
+        finally:
+            if broken:  # wakes engines blocked on a broadcast that will not come; the group is rebuilt
+                group.group.close()
+                for feed in feeds.values():
+                    feed.stop(broken)
+            failed = {url: feed.finish() for url, feed in feeds.items()}
         if last is None:
             raise PublishError("no weights to publish")
-        if not last:  # broke off early: those that took the buckets so far still lack the rest
-            self._drop_engines({url: "the weight update broke off before its last bucket" for url in members}, dropped)
+        self._drop_engines({url: reason for url, reason in failed.items() if reason}, dropped)
+        taken = [url for url in group.engines if url not in dropped]
+        if broken or not last:  # broke off early: those that took the buckets so far still lack the rest
+            self._drop_engines({url: broken or "the weight update broke off before its last bucket"
+                                for url in taken}, dropped)
             return [], nbytes
-        return members, nbytes
+        return taken, nbytes
 
     def _drop_group(self, dropped: dict[str, str] | None = None) -> None:
         """Close the trainer's side first (so engines blocked on it fail fast), then destroy it
@@ -327,12 +348,42 @@ def _buckets(weights: Weights, bucket_bytes: int) -> Iterator[tuple[list[tuple[s
         yield bucket, True
 
 
-def _broadcast(group: UpdateGroup, tensors: list[torch.Tensor]) -> str | None:
-    """Send each tensor from rank 0, each wait bounded by the group's timeout; the reason it
-    broke off, or None."""
+def _wait(group: UpdateGroup, works: list[Any]) -> str | None:
+    """Wait for one bucket's queued broadcasts; the reason they broke off, or None."""
     try:
-        for tensor in tensors:
-            group.broadcast(tensor)
+        group.wait(works)
     except RuntimeError as err:
         return f"the weight broadcast broke off: {err}"
     return None
+
+
+class _Feed:
+    """One engine's bucket requests, each posted once the engine answered the one before: an engine
+    takes its buckets one request at a time (as SGLang does), and two requests at once could meet
+    the broadcasts out of order. The trainer does not wait for the answers; after the first
+    failure nothing more is posted."""
+
+    def __init__(self, engines: _Engines, url: str) -> None:
+        self._engines = engines
+        self.url = url
+        self.failure: str | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1)
+
+    def post(self, body: dict[str, Any]) -> None:
+        self._pool.submit(self._call, body)
+
+    def _call(self, body: dict[str, Any]) -> None:
+        if self.failure is None:
+            try:
+                self._engines.call(self.url, "/update_weights_from_distributed", body)
+            except EngineError as err:
+                self.failure = str(err)
+
+    def stop(self, reason: str) -> None:
+        """Post nothing more (the request on its way still gets its answer)."""
+        self.failure = self.failure or reason
+
+    def finish(self) -> str | None:
+        """Wait for the requests posted (each bounded by the engine timeout); the first failure, or None."""
+        self._pool.shutdown(wait=True)
+        return self.failure

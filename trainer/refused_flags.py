@@ -22,14 +22,19 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = "slurmrl builds Qwen2, Qwen3, Llama and Qwen3-MoE models from --hf-checkpoint's config.json"
+_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 (every layer MoE, plain RoPE) models "
+           "from --hf-checkpoint's config.json")
 _RAY = "slurmrl runs as one SLURM job with no Ray"
-_MLA = f"multi-latent attention (DeepSeek) is not supported; {_MODELS}"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
 
 
 def _switch(flag: str, reason: str) -> Refusal:
     return Refusal(flag, reason, switch=True)
+
+
+def _accepted(flag: str, what_slurmrl_does: str) -> Refusal:
+    """A switch that asks for what slurmrl always does: accepted, with no effect of its own."""
+    return Refusal(flag, f"accepted: {what_slurmrl_does}", switch=True, allowed=True)
 
 
 REFUSED: tuple[Refusal, ...] = (
@@ -38,13 +43,8 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
-    _switch("--multi-latent-attention", _MLA),
-    *(Refusal(flag, _MLA) for flag in ("--kv-lora-rank", "--q-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                                       "--v-head-dim")),
     Refusal("--mscale", f"YaRN rope scaling is not supported; {_MODELS}"),
     Refusal("--mscale-all-dim", f"YaRN rope scaling is not supported; {_MODELS}"),
-    Refusal("--rotary-scaling-factor", f"rope scaling is not supported; {_MODELS}"),
-    _switch("--use-rope-scaling", f"rope scaling (Llama 3.1) is not supported; {_MODELS}"),
     _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
     _switch("--no-position-embedding", f"models without position embeddings are not supported; {_MODELS}"),
     _switch("--apply-layernorm-1p", f"zero-centred norms are not supported; {_MODELS}"),
@@ -55,20 +55,10 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--mtp-num-layers", "multi-token prediction layers are not supported; drop it"),
     Refusal("--mtp-loss-scaling-factor", "multi-token prediction layers are not supported; drop it", type=float),
     _switch("--enable-mtp-training", "multi-token prediction layers are not supported; drop it"),
-    # -- MoE features beyond Qwen3-MoE's (shared experts, grouped routing, expert bias, DeepEP)
-    Refusal("--moe-shared-expert-intermediate-size", f"shared experts are not supported; {_MODELS}"),
-    _switch("--moe-shared-expert-gate", f"shared experts are not supported; {_MODELS}"),
-    Refusal("--moe-router-num-groups", f"grouped expert routing (DeepSeek-V3) is not supported; {_MODELS}"),
-    Refusal("--moe-router-group-topk", f"grouped expert routing (DeepSeek-V3) is not supported; {_MODELS}"),
-    _switch("--moe-router-enable-expert-bias", f"expert-bias routing (DeepSeek-V3) is not supported; {_MODELS}"),
-    Refusal("--moe-router-bias-update-rate", f"expert-bias routing (DeepSeek-V3) is not supported; {_MODELS}",
-            type=float),
-    Refusal("--moe-router-topk-scaling-factor", f"routing scale factors (DeepSeek) are not supported; {_MODELS}",
-            type=float),
+    # -- MoE features beyond Qwen3-MoE's and DeepSeek-V3's (gated shared experts, DeepEP)
+    _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next) are not supported; {_MODELS}"),
     _switch("--moe-enable-deepep", "DeepEP's dispatcher needs the deep_ep package and CUDA; slurmrl uses "
                                    "megatron's alltoall (GPU) or allgather (CPU) dispatcher"),
-    Refusal("--moe-router-load-balancing-type", "load-balancing losses are not used in RL fine-tuning (the "
-            "router trains on the policy loss alone)", allowed="none"),
     Refusal("--moe-aux-loss-coeff", "load-balancing losses are not used in RL fine-tuning (the router trains on "
             "the policy loss alone)", allowed=0.0, type=float),
     Refusal("--moe-token-drop-policy", "experts are dropless (no capacity factor), so no token is dropped",
@@ -77,20 +67,26 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--transformer-impl", f"{_TE}; the local implementation is used", allowed="local"),
     Refusal("--fp8-format", f"FP8 training: {_TE}"),
     Refusal("--fp8-recipe", f"FP8 training: {_TE}"),
-    _switch("--no-rope-fusion", f"slurmrl's rope is megatron's unfused one already (the fused one: {_TE}); drop it"),
-    _switch("--no-masked-softmax-fusion", "attention runs through SDPA, with no megatron softmax fusion; drop it"),
-    _switch("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 (main_grad under --bf16) with no "
-                                                 "fused wgrad kernel (it needs TransformerEngine/apex); drop it"),
+    _accepted("--no-rope-fusion", f"slurmrl's rope is megatron's unfused one already (the fused one: {_TE})"),
+    _accepted("--no-masked-softmax-fusion", "attention runs through SDPA or megatron's unfused attention, with no "
+                                            "megatron softmax fusion"),
+    _accepted("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 (main_grad under --bf16) with no "
+                                                   "fused wgrad kernel (it needs TransformerEngine/apex)"),
     _switch("--no-check-for-nan-in-loss-and-grad", "a NaN loss or gradient always stops the job: training on "
                                                     "NaN weights is never wanted"),
     Refusal("--megatron-deepgemm-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-moe-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-moe-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
-    _switch("--enable-experimental", "megatron's experimental features are not used"),
+    _accepted("--enable-experimental", "no megatron-core feature slurmrl uses is behind megatron's experimental "
+                                       "switch"),
+    _switch("--freeze-indexer", f"the DSA indexer (DeepSeek sparse attention) is not in the models slurmrl builds; "
+                                f"{_MODELS}; freeze parameters by name with --freeze-params-name-list"),
+    _switch("--async-save", "checkpoints are written synchronously, then made durable before the tracker moves "
+                            "(a checkpoint is never half-written); asynchronous saving is not supported"),
     _switch("--allgather-cp", "slurmrl's context parallelism always all-gathers K/V over the CP group, with "
             "megatron's load-balanced zigzag split; slime's --allgather-cp (a contiguous split, for DeepSeek sparse "
-            f"attention) does not apply: {_MLA}"),
+            "attention, which slurmrl does not build) does not apply"),
     # -- weight sync: slurmrl publishes full versions over --update-weight-transport disk | nccl
     Refusal("--update-weight-mode", "weights are published in full each version", allowed="full"),
     Refusal("--update-weight-delta-encoding", "weights are published in full each version (no deltas)",
@@ -136,20 +132,10 @@ REFUSED: tuple[Refusal, ...] = (
                                          "backward pass is not supported (use --recompute-granularity)"),
     Refusal("--log-probs-chunk-size", "log-probs are computed over the whole micro-batch (bound it with "
                                       "--log-probs-max-tokens-per-gpu)", allowed=-1, type=int),
-    Refusal("--only-train-params-name-list", "freezing parameters is not supported; every parameter trains",
-            nargs="+"),
-    Refusal("--freeze-params-name-list", "freezing parameters is not supported; every parameter trains", nargs="+"),
-    Refusal("--save-hf", "checkpoints are torch_dist; convert one with `python -m ckpt_tools torch-dist-to-hf`, "
-                         "or read a published version in JOB_DIR/weights, which is an HF checkpoint"),
     Refusal("--megatron-config-path", "per-role Megatron YAML is not supported; the critic takes the actor's "
                                       "flags and --critic-lr"),
     _switch("--reset-optimizer-states", "the optimizer's moments persist across rollouts, as in an exact resume"),
     _switch("--use-stateless-adam", "the optimizer is Adam with persistent moments"),
-    Refusal("--custom-reward-post-process-path", "rewards are normalized by --advantage-estimator (see "
-                                                 "--disable-rewards-normalization); a custom post-process is not "
-                                                 "supported"),
-    Refusal("--custom-convert-samples-to-train-data-path", "samples become training data as slurmrl's trainer "
-                                                          "defines; set loss_mask and reward on the Sample instead"),
     # -- slime's extra W&B panels
     Refusal("--log-reward-category", "per-category reward statistics are not computed; log them from a custom "
                                      "reward function's metadata"),
@@ -161,10 +147,11 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--save-debug-train-data", "use --save-debug-rollout-data: the trainer's inputs follow from it "
                                        "exactly"),
     Refusal("--dump-details", "use --save-debug-rollout-data and metrics.jsonl"),
-    Refusal("--memory-snapshot-dir", "memory snapshots are not supported", allowed="."),
-    Refusal("--memory-snapshot-num-steps", "memory snapshots are not supported", type=int),
-    Refusal("--profile-target", "profiling is not supported yet", allowed=["train_overall"], nargs="+"),
-    Refusal("--memory-recorder", "memory snapshots are not supported", allowed="torch"),
+    Refusal("--profile-target", "profile the trainer with `slurmrl profile JOB --train --steps N` while the job "
+                                "runs (the torch profiler over N optimizer steps of every rank, one Chrome trace per "
+                                "rank in JOB_DIR/profiles/)", allowed=["train_overall"], nargs="+"),
+    Refusal("--memory-recorder", "memray is not installed with slurmrl; --record-memory-history records with "
+                                 "torch's CUDA allocator", allowed="torch"),
     _switch("--ci-test", "slime's CI checks are its own test suite's"),
     _switch("--ci-disable-kl-checker", "slime's CI checks are its own test suite's"),
     Refusal("--ci-train-rollout-logprob-abs-diff-threshold", "use --true-on-policy-mode with "

@@ -17,7 +17,7 @@ from trainer import advantages as adv
 from trainer.backend import PackLoss
 from trainer.batch import Pack, TrainSample
 from trainer.config import LossOptions
-from trainer.losses import LossConfig, total_loss, value_loss
+from trainer.losses import LossConfig, sft_loss, total_loss, value_loss
 
 
 def padded(rows: list[Tensor]) -> Tensor:
@@ -39,6 +39,7 @@ def loss_config(loss: LossOptions) -> LossConfig:
                       use_tis=loss.use_tis, tis_clip=loss.tis_clip, tis_clip_low=loss.tis_clip_low,
                       per_token_loss=loss.calculate_per_token_loss,
                       importance="sequence" if loss.advantage_estimator == "gspo" else "token",
+                      surrogate="cispo" if loss.advantage_estimator == "cispo" else "ppo",
                       sft=loss.loss_type == "sft_loss")
 
 
@@ -63,7 +64,7 @@ def compute_advantages(loss: LossOptions, samples: list[TrainSample]) -> None:
         penalty += loss.opd_kl_coef * (old - padded_field(samples, "teacher_log_probs"))
     penalty *= mask
     estimator = loss.advantage_estimator
-    if estimator in ("grpo", "gspo"):
+    if estimator in ("grpo", "gspo", "cispo"):  # CISPO differs from GRPO in its loss alone
         # --disable-rewards-normalization: the raw rewards, no group normalization.
         scores = adv.grpo_advantages(rewards, groups, normalize_std=not loss.disable_grpo_std_normalization) \
             if loss.rewards_normalization else rewards
@@ -96,7 +97,7 @@ def use_rollout_log_probs(samples: list[TrainSample]) -> None:
         s.old_log_probs = s.rollout_log_probs
 
 
-def _scaled(samples: list[TrainSample], batch_ids: list[int], per_token: bool,
+def scaled(samples: list[TrainSample], batch_ids: list[int], per_token: bool,
             pack_loss: Callable[[list[TrainSample], Tensor, list[Tensor], list[Tensor] | None],
                                 tuple[Tensor, dict[str, Tensor]]]) -> PackLoss:
     """Wrap a micro-batch loss (a mean over its samples or tokens) so that the sum over every
@@ -120,10 +121,14 @@ def _column(group: list[TrainSample], name: str, device: torch.device) -> Tensor
 
 
 def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[int]) -> PackLoss:
-    """The policy loss of one micro-batch (see _scaled)."""
+    """The policy loss of one micro-batch (see scaled)."""
     def policy(group: list[TrainSample], mask: Tensor, logps: list[Tensor],
                entropies: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         device = mask.device
+        if cfg.sft:  # no old log-probs or advantages (--disable-compute-advantages-and-returns skips them)
+            value, metrics = sft_loss(pad_sequence(logps, batch_first=True), mask, cfg.per_token_loss)
+            metrics["loss"] = value.detach()
+            return value, metrics
         value, metrics = total_loss(
             cfg, pad_sequence(logps, batch_first=True), padded_field(group, "old_log_probs").to(device),
             padded_field(group, "advantages").to(device), mask,
@@ -132,12 +137,12 @@ def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[
         metrics["loss"] = value.detach()
         return value, metrics
 
-    return _scaled(samples, batch_ids, cfg.per_token_loss, policy)
+    return scaled(samples, batch_ids, cfg.per_token_loss, policy)
 
 
 def make_value_pack_loss(value_clip: float, per_token: bool, samples: list[TrainSample],
                          batch_ids: list[int]) -> PackLoss:
-    """PPO's clipped critic loss of one micro-batch (see _scaled)."""
+    """PPO's clipped critic loss of one micro-batch (see scaled)."""
     def critic(group: list[TrainSample], mask: Tensor, values: list[Tensor],
                _: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         device = mask.device
@@ -145,4 +150,4 @@ def make_value_pack_loss(value_clip: float, per_token: bool, samples: list[Train
                                    padded_field(group, "returns").to(device), mask, value_clip, per_token)
         return loss, {**metrics, "value_loss": loss.detach()}
 
-    return _scaled(samples, batch_ids, per_token, critic)
+    return scaled(samples, batch_ids, per_token, critic)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
-from rollout.generate import RolloutArgs, generate_rollout
+from rollout.generate import RolloutArgs, run_rollout
 from rollout.request_transport import RETRIED_METRIC
 from rollout.round_stop import RoundStop
 from rollout.sample import Sample
@@ -26,6 +26,7 @@ from trainer.batch import TrainSample
 from trainer.fatal import Fatal
 from trainer.rollout_journal import RolloutJournal
 from trainer.save_now import SaveNow, SaveNowSignal
+from trainer.train_data import TrainData
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +90,12 @@ class RolloutGenerator:
     partial-rollout groups), or replayed from the rollout journal after a restart."""
 
     def __init__(self, rollout: RolloutArgs, buffer: DataBuffer | None, journal: RolloutJournal | None,
-                 reward_key: str | None, signal: SaveNowSignal) -> None:
+                 train_data: TrainData, signal: SaveNowSignal) -> None:
+        """train_data: how the samples become the trainer's (the rewards trained on)."""
         self.rollout_args = rollout
         self.buffer = buffer
         self.journal = journal
-        self.reward_key = reward_key
+        self.train_data = train_data
         self.signal = signal
         self.metrics: dict[str, Any] = {}  # of the last rollout generated
 
@@ -108,21 +110,23 @@ class RolloutGenerator:
         errors, requests = self.rollout_args.sample_errors, self.rollout_args.request_counts
         before, retried = errors.total, requests.retried
         done = self.journal.replay(rollout_id) if self.journal else None
+        reported: dict[str, Any] = {}  # a rollout function's own metrics (slime's RolloutFnTrainOutput)
         if done is not None:  # generated before a restart from the same checkpoint: trained on again
             groups, buffer_state = done
             if self.buffer and buffer_state is not None:
                 self.buffer.load_state_dict(buffer_state)
             log.info("rollout %d: replayed from the rollout journal (generated before the restart)", rollout_id)
         else:
-            groups = generate_rollout(self.rollout_args, rollout_id, self.buffer, stop=stop)
+            output = run_rollout(self.rollout_args, rollout_id, self.buffer, stop=stop)
+            groups, reported = output.samples, output.metrics
             if self.journal and not (stop and stop.requested):
                 self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
-        metrics = {SAMPLE_ERRORS: errors.total - before,  # users' functions failing on single samples
+        metrics = {**reported, SAMPLE_ERRORS: errors.total - before,  # users' functions failing on samples
                    RETRIED_METRIC: requests.retried - retried}  # requests sent again (none when replayed)
         return groups, metrics
 
     def train_samples(self, groups: list[list[Sample]]) -> list[list[TrainSample]]:
-        return [[TrainSample.from_sample(s, self.reward_key) for s in group] for group in groups]
+        return self.train_data.of(groups)
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:
         """generate(), or None if a save-now request abandoned it: the data buffer is then put

@@ -22,7 +22,7 @@ def build(config: TrainerConfig) -> tuple[Loop, Path | None, Callable[[], None] 
     model = config.model
     hf_config = read_hf_config(model.model_files)
     check_model_flags(config.shape, model.hf_checkpoint, hf_config)
-    dist_env.init_process_group()
+    dist_env.init_process_group(config.run.distributed_backend, config.run.distributed_timeout_minutes)
     seed_everything(model.seed)
     apply_deterministic_mode(model.deterministic_mode)
     if model.train_backend == "fsdp":

@@ -11,6 +11,8 @@ from typing import Any, cast
 import torch
 
 from contract.job_dir import Metric, Phase
+from rollout.plugin_contracts import CustomAdvantage, RolloutDataPostprocess
+from trainer import advantages as adv
 from trainer import rl_step
 from trainer.backend import Backend
 from trainer.batch import TrainSample
@@ -18,7 +20,9 @@ from trainer.losses import LossConfig
 from trainer.old_actor import OldActor
 from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
+from trainer.rollout_batch import rollout_batch, write_back
 from trainer.rollout_source import Heartbeat
+from trainer.slime_loss import SlimeLossPlugins, make_slime_pack_loss
 
 
 class OffPolicyError(RuntimeError):
@@ -35,12 +39,25 @@ class TrainStepConfig:
     critic: bool  # PPO: values, and a critic step after each actor step
     value_clip: float
     per_token_loss: bool
+    kl_coef: float = 0.0  # --kl-coef: a custom advantage function gets the KL to the reference
+    fwd_flops: Callable[[list[int]], float] | None = None  # the model's forward FLOPs for sequence lengths
+
+
+@dataclass(frozen=True)
+class TrainPlugins:
+    """slime's trainer plug-ins (rollout.plugin_contracts), each None when not given."""
+    args: Any = None  # slime's Namespace, what they get
+    compute_advantages: bool = True  # False: --disable-compute-advantages-and-returns (SFT)
+    custom_advantage: CustomAdvantage | None = None
+    data_postprocess: RolloutDataPostprocess | None = None
+    loss: SlimeLossPlugins | None = None  # slime's loss plug-ins: trainer.slime_loss's loss in place of rl_step's
 
 
 class TrainStep:
     def __init__(self, backend: Backend, config: TrainStepConfig, loss: LossConfig,
                  advantages: Callable[[list[TrainSample]], None], profiler: TrainProfiler,
-                 heartbeat: Heartbeat, memory: PhaseMemory, old_actor: OldActor | None = None) -> None:
+                 heartbeat: Heartbeat, memory: PhaseMemory, plugins: TrainPlugins = TrainPlugins(),
+                 old_actor: OldActor | None = None) -> None:
         """advantages: fills each sample's advantages (and returns) in place. memory: the loop's
         per-phase peak GPU memory (log_probs and train are measured here). old_actor
         (--keep-old-actor): the old log-probs are the generating weights'."""
@@ -51,23 +68,29 @@ class TrainStep:
         self.profiler = profiler
         self.heartbeat = heartbeat
         self.memory = memory
+        self.plugins = plugins
         self.old_actor = old_actor
 
     def run(self, rollout_id: int, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:
         """version: the trainer's weight version (what --keep-old-actor's live weights are)."""
         began = time.monotonic()
         with self.memory.phase("log_probs"):
-            out = self.prepare(samples, version)
+            out = self.prepare(samples, rollout_id, version) if self.plugins.compute_advantages else {}
         # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
         out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
         stepping = time.monotonic()
         with self.memory.phase("train"):
             out.update(self.optimize(rollout_id, samples))
-        tokens = sum(s.tokens.numel() for s in samples)  # prompts and responses, as slime counts seq_lens
-        out[Metric.TRAIN_TOKENS_PER_S] = tokens / max(time.monotonic() - stepping, 1e-9)
+        train_s = max(time.monotonic() - stepping, 1e-9)
+        seq_lens = [s.tokens.numel() for s in samples]  # prompts and responses, as slime counts seq_lens
+        out[Metric.TRAIN_TOKENS_PER_S] = sum(seq_lens) / train_s
+        if self.config.fwd_flops is not None:  # per GPU, as slime divides by the world size
+            tflops = self.config.fwd_flops(seq_lens) / self.backend.world_size / 1e12
+            out[Metric.TRAIN_TFLOPS] = 3 * tflops / train_s
+            out[Metric.LOG_PROBS_TFLOPS] = tflops / max(out[Metric.LOG_PROBS_SECONDS], 1e-9)
         return out
 
-    def prepare(self, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:
+    def prepare(self, samples: list[TrainSample], rollout_id: int = 0, version: int = 0) -> dict[str, Any]:
         """Fill every sample's log-probs, values and advantages; returns their metrics."""
         cfg, ids = self.config, list(range(len(samples)))
         old = (self.old_actor.log_probs(samples, ids, version) if self.old_actor
@@ -90,10 +113,32 @@ class TrainStep:
             values = self.backend.values(samples, ids)
             for i, s in enumerate(samples):
                 s.values = values[i]
-        self.advantages(samples)
+        if self.plugins.custom_advantage is not None:
+            self._custom_advantages(samples)
+        else:
+            self.advantages(samples)
+        if self.plugins.data_postprocess is not None:
+            batch = rollout_batch(samples)
+            self.plugins.data_postprocess(self.plugins.args, rollout_id, batch)
+            write_back(batch, samples, "--rollout-data-postprocess-path")
         entropies = [old[i][1] for i in ids]  # asked for: never None
         out["entropy"] = masked_token_mean(cast(list[torch.Tensor], entropies), samples)
         return out
+
+    def _custom_advantages(self, samples: list[TrainSample]) -> None:
+        """slime's: the per-token KL to the reference ("kl"; zeros without --kl-coef), then the
+        plug-in sets the advantages and returns."""
+        assert self.plugins.custom_advantage is not None
+        kl = [torch.zeros(s.response_length) for s in samples]
+        if self.config.kl_coef:
+            per_token = adv.kl(rl_step.padded_field(samples, "old_log_probs"),
+                               rl_step.padded_field(samples, "ref_log_probs"), self.loss.kl_loss_type)
+            kl = [row[:s.response_length] for row, s in zip(per_token, samples)]
+        batch = {**rollout_batch(samples), "kl": kl}
+        self.plugins.custom_advantage(self.plugins.args, batch)
+        if "advantages" not in batch:
+            raise ValueError("--custom-advantage-function-path must set rollout_data['advantages'] (and 'returns')")
+        write_back(batch, samples, "--custom-advantage-function-path")
 
     def optimize(self, rollout_id: int, samples: list[TrainSample]) -> dict[str, float]:
         """The optimizer steps over the rollout's global batches; their metrics, averaged."""
@@ -103,7 +148,8 @@ class TrainStep:
         for step_id, batch in enumerate(steps):
             self.heartbeat(Phase.TRAIN, rollout_id)  # the train timeout is per optimizer step
             with self.profiler.step(f"rollout={rollout_id} step={step_id}"):
-                pack_loss = rl_step.make_pack_loss(self.loss, samples, batch)
+                pack_loss = (make_slime_pack_loss(self.loss, self.plugins.loss, samples, batch) if self.plugins.loss
+                             else rl_step.make_pack_loss(self.loss, samples, batch))
                 step_metrics = self.backend.train_step(samples, batch, pack_loss, cfg.need_entropy,
                                                        rollout_id=rollout_id, step_id=step_id)
             if cfg.critic:

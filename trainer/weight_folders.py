@@ -38,20 +38,12 @@ class WeightFolders:
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}{_PARTIAL}", dir=self.weights_dir))
         try:
-            writer = StreamingSafetensorsWriter(tmp, [(n, tuple(t.shape), t.dtype) for n, t in tensors],
-                                                self.shard_bytes)
-            for name, tensor in tensors:
-                writer.write(name, tensor)
-            writer.close()
-            for side in MODEL_FILES:
-                if (self.model_files / side).is_file():
-                    shutil.copy2(self.model_files / side, tmp / side)
-            fsync_dir(tmp)
+            written = write_hf_files(tmp, tensors, self.model_files, self.shard_bytes)
             final = self._move_into_place(tmp, version)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return final, writer.total_bytes
+        return final, written
 
     def prune(self, current: Path) -> None:
         """Keep the newest keep_versions folders (current among them); drop what a publisher
@@ -80,3 +72,33 @@ class WeightFolders:
         hidden = tempfile.mkdtemp(prefix=f".{folder.name}{_PARTIAL}", dir=self.weights_dir)
         os.rename(folder, hidden)  # onto an empty folder, which rename may replace
         shutil.rmtree(hidden, ignore_errors=True)
+
+
+def write_hf_files(folder: Path, tensors: list[tuple[str, torch.Tensor]], model_files: Path, shard_bytes: int) -> int:
+    """An HF checkpoint in the existing folder: safetensors shards with their index, the model's
+    config and tokenizer; made durable. Returns the weights' bytes."""
+    writer = StreamingSafetensorsWriter(folder, [(n, tuple(t.shape), t.dtype) for n, t in tensors], shard_bytes)
+    for name, tensor in tensors:
+        writer.write(name, tensor)
+    writer.close()
+    for side in MODEL_FILES:
+        if (model_files / side).is_file():
+            shutil.copy2(model_files / side, folder / side)
+    fsync_dir(folder)
+    return writer.total_bytes
+
+
+def write_hf_folder(final: Path, tensors: list[tuple[str, torch.Tensor]], model_files: Path, shard_bytes: int) -> None:
+    """write_hf_files into `final`, which appears (by rename) only once complete; an existing one is
+    replaced."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_PARTIAL}", dir=final.parent))
+    try:
+        write_hf_files(tmp, tensors, model_files, shard_bytes)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,9 +1,14 @@
 """Weight routes: from disk, over a gloo or NCCL group (init/begin/update/end/destroy), the version tag,
-and reading a parameter back. Every update answers {"success", "message"}: 200 or 400."""
+and reading a parameter back. Every update answers {"success", "message"}: 200 or 400.
+
+A distributed bucket is answered once it is received (every receive queued before any is waited on)
+and checked against the model; it loads in the background (BucketLoads) while the trainer sends the
+next, and the versioned last bucket answers once every bucket has loaded."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeGuard
 
 from fastapi import FastAPI, Request
@@ -12,7 +17,7 @@ from fastapi.responses import JSONResponse
 from rollout.cpu_engine.engine import Engine
 from rollout.cpu_engine.faults import FAIL, Faults
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
-from rollout.cpu_engine.weights import WeightError, load_into, read_safetensors_folder
+from rollout.cpu_engine.weights import WeightError, copy_plan, load_into, plan_load, read_safetensors_folder
 from rollout.weight_group import WeightSyncError, create_group, parse_dtype
 
 DEFAULT_GROUP = "weight_update_group"
@@ -26,9 +31,40 @@ def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class BucketLoads:
+    """The buckets of one distributed update, loaded in order in the background: the engine answers a
+    bucket once it is received and checked, so the trainer's next bucket arrives while this one loads.
+    The first failure is kept (later buckets are then not loaded) for the call that settles them."""
+
+    def __init__(self) -> None:
+        self._tail: asyncio.Task[None] | None = None
+        self._failure: str | None = None
+
+    def add(self, load: Callable[[], Awaitable[None]]) -> None:
+        previous = self._tail
+
+        async def after_previous() -> None:
+            if previous is not None:
+                await previous
+            if self._failure is None:
+                try:
+                    await load()
+                except WeightError as err:
+                    self._failure = str(err)
+        self._tail = asyncio.create_task(after_previous())
+
+    async def settle(self) -> str | None:
+        """Wait for every bucket added; the first failure, or None (and start afresh)."""
+        if self._tail is not None:
+            await self._tail
+        failure, self._tail, self._failure = self._failure, None, None
+        return failure
+
+
 def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
     scheduler = engine.scheduler
     group_lock = asyncio.Lock()  # one group operation at a time: they share the trainer's stream
+    bucket_loads = BucketLoads()
 
     async def weight_body(request: Request) -> dict[str, Any]:
         """The JSON body; a bad one ends the route in the weight routes' {"success": false} shape."""
@@ -118,8 +154,11 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
     async def end_weight_update() -> JSONResponse:
         if not engine.weight_update_open:
             return _result(False, "no weight update is open; call /begin_weight_update first")
+        failure = await bucket_loads.settle()  # new requests must meet whole buckets
         await run_on_scheduler(engine, lambda: scheduler.hold_admission(-1))
         engine.weight_update_open = False
+        if failure:
+            return _result(False, f"Weight update ended; a bucket failed to load: {failure}")
         return _result(True, "Weight update ended.")
 
     @app.post("/update_weights_from_distributed")
@@ -152,8 +191,19 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
                                                   engine.device.receive_device(group.backend))
             except RuntimeError as err:
                 return _result(False, f"broadcast failed: {err}")
-        failed = await apply(tensors, complete=False, version=version)
-        return failed or _result(True, f"Succeeded to update {len(names)} parameters.")
+        try:
+            plan = plan_load(engine.model, tensors, complete=False)
+        except WeightError as err:
+            return _result(False, f"Failed to update weights: {err}; the previous weights are kept.")
+        bucket_loads.add(lambda: run_on_scheduler(engine, lambda: copy_plan(plan), needs_idle=True))
+        if version is None:  # loads while the next bucket is received; the versioned (last) one settles them
+            return _result(True, f"Received {len(names)} parameters; loading them.")
+        failure = await bucket_loads.settle()
+        if failure:
+            return _result(False, f"Failed to update weights: {failure}")
+        if not faults.version_stuck:
+            await run_on_scheduler(engine, lambda: setattr(scheduler, "weight_version", version))
+        return _result(True, f"Succeeded to update {len(names)} parameters.")
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rollout.cpu_engine.expert_weights import expert_views
+
 
 class WeightError(Exception):
     """The new weights cannot be loaded; the model keeps its previous weights."""
@@ -43,13 +45,21 @@ def read_safetensors_folder(folder: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+Plan = list[tuple[torch.Tensor, torch.Tensor]]  # (the model's parameter, its new value)
+
+
 def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> None:
-    """Copy `tensors` into the model's parameters, or change nothing and raise WeightError.
+    """Copy `tensors` into the model's parameters, or change nothing and raise WeightError."""
+    copy_plan(plan_load(model, tensors, complete))
+
+
+def plan_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> Plan:
+    """Check `tensors` against the model (WeightError if they do not fit) and pair each with its parameter.
 
     complete=True (a whole checkpoint) requires every parameter; tied parameters (an lm_head
-    sharing the embedding) count as one and may come under either name. Everything is checked
-    before the first copy, and the copies are undone if one fails."""
+    sharing the embedding) count as one and may come under either name."""
     targets = model.state_dict(keep_vars=True)
+    tensors, expert_plan = expert_views(tensors, targets)
     unknown = sorted(set(tensors) - set(targets))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -57,9 +67,17 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
     by_storage: dict[int, list[str]] = {}
     for name, target in targets.items():
         by_storage.setdefault(target.data_ptr(), []).append(name)
-    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    plan: Plan = []
+    for name, view, tensor in expert_plan:
+        if tuple(tensor.shape) != tuple(view.shape):
+            raise WeightError(f"tensor {name} has shape {list(tensor.shape)}, the model needs {list(view.shape)}")
+    # a fused expert parameter counts as given when some expert's tensor fills part of it (a
+    # complete checkpoint holds every expert: the converter checks that)
+    filled = {view.untyped_storage().data_ptr() for _, view, _ in expert_plan}
     for names in by_storage.values():
         given = [name for name in names if name in tensors]
+        if not given and targets[names[0]].untyped_storage().data_ptr() in filled:
+            continue
         if not given:
             if complete:
                 raise WeightError(f"missing tensor {names[0]}")
@@ -72,6 +90,12 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
             if not torch.equal(tensors[name], tensors[given[0]]):
                 raise WeightError(f"tied tensors {given[0]} and {name} differ")
         plan.append((target, tensors[given[0]]))
+    plan += [(view, tensor) for _, view, tensor in expert_plan]
+    return plan
+
+
+def copy_plan(plan: Plan) -> None:
+    """Copy every new value into its parameter; if one copy fails, the copies are undone (WeightError)."""
     # On the host: a GPU engine capped by --mem-fraction-static has no room for a second copy.
     backup = [target.detach().to("cpu", copy=True) for target, _ in plan]
     with torch.no_grad():

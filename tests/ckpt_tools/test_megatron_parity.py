@@ -18,6 +18,7 @@ import transformers
 from safetensors.torch import load_file
 
 from ckpt_tools.convert import hf_to_torch_dist
+from ckpt_tools.mapping import MOE_ARCHITECTURES
 from ckpt_tools.megatron_model import (
     build_gpt_model,
     destroy_parallel,
@@ -36,6 +37,7 @@ CASES = {  # id: (arch, tied embeddings)
     "llama-tied": ("llama", True),
     "llama-untied": ("llama", False),
     "qwen3_moe": ("qwen3_moe", False),
+    "deepseek_v3": ("deepseek_v3", False),
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -101,7 +103,7 @@ def _parallel_worker(rank: int, world: int, init_file: str, tp: int, ep: int, hf
 
 def test_parallel_load_matches_hf(case: Case, tmp_path: Path) -> None:
     # MoE with TP > 1 needs sequence parallel, which the torch norm refuses: split experts instead.
-    tp, ep = (1, 2) if case.hf_config["architectures"] == ["Qwen3MoeForCausalLM"] else (2, 1)
+    tp, ep = (1, 2) if case.hf_config["architectures"][0] in MOE_ARCHITECTURES else (2, 1)
     # start_processes uses mp.get_context("spawn") and stops the other rank if one fails.
     with rank_devices(2):
         mp.start_processes(
@@ -114,12 +116,34 @@ def test_parallel_load_matches_hf(case: Case, tmp_path: Path) -> None:
 
 def test_naive_qkv_layout_is_caught(case: Case) -> None:
     """The tolerance discriminates: q|k|v concatenated without the per-KV-group interleave."""
+    if "kv_lora_rank" in case.hf_config:
+        pytest.skip("MLA has no fused q|k|v (test_mla_layout_and_routing_bias_are_checked covers it)")
     model = build_gpt_model(case.hf_config)
     load_torch_dist(model, case.ckpt_dir)
     with torch.no_grad():
         for i, layer in enumerate(model.decoder.layers):
             naive = torch.cat([case.hf_state[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
             layer.self_attention.linear_qkv.weight.copy_(naive)
+    assert (megatron_logits(model, INPUT_IDS) - case.hf_logits).abs().max().item() > 100 * ATOL
+
+
+@pytest.mark.parametrize("wrong", ["v_before_k", "no_routing_bias"])
+def test_mla_layout_and_routing_bias_are_checked(case: Case, wrong: str) -> None:
+    """The tolerance discriminates for DeepSeek-V3: kv_b_proj's per-head [K | V] order, and the
+    expert bias that picks the experts (not their weights)."""
+    if "kv_lora_rank" not in case.hf_config:
+        pytest.skip("DeepSeek-V3 (MLA, expert bias) only")
+    model = build_gpt_model(case.hf_config)
+    load_torch_dist(model, case.ckpt_dir)
+    nope, v = case.hf_config["qk_nope_head_dim"], case.hf_config["v_head_dim"]
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            if wrong == "v_before_k":
+                up = layer.self_attention.linear_kv_up_proj.weight
+                k, val = up.view(-1, nope + v, up.shape[-1]).split([nope, v], dim=1)
+                up.copy_(torch.cat([val, k], dim=1).reshape(up.shape))
+            else:
+                layer.mlp.router.expert_bias.zero_()
     assert (megatron_logits(model, INPUT_IDS) - case.hf_logits).abs().max().item() > 100 * ATOL
 
 

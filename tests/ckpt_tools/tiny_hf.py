@@ -21,6 +21,14 @@ _ARCHS = {
         dict(rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
              norm_topk_prob=True),
     ),
+    # MLA (with a q LoRA), one shared expert, sigmoid routing with bias over 4 groups of 2 experts.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_key_value_heads=4,
+             q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
+             moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
+             n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0),
+    ),
 }
 ARCHS = tuple(_ARCHS)
 
@@ -32,7 +40,7 @@ def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
     Every parameter is random, norm weights included (around 1), and large enough that a
     transposed, swapped or misplaced tensor changes the logits well beyond float32 noise."""
     config_cls, model_cls, extra = _ARCHS[arch]
-    config = config_cls(**{**_COMMON, "num_hidden_layers": layers}, **extra, tie_word_embeddings=tied)
+    config = config_cls(**{**_COMMON, "num_hidden_layers": layers, **extra}, tie_word_embeddings=tied)
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config)
@@ -42,6 +50,9 @@ def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: on the scale of sigmoid scores
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     out_dir = Path(out_dir)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -72,3 +72,42 @@ async def answer_with_label(args, sample, *, rollout_id=None, evaluation=False):
     sample.response = str(sample.label)
     sample.metadata["hooked_at"] = rollout_id
     return sample
+
+
+# ---- slime's plug-in APIs (tests/rollout/test_slime_apis.py) ------------------------------------
+async def generate_with_evaluation(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
+    """A custom generate whose signature names evaluation (slime passes it then), answering without
+    an engine through append_response_tokens; a new Sample() with no index stands in its place."""
+    new = Sample(prompt=sample.prompt, label=sample.label, tokens=list(sample.tokens))
+    new.append_response_tokens(args, tokens=[5, 6], log_probs=[-0.5, -0.5], text=str(sample.label),
+                               meta_info={"finish_reason": {"type": "stop"}})
+    new.metadata["evaluation"] = evaluation
+    return new
+
+
+def rollout_with_metrics(args, rollout_id, data_source, evaluation=False):
+    """A --rollout-function-path as slime's newer ones: groups from data_source.get_samples, filled,
+    returned as RolloutFnTrainOutput with metrics; the last group given back with add_samples and
+    one flat Sample of its own without index or group_index."""
+    from slime.rollout.base_types import RolloutFnTrainOutput
+
+    assert evaluation is False
+    groups = data_source.get_samples(args.rollout_batch_size + 1)
+    data_source.add_samples(groups[-1:])
+    for group in groups[:-1]:
+        for sample in group:
+            sample.append_response_tokens(args, tokens=[5], log_probs=[-1.0], text=str(sample.label),
+                                          meta_info={"finish_reason": {"type": "length"}})
+            sample.reward = 1.0
+    extra = Sample(prompt="extra", tokens=[1, 2], response_length=0, reward=0.0)
+    extra.append_response_tokens(args, tokens=[3], log_probs=[-2.0], meta_info={"finish_reason": {"type": "stop"}})
+    return RolloutFnTrainOutput(samples=groups[:-1] + [extra], metrics={"my_metric": 7.0})
+
+
+async def batch_rm(args, samples):
+    """slime's batched custom RM: a list in, a list out."""
+    return [float(len(s.response)) for s in samples]
+
+
+async def one_rm(args, sample, **kwargs):
+    return 42.0

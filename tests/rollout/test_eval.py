@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.eval import EvalConfigError, eval_metrics, eval_sets, pass_at_k
+from rollout.eval import eval_metrics, pass_at_k
+from rollout.eval_sets import EvalConfigError, eval_sets
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -12,10 +12,10 @@ import pytest
 
 from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
-from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from rollout.errors import RolloutError
 from rollout.generate import RolloutArgs, generate_rollout
 from rollout.tiny_model import write_tiny_model
+from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from tests.rollout import reward_plugins
 from trainer.args import ArgsError, parse_args
 from trainer.batch import TrainSample
@@ -105,7 +105,7 @@ def _parse(model: Path, tmp_path: Path, *flags: str):
 @pytest.mark.parametrize("flags, message", [
     (["--rm-type", "dapo"], "--rm-type dapo gives a dict reward .*add --reward-key"),
     (["--rm-type", "remote_rm"], "--rm-type remote_rm needs --rm-url"),
-    (["--rm-type", "random"], "argument --rm-type: invalid choice: 'random'"),
+    (["--rm-type", "nope"], "argument --rm-type: invalid choice: 'nope'"),
     (["--rm-max-retries", "0"], "--rm-max-retries must be 1 or more"),
     (["--rm-timeout", "0"], "--rm-timeout must be > 0"),
     (["--rm-concurrency", "0"], "--rm-concurrency must be 1 or more"),

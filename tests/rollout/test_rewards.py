@@ -31,8 +31,8 @@ def test_gpqa_by_letter_index_or_choice_text(response: str, label, metadata: dic
 def test_boxed_prefix_and_a_samples_own_type() -> None:
     assert rule_based_reward("boxed_f1", "words \\boxed{blue whale} more", "blue whale", {}) == 1.0
     assert rule_based_reward("math", "Paris", "paris", {"rm_type": "f1"}) == 1.0
-    with pytest.raises(ValueError, match="rm_type 'random': not a built-in reward"):
-        rule_based_reward("random", "x", "y", {})
+    with pytest.raises(ValueError, match="rm_type 'nope': not a built-in reward"):
+        rule_based_reward("nope", "x", "y", {})
     with pytest.raises(ValueError, match="no reward type: give --rm-type"):
         rule_based_reward(None, "x", "y", {})
     # slime's boxed_ extraction: the last \\boxed{}, none from an \\fbox

@@ -75,7 +75,7 @@ def _base(model: Path, tmp_path: Path) -> list[str]:
     (["--eval-prompt-data", "math", "missing.jsonl"], "--eval-prompt-data math missing.jsonl: no such file"),
     (["--eval-prompt-data", "a", "b", "c"], "--eval-prompt-data takes NAME PATH pairs"),
     (["--n-samples-per-eval-prompt", "0"], "--n-samples-per-eval-prompt must be 1 or more"),
-    (["--eval-config", "eval.yaml"], "--eval-config eval.yaml: give the eval sets as --eval-prompt-data"),
+    (["--eval-config", "eval.yaml"], "--eval-config eval.yaml: no such file"),
     (["--eval-max-prompt-len", "512"], "--eval-max-prompt-len 512: slurmrl does not drop long prompts"),
     (["--load-debug-rollout-data-subsample", "0.5"], "--load-debug-rollout-data-subsample 0.5: replaying part"),
     (["--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data", "x"], "exclude each other"),
@@ -230,7 +230,8 @@ def test_ckpt_step_flags_pick_that_iteration_of_ref_load(tmp_path: Path) -> None
         (ref / iteration_dirname(step) / ".metadata").write_bytes(b"")
     write_tracker(ref, 2)
     ckpt = CheckpointOptions(load=None, ckpt_step=None, ref_load=str(ref), ref_ckpt_step=None, opd_teacher_load=None,
-                             opd_teacher_ckpt_step=None, save=None, save_interval=0, keep_checkpoints=None)
+                             opd_teacher_ckpt_step=None, save=None, save_interval=0, keep_checkpoints=None,
+                             no_save_optim=False, save_hf=None)
 
     def initial(step: int | None) -> Path:
         return initial_weights(dataclasses.replace(ckpt, ref_ckpt_step=step), "unused", "unused", True, None)

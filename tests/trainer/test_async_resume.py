@@ -48,6 +48,7 @@ from trainer.publisher import Publisher
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import RolloutGenerator, RolloutSource
 from trainer.save_now import StopRequests
+from trainer.train_data import TrainData
 from trainer.train_step import TrainStep, TrainStepConfig
 
 BATCH, N, MAX_TOKENS, ROLLOUTS = 2, 2, 16, 5
@@ -93,13 +94,13 @@ def buffer(job: Path) -> DataBuffer:
 def fully_async(model: Path, router: RouterClient, job: Path, backend: Backend, journal: RolloutJournal) -> Any:
     worker = FullyAsyncWorker(rollout_args(model, router), GroupLedger(buffer(job), 3 * BATCH))
     return FullyAsyncSource(worker, journal, lambda: sorted(router.workers()), EngineClient(API_KEY, 30),
-                            FullyAsyncOptions(BATCH, None, DROP, "retract", None), backend.broadcast_object,
+                            FullyAsyncOptions(BATCH, None, DROP, "retract", TrainData(None)), backend.broadcast_object,
                             Lines().heartbeat, save_now.install())
 
 
 def ahead(model: Path, router: RouterClient, job: Path, backend: Backend, journal: RolloutJournal) -> Any:
-    generator = RolloutGenerator(rollout_args(model, router, partial_rollout=True), buffer(job), journal, None,
-                                 save_now.install())
+    generator = RolloutGenerator(rollout_args(model, router, partial_rollout=True), buffer(job), journal,
+                                 TrainData(None), save_now.install())
     return AheadRolloutSource(generator, backend.broadcast_object, Lines().heartbeat, save_now.install(), ROLLOUTS)
 
 

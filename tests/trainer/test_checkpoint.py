@@ -31,7 +31,7 @@ from tests.ckpt_tools.tiny_hf import _COMMON, make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
 from trainer import checkpoint
 from trainer.checkpoint import MANIFEST, CheckpointError, find_loadable
-from trainer.megatron.state import _rng_states, load_megatron, save_megatron
+from trainer.megatron.state import _rng_states, holds_optimizer, load_megatron, save_megatron
 
 # Attention dropout draws from megatron's model-parallel RNG tracker: a resume that lost the
 # tracker's state would train differently.
@@ -216,6 +216,24 @@ def test_converted_hf_checkpoint_loads_as_weights(tmp_path: Path, lone_process_g
     tied = build_gpt_model({**HF_CONFIG, "tie_word_embeddings": True})
     with pytest.raises(RuntimeError, match=r"does not match the model: the model has no place for \['output_layer"):
         load_megatron(converted, tied, None)
+
+
+def test_a_checkpoint_without_optimizer_state_restores_weights_rng_and_loop_state(
+        tmp_path: Path, lone_process_group) -> None:
+    """--no-save-optim's checkpoint (save_megatron without the optimizer): the weights, RNG and
+    loop state come back; the optimizer is not in it."""
+    model, optimizer = _new_run(seed=0, tp=1)
+    _train_step(model, optimizer)
+    checkpoint.save(tmp_path / "save", 1, lambda tmp: save_megatron(tmp, model, None, {"rollout_id": 1}))
+    folder = find_loadable(tmp_path / "save")
+    draw = torch.rand(3)
+    assert not holds_optimizer(folder)
+    resumed, resumed_optimizer = _new_run(seed=7, tp=1)
+    assert load_megatron(folder, resumed, None, with_rng=True) == {"rollout_id": 1}
+    assert torch.equal(torch.rand(3), draw)
+    _assert_same(resumed.state_dict(), model.state_dict(), "weights")
+    with pytest.raises(RuntimeError, match="holds no optimizer state"):
+        load_megatron(folder, resumed, resumed_optimizer)
 
 
 # ---- fallback from damaged checkpoints ---------------------------------------------------------

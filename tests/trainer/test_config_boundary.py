@@ -24,6 +24,8 @@ ALLOWED = {
     ("trainer/args_actions.py", "__call__"): "argparse's Action protocol: the refused-flag action runs inside parsing",
     ("trainer/config/build.py", "*"): "the config builder: reads the parsed flags once, into TrainerConfig",
     ("trainer/config/model_checks.py", "*"): "the config builder's checks against the HF config",
+    ("trainer/custom_config.py", "*"): "argument parsing: --custom-config-path's keys set on the parsed flags",
+    ("trainer/config/plugin_checks.py", "*"): "the config builder's checks of slime's plug-in and SFT flags",
     ("supervisor/profile_cli.py", "run"): "`slurmrl profile`'s own CLI handler (it parses its own flags)",
     ("supervisor/report.py", "run"): "`slurmrl report`'s own CLI handler (it parses its own flags)",
     ("rollout/trace_view.py", "main"): "`python -m rollout.trace_view`'s own CLI handler",
@@ -68,7 +70,7 @@ def test_every_allowed_place_still_exists() -> None:
 
 def test_every_flag_has_one_home_in_the_config() -> None:
     """Each flag slurmrl implements is a field of exactly one section; the others are slime's
-    refused flags (TrainerConfig.refused_flags), kept only for the plug-in Namespace."""
+    refused flags (TrainerConfig.plugin_only), kept only for the plug-in Namespace."""
     owners: dict[str, list[str]] = {}
     for section in SECTIONS:
         for field in dataclasses.fields(section):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file, save_file
@@ -244,6 +245,27 @@ def test_resume_takes_the_same_next_step(models, tmp_path: Path) -> None:
     fresh = weights_only.train_step(samples, [0, 2, 4], loss, need_entropy=False)
     assert fresh["nll"] == expected["nll"] and fresh["lr"] == LR
     assert dict(weights_only.hf_weights())["model.norm.weight"].ne(expected_weights["model.norm.weight"]).any()
+
+
+def test_no_save_optim_resumes_the_weights_and_loop_with_a_fresh_optimizer(models, tmp_path: Path) -> None:
+    """--no-save-optim: the checkpoint holds no optimizer state; a full load from it restores the
+    weights, RNG, LR schedule and loop state, and starts the optimizer afresh (slime's --no-load-optim)."""
+    samples, ids, loss = _samples(), list(range(5)), _nll_loss(5)
+    first = FSDPBackend(models["actor"], lr=LR, batching=PACKED, lr_schedule=_halving, save_optimizer=False)
+    first.train_step(samples, ids, loss, need_entropy=False)
+    after_save = first.log_probs(samples, ids)
+    first.save(tmp_path, {"rollout_id": 7})
+    draw = torch.rand(4)
+    assert not any(key.startswith("optim") for key in dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata)
+
+    torch.manual_seed(999)
+    resumed = FSDPBackend(models["actor"], lr=LR, batching=PACKED, lr_schedule=_halving)
+    assert resumed.load(tmp_path, weights_only=False) == {"rollout_id": 7}
+    assert torch.equal(torch.rand(4), draw)  # RNG restored
+    for i, (logp, _) in resumed.log_probs(samples, ids).items():
+        assert torch.equal(logp, after_save[i][0])
+    assert resumed.optimizer.state == {}  # no moments: the optimizer starts afresh
+    assert resumed.train_step(samples, [0, 2, 4], loss, need_entropy=False)["lr"] == LR / 2  # the schedule goes on
 
 
 def test_hf_weights_load_into_a_fresh_hf_model(models, tmp_path: Path) -> None:

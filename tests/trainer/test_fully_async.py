@@ -32,6 +32,7 @@ from trainer.fully_async_source import (
     FullyAsyncSource,
 )
 from trainer.rollout_source import Rollout
+from trainer.train_data import TrainData
 
 BATCH, N, MAX_TOKENS = 2, 2, 12
 PUBLISH_S = 120.0  # bound on one weight load
@@ -71,7 +72,7 @@ def source(model: Path, router: RouterClient, tmp_path: Path, *, capacity: int =
                                         n_samples_per_prompt=N, seed=3))
     worker = FullyAsyncWorker(args, Ledger(buffer, capacity))
     return FullyAsyncSource(worker, None, lambda: sorted(router.workers()), EngineClient(API_KEY, 30),
-                            FullyAsyncOptions(BATCH, max_staleness, handler, mode, None), lambda obj: obj,
+                            FullyAsyncOptions(BATCH, max_staleness, handler, mode, TrainData(None)), lambda obj: obj,
                             lambda phase, rollout_id: None, save_now.install())
 
 

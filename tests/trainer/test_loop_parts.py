@@ -5,7 +5,7 @@ part. (The whole trainer, exactly: tests/trainer/test_rl_loop.py, tests/integrat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from trainer.rollout_source import (
     SyncRolloutSource,
 )
 from trainer.save_now import StopRequests
+from trainer.train_data import TrainData
 from trainer.train_step import TrainStep, TrainStepConfig
 
 ROLLOUTS = 3
@@ -129,9 +130,9 @@ class Lines:
 
 def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | None,
           published: list[int] | None = None, transport: WeightPublisher | None = None,
-          memory: PhaseMemory | None = None) -> Loop:
+          memory: PhaseMemory | None = None, fwd_flops: Callable[[list[int]], float] | None = None) -> Loop:
     """The loop over these parts; transport: rank 0's weight publisher (None: nothing is sent);
-    memory: the per-phase GPU memory (None: no GPU)."""
+    memory: the per-phase GPU memory (None: no GPU); fwd_flops: the model's FLOPs (None: no perf/*_tflops)."""
     memory = memory or PhaseMemory(None)
     progress = Progress()
     evals = EvalSchedule(None, True, None, None, reporter.heartbeat, reporter.amend)
@@ -141,7 +142,7 @@ def build(backend: FakeBackend, source: Any, reporter: Lines, save_dir: Path | N
     profiler = TrainProfiler(0)
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=2, need_entropy=False, on_policy_tolerance=None, ref_model=False, teacher=False,
-        critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler, reporter.heartbeat,
+        critic=False, value_clip=0.2, per_token_loss=False, fwd_flops=fwd_flops), LossConfig(), no_advantages, profiler, reporter.heartbeat,
         memory)
 
     class Recording(Publisher):
@@ -219,7 +220,7 @@ def test_the_checkpoint_manager_restores_every_part(tmp_path: Path) -> None:
     def parts() -> tuple[Progress, EvalSchedule, SyncRolloutSource, RolloutJournal, DataBuffer]:
         buffer = DataBuffer(JsonlDataSource(data, label_key="label", seed=3, n_samples_per_prompt=2))
         journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
-        generator = RolloutGenerator(None, buffer, journal, None, save_now.install())  # type: ignore[arg-type]
+        generator = RolloutGenerator(None, buffer, journal, TrainData(None), save_now.install())  # type: ignore[arg-type]
         return (Progress(), EvalSchedule(2, True, None, None, Lines().heartbeat, Lines().amend),
                 SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat), journal, buffer)
 
@@ -261,7 +262,7 @@ def test_each_rollouts_line_counts_the_requests_it_retried(tmp_path: Path) -> No
     args = RolloutArgs(hf_checkpoint="unused", router_url="http://127.0.0.1:1",
                        rollout_function_path=f"{__name__}.retrying_rollout")
     journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
-    generator = RolloutGenerator(args, None, journal, None, save_now.install())
+    generator = RolloutGenerator(args, None, journal, TrainData(None), save_now.install())
     source = SyncRolloutSource(generator, lambda obj: obj, Lines().heartbeat)
     assert [source.rollout(r, 0).metrics[RETRIED_METRIC] for r in RETRIES] == list(RETRIES.values())
     # Generated again after a restart: replayed from the rollout journal, no request sent.

@@ -161,3 +161,16 @@ def test_sft_loss_is_the_masked_mean_nll():
     assert set(m) == {"sft_loss"}
     loss, _ = total_loss(LossConfig(sft=True, per_token_loss=True), logp, logp, torch.zeros(2, 2), mask)
     close(loss, 6.0 / 3)
+
+
+def test_cispo_weighs_log_probs_by_the_clipped_ratio_and_keeps_their_gradient():
+    # slime's compute_cispo_loss: -sg(clip(r, 0.8, 1.3)) * A * logp, logp = log r (old_logp is 0):
+    #   r=1.5 -> 1.3 (clipped), r=0.5 -> 0.8 (clipped), r=1.1 and r=0.9 as they are.
+    logp = log_ratios(RATIOS).requires_grad_()
+    loss, m = policy_loss(logp, torch.zeros(1, 4), ADV, MASK, 0.2, eps_clip_high=0.3, surrogate="cispo")
+    weights = torch.tensor([[1.3, 0.8, 1.1, 0.9]])
+    close(loss, float(-(weights * ADV * log_ratios(RATIOS)).mean()))
+    close(m["clipfrac"], 2 / 4)
+    loss.backward()
+    # every token has gradient, the clipped ones too (PPO's clipped tokens would have none): -w * A / 4
+    close(logp.grad, (-weights * ADV / 4).tolist())

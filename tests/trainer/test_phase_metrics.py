@@ -42,6 +42,21 @@ def test_each_line_has_phase_times_train_tokens_per_s_and_publish_bytes(tmp_path
         "no GPU: no memory figures"
 
 
+def test_each_line_has_slimes_tflops_and_wait_time_ratio(tmp_path: Path) -> None:
+    reporter = Lines()
+    tera_per_token = 1e12  # a model of 1 TFLOP per token forward: the TFLOP/s are the tokens/s times 1 (or 3)
+    loop = build(FakeBackend(), FakeSource(), reporter, None, fwd_flops=lambda lens: tera_per_token * sum(lens))
+    loop.start(None, None)
+    loop.run()
+    for line in (reporter.lines[r] for r in range(ROLLOUTS)):
+        # forward + backward (2x) over the optimizer steps' own time, on world_size 1
+        assert line[Metric.TRAIN_TFLOPS] == pytest.approx(3 * line[Metric.TRAIN_TOKENS_PER_S])
+        assert line[Metric.LOG_PROBS_TFLOPS] == pytest.approx(TOKENS_PER_ROLLOUT / line[PHASE_TIMES["log_probs"]])
+        # the wait since the last train step holds this rollout's generation, and the train step is not in it
+        rollout, train = line[PHASE_TIMES["rollout"]], line[Metric.TRAIN_SECONDS]
+        assert rollout / (rollout + train) <= line[Metric.WAIT_TIME_RATIO] < 1, line
+
+
 class FakeGpu:
     """torch.cuda's counters for one process beside OTHER bytes of another's: the backend's calls
     allocate (log-probs 1 GiB, an optimizer step 3 GiB) and free down to a resident 0.5 GiB."""

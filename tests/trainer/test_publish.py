@@ -169,6 +169,29 @@ def test_gloo_publish_in_buckets_keeps_its_group(engines: list[servers.Server], 
         assert answer.status_code == 400
 
 
+# 16 KiB is below the largest tensor (32 KiB, which then goes alone), 1 MiB holds the whole model.
+@pytest.mark.parametrize("bucket_bytes", [16 * 1024, BUCKET, 1024**2])
+def test_pipelined_publish_is_bit_exact_for_any_bucket_size(engines: list[servers.Server], model: Path,
+                                                            base: dict[str, torch.Tensor], tmp_path: Path,
+                                                            bucket_bytes: int) -> None:
+    urls = [e.url for e in engines]
+    publisher = WeightPublisher("nccl", tmp_path, model, servers.API_KEY, bucket_bytes=bucket_bytes, timeout_s=60,
+                                backend="gloo")
+    try:
+        for version, dtype in ((21, torch.float32), (22, torch.bfloat16)):
+            # Not a constant shift: noise, so a bucket landing on the wrong tensor cannot match by chance.
+            generator = torch.Generator().manual_seed(version)
+            weights = [(name, (tensor + torch.randn(tensor.shape, generator=generator)).to(dtype))
+                       for name, tensor in sorted(base.items())]
+            result = publisher.publish(version, urls, iter(weights))
+            assert result.updated == urls and result.dropped == {}
+            assert result.bytes == sum(t.numel() * t.element_size() for _, t in weights)
+            for url in urls:
+                assert_serving(url, version, weights)
+    finally:
+        publisher.close()
+
+
 def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights, freezing an engine (SIGSTOP) once the publisher asks for tensor `index`:
     mid-publish, after some buckets went out."""

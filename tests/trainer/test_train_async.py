@@ -25,7 +25,7 @@ from trainer.ahead_source import AheadRolloutSource
 from trainer.batch import TrainSample
 from trainer.checkpointer import CheckpointConfig, Checkpointer
 from trainer.evals import EvalSchedule
-from trainer.loop import STALENESS_MAX, WAIT_RATIO, Loop, Progress
+from trainer.loop import STALENESS_MAX, Loop, Progress
 from trainer.losses import LossConfig
 from trainer.old_actor import OldActor
 from trainer.phase_memory import PhaseMemory
@@ -34,6 +34,7 @@ from trainer.publisher import Publisher
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import AHEAD_KEY, ENGINE_WAIT_RATIO, RolloutGenerator
 from trainer.save_now import StopRequests
+from trainer.train_data import TrainData
 from trainer.train_step import TrainStep, TrainStepConfig
 
 GROUPS, PER_GROUP = 2, 2
@@ -105,7 +106,7 @@ def build(tmp_path: Path, backend: TrainingBackend, num_rollout: int, *, interva
     args = RolloutArgs(hf_checkpoint="unused", router_url="http://127.0.0.1:1",
                        rollout_function_path=f"{__name__}.rollout_fn")
     journal = RolloutJournal(JobDir(tmp_path).rollout_journal, "flags")
-    generator = RolloutGenerator(args, buffer, journal, None, save_now.install())
+    generator = RolloutGenerator(args, buffer, journal, TrainData(None), save_now.install())
     source = AheadRolloutSource(generator, backend.broadcast_object, reporter.heartbeat, save_now.install(),
                                 num_rollout)
     progress = Progress()
@@ -120,7 +121,7 @@ def build(tmp_path: Path, backend: TrainingBackend, num_rollout: int, *, interva
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=2, need_entropy=False, on_policy_tolerance=None, ref_model=False, teacher=False,
         critic=False, value_clip=0.2, per_token_loss=False), LossConfig(), no_advantages, profiler,
-        reporter.heartbeat, PhaseMemory(None), old_actor)
+        reporter.heartbeat, PhaseMemory(None), old_actor=old_actor)
 
     class EnginesPublisher(Publisher):
         def publish(self, version: int, rollout_id: int, weights: Any) -> dict[str, Any]:
@@ -158,7 +159,7 @@ def test_rollout_n_plus_1_is_generated_while_n_trains(tmp_path: Path) -> None:
     assert staleness(backend) == [[0] * 4, [1] * 4, [1] * 4, [1] * 4]
     assert [line[STALENESS_MAX] for line in reporter.lines.values()] == [0, 1, 1, 1]
     for line in reporter.lines.values():  # what the trainer waited for data, and the engines for work
-        assert 0 <= line[WAIT_RATIO] <= 1 and 0 <= line[ENGINE_WAIT_RATIO] <= 1
+        assert 0 <= line[Metric.WAIT_TIME_RATIO] <= 1 and 0 <= line[ENGINE_WAIT_RATIO] <= 1
         assert line[Metric.TRAIN_STARTED_AT] <= line[Metric.TRAIN_ENDED_AT]
 
 

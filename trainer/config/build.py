@@ -16,11 +16,13 @@ from typing import Any, TypeVar
 
 from contract.job_dir import API_KEY_ENV, JobDir, model_files_dir
 from rollout.data import PROMPT_SUFFIXES
+from rollout.ifbench import missing_evaluation_lib
 from rollout.rewards import DICT_REWARDS
-from trainer.args_parser import ArgsError
+from trainer.config.async_checks import check_async
+from trainer.config.checks import Checks
 from trainer.config.model_checks import read_hf_config, validate_megatron_parallel
+from trainer.config.plugin_checks import check_loss_plugins, check_patterns, epoch_rollouts
 from trainer.config.sections import (
-    FULLY_ASYNC_ROLLOUT,
     AsyncOptions,
     BatchingOptions,
     CheckpointOptions,
@@ -38,33 +40,21 @@ from trainer.config.sections import (
 )
 from trainer.config.trainer_config import SECTIONS, TrainerConfig
 
+# slime's INT4 fake QAT switches (environment variables its INT4 recipes set for every Ray actor)
+INT4_QAT_ENV = ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG",)
 # slime's default --rollout-function-path: given explicitly, it means the built-in rollout.
 SLIME_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
 _PLUGIN_PATH_FLAGS = ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
                       "custom_megatron_before_train_step_hook_path", "custom_rm_path", "custom_generate_function_path",
                       "rollout_function_path", "dynamic_sampling_filter_path", "eval_function_path",
-                      "custom_eval_rollout_log_function_path")
+                      "custom_eval_rollout_log_function_path", "custom_loss_function_path",
+                      "custom_advantage_function_path", "custom_tis_function_path",
+                      "custom_pg_loss_reducer_function_path", "rollout_data_postprocess_path", "buffer_filter_path",
+                      "custom_reward_post_process_path", "custom_convert_samples_to_train_data_path")
 _WANDB_FLAGS = ("wandb_mode", "wandb_dir", "wandb_key", "wandb_host", "wandb_team", "wandb_project", "wandb_group",
                 "wandb_run_id")
 
 Section = TypeVar("Section")
-
-
-class Checks:
-    """`need(ok, message)` for every check of a command line: the message of each one that fails is
-    kept, and `raise_any` raises them all as one ArgsError."""
-
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-
-    def __call__(self, ok: bool, message: str) -> bool:
-        if not ok:
-            self.problems.append(message)
-        return ok
-
-    def raise_any(self) -> None:
-        if self.problems:
-            raise ArgsError(*self.problems)
 
 
 def build_config(args: argparse.Namespace) -> TrainerConfig:
@@ -79,13 +69,14 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     hf_config = (read_hf_config(model_files)
                  if need(Path(model_files, "config.json").is_file(), f"--hf-checkpoint {args.hf_checkpoint}: "
                          "no config.json there; point it at a Hugging Face model folder") else None)
-    need(args.num_rollout >= 1, f"--num-rollout must be 1 or more, got {args.num_rollout}")
+    num_rollout = args.num_rollout if args.num_rollout is not None else epoch_rollouts(args, model_files, need)
+    need(num_rollout is None or num_rollout >= 1, f"--num-rollout must be 1 or more, got {num_rollout}")
     _check_parallel(args, hf_config, need)
     global_batch_size = _check_batching(args, need)
     _check_training(args, need)
     eval_datasets = _check_eval(args, need)
     _check_rollout(args, rollout_function_path, need)
-    _check_async(args, need)
+    check_async(args, need)
     rollout_max_prompt_len = _check_lengths(args, need)
     _check_rewards(args, need)
     for flag in _PLUGIN_PATH_FLAGS:
@@ -96,6 +87,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
                                             "--use-wandb; add --use-wandb or drop it")
     need(args.tb_project_name or not args.tb_experiment_name,
          "--tb-experiment-name needs --tb-project-name (or give --tensorboard-dir)")
+    _check_save_hf(args, hf_config, need)
+    _check_quantized_rollout(args, hf_config, need)
     need(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
          "give --lr-warmup-iters or --lr-warmup-fraction, not both")
     need.raise_any()
@@ -106,12 +99,14 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
             job_dir, "tensorboard_log", args.tb_project_name, args.tb_experiment_name or Path(job_dir).name))
     # Megatron's schedule: decay over the whole run unless told; a warmup fraction is of that.
     total = args.rollout_batch_size * args.n_samples_per_prompt
-    lr_decay_iters = args.lr_decay_iters or args.num_rollout * (total // global_batch_size)
+    assert num_rollout is not None  # (else a check failed)
+    lr_decay_iters = args.lr_decay_iters or num_rollout * (total // global_batch_size)
     lr_warmup_iters = args.lr_warmup_iters
     if args.lr_warmup_fraction is not None:
         lr_warmup_iters = int(args.lr_warmup_fraction * lr_decay_iters)
     derived: dict[str, Any] = {
         "rollout_function_path": rollout_function_path,
+        "num_rollout": num_rollout,
         # The layer spec takes slurmrl's two implementations; the flag's kernel choice is kept apart.
         "attention_kernels": args.attention_backend,
         "attention_backend": "local" if args.attention_backend in ("unfused", "local") else "sdpa",
@@ -125,6 +120,9 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         "lr_decay_iters": lr_decay_iters,
         "lr_warmup_iters": lr_warmup_iters,
         "ref_model_needed": bool(args.use_kl_loss or args.kl_coef),
+        # slime: a custom reward post-process (or conversion) gives the rewards trained on, normalized or not
+        "rewards_normalization": args.rewards_normalization and not (
+            args.custom_reward_post_process_path or args.custom_convert_samples_to_train_data_path),
         "api_key": os.environ.get(API_KEY_ENV),  # never on the command line: ps would show it
     }
 
@@ -140,7 +138,34 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         eval=section(EvalOptions), publish=section(PublishOptions), asynchronous=section(AsyncOptions),
         checkpoint=section(CheckpointOptions),
         logging=section(LoggingOptions),
-        refused_flags=tuple((name, value) for name, value in vars(args).items() if name not in named))
+        plugin_only=tuple((name, value) for name, value in vars(args).items() if name not in named))
+
+
+def _check_quantized_rollout(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
+    """slime publishes FP8 (block-wise) or INT4 (compressed-tensors) weights to engines whose checkpoint
+    asks for them, and trains INT4 with fake QAT; slurmrl publishes the trainer's weights unquantized:
+    such a job is refused, never run with engines serving what they cannot load as asked."""
+    quantization = (hf_config or {}).get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "quantized") if isinstance(quantization, dict) else "quantized"
+        need(False, f"--hf-checkpoint {args.hf_checkpoint}: config.json's quantization_config asks the engines for "
+                    f"{method} weights; slurmrl publishes the trainer's weights unquantized (slime's FP8/INT4 "
+                    "update-weight quantizers are not implemented): use the unquantized checkpoint")
+    for variable in INT4_QAT_ENV:
+        need(os.environ.get(variable) in (None, "", "0"), f"{variable}={os.environ.get(variable)}: slime's INT4 "
+             "fake quantization-aware training is not implemented (the trainer trains unquantized); unset it")
+
+
+def _check_save_hf(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
+    if not args.save_hf:
+        return
+    need(bool(args.save), "--save-hf writes an HF checkpoint with each save: give --save too")
+    try:
+        args.save_hf.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as err:
+        need(False, f"--save-hf {args.save_hf}: only {{rollout_id}} may be formatted in ({type(err).__name__}: {err})")
+    need(not (hf_config or {}).get("quantization_config"), f"--save-hf: {args.hf_checkpoint} is a quantized "
+         "checkpoint (quantization_config in config.json); slurmrl writes unquantized weights only")
 
 
 def _check_parallel(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:
@@ -153,6 +178,14 @@ def _check_parallel(args: argparse.Namespace, hf_config: dict[str, Any] | None, 
          "or sdpa): megatron-core's unfused DotProductAttention has no context parallelism without TransformerEngine")
     if sizes_ok and hf_config is not None:
         validate_megatron_parallel(args, hf_config, need)
+    if args.padded_vocab_size is not None and hf_config is not None and "vocab_size" in hf_config:
+        # megatron pads to a multiple of the divisor x TP; the fsdp backend trains the HF model unpadded
+        multiple = (max(1, args.make_vocab_size_divisible_by) * max(1, args.tensor_model_parallel_size)
+                    if args.train_backend == "megatron" else 1)
+        padded = -(-hf_config["vocab_size"] // multiple) * multiple
+        need(args.padded_vocab_size == padded, f"--padded-vocab-size {args.padded_vocab_size}: slurmrl's "
+             f"{args.train_backend} backend pads config.json's vocab_size {hf_config['vocab_size']} to {padded} (a "
+             "multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size); give that or drop the flag")
     need(not args.overlap_cpu_optimizer_d2h_h2d or args.optimizer_cpu_offload,
          "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload")
     need(not (args.optimizer_cpu_offload and args.train_backend != "megatron"),
@@ -166,8 +199,11 @@ def _check_batching(args: argparse.Namespace, need: Checks) -> int | None:
     sizes_ok = need(args.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be 1 or more")
     sizes_ok &= need(args.rollout_batch_size >= 1, f"--rollout-batch-size must be 1 or more, got "
                                                    f"{args.rollout_batch_size}")
-    need(args.advantage_estimator not in ("grpo", "gspo") or args.n_samples_per_prompt >= 2
-         or args.disable_grpo_std_normalization,
+    group_std = (args.advantage_estimator in ("grpo", "gspo", "cispo") and not args.disable_grpo_std_normalization
+                 and args.compute_advantages_and_returns and not args.custom_advantage_function_path
+                 and args.rewards_normalization and not args.custom_reward_post_process_path
+                 and not args.custom_convert_samples_to_train_data_path)  # (SFT and the plug-ins need none)
+    need(not group_std or args.n_samples_per_prompt >= 2,
          f"--advantage-estimator {args.advantage_estimator} needs --n-samples-per-prompt >= 2 (a group's std)")
     # slime's check: over-sampling starts at least a rollout batch of prompts (None: rollout-batch-size)
     need(args.over_sampling_batch_size is None or args.over_sampling_batch_size >= args.rollout_batch_size,
@@ -233,7 +269,9 @@ def _check_training(args: argparse.Namespace, need: Checks) -> None:
          "towards the engines'); drop one")
     need(not (args.kl_coef and args.kl_loss_coef), "only one of --kl-coef and --kl-loss-coef can be non-zero")
     need(args.loss_type == "policy_loss" or args.advantage_estimator != "ppo",
-         "--loss-type sft_loss has no critic: drop --advantage-estimator ppo")
+         f"--loss-type {args.loss_type} has no critic: drop --advantage-estimator ppo")
+    check_loss_plugins(args, need)
+    check_patterns(args, need)
 
 
 def _check_fsdp(args: argparse.Namespace, need: Checks) -> None:
@@ -247,6 +285,8 @@ def _check_fsdp(args: argparse.Namespace, need: Checks) -> None:
                      "--recompute-num-layers": args.recompute_num_layers is not None,
                      "--torch-compile": args.torch_compile,
                      "--custom-megatron-init-path": args.custom_megatron_init_path,
+                     "--only-train-params-name-list": args.only_train_params_name_list,
+                     "--freeze-params-name-list": args.freeze_params_name_list,
                      "--custom-megatron-before-log-prob-hook-path": args.custom_megatron_before_log_prob_hook_path,
                      "--custom-megatron-before-train-step-hook-path":
                          args.custom_megatron_before_train_step_hook_path}
@@ -263,14 +303,14 @@ def _check_eval(args: argparse.Namespace, need: Checks) -> list[Any]:
          "--debug-rollout-only generates its rollouts; drop --load-debug-rollout-data")
     need(args.eval_interval is None or args.eval_interval >= 1,
          f"--eval-interval must be 1 or more, got {args.eval_interval}")
-    need(args.eval_interval is None or bool(args.eval_prompt_data),
-         "--eval-interval needs eval sets: give --eval-prompt-data NAME PATH [NAME PATH ...]")
+    need(args.eval_interval is None or bool(args.eval_prompt_data or args.eval_config),
+         "--eval-interval needs eval sets: give --eval-prompt-data NAME PATH [NAME PATH ...] or --eval-config")
     need(args.eval_interval is None or not args.debug_train_only,
          "--eval-interval: --debug-train-only has no engines to evaluate on; drop --eval-interval")
     need(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be 1 or more")
-    if not args.eval_prompt_data:
+    if not (args.eval_prompt_data or args.eval_config):
         return []
-    from rollout.eval import EvalConfigError, eval_sets
+    from rollout.eval_sets import EvalConfigError, eval_sets
 
     try:
         return list(eval_sets(args))
@@ -280,9 +320,10 @@ def _check_eval(args: argparse.Namespace, need: Checks) -> list[Any]:
 
 
 def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None, need: Checks) -> None:
-    if args.debug_train_only:
-        need(bool(args.load_debug_rollout_data),
-             "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on)")
+    if args.debug_train_only:  # no engines: the rollouts come from a dump, or a function that needs none (SFT's)
+        need(bool(args.load_debug_rollout_data) or bool(rollout_function_path),
+             "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on) or a "
+             "--rollout-function-path that needs no engines (slime.rollout.sft_rollout.generate_rollout)")
     else:
         need(bool(args.prompt_data) or bool(rollout_function_path),
              "--prompt-data is required (a jsonl file), unless --rollout-function-path supplies the samples")
@@ -293,45 +334,6 @@ def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None, 
          "give it and drop --prompt-data")
     need(args.rollout_temperature > 0, f"--rollout-temperature {args.rollout_temperature}: must be > 0; temperature "
          "0 is greedy decoding and is not a valid RL policy (as in slime); use --eval-temperature 0 for greedy evals")
-
-
-def _check_async(args: argparse.Namespace, need: Checks) -> None:
-    need(args.update_weights_interval >= 1,
-         f"--update-weights-interval must be 1 or more, got {args.update_weights_interval}")
-    need(args.update_weights_interval == 1 or args.train_async,
-         f"--update-weights-interval {args.update_weights_interval} takes effect with --train-async (slime's "
-         "train_async.py); train.py publishes after every rollout: add --train-async or drop the flag")
-    fully = args.rollout_function_path == FULLY_ASYNC_ROLLOUT
-    need(not ((args.train_async or fully) and (args.offload_train or args.offload_rollout)),
-         "--train-async and the fully async rollout: the engines generate while the trainer trains, so they cannot "
-         "share its GPUs (--colocate, --offload-train, --offload-rollout), as slime's train_async.py refuses "
-         "--colocate; drop them")
-    need(not ((args.train_async or fully) and args.debug_rollout_only),
-         "--debug-rollout-only runs the built-in rollout alone: drop --train-async or the fully async rollout")
-    if not fully:
-        given = [flag for flag, value, default in (
-            ("--max-weight-staleness", args.max_weight_staleness, None),
-            ("--async-data-buffer-capacity-factor", args.async_data_buffer_capacity_factor, 2.0),
-            ("--async-unused-samples-handler", args.async_unused_samples_handler, "drop"),
-            ("--pause-generation-mode", args.pause_generation_mode, "retract")) if value != default]
-        need(not given, f"{given[0] if given else ''} takes effect with the fully async rollout (--rollout-function-"
-                        f"path {FULLY_ASYNC_ROLLOUT}): add it or drop the flag")
-        return
-    need(args.max_weight_staleness is None or args.max_weight_staleness >= 0,
-         f"--max-weight-staleness must be 0 or more, got {args.max_weight_staleness}")
-    need(int(args.async_data_buffer_capacity_factor * args.rollout_batch_size) >= args.rollout_batch_size,
-         f"--async-data-buffer-capacity-factor {args.async_data_buffer_capacity_factor}: the buffer must hold a "
-         f"rollout of --rollout-batch-size {args.rollout_batch_size} groups; give 1.0 or more")
-    need(not args.keep_old_actor or args.max_weight_staleness is not None,
-         "--keep-old-actor with the fully async rollout keeps the weights of every version a sample may come "
-         "from: bound them with --max-weight-staleness")
-    for flag, value in (("--partial-rollout", args.partial_rollout), ("--load-debug-rollout-data",
-                        args.load_debug_rollout_data), ("--dynamic-sampling-filter-path",
-                        args.dynamic_sampling_filter_path), ("--over-sampling-batch-size",
-                        args.over_sampling_batch_size)):
-        need(not value, f"{flag}: the fully async rollout does not take it (its groups always continue from their "
-                        "tokens across a stop, and every finished group is trained); drop it")
-    need(bool(args.prompt_data), "the fully async rollout draws its prompts from --prompt-data: give it")
 
 
 def _check_lengths(args: argparse.Namespace, need: Checks) -> int | None:
@@ -355,6 +357,9 @@ def _check_rewards(args: argparse.Namespace, need: Checks) -> None:
              f"--prompt-data {args.prompt_data}: read by its suffix, one of {', '.join(PROMPT_SUFFIXES)}")
     rm_type = (args.rm_type or "").removeprefix("boxed_")
     need(rm_type != "remote_rm" or bool(args.rm_url), "--rm-type remote_rm needs --rm-url (the reward server's URL)")
+    if rm_type == "ifbench" and not args.custom_rm_path:
+        missing = missing_evaluation_lib()
+        need(missing is None, f"--rm-type {args.rm_type}: {missing}")
     need(rm_type not in DICT_REWARDS or bool(args.reward_key) or bool(args.custom_rm_path),
          f"--rm-type {args.rm_type} gives a dict reward ({', '.join(DICT_REWARDS.get(rm_type, ()))}): "
          "add --reward-key naming the one to train on (slime's recipes use score)")

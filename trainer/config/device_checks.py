@@ -33,3 +33,21 @@ def attention_backend_problem(kernels: str, device: Device, train_backend: str,
         return (f"{flag}: the megatron backend's context-parallel attention has no {kernels} kernel; use "
                 "--attention-backend auto")
     return None
+
+
+def distributed_backend_problem(backend: str | None, device: Device) -> str | None:
+    """Why --distributed-backend cannot be this trainer's process group, or None: NCCL needs GPUs,
+    and megatron-core's collectives on CUDA tensors need NCCL."""
+    wanted = "nccl" if device == "cuda" else "gloo"
+    if backend is None or backend == wanted:
+        return None
+    why = "NCCL needs GPUs" if backend == "nccl" else "the collectives on CUDA tensors need NCCL"
+    return f"--distributed-backend {backend}: this trainer runs on {device} and {why}; give {wanted} or drop the flag"
+
+
+def memory_history_problem(record: bool, device: Device) -> str | None:
+    """--record-memory-history records torch's CUDA allocator: nothing to record on CPU."""
+    if record and device != "cuda":
+        return (f"--record-memory-history: it records the CUDA allocator's history and this trainer runs on {device}; "
+                "drop it (or give the trainer GPUs: --actor-num-gpus-per-node)")
+    return None

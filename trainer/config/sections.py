@@ -16,7 +16,15 @@ class RunOptions:
     """What the run is: where it writes, how long it runs, which parts run."""
 
     job_dir: str  # derived: absolute --job-dir, else --save, else the cwd
-    num_rollout: int
+    num_rollout: int  # derived from --num-epoch when not given
+    num_epoch: int | None
+    custom_config_path: str | None  # its keys were set on the flags before the config was built
+    distributed_backend: str | None  # None: nccl with GPUs, gloo on CPU
+    distributed_timeout_minutes: int
+    record_memory_history: bool  # CUDA only (trainer.memory_history)
+    memory_snapshot_dir: str
+    memory_snapshot_num_steps: int | None
+    memory_snapshot_path: str
     supervised: bool
     master_port: int | None
     debug_train_only: bool
@@ -39,8 +47,13 @@ class ModelOptions:
     attention_kernels: str  # the --attention-backend flag as given: which SDPA kernels may run
     deterministic_mode: bool
     make_vocab_size_divisible_by: int
+    padded_vocab_size: int | None  # checked: what make_vocab_size_divisible_by x TP gives
     moe_token_dispatcher_type: str | None
     moe_router_dtype: str | None
+    only_train_params_name_list: list[str] | None  # trainer.freezing
+    freeze_params_name_list: list[str] | None
+    moe_router_bias_update_rate: float  # DeepSeek-V3's expert bias: its step after each optimizer step
+    moe_router_load_balancing_type: str  # no effect: the aux-loss coefficient is 0
     custom_megatron_init_path: str | None
     custom_megatron_before_log_prob_hook_path: str | None
     custom_megatron_before_train_step_hook_path: str | None
@@ -79,6 +92,20 @@ class ShapeFlags:
     moe_router_score_function: str | None
     moe_router_pre_softmax: bool | None
     moe_layer_freq: int | None
+    use_rope_scaling: bool | None
+    rotary_scaling_factor: float | None
+    # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
+    multi_latent_attention: bool | None
+    q_lora_rank: int | None
+    kv_lora_rank: int | None
+    qk_head_dim: int | None
+    qk_pos_emb_head_dim: int | None
+    v_head_dim: int | None
+    moe_shared_expert_intermediate_size: int | None
+    moe_router_enable_expert_bias: bool | None
+    moe_router_num_groups: int | None
+    moe_router_group_topk: int | None
+    moe_router_topk_scaling_factor: float | None
 
 
 @dataclass(frozen=True)
@@ -163,6 +190,13 @@ class LossOptions:
     true_on_policy_tolerance: float
     use_rollout_logprobs: bool
     loss_type: str
+    custom_loss_function_path: str | None  # with loss_type custom_loss (trainer.slime_loss)
+    compute_advantages_and_returns: bool  # False (SFT): no log-prob passes, no advantages
+    custom_advantage_function_path: str | None
+    custom_tis_function_path: str | None
+    custom_pg_loss_reducer_function_path: str | None
+    get_mismatch_metrics: bool
+    rollout_data_postprocess_path: str | None
     use_opd: bool  # on-policy distillation: validated to go with --opd-teacher-load
     opd_type: str | None
     opd_kl_coef: float
@@ -203,6 +237,7 @@ class RolloutOptions:
     partial_rollout: bool
     mask_offpolicy_in_partial_rollout: bool
     rollout_sample_hook_path: list[str]
+    buffer_filter_path: str | None
     save_debug_rollout_data: str | None
     load_debug_rollout_data: str | None
     loss_mask_type: str
@@ -224,6 +259,8 @@ class RewardOptions:
 
     rm_type: str | None
     custom_rm_path: str | None
+    custom_reward_post_process_path: str | None  # rewards trained on as it gives them
+    custom_convert_samples_to_train_data_path: str | None
     group_rm: bool
     reward_key: str | None
     eval_reward_key: str | None  # derived: default, --reward-key
@@ -242,6 +279,7 @@ class EvalOptions:
 
     eval_interval: int | None
     eval_prompt_data: list[str] | None
+    eval_config: str | None
     eval_datasets: list[Any]  # derived: rollout.eval.EvalSet of each NAME PATH pair
     skip_eval_before_train: bool
     eval_input_key: str | None
@@ -300,6 +338,8 @@ class CheckpointOptions:
     save: str | None
     save_interval: int
     keep_checkpoints: int | None
+    no_save_optim: bool
+    save_hf: str | None  # a folder name with {rollout_id}
 
 
 @dataclass(frozen=True)

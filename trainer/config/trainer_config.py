@@ -44,9 +44,10 @@ class TrainerConfig:
     asynchronous: AsyncOptions
     checkpoint: CheckpointOptions
     logging: LoggingOptions
-    # slime's flags slurmrl refuses unless given as the one accepted value (trainer.refused_flags):
-    # read by nothing in slurmrl, kept only so plug-ins see every name slime's Namespace has.
-    refused_flags: tuple[tuple[str, Any], ...] = ()
+    # What only plug-ins read: slime's flags slurmrl refuses unless given as the one accepted value
+    # (trainer.refused_flags), and --custom-config-path's own keys (trainer.custom_config); kept so
+    # plug-ins see every name slime's Namespace has.
+    plugin_only: tuple[tuple[str, Any], ...] = ()
 
     @property
     def steps_per_rollout(self) -> int:
@@ -55,13 +56,13 @@ class TrainerConfig:
         return max(1, rollout.rollout_batch_size * rollout.n_samples_per_prompt // self.batching.global_batch_size)
 
     def sections(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "refused_flags")
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "plugin_only")
 
     def flat(self) -> dict[str, Any]:
         """Every flag (and derived value) by slime's name: what the rollout journal's fingerprint
         and W&B's run config record. The values are the config's own (not copies)."""
         values = {f.name: getattr(section, f.name) for section in self.sections() for f in fields(section)}
-        values.update(self.refused_flags)
+        values.update(self.plugin_only)
         return values
 
     def plugin_namespace(self) -> argparse.Namespace:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -38,6 +39,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch import Tensor
 
+from ckpt_tools.mla_attention import MLADotProductAttention
 from trainer.context_parallel import cp_attention
 from trainer.megatron.norm import HeadNorm, HiddenStateNorm
 
@@ -77,7 +79,8 @@ class SDPAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 pg_collection=None) -> None:
+                 pg_collection=None, k_channels: int | None = None, v_channels: int | None = None) -> None:
+        # k_channels / v_channels: multi-latent attention's head widths; the kernels read them off q/k/v.
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         # The kernels below run without dropout, softmax variants or windows:
@@ -127,20 +130,27 @@ class SDPAttention(MegatronModule):
         return out.reshape(out.shape[0], -1)
 
 
-def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: AttentionKind) -> ModuleSpec:
+def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: AttentionKind,
+                   multi_latent_attention: bool = False) -> ModuleSpec:
     """The GPTModel layer spec (RMSNorm, local linears): megatron's local spec with norms that also
     run under sequence parallelism (trainer.megatron.norm), and its core attention replaced by
-    SDPAttention when attention == "sdpa"."""
+    SDPAttention when attention == "sdpa". With multi-latent attention (DeepSeek), the q/kv norms
+    are those of the latents and the local core attention is one that takes MLA's head widths."""
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                    qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                    normalization="RMSNorm", multi_latent_attention=multi_latent_attention)
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenStateNorm
     attn = spec.submodules.self_attention.submodules
     if qk_layernorm:
-        attn.q_layernorm = attn.k_layernorm = HeadNorm
+        if multi_latent_attention:  # the latents are split along the sequence under SP, as hidden states
+            attn.q_layernorm = attn.kv_layernorm = HiddenStateNorm
+        else:
+            attn.q_layernorm = attn.k_layernorm = HeadNorm
     if attention == "sdpa":
         attn.core_attention = SDPAttention
+    elif multi_latent_attention:
+        attn.core_attention = MLADotProductAttention
     return spec
 
 
@@ -148,6 +158,13 @@ def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> Modul
     """The whole decoder's spec: gpt_layer_spec for every layer and the final norm, which megatron
     would otherwise build as WrappedTorchNorm (it refuses sequence parallelism). Under pipeline
     parallelism, this stage's layers only."""
-    layer = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, attention)
+    layer = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, attention, config.multi_latent_attention)
+    if config.multi_latent_attention and config.tensor_model_parallel_size > 1:
+        # megatron-core 0.16.1's column-parallel q/kv down-projections give k_pos_emb (shared by all
+        # heads) the gradient of this rank's heads only; replicated ones (TE's "duplicated" mode)
+        # sum it over TP, their weights' gradients summed as sequence-parallel ones (MLA accepts
+        # megatron's replicated Linear by identity only; ckpt_tools.megatron_compat gives it extra state).
+        mla = layer.submodules.self_attention.submodules
+        mla.linear_q_down_proj = mla.linear_kv_down_proj = ReplicatedLinear
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=HiddenStateNorm))

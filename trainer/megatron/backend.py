@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from ckpt_tools import mapping
 from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
-from trainer import context_parallel, main_grads
+from trainer import context_parallel, freezing, main_grads
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, built, check_finite
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
@@ -35,27 +34,20 @@ from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron import pipeline as megatron_pipeline
 from trainer.megatron import state as megatron_state
+from trainer.megatron import trainee_state
 from trainer.megatron.attention import gpt_block_spec
 from trainer.megatron.compile import compile_layers
+from trainer.megatron.expert_bias import update_expert_bias
 from trainer.megatron.hf_export import HFExport
 from trainer.megatron.optimizer import ShardedOptimizer
 from trainer.megatron.rope import PackedRope
+from trainer.megatron.trainee_state import Trainee
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.offload import Offloadable
 from trainer.token_stats import log_probs_and_entropy
 
 log = logging.getLogger(__name__)
 
-CRITIC_DIR = "critic"  # PPO's critic is saved in this sub-folder of each checkpoint
-
-
-@dataclass
-class Trainee:
-    """A model with its own optimizer and LR schedule (the actor; PPO's critic)."""
-
-    model: GPTModel
-    optimizer: ShardedOptimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
 class ValueHead(torch.nn.Module):
@@ -93,6 +85,7 @@ class MegatronBackend(Backend):
         # As in Megatron-LM, --sequence-parallel with TP = 1 is accepted and changes nothing.
         self.sequence_parallel = config.parallel.sequence_parallel and self.tp_size > 1
         self.cpu_group = dist.new_group(backend="gloo")
+        self.save_optimizer = not config.checkpoint.no_save_optim
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         check_attention_backend(config.model.attention_kernels, self.device, "megatron", parallel.context_parallel_size)
@@ -103,13 +96,14 @@ class MegatronBackend(Backend):
         if config.model.custom_megatron_init_path:  # slime's: once megatron is initialised, before any model is built
             init = load_function(config.model.custom_megatron_init_path, "--custom-megatron-init-path")
             init(self.plugin_args)
-        self.actor = self._trainee(self._build_model(), config.optimizer.lr)
+        self.actor = self._trainee(freezing.frozen(self._build_model(), config.model), config.optimizer.lr)
         self.model = self.actor.model
         self.ref_model = self._build_model() if config.loss.ref_model_needed else None
         # On-policy distillation's teacher: frozen, the student's architecture, its own weights.
         self.teacher_model = self._build_model() if config.checkpoint.opd_teacher_load else None
-        self.critic = self._trainee(self._build_critic(), config.optimizer.critic_lr or config.optimizer.lr) \
-            if config.loss.advantage_estimator == "ppo" else None
+        critic_lr = config.optimizer.critic_lr or config.optimizer.lr
+        self.critic = (self._trainee(freezing.frozen(self._build_critic(), config.model), critic_lr)
+                       if config.loss.advantage_estimator == "ppo" else None)
         # The log-probs over the vocabulary read and write [tokens, vocab] fp32 tensors a dozen
         # times; compiled, they fuse into a few passes. Under TP the collectives stay eager.
         self._token_stats = torch.compile(log_probs_and_entropy, dynamic=True) \
@@ -148,6 +142,7 @@ class MegatronBackend(Backend):
                 raise ArgsError("--moe-token-dispatcher-type alltoall needs CUDA streams; use allgather on CPU")
             config.moe_token_dispatcher_type = options.model.moe_token_dispatcher_type or "allgather"
             config.moe_router_dtype = options.model.moe_router_dtype
+            config.moe_router_bias_update_rate = options.model.moe_router_bias_update_rate
         spec = gpt_block_spec(config, options.model.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                          post_process=self.last_stage, **model_kwargs).to(self.device)
@@ -291,6 +286,7 @@ class MegatronBackend(Backend):
             for name, m in metrics.items():
                 totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
         self._reduce_gradients(trainee.model)
+        update_expert_bias(trainee.model)
         grad_norm = self._grad_norm(trainee.model)
         check_finite(grad_norm, role)
         if self.config.optimizer.clip_grad > 0 and grad_norm > self.config.optimizer.clip_grad:
@@ -310,7 +306,9 @@ class MegatronBackend(Backend):
         expert weights over the expert-DP group."""
         megatron_pipeline.reduce_embedding_grads(model)
         named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
-        partial = [g for n, p, g in named if "q_layernorm" in n or "k_layernorm" in n
+        # MLA's q/kv norms are over whole latents (HiddenStateNorm): partial only under SP, marked so.
+        head_norms = not model.config.multi_latent_attention
+        partial = [g for n, p, g in named if (head_norms and ("q_layernorm" in n or "k_layernorm" in n))
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         main_grads.all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
         dense_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -354,33 +352,10 @@ class MegatronBackend(Backend):
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, ckpt_dir: Path, common: dict[str, Any]) -> None:
-        megatron_state.save_megatron(ckpt_dir, self.model, self.actor.optimizer,
-                                     {**common, "lr_scheduler": self.actor.scheduler.state_dict()})
-        if self.critic is not None:
-            (ckpt_dir / CRITIC_DIR).mkdir(exist_ok=True)
-            megatron_state.save_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer,
-                                         {"lr_scheduler": self.critic.scheduler.state_dict()})
+        trainee_state.save(ckpt_dir, self.actor, self.critic, common, self.save_optimizer)
 
     def load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
-        common = self._load(ckpt_dir, weights_only)
-        if weights_only:  # a full load restored the masters with the optimizer
-            for trainee in (self.actor, self.critic):
-                if trainee is not None:
-                    trainee.optimizer.refresh_masters()
-        return common
-
-    def _load(self, ckpt_dir: Path, weights_only: bool) -> dict[str, Any]:
-        common = megatron_state.load_megatron(ckpt_dir, self.model, None if weights_only else self.actor.optimizer)
-        if weights_only:
-            if self.critic is not None:  # the critic starts as the initial policy with a zero value head
-                backbone = {k: v for k, v in self.model.state_dict().items() if not k.startswith("output_layer")}
-                self.critic.model.load_state_dict(backbone, strict=False)
-            return {}
-        self.actor.scheduler.load_state_dict(common.pop("lr_scheduler"))
-        if self.critic is not None:
-            critic_state = megatron_state.load_megatron(ckpt_dir / CRITIC_DIR, self.critic.model, self.critic.optimizer)
-            self.critic.scheduler.load_state_dict(critic_state["lr_scheduler"])
-        return common
+        return trainee_state.load(ckpt_dir, self.actor, self.critic, weights_only)
 
     def load_teacher(self, ckpt_dir: Path) -> None:
         teacher = built(self.teacher_model, "the teacher (--opd-teacher-load)")

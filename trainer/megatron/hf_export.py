@@ -21,6 +21,7 @@ from trainer.megatron import pipeline as megatron_pipeline
 # The local layer spec names two norms differently from the checkpoint (and ckpt_tools.mapping).
 _LOCAL_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_FP32_BIAS = "e_score_correction_bias"
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
@@ -49,7 +50,9 @@ class HFExport:
     def _stage_weights(self, rules: dict[str, mapping.Rule], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """This pipeline stage's weights, on its leader (global rank 0 without PP)."""
         offset = get_transformer_layer_offset(self.model.config)
-        for name, param in self.model.named_parameters():
+        # DeepSeek-V3's routing bias is a buffer, not a parameter, and the engines need it too.
+        biases = [(n, b) for n, b in self.model.named_buffers() if n.endswith("router.expert_bias")]
+        for name, param in [*self.model.named_parameters(), *biases]:
             if getattr(param, "shared", False):  # the last stage's copy of tied embeddings
                 continue
             key, layer, experts = self._checkpoint_key(name)
@@ -59,7 +62,8 @@ class HFExport:
                 rule = rules[key]
                 layer_id = None if layer is None else layer + offset
                 for hf_name, tensor in zip(rule.hf_names(layer_id, expert), mapping.to_hf(rule, full, self.shape)):
-                    yield hf_name, tensor.to(dtype).cpu()
+                    # transformers keeps the routing bias in fp32 whatever the model's dtype.
+                    yield hf_name, tensor.to(torch.float32 if hf_name.endswith(_FP32_BIAS) else dtype).cpu()
 
     def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:
         """(checkpoint key, layer, (local expert, experts per rank) or None) of a parameter name."""
@@ -71,7 +75,8 @@ class HFExport:
         if expert:
             per_rank = self.shape.num_experts // self.ep_size
             return "decoder.layers.mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
-        return "decoder.layers." + _LOCAL_NAMES.get(rest, rest), layer, None
+        # The MLA local spec keeps the norms' own names, as the checkpoint does.
+        return "decoder.layers." + (rest if self.shape.mla else _LOCAL_NAMES.get(rest, rest)), layer, None
 
     def _gather(self, name: str, param: torch.Tensor,
                 experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:

@@ -47,19 +47,21 @@ _MASTERS_PREFIX = f"optimizer.state.{_MASTERS}"
 Optimizer = torch.optim.Optimizer | ShardedOptimizer
 
 
-def sharded_state(model: GPTModel, optimizer: Optimizer, common: dict[str, Any]) -> dict[str, Any]:
-    """The state dict to hand to dist_checkpointing.save (every rank; `common` matters on rank 0)."""
+def sharded_state(model: GPTModel, optimizer: Optimizer | None, common: dict[str, Any]) -> dict[str, Any]:
+    """The state dict to hand to dist_checkpointing.save (every rank; `common` matters on rank 0);
+    optimizer None: without the optimizer state (--no-save-optim)."""
     model_state = model.sharded_state_dict()
     return {
         "model": model_state,
-        "optimizer": _optimizer_state(optimizer, model_state),
+        **({"optimizer": _optimizer_state(optimizer, model_state)} if optimizer is not None else {}),
         "rng_state": _rng_object(_rng_states()),
         "common": common,
     }
 
 
-def save_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer, common: dict[str, Any]) -> None:
-    """Write model, optimizer, RNG and `common` into the existing empty folder ckpt_dir. Collective."""
+def save_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer | None, common: dict[str, Any]) -> None:
+    """Write model, optimizer (None: none), RNG and `common` into the existing empty folder
+    ckpt_dir. Collective."""
     _in_process_results_queue()
     dist_checkpointing.save(
         sharded_state(model, optimizer, common), str(ckpt_dir),
@@ -69,15 +71,25 @@ def save_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer, common:
     )
 
 
-def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer | None) -> dict[str, Any]:
+def holds_optimizer(ckpt_dir: Path) -> bool:
+    """Whether the checkpoint has optimizer state (not one saved with --no-save-optim, or converted)."""
+    return any(key.startswith("optimizer.") for key in read_metadata(Path(ckpt_dir)).state_dict_metadata)
+
+
+def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer | None, with_rng: bool | None = None
+                  ) -> dict[str, Any]:
     """Restore what save_megatron wrote and return `common` ({} if the checkpoint has none).
-    optimizer None: the model's weights only (--ref-load, a checkpoint converted from HF); a full
-    load also restores the optimizer and, when saved with the same parallel layout, RNG states.
+    optimizer None: the model's weights only (--ref-load, a checkpoint converted from HF, or one
+    saved without its optimizer); given, the optimizer too. with_rng (by default, with the
+    optimizer: a full load): the RNG states too, when saved with the same parallel layout.
     Collective."""
+    with_rng = optimizer is not None if with_rng is None else with_rng
     model_state = model.sharded_state_dict()
     request: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
-        request.update(_optimizer_and_rng_request(Path(ckpt_dir), optimizer, model_state))
+        request.update(_optimizer_request(Path(ckpt_dir), optimizer, model_state))
+    if with_rng:
+        request.update(_rng_request(Path(ckpt_dir)))
     # megatron's "missing" keys are the checkpoint's that nobody asked for; "unexpected", the reverse.
     loaded, in_ckpt_only, in_request_only = dist_checkpointing.load(
         request, str(ckpt_dir), strict=StrictHandling.RETURN_ALL)
@@ -90,24 +102,25 @@ def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer | None) 
     return loaded.get("common", {})
 
 
-def _optimizer_and_rng_request(ckpt_dir: Path, optimizer: Optimizer,
-                               model_state: dict[str, Any]) -> dict[str, Any]:
-    """What a full load asks for besides the model: the optimizer state (which must be there) and
-    this rank's RNG states (skipped, with a warning, when saved with another parallel layout)."""
+def _optimizer_request(ckpt_dir: Path, optimizer: Optimizer, model_state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state, which must be there."""
     stored = read_metadata(ckpt_dir).state_dict_metadata
     if not any(key.startswith("optimizer.") for key in stored):
         raise RuntimeError(f"{ckpt_dir} holds no optimizer state (converted from HF, or saved weights only): "
                            "load it as weights only (optimizer=None), as --ref-load does")
     with_masters = any(key.startswith(f"{_MASTERS_PREFIX}.") for key in stored)
-    request = {"optimizer": _optimizer_state(optimizer, model_state, with_masters)}
+    return {"optimizer": _optimizer_state(optimizer, model_state, with_masters)}
+
+
+def _rng_request(ckpt_dir: Path) -> dict[str, Any]:
+    """This rank's RNG states (skipped, with a warning, when saved with another parallel layout)."""
     rng = _rng_object(None)
-    if rng.unique_key in stored:
-        request["rng_state"] = rng
-    else:
-        log.warning("%s has no RNG states for this rank's (pp, tp, dp) position %s in %s (saved with "
-                    "another parallel layout?): random streams go on from the current seed",
-                    ckpt_dir, rng.global_offset, rng.global_shape)
-    return request
+    if rng.unique_key in read_metadata(ckpt_dir).state_dict_metadata:
+        return {"rng_state": rng}
+    log.warning("%s has no RNG states for this rank's (pp, tp, dp) position %s in %s (saved with "
+                "another parallel layout?): random streams go on from the current seed",
+                ckpt_dir, rng.global_offset, rng.global_shape)
+    return {}
 
 
 def _without_rank_specific(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,44 @@
+"""DeepSeek-V3 (MLA, shared experts, sigmoid expert-bias grouped routing) through `ckpt verify`,
+and the config.json fields where megatron-core would compute something else, refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.convert import hf_to_torch_dist
+from ckpt_tools.hf_checkpoint import CheckpointError
+from ckpt_tools.verify import verify
+from tests.ckpt_tools.test_megatron_parity import ATOL
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory) -> Path:
+    return make_tiny_hf("deepseek_v3", tmp_path_factory.mktemp("deepseek") / "hf", tied=False)
+
+
+def test_verify_passes(tiny_deepseek: Path) -> None:
+    verdict = verify(tiny_deepseek)
+    assert verdict.roundtrip_problems == []
+    assert verdict.logits_max_diff is not None and verdict.logits_max_diff <= ATOL
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("first_k_dense_replace", 1, "first_k_dense_replace 1 mixes dense and MoE layers"),
+    ("norm_topk_prob", False, "norm_topk_prob false is not supported"),
+    ("topk_group", 1, "num_experts_per_tok 4 must be twice topk_group"),
+    ("rope_interleave", False, "rope_interleave false is not supported"),
+])
+def test_config_megatron_cannot_match_is_refused(tiny_deepseek: Path, tmp_path: Path, field: str, value,
+                                                  message: str) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads((tiny_deepseek / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, field: value}))
+    (hf / "model.safetensors").symlink_to(tiny_deepseek / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        hf_to_torch_dist(hf, tmp_path / "td", progress=False)
+    assert not (tmp_path / "td").exists()

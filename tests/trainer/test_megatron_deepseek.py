@@ -1,0 +1,100 @@
+"""DeepSeek-V3 (MLA, a shared expert, sigmoid expert-bias grouped routing) in the trainer, from
+slime's model flags (each checked against config.json): on a tiny model, one RL step gives HF's
+log-probs and the same loss, grad norm, new weights and new routing biases at TP=1 and at
+TP=2 + SP with the experts spread over the two ranks (EP=2); the bias moves as megatron moves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.convert import hf_to_torch_dist
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import rank_devices
+from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _run, _samples
+
+BIAS_RATE = 1e-3
+# slime's DeepSeek-V3 model flags (scripts/models/deepseek-v3.sh) at the tiny model's sizes
+DEEPSEEK_FLAGS = [
+    "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+    "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+    "--num-experts", "8", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "32",
+    "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", str(BIAS_RATE), "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0",
+]
+# As Qwen3-MoE's (test_megatron_moe_parallel): EP over the TP ranks with sequence parallelism. EP
+# over data-parallel ranks with the allgather dispatcher needs equal token counts on every rank (gloo).
+LAYOUTS = {"tp2_sp_ep2": (2, 2, "local", ["--sequence-parallel", "--expert-model-parallel-size", "2",
+                                          "--expert-tensor-parallel-size", "1"])}
+BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    model = make_tiny_hf("deepseek_v3", root / "model", tied=False)
+    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def results(tiny, tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("runs")
+    runs = {"tp1": (1, 1, "local", [])} | LAYOUTS
+    with rank_devices(2):
+        return {name: _run(tiny, tmp, name, tp, world, attention, [*DEEPSEEK_FLAGS, *extra])
+                for name, (tp, world, attention, extra) in runs.items()}
+
+
+def test_log_probs_equal_hf(tiny, results) -> None:
+    model, _ = tiny
+    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
+    for name, result in results.items():
+        for i, want in enumerate(expected):
+            assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
+
+
+def test_one_step_is_the_same_at_tp2_ep2(results) -> None:
+    base = results["tp1"]
+    assert base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
+    for name in LAYOUTS:
+        other = results[name]
+        for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
+            assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
+        assert other["weights"].keys() == base["weights"].keys()
+        for hf_name, tensor in base["weights"].items():
+            assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
+    for hf_name in ("model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+                    "model.layers.0.mlp.gate.weight"):
+        assert not torch.equal(base["weights"][hf_name], base["before"][hf_name]), f"{hf_name} must train"
+
+
+def test_routing_bias_moves_by_the_rate_towards_balance(results) -> None:
+    """Each expert's bias moves by +-rate (or stays, at exactly average load), and the step is
+    published with it (the engines route with it)."""
+    for layer in range(2):
+        before, after = results["tp1"]["before"][BIAS.format(layer)], results["tp1"]["weights"][BIAS.format(layer)]
+        steps = ((after - before) / BIAS_RATE).round()
+        assert torch.allclose(after - before, steps * BIAS_RATE, atol=1e-7)
+        assert set(steps.tolist()) <= {-1.0, 0.0, 1.0} and steps.abs().sum() >= 2, f"layer {layer}: {steps}"
+
+
+def test_a_flag_that_disagrees_with_config_json_is_named(tiny) -> None:
+    from trainer.args import ArgsError, build_config, build_parser
+    from trainer.config.model_checks import check_model_flags
+
+    model, _ = tiny
+    config = json.loads((model / "config.json").read_text())
+    common = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
+              "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS]
+    check_model_flags(build_config(build_parser().parse_args(common)).shape, str(model), config)  # slime's pass
+    wrong = build_config(build_parser().parse_args([*common, "--q-lora-rank", "64", "--moe-router-num-groups", "8"]))
+    with pytest.raises(ArgsError) as err:
+        check_model_flags(wrong.shape, str(model), config)
+    assert "--q-lora-rank 64 disagrees with" in str(err.value)
+    assert "--moe-router-num-groups 8 disagrees with" in str(err.value)
