@@ -207,6 +207,7 @@ class Metric:
     WAIT_TIME_RATIO = "perf/wait_time_ratio"
     SAVE_SECONDS = "save_seconds"  # only on rollouts that saved
     EVAL_SECONDS = "eval_seconds"  # only on rollouts that evaluated
+    TRAIN_STARTED_AT, TRAIN_ENDED_AT = "train_started_at", "train_ended_at"  # unix s: the trace viewer's trainer row
 
 
 # Each rollout's time by phase, on every metrics line (0 for a phase that did not run), under

@@ -1,4 +1,8 @@
-"""`slurmrl submit [job.yaml] [flags] [--dry-run] [--wait] [--json]`.
+"""`slurmrl submit [train.py | train_async.py] [job.yaml] [flags] [--dry-run] [--wait] [--json]`.
+
+slime's script names pick the trainer's loop as slime's scripts do: train.py (the default)
+generates, then trains; train_async.py (the trainer's --train-async) generates rollout N+1 while
+rollout N trains.
 
 Flags are the spec's own (`--actor-num-nodes`, `--rollout-engine`, `--time`, ...), `--sglang-*` and
 `--router-*` passthroughs, and the trainer's (`python -m trainer --help`); they override the file.
@@ -14,10 +18,13 @@ import sys
 from pathlib import Path
 
 OWN = ("--dry-run", "--wait", "--json")
-USAGE = """usage: slurmrl submit [JOB.yaml] [FLAGS...] [--dry-run] [--wait] [--json]
+# slime's entry scripts, and the trainer flags each stands for
+SLIME_SCRIPTS = {"train.py": [], "train_async.py": ["--train-async"]}
+USAGE = """usage: slurmrl submit [train.py | train_async.py] [JOB.yaml] [FLAGS...] [--dry-run] [--wait] [--json]
 
 Submit an RL job as one heterogeneous SLURM job (group 0: trainer nodes and the supervisor,
-group 1: rollout nodes). Flags override the YAML file:
+group 1: rollout nodes). slime's script name picks the loop: train.py (default) or train_async.py
+(rollout N+1 generated while rollout N trains; the trainer's --train-async). Flags override the YAML file:
   spec flags        {spec}
   --sglang-*        passed to every engine (--sglang-mem-fraction-static 0.8 -> --mem-fraction-static 0.8) and
                     checked by SGLang's own parser; slime's own --sglang-router-request-timeout-secs and
@@ -49,7 +56,11 @@ def main(argv: list[str]) -> int:
         return 0
     own = {flag: flag in argv for flag in OWN}
     rest = [token for token in argv if token not in OWN]
+    script: list[str] = []
+    if rest and rest[0] in SLIME_SCRIPTS:
+        script = SLIME_SCRIPTS[rest.pop(0)]
     spec_file = Path(rest.pop(0)) if rest and not rest[0].startswith("-") else None
+    rest += script
 
     from contract.job_dir import JobDir
     from contract.spec import SpecError

@@ -105,6 +105,9 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
         problems.append(f"rollout: {err}")
     if not problems:
         problems += _engine_group_problems(spec)
+    if r.colocate and "--train-async" in t.train_args:
+        problems.append("rollout.colocate: slime's train_async.py (--train-async) generates while the trainer trains, "
+                        "so the engines need GPUs of their own: drop --colocate, or submit train.py")
     if r.colocate and r.spare_nodes:
         problems.append("rollout.spare_nodes: colocated engines run on the trainer's nodes, which have no spares; "
                         "drop --rollout-spare-nodes or --colocate")

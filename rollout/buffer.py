@@ -46,6 +46,10 @@ class DataBuffer:
         """Keep groups a round could not finish; the next round resumes them first."""
         self.pending.extend(groups)
 
+    def put_back(self, groups: list[list[Sample]]) -> None:
+        """Groups taken and not finished, to go out again before the rest (rollout.group_ledger)."""
+        self.pending[:0] = groups
+
     # slime's data source names (RolloutDataSourceWithBuffer), as a rollout function calls them
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         """`num_samples` groups: those given back first, then fresh prompts."""

@@ -5,7 +5,8 @@ slime loads here and one made here loads in slime (slime/observability/rollout_d
 
 `path` is the template formatted with rollout_id (for an eval, rollout_id="eval_<id>"); the
 samples are one flat list, a prompt's samples sharing group_index; each dict has slime's Sample
-field names (`weight_versions`, a list, where slurmrl keeps the last one as `weight_version`), and
+field names (`weight_versions`, a list: slurmrl keeps its first as `oldest_weight_version` and its last as
+`weight_version`), and
 slurmrl's `spans` (rollout.trace: slime reads it as an extra attribute; a dump without it loads with none).
 """
 
@@ -52,8 +53,9 @@ def to_slime_dict(sample: Sample) -> dict[str, Any]:
     d = {**_SLIME_ONLY, **sample.to_dict()}
     d["apply_chat_template_kwargs"], d["spec_info"], d["prefix_cache_info"] = (
         {}, dict(_SLIME_ONLY["spec_info"]), dict(_SLIME_ONLY["prefix_cache_info"]))
-    version = d.pop("weight_version")
-    d["weight_versions"] = [version_to_wire(version)] if version is not None else []  # slime's: strings
+    version, oldest = d.pop("weight_version"), d.pop("oldest_weight_version")
+    versions = [v for v in dict.fromkeys((oldest, version)) if v is not None]
+    d["weight_versions"] = [version_to_wire(v) for v in versions]  # slime's: strings, oldest first
     return d
 
 
@@ -77,6 +79,7 @@ def from_slime_dict(d: dict[str, Any], where: str) -> Sample:
                   loss_mask=list(d.get("loss_mask") or []), status=status,
                   rollout_log_probs=list(d.get("rollout_log_probs") or []),
                   weight_version=version_from_wire(versions[-1]) if versions else None,
+                  oldest_weight_version=version_from_wire(versions[0]) if len(versions) > 1 else None,
                   metadata=dict(d.get("metadata") or {}),
                   spans=list(d.get("spans") or []))  # dumps older than rollout.trace have none
 

@@ -42,6 +42,9 @@ class Sample:
     status: Status = Status.PENDING
     rollout_log_probs: list[float] = field(default_factory=list)
     weight_version: int | None = None
+    # The oldest version that generated any of its response tokens: a sample continued across a weight
+    # update (a pause that keeps requests, a partial rollout) has tokens of several. None: not known.
+    oldest_weight_version: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)  # rollout.trace's record of what happened to it
     # slime's per-sample plug-ins (an eval set's, --eval-config): they win over the flags'
@@ -68,6 +71,11 @@ class Sample:
     @aborted.setter
     def aborted(self, value: bool) -> None:
         _set_flag(self, Status.ABORTED, value)
+
+    @property
+    def generating_version(self) -> int | None:
+        """The version its staleness counts from: the oldest that generated it."""
+        return self.weight_version if self.oldest_weight_version is None else self.oldest_weight_version
 
     def reward_value(self, reward_key: str | None) -> float:
         """The number trained on: the reward, or its `reward_key` entry when it is a dict."""

@@ -1,5 +1,8 @@
-"""`slurmrl trace DUMP [--events EVENTS] [-o OUT.html]`: one self-contained HTML timeline of a
-rollout dump's spans (rollout.trace), with the supervisor's events on the same wall-time axis.
+"""`slurmrl trace DUMP [--events EVENTS] [--metrics METRICS] [-o OUT.html]`: one self-contained HTML
+timeline of a rollout dump's spans (rollout.trace), with the supervisor's events and the trainer's
+training steps (metrics.jsonl's train_started_at/train_ended_at) on the same wall-time axis: with
+asynchronous RL (train_async.py, the fully async rollout) the samples of rollout N generate while
+rollout N-1 trains, and the page says for how long generation overlapped training.
 
 Rows are samples, sorted by when they finished, so the long tail is the bottom rows; the samples
 that finished in the last tenth of the round's time are marked. Bars are spans coloured by kind;
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from contract.job_dir import Metric
 from rollout import debug_data
 from rollout.trace import KINDS
 
@@ -61,8 +65,38 @@ def load_events(path: Path) -> list[dict[str, Any]]:
     return events
 
 
-def timeline(dump: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the page draws: rows sorted by end time, the tail marked, events in the window."""
+def load_training(path: Path) -> list[dict[str, Any]]:
+    """Each rollout's training interval from a job's metrics.jsonl (lines without one are skipped)."""
+    if not path.is_file():
+        raise TraceError(f"--metrics {path} does not exist (the job dir's metrics.jsonl)")
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            raise TraceError(f"--metrics {path}: a line is not JSON (is it a job's metrics.jsonl?)") from None
+        if isinstance(m, dict) and Metric.TRAIN_STARTED_AT in m and Metric.TRAIN_ENDED_AT in m:
+            out.append({"rollout_id": m.get(Metric.ROLLOUT_ID), "start": float(m[Metric.TRAIN_STARTED_AT]),
+                        "end": float(m[Metric.TRAIN_ENDED_AT])})
+    return out
+
+
+def overlap_s(spans: list[tuple[float, float]], training: list[tuple[float, float]]) -> float:
+    """Seconds during which some generate span and some training interval both ran."""
+    def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        merged: list[tuple[float, float]] = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in union(spans) for s2, e2 in union(training))
+
+
+def timeline(dump: dict[str, Any], events: list[dict[str, Any]],
+             training: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What the page draws: rows sorted by end time, the tail marked, events and training in the window."""
     rows = []
     for sample in dump["samples"]:
         spans = [s for s in sample.get("spans") or [] if s.get("kind") in KINDS]
@@ -80,8 +114,13 @@ def timeline(dump: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, An
     drawn = [{**e, "class": "failure" if e["kind"] in _FAILURES else "recovery"} for e in events
              if (e["kind"] in _FAILURES or e["kind"] in _RECOVERIES)
              and t0 - _EVENT_MARGIN_S <= e["time"] <= t1 + _EVENT_MARGIN_S]
-    return {"rollout_id": dump.get("rollout_id"), "t0": min([t0] + [e["time"] for e in drawn]),
-            "t1": max([t1] + [e["time"] for e in drawn]), "tail_from": tail_from, "rows": rows, "events": drawn,
+    trained = [t for t in training or [] if t["end"] >= t0 - _EVENT_MARGIN_S and t["start"] <= t1 + _EVENT_MARGIN_S]
+    generating = [(s["start"], s["end"]) for r in rows for s in r["spans"] if s["kind"] == "generate"]
+    starts = [e["time"] for e in drawn] + [t["start"] for t in trained]
+    ends = [e["time"] for e in drawn] + [t["end"] for t in trained]
+    return {"rollout_id": dump.get("rollout_id"), "t0": min([t0, *starts]), "t1": max([t1, *ends]),
+            "tail_from": tail_from, "rows": rows, "events": drawn, "training": trained,
+            "overlap_s": overlap_s(generating, [(t["start"], t["end"]) for t in trained]),
             "kinds": list(KINDS), "samples": len(dump["samples"]), "span_count": sum(len(r["spans"]) for r in rows)}
 
 
@@ -99,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         dump = load_dump(args.dump)
         events = load_events(args.events) if args.events else []
-        data = timeline(dump, events)
+        data = timeline(dump, events, load_training(args.metrics) if args.metrics else None)
         out = args.output or args.dump.with_suffix(".trace.html")
         tmp = out.with_name(f".{out.name}.tmp")
         tmp.write_text(render(data))
@@ -108,8 +147,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 1
     note = "" if data["span_count"] else " (the dump holds no spans: made before rollout.trace)"
+    trained = (f", {len(data['training'])} training steps, generation overlapping training for "
+               f"{data['overlap_s']:.2f} s" if args.metrics else "")
     print(f"wrote {out}: {len(data['rows'])} samples, {data['span_count']} spans, "
-          f"{len(data['events'])} events{note}")
+          f"{len(data['events'])} events{trained}{note}")
     return 0
 
 
@@ -118,6 +159,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("dump", type=Path, help="a rollout dump (--save-debug-rollout-data's file)")
     parser.add_argument("--events", type=Path, help="a job dir's events.jsonl: engine failures and recoveries "
                         "drawn on the same time axis")
+    parser.add_argument("--metrics", type=Path, help="a job dir's metrics.jsonl: the trainer's training steps drawn "
+                        "on the same time axis (generation overlapping training, with asynchronous RL)")
     parser.add_argument("-o", "--output", type=Path, help="the HTML file (default: DUMP with .trace.html)")
     parser.set_defaults(func=main, prog=parser.prog)
 
@@ -139,7 +182,8 @@ body{font:12px sans-serif;margin:12px;color:#222;overflow-x:hidden}
 .event-label{position:absolute;top:-14px;left:3px;font-size:10px;white-space:nowrap;background:#fffc}
 .event.failure{background:#d00}.event.recovery{background:#080}
 .k-queued{background:#bbb}.k-generate{background:#3b7dd8}.k-retry_wait{background:#f0a}.k-abort{background:#d00}
-.k-resume{background:#0a0}.k-reward{background:#e90}.k-filter{background:#7a3}
+.k-resume{background:#0a0}.k-reward{background:#e90}.k-filter{background:#7a3}.k-train{background:#555}
+.row.trainer{background:#eee}
 .span.failed{background:repeating-linear-gradient(45deg,#d33,#d33 3px,#3b7dd8 3px,#3b7dd8 6px)}
 #tip{position:fixed;display:none;background:#ffe;border:1px solid #999;padding:4px;white-space:pre;z-index:9}
 </style></head><body>
@@ -169,6 +213,17 @@ document.getElementById("summary").textContent = "rows sorted by end time; shade
 const legend = document.getElementById("legend");
 for (const k of data.kinds) { const s = el("span", "", legend); el("i", "k-" + k, s); s.append(k); }
 const chart = document.getElementById("chart");
+if (data.training.length) {
+  const r = el("div", "row trainer", chart);
+  el("div", "label", r).textContent = "trainer (overlap " + data.overlap_s.toFixed(2) + " s)";
+  const lane = el("div", "lane", r);
+  for (const t of data.training) {
+    const b = el("div", "span k-train", lane);
+    b.style.left = pct(t.start);
+    b.style.width = (100 * Math.max(t.end - t.start, 0) / width) + "%";
+    hover(b, "training rollout " + t.rollout_id + "\\n" + describe(t));
+  }
+}
 for (const row of data.rows) {
   const r = el("div", "row" + (row.tail ? " tail" : ""), chart);
   el("div", "label", r).textContent = "s" + row.index + " g" + row.group + " " + row.status + " r=" + row.reward;

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from trainer.args_actions import ArgsError, Choice, HelpFormatter, Parser, RefusedFlag, moe_layer_freq, refused
+from trainer.args_async_flags import add_async_flags
 from trainer.args_rollout_flags import add_rollout_flags
 from trainer.refused_flags import REFUSED
 
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--deterministic-mode", action="store_true",
         help="deterministic cuDNN and torch.use_deterministic_algorithms (errors on ops without one)")
     add_rollout_flags(p)
+    add_async_flags(p)
     for r in REFUSED:
         refused(p, r.flag, r.reason, allowed=r.allowed, type=r.type, switch=r.switch, nargs=r.nargs)
     for action in p._actions:

@@ -108,3 +108,19 @@ class Backend(ABC):
         return box[0]
 
     cpu_group: Any = None  # a gloo group over all trainer ranks, set by the backend
+    model: Any = None  # the actor's module, set by the backend
+
+    def actor_tensors(self) -> list[Tensor]:
+        """This rank's share of the actor's parameters, live: copying into them changes the model
+        (--keep-old-actor swaps the weights that generated a sample in and out, trainer.old_actor)."""
+        if not isinstance(self.model, torch.nn.Module):
+            raise NotImplementedError(f"{type(self).__name__} has no actor module: --keep-old-actor needs the "
+                                      "megatron or fsdp backend")
+        return [_local(p.data) for p in self.model.parameters()]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A sharded (DTensor) parameter's shard on this rank, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

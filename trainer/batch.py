@@ -27,7 +27,9 @@ class TrainSample:
     group_index: int  # the rollout sample's: the samples of one prompt share it (advantages per group)
     raw_reward: float | None = None  # what the reward metrics report, where a plug-in gave `reward` (train_data)
     rollout_log_probs: Tensor | None = None  # [R], from the engine
-    weight_version: int | None = None  # the weights that generated it (None: the initial checkpoint)
+    weight_version: int | None = None  # the (oldest) weights that generated it (None: the initial checkpoint)
+    staleness: int = 0  # the trainer's version minus weight_version when trained (set by the loop)
+    sample_index: int | None = None  # the rollout sample's index (unique over the run: the data source counts)
     # Filled in by the trainer before the update, one [R] tensor each.
     advantages: Tensor | None = None
     returns: Tensor | None = None
@@ -52,8 +54,7 @@ class TrainSample:
         return cls(tokens=torch.tensor(sample.tokens, dtype=torch.int64), response_length=r,
                    loss_mask=torch.tensor(mask, dtype=torch.float32),
                    reward=sample.reward_value(reward_key) if check_reward else 0.0, group_index=sample.group_index,
-                   rollout_log_probs=logp,
-                   weight_version=sample.weight_version)
+                   rollout_log_probs=logp, weight_version=sample.generating_version, sample_index=sample.index)
 
 
 @dataclass

@@ -18,9 +18,12 @@ from rollout.buffer import DataBuffer
 from rollout.data import JsonlDataSource
 from rollout.engine_client import EngineClient
 from rollout.eval import Evaluator
+from rollout.fully_async import FullyAsyncWorker
+from rollout.group_ledger import GroupLedger
 from rollout.plugins import load_function
 from rollout.router_client import RouterClient
 from trainer import rl_step, rollout_journal, save_now
+from trainer.ahead_source import AheadRolloutSource
 from trainer.backend import Backend
 from trainer.checkpointer import CheckpointConfig, Checkpointer, Stateful
 from trainer.colocation import Colocation, EngineSide
@@ -29,9 +32,11 @@ from trainer.config.rollout_args import rollout_args
 from trainer.engine_fleet import EngineFleet
 from trainer.evals import EvalSchedule
 from trainer.flops import fwd_flops
+from trainer.fully_async_source import ENGINE_CALL_TIMEOUT_S, FullyAsyncOptions, FullyAsyncSource
 from trainer.loop import Loop, Progress
 from trainer.memory_history import MemoryHistory
 from trainer.metrics import Reporter
+from trainer.old_actor import OldActor
 from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.publish import WeightPublisher
@@ -39,7 +44,7 @@ from trainer.publisher import Publisher
 from trainer.rank0_parts import Rank0Parts
 from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_only import RolloutOnly
-from trainer.rollout_source import RolloutGenerator, SyncRolloutSource
+from trainer.rollout_source import Heartbeat, RolloutGenerator, RolloutSource, SyncRolloutSource
 from trainer.save_now import StopRequests
 from trainer.slime_loss import SlimeLossPlugins
 from trainer.supervisor_link import SupervisorLink
@@ -81,7 +86,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
                if config.checkpoint.save else None)
     evaluator = Evaluator(
         rollout, ev.eval_datasets, rollout.for_plugins, tokenizer=tokenizer,
-        eval_function_path=ev.eval_function_path or ro.rollout_function_path,
+        eval_function_path=ev.eval_function_path or ro.rollout_plugin,
         log_function_path=ev.custom_eval_rollout_log_function_path) if ev.eval_interval is not None else None
     transport = None if run.debug_train_only else WeightPublisher(
         pub.update_weight_transport, Path(run.job_dir), Path(config.model.model_files), pub.api_key,
@@ -103,7 +108,7 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     evals = rank0.evals if rank0 else EvalSchedule(ev.eval_interval, ev.skip_eval_before_train, None, None,
                                                    heartbeat, _no_amend)
     progress = Progress()
-    source = SyncRolloutSource(rank0.generator if rank0 else None, backend.broadcast_object, heartbeat)
+    source = rollout_source(config, rank0, backend, heartbeat)
     parts: list[Stateful] = [progress, evals, source]
     if rank0 and rank0.journal:
         parts.append(rank0.journal)
@@ -117,6 +122,11 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
     memory_history = (MemoryHistory(backend.rank, run.memory_snapshot_dir, run.memory_snapshot_path,
                                     run.memory_snapshot_num_steps) if run.record_memory_history else None)
     profiler = TrainProfiler(backend.rank, memory_history)  # slurmrl profile --train, --record-memory-history
+    asynchronous = config.asynchronous
+    # The staleness a sample can reach: the versions whose weights --keep-old-actor keeps.
+    reach = (asynchronous.max_weight_staleness or 0) if config.rollout.fully_async else \
+        asynchronous.update_weights_interval
+    old_actor = OldActor(backend, reach) if asynchronous.keep_old_actor else None
     memory = PhaseMemory.of_this_process() if rank0 else PhaseMemory(None)  # rank 0 reports
     train_step = TrainStep(backend, TrainStepConfig(
         global_batch_size=config.batching.global_batch_size, need_entropy=loss.entropy_coef != 0,
@@ -126,7 +136,8 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
         per_token_loss=loss.calculate_per_token_loss, kl_coef=loss.kl_coef,
         fwd_flops=functools.partial(fwd_flops, read_hf_config(config.model.model_files))),
         rl_step.loss_config(loss),
-        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, train_plugins(config))
+        functools.partial(rl_step.compute_advantages, loss), profiler, heartbeat, memory, train_plugins(config),
+        old_actor)
     supervisor = rank0.fleet.supervisor if rank0 else None
     publisher = Publisher(rank0.transport if rank0 else None, rank0.fleet.engines if rank0 else _no_engines,
                           supervisor, heartbeat)
@@ -134,7 +145,30 @@ def build_loop(config: TrainerConfig, backend: Backend) -> Loop:
                          profiler.arm)
     return Loop(backend, progress, source, train_step, publisher, checkpointer, evals, stops,
                 colocation(config, backend, rank0.fleet if rank0 else None), rank0.reporter if rank0 else None,
-                profiler, memory, run.num_rollout, config.logging.log_passrate)
+                profiler, memory, run.num_rollout, config.logging.log_passrate, asynchronous.update_weights_interval,
+                old_actor)
+
+
+def rollout_source(config: TrainerConfig, rank0: Rank0Parts | None, backend: Backend,
+                   heartbeat: Heartbeat) -> RolloutSource:
+    """slime's train.py order, train_async.py's (--train-async: generation one rollout ahead of
+    training), or its fully asynchronous rollout (groups generating across rollouts)."""
+    run, ro, asynchronous = config.run, config.rollout, config.asynchronous
+    generator = rank0.generator if rank0 else None
+    if ro.fully_async:
+        worker, client, engines = None, None, _no_engines
+        if rank0 and generator and generator.buffer:
+            capacity = int(asynchronous.async_data_buffer_capacity_factor * ro.rollout_batch_size)
+            worker = FullyAsyncWorker(generator.rollout_args, GroupLedger(generator.buffer, capacity))
+            client, engines = EngineClient(config.publish.api_key, ENGINE_CALL_TIMEOUT_S), rank0.fleet.engines
+        options = FullyAsyncOptions(ro.rollout_batch_size, asynchronous.max_weight_staleness,
+                                    asynchronous.async_unused_samples_handler, asynchronous.pause_generation_mode,
+                                    generator.train_data if generator else TrainData(None))
+        return FullyAsyncSource(worker, rank0.journal if rank0 else None, engines, client, options,
+                                backend.broadcast_object, heartbeat, save_now.install())
+    if asynchronous.train_async:
+        return AheadRolloutSource(generator, backend.broadcast_object, heartbeat, save_now.install(), run.num_rollout)
+    return SyncRolloutSource(generator, backend.broadcast_object, heartbeat)
 
 
 def _plugin(path: str | None, flag: str) -> Any:

@@ -101,12 +101,9 @@ REFUSED: tuple[Refusal, ...] = (
                                                       "not supported"),
     Refusal("--update-weight-local-checkpoint-dir", "engines read published versions from the shared job dir; "
                                                     "node-local copies are not supported"),
-    Refusal("--update-weights-interval", "weights are published after every rollout (the engines always "
-                                         "serve the trainer's current version)", allowed=1, type=int),
     _switch("--check-weight-update-equal", "the engines report the version they loaded (weight_version); a "
                                            "tensor-by-tensor comparison is not supported"),
     _switch("--release-train", "the trainer stays resident; with --colocate the engines share its GPUs"),
-    _switch("--keep-old-actor", "old log-probs are recomputed by the current actor before each update"),
     # -- Ray and slime's process layout
     Refusal("--train-env-vars", f"{_RAY}: export the variables before `slurmrl submit` (steps inherit the "
                                 "environment) or set them in the sbatch template"),

@@ -1,9 +1,11 @@
 """Where the loop's samples come from: a rollout source hands every trainer rank the groups of
 rollout N, each tagged with the weight version that generated it.
 
-`SyncRolloutSource` is today's order: rank 0 generates rollout N on the engines while the trainer
-waits, with the weights it published last, then broadcasts it. A source that runs ahead of
-training implements the same `RolloutSource` protocol; the train step does not change.
+`SyncRolloutSource` is slime's train.py: rank 0 generates rollout N on the engines while the trainer
+waits, with the weights it published last, then broadcasts it. trainer.ahead_source's runs ahead of
+training (slime's train_async.py); both implement the `RolloutSource` protocol, whose hooks tell a
+source when the trainer updates the engines' weights, checkpoints or stops; the train step does
+not change.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
 from rollout.generate import RolloutArgs, run_rollout
 from rollout.request_transport import RETRIED_METRIC
+from rollout.round_stop import RoundStop
+from rollout.sample import Sample
 from rollout.sample_errors import METRIC as SAMPLE_ERRORS
 from trainer.batch import TrainSample
+from trainer.fatal import Fatal
 from trainer.rollout_journal import RolloutJournal
 from trainer.save_now import SaveNow, SaveNowSignal
 from trainer.train_data import TrainData
@@ -29,6 +34,8 @@ Heartbeat = Callable[[Phase, int], None]  # the supervisor's sign of life: rank 
 Broadcast = Callable[[Any], Any]  # rank 0's value on every trainer rank (collective)
 
 DATA_BUFFER_KEY = "data_buffer"  # in the trainer state of a checkpoint (common.pt)
+ENGINE_WAIT_RATIO = "perf/engine_wait_time_ratio"  # a rollout's line: the engines with nothing to generate
+AHEAD_KEY = "ahead_rollout"  # the same: a rollout generated ahead of training, not trained yet (--train-async)
 
 
 @dataclass
@@ -57,6 +64,26 @@ class RolloutSource(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    # What a source running ahead of training is told (rank 0 acts; defaults: nothing to do).
+    def settle(self, publishing: bool) -> bool:
+        """The trainer is about to checkpoint and/or, `publishing`, to update the engines' weights:
+        nothing may be left half generated, and the engines pause if they must. False when a
+        save-now request came meanwhile (generation was stopped)."""
+        return True
+
+    def published(self, version: int) -> None:
+        """The engines serve `version` now (after a `settle(publishing=True)`)."""
+        return None
+
+    def stop_generating(self) -> None:
+        """The trainer stops (save-now, the supervisor's stop): end what is in flight at once,
+        keeping what it generated, before the last checkpoint."""
+        return None
+
+    def close(self) -> None:
+        """The loop is over."""
+        return None
+
 
 class RolloutGenerator:
     """Rank 0's generation of rollouts on the engines: from the data buffer (which holds the
@@ -73,6 +100,13 @@ class RolloutGenerator:
         self.metrics: dict[str, Any] = {}  # of the last rollout generated
 
     def generate(self, rollout_id: int) -> list[list[TrainSample]]:
+        groups, self.metrics = self.generate_samples(rollout_id)
+        return self.train_samples(groups)
+
+    def generate_samples(self, rollout_id: int, stop: RoundStop | None = None
+                         ) -> tuple[list[list[Sample]], dict[str, Any]]:
+        """The groups of rollout `rollout_id` and the generation's own metrics. stop: a request from
+        another thread that the round end now (it then raises RoundStopped, recording nothing)."""
         errors, requests = self.rollout_args.sample_errors, self.rollout_args.request_counts
         before, retried = errors.total, requests.retried
         done = self.journal.replay(rollout_id) if self.journal else None
@@ -83,12 +117,15 @@ class RolloutGenerator:
                 self.buffer.load_state_dict(buffer_state)
             log.info("rollout %d: replayed from the rollout journal (generated before the restart)", rollout_id)
         else:
-            output = run_rollout(self.rollout_args, rollout_id, self.buffer)
+            output = run_rollout(self.rollout_args, rollout_id, self.buffer, stop=stop)
             groups, reported = output.samples, output.metrics
-            if self.journal:
+            if self.journal and not (stop and stop.requested):
                 self.journal.record(rollout_id, groups, self.buffer.state_dict() if self.buffer else None)
-        self.metrics = {**reported, SAMPLE_ERRORS: errors.total - before,  # users' functions failing on samples
-                        RETRIED_METRIC: requests.retried - retried}  # requests sent again (none when replayed)
+        metrics = {**reported, SAMPLE_ERRORS: errors.total - before,  # users' functions failing on samples
+                   RETRIED_METRIC: requests.retried - retried}  # requests sent again (none when replayed)
+        return groups, metrics
+
+    def train_samples(self, groups: list[list[Sample]]) -> list[list[TrainSample]]:
         return self.train_data.of(groups)
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:
@@ -111,7 +148,7 @@ class RolloutGenerator:
             self.buffer.load_state_dict(state[DATA_BUFFER_KEY])
 
 
-class SyncRolloutSource:
+class SyncRolloutSource(RolloutSource):
     """Generate rollout N when the trainer asks for it, with the weights the engines serve now
     (the trainer's last published version), then broadcast it to every rank."""
 
@@ -135,5 +172,8 @@ class SyncRolloutSource:
         return self.generator.state_dict() if self.generator else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get(AHEAD_KEY):  # its prompts are behind the data buffer's position: it would be lost
+            raise Fatal(f"the checkpoint holds rollout {state[AHEAD_KEY]['rollout_id']}, generated ahead of "
+                        "training by --train-async and not trained yet: resume with --train-async")
         if self.generator:
             self.generator.load_state_dict(state)

@@ -77,7 +77,7 @@ class TrainData:
                 reward=float(data["rewards"][i]), raw_reward=float(raw[i]), group_index=numbered(sample.group_index),
                 rollout_log_probs=(None if logps[i] is None
                                    else torch.as_tensor(logps[i], dtype=torch.float32).reshape(-1)),
-                weight_version=sample.weight_version))
+                weight_version=sample.generating_version, sample_index=sample.index))
         return train
 
 

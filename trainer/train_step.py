@@ -17,6 +17,7 @@ from trainer import rl_step
 from trainer.backend import Backend
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
+from trainer.old_actor import OldActor
 from trainer.phase_memory import PhaseMemory
 from trainer.profiling import TrainProfiler
 from trainer.rollout_batch import rollout_batch, write_back
@@ -55,9 +56,11 @@ class TrainPlugins:
 class TrainStep:
     def __init__(self, backend: Backend, config: TrainStepConfig, loss: LossConfig,
                  advantages: Callable[[list[TrainSample]], None], profiler: TrainProfiler,
-                 heartbeat: Heartbeat, memory: PhaseMemory, plugins: TrainPlugins = TrainPlugins()) -> None:
+                 heartbeat: Heartbeat, memory: PhaseMemory, plugins: TrainPlugins = TrainPlugins(),
+                 old_actor: OldActor | None = None) -> None:
         """advantages: fills each sample's advantages (and returns) in place. memory: the loop's
-        per-phase peak GPU memory (log_probs and train are measured here)."""
+        per-phase peak GPU memory (log_probs and train are measured here). old_actor
+        (--keep-old-actor): the old log-probs are the generating weights'."""
         self.backend = backend
         self.config = config
         self.loss = loss
@@ -66,11 +69,13 @@ class TrainStep:
         self.heartbeat = heartbeat
         self.memory = memory
         self.plugins = plugins
+        self.old_actor = old_actor
 
-    def run(self, rollout_id: int, samples: list[TrainSample]) -> dict[str, Any]:
+    def run(self, rollout_id: int, samples: list[TrainSample], version: int = 0) -> dict[str, Any]:
+        """version: the trainer's weight version (what --keep-old-actor's live weights are)."""
         began = time.monotonic()
         with self.memory.phase("log_probs"):
-            out = self.prepare(samples, rollout_id) if self.plugins.compute_advantages else {}
+            out = self.prepare(samples, rollout_id, version) if self.plugins.compute_advantages else {}
         # the forward passes before the first optimizer step: old, ref and teacher log-probs, values
         out[Metric.LOG_PROBS_SECONDS] = time.monotonic() - began
         stepping = time.monotonic()
@@ -85,10 +90,11 @@ class TrainStep:
             out[Metric.LOG_PROBS_TFLOPS] = tflops / max(out[Metric.LOG_PROBS_SECONDS], 1e-9)
         return out
 
-    def prepare(self, samples: list[TrainSample], rollout_id: int = 0) -> dict[str, Any]:
+    def prepare(self, samples: list[TrainSample], rollout_id: int = 0, version: int = 0) -> dict[str, Any]:
         """Fill every sample's log-probs, values and advantages; returns their metrics."""
         cfg, ids = self.config, list(range(len(samples)))
-        old = self.backend.log_probs(samples, ids, "actor", with_entropy=True)
+        old = (self.old_actor.log_probs(samples, ids, version) if self.old_actor
+               else self.backend.log_probs(samples, ids, "actor", with_entropy=True))
         for i, s in enumerate(samples):
             s.old_log_probs = old[i][0]
         out: dict[str, Any] = {}

@@ -42,6 +42,7 @@ class ServerArgs:
     num_threads: int
     weight_update_group_timeout: float = 300.0
     enable_deterministic_inference: bool = False
+    decode_step_hold_ms: float = 0.0  # a simulation of a GPU's step time: each forward step sleeps this long
     nnodes: int = 1  # an engine over several nodes (rollout/cpu_engine/node_link.py): one process per node
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT where node-rank 0 gathers the engine's ranks
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="batch-invariant results: every sequence runs its own forward pass, so its "
                              "logits never depend on what else is running (slower under load)")
+    parser.add_argument("--decode-step-hold-ms", type=float, default=0.0,
+                        help="SIMULATION of GPU decode (benchmarks, tests): each forward step is held this long, "
+                             "sleeping, using no CPU, as if a GPU computed it while the host waits (the CPU "
+                             "engine's own flag; default %(default)s: none)")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes the engine spans, one process each "
                         "(default %(default)s); node rank 0 serves HTTP, the others follow it")
     parser.add_argument("--node-rank", type=int, default=0, help="this process's node (default %(default)s)")
@@ -131,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         value = getattr(ns, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be 1 or more, got {value}")
+    if ns.decode_step_hold_ms < 0:
+        parser.error(f"--decode-step-hold-ms must be 0 or more, got {ns.decode_step_hold_ms}")
     if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
         parser.error(f"--node-rank must be 0..--nnodes - 1 and --nnodes 1 or more, got {ns.node_rank} "
                      f"and {ns.nnodes}")
@@ -149,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_running_requests=ns.max_running_requests, context_length=ns.context_length, dtype=ns.dtype,
         random_seed=ns.random_seed, num_threads=ns.num_threads,
         weight_update_group_timeout=ns.weight_update_group_timeout,
-        enable_deterministic_inference=ns.enable_deterministic_inference,
+        enable_deterministic_inference=ns.enable_deterministic_inference, decode_step_hold_ms=ns.decode_step_hold_ms,
         nnodes=ns.nnodes, node_rank=ns.node_rank, dist_init_addr=ns.dist_init_addr,
         disaggregation_mode=ns.disaggregation_mode, disaggregation_bootstrap_port=ns.disaggregation_bootstrap_port,
         device=ns.device, base_gpu_id=ns.base_gpu_id, mem_fraction_static=ns.mem_fraction_static,

@@ -80,7 +80,8 @@ def load_engine(args: ServerArgs) -> Engine:
     return Engine(
         args=args, device=device, model=model, codec=codec,
         scheduler=Scheduler(model, codec, args.weight_version, args.max_running_requests,
-                            batch_invariant=args.enable_deterministic_inference),
+                            batch_invariant=args.enable_deterministic_inference,
+                            step_hold_s=args.decode_step_hold_ms / 1000),
         context_len=args.context_length or model.config.max_position_embeddings,
         model_path=args.model_path,
         # SGLang's variable and default, so probes behave the same against either engine.

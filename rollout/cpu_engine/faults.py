@@ -3,7 +3,10 @@
 
 - "wedge": /generate never answers (an engine stuck past its scheduler: the probe, a generation
   through the scheduler, still passes);
-- "malformed": /generate answers 200 with a body that is not JSON.
+- "malformed": /generate answers 200 with a body that is not JSON;
+
+and `POST /slurmrl_fault {"update": "fail"}` ("update": null clears it): every weight update from
+disk fails (an engine that cannot take a new version: out of memory, a bad path on its node).
 
 And one taken at start, so that an engine launched again has it too: the file that
 $SLURMRL_CPU_ENGINE_FAULTS names, a JSON object {"HOST:PORT": {"weight_version": "stuck"}}, read
@@ -27,6 +30,7 @@ from fastapi.responses import Response
 from rollout.cpu_engine.http_util import error, read_json
 
 WEDGE, MALFORMED = "wedge", "malformed"
+FAIL = "fail"
 STUCK = "stuck"
 ROUTE = "/slurmrl_fault"
 AT_START_ENV = "SLURMRL_CPU_ENGINE_FAULTS"
@@ -36,6 +40,7 @@ _MALFORMED_BODY = b'{"text": "the answer is'  # cut short: what a crashing proxy
 class Faults:
     def __init__(self, version_stuck: bool = False) -> None:
         self.generate: str | None = None
+        self.update: str | None = None  # FAIL: weight updates fail
         self.version_stuck = version_stuck  # weight updates leave the reported version as it is
         self._release = asyncio.Event()  # set when the fault is cleared: wedged requests go on
 
@@ -62,7 +67,13 @@ class Faults:
     def add_route(self, app: FastAPI) -> None:
         @app.post(ROUTE)
         async def set_fault(request: Request) -> Response:
-            fault = (await read_json(request)).get("generate")
+            body = await read_json(request)
+            if "update" in body:
+                if body["update"] not in (None, FAIL):
+                    return error(f"update must be null or {FAIL!r}, got {body['update']!r}")
+                self.update = body["update"]
+                return Response(status_code=200)
+            fault = body.get("generate")
             if fault not in (None, WEDGE, MALFORMED):
                 return error(f"generate must be null, {WEDGE!r} or {MALFORMED!r}, got {fault!r}")
             self.generate = fault

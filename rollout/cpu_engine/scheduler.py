@@ -38,9 +38,11 @@ class _Command:
 
 class Scheduler:
     def __init__(self, model: torch.nn.Module, codec: Codec, weight_version: str, max_running: int,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, step_hold_s: float = 0.0) -> None:
+        """step_hold_s (--decode-step-hold-ms): a simulated GPU step time, slept before each pass."""
         self.model = model
         self._batch_invariant = batch_invariant
+        self._step_hold_s = step_hold_s
         self.codec = codec
         self.weight_version = weight_version
         self._max_running = max_running
@@ -194,6 +196,8 @@ class Scheduler:
 
     def _step(self) -> None:
         batch = self._running
+        if self._step_hold_s:
+            time.sleep(self._step_hold_s)  # a GPU computing the step: the host waits, its CPU free
         try:
             with torch.profiler.record_function(FORWARD_STEP):  # one range per step in a profile's trace
                 logits, caches = self._forward(batch)

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout.cpu_engine.engine import Engine
-from rollout.cpu_engine.faults import Faults
+from rollout.cpu_engine.faults import FAIL, Faults
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
 from rollout.cpu_engine.weights import WeightError, copy_plan, load_into, plan_load, read_safetensors_folder
 from rollout.weight_group import WeightSyncError, create_group, parse_dtype
@@ -95,6 +95,8 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
             return _result(False, f"load_format {body['load_format']!r} is not supported; use auto or safetensors")
         if version is not None and not isinstance(version, str):
             return _result(False, "weight_version must be a string")
+        if faults.update == FAIL:
+            return _result(False, "Failed to update weights: the engine's test fault (slurmrl_fault update fail)")
         if body.get("abort_all_requests", False):
             await run_on_scheduler(engine, lambda: scheduler.abort(None, "aborted for a weight update"))
         try:

@@ -38,11 +38,11 @@ CONFIGS = {  # the shape-bearing fields of each model's config.json on the Huggi
 }
 
 
-def _recipe_argv(name: str, root: Path) -> list[str]:
+def _recipe_argv(name: str, root: Path, num_gpus: int = 8) -> list[str]:
     """The recipe's train.py arguments, expanded by bash exactly as slime's script expands them."""
     out = subprocess.run(["bash", "-c", f'source "{RECIPES / name}.sh" && printf "%s\\0" "${{ARGS[@]}}"'],
                          capture_output=True, text=True, check=True,
-                         env={**os.environ, "ROOT": str(root), "NUM_GPUS": "8"})
+                         env={**os.environ, "ROOT": str(root), "NUM_GPUS": str(num_gpus)})
     return out.stdout.split("\0")[:-1]
 
 
@@ -111,3 +111,19 @@ def test_a_recipe_with_a_changed_value_is_refused_with_its_reason(root: Path, fl
     argv[argv.index(flag) + 1] = value
     assert submit_cli.main(argv + ["--dry-run"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_slimes_fully_async_example_passes_as_train_async(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/fully_async's 0.5B script: `python3 train_async.py ARGS` -> `slurmrl submit
+    train_async.py ARGS`; its --rollout-function-path selects the fully asynchronous rollout."""
+    argv = _recipe_argv("run-qwen2.5-0.5B-fully_async", root, num_gpus=4)
+    assert submit_cli.main(["train_async.py", *argv, "--dry-run"]) == 0, capsys.readouterr().err
+    script = capsys.readouterr().out
+    assert "#SBATCH hetjob" in script, "the engines have GPUs of their own (no --colocate)"
+    spec, problems = load_spec(None, [*argv, "--train-async"])
+    assert problems == [] and (spec.trainer.actor_num_gpus_per_node, spec.rollout.rollout_num_gpus) == (1, 3)
+    from trainer.args import build_parser
+    from trainer.config.sections import FULLY_ASYNC_ROLLOUT
+
+    args = build_parser().parse_args(spec.trainer.train_args)
+    assert args.train_async and args.rollout_function_path == FULLY_ASYNC_ROLLOUT and args.num_rollout == 3

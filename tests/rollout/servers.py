@@ -73,12 +73,14 @@ def start_on_free_ports(command: Callable[[int, int], list[str]], log: Path, rea
     raise AssertionError("unreachable")
 
 
-def engine(model: Path, log: Path, deterministic: bool = False, role: str = "regular") -> Server:
-    """A CPU engine on loopback; a prefill engine's bootstrap port is kept on the server."""
+def engine(model: Path, log: Path, deterministic: bool = False, role: str = "regular",
+           flags: tuple[str, ...] = ()) -> Server:
+    """A CPU engine on loopback; a prefill engine's bootstrap port is kept on the server. flags:
+    the CPU engine's own (e.g. --decode-step-hold-ms)."""
     def command(port: int, bootstrap_port: int) -> list[str]:
         argv = cpu_engine_command(EngineLaunch(str(model), "127.0.0.1", port, api_key=API_KEY, weight_version=1,
                                                role=role, bootstrap_port=bootstrap_port if role == "prefill" else None))
-        return argv + (["--enable-deterministic-inference"] if deterministic else [])
+        return argv + (["--enable-deterministic-inference"] if deterministic else []) + list(flags)
 
     server, bootstrap_port = start_on_free_ports(command, log, "/health")
     server.bootstrap_port = bootstrap_port if role == "prefill" else None
@@ -95,13 +97,13 @@ def router(log: Path, pd_disaggregation: bool = False) -> Server:
 
 
 @contextlib.contextmanager
-def engines_behind_router(model: Path, log_dir: Path, count: int = 2,
-                          deterministic: bool = False) -> Iterator[tuple[RouterClient, list[Server]]]:
+def engines_behind_router(model: Path, log_dir: Path, count: int = 2, deterministic: bool = False,
+                          flags: tuple[str, ...] = ()) -> Iterator[tuple[RouterClient, list[Server]]]:
     """`count` CPU engines behind a real router, all on loopback, all stopped by PID at the end
-    (batch-invariant with `deterministic`: --enable-deterministic-inference)."""
+    (batch-invariant with `deterministic`: --enable-deterministic-inference; `flags`: the engines' own)."""
     servers: list[Server] = []
     try:
-        engines = [engine(model, log_dir / f"engine{i}.log", deterministic) for i in range(count)]
+        engines = [engine(model, log_dir / f"engine{i}.log", deterministic, flags=flags) for i in range(count)]
         servers += engines
         servers.append(router(log_dir / "router.log"))
         client = RouterClient(servers[-1].url, API_KEY, timeout_s=10)

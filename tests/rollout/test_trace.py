@@ -6,6 +6,7 @@ error, drawing one bar per span in the dump."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -197,3 +198,23 @@ def _wait_group_gone(pgid: int) -> None:
             return
         time.sleep(0.1)
     os.killpg(pgid, signal.SIGKILL)
+
+
+def test_the_trainer_row_shows_generation_overlapping_training(tmp_path: Path, capsys) -> None:
+    """Asynchronous RL: rollout 1's samples generate while rollout 0 trains (metrics.jsonl's
+    train_started_at/train_ended_at); the page draws the trainer's row and says for how long."""
+    samples = []
+    for index, (start, end) in enumerate([(10.0, 12.0), (13.0, 15.0)]):
+        sample = Sample(index=index, group_index=0, prompt="p", status=Status.COMPLETED, reward=1.0)
+        trace.add(sample, "generate", start, end, attempt=1)
+        samples.append(sample)
+    debug_data.save(str(tmp_path / "d{rollout_id}.pt"), 1, samples)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"rollout_id": 0, "train_started_at": 11.0, "train_ended_at": 14.0},
+        {"rollout_id": 1, "train_started_at": 16.0, "train_ended_at": 17.0})))
+    assert cli.main(["trace", str(tmp_path / "d1.pt"), "--metrics", str(metrics)]) == 0
+    assert "2 training steps, generation overlapping training for 2.00 s" in capsys.readouterr().out
+    page = tmp_path / "d1.trace.html"
+    assert '"overlap_s": 2.0' in page.read_text()
+    _check_in_browser(page, tmp_path, spans=2 + 2, events=0)  # the samples' bars and the trainer's

@@ -33,6 +33,7 @@ from trainer.rollout_journal import RolloutJournal
 from trainer.rollout_source import (
     Rollout,
     RolloutGenerator,
+    RolloutSource,
     SampleGroup,
     SyncRolloutSource,
 )
@@ -86,7 +87,7 @@ def sample(reward: float, group_index: int, weight_version: int) -> TrainSample:
                        group_index=group_index, weight_version=weight_version)
 
 
-class FakeSource:
+class FakeSource(RolloutSource):
     """Two groups of two samples per rollout, tagged with the version the loop says it has."""
 
     def __init__(self) -> None:

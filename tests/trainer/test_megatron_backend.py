@@ -24,6 +24,7 @@ from tests.rollout.servers import free_port
 from trainer.args import build_config, build_parser
 from trainer.batch import TrainSample
 from trainer.losses import LossConfig
+from trainer.old_actor import OldActor
 from trainer.rl_step import make_pack_loss, make_value_pack_loss
 
 ATOL = 1e-5
@@ -71,17 +72,24 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
     samples = _samples(backend.shape.vocab_size)
     ids = list(range(len(samples)))
     logps = backend.log_probs(samples, ids, with_entropy=True)
+    old_actor = OldActor(backend, max_staleness=1)  # --keep-old-actor: version 0 generated the samples
+    old_actor.published(0)
     for i, s in enumerate(samples):
         s.old_log_probs = logps[i][0] + (0.3 if i % 2 else -0.3)  # off-policy enough that clipping matters
     metrics = backend.train_step(samples, ids, make_pack_loss(LossConfig(), samples, ids), need_entropy=False)
     weights = dict(backend.hf_weights())
+    for s in samples:
+        s.weight_version = 0
+    kept = old_actor.log_probs(samples, ids, current=1)
+    restored = all(torch.equal(t, weights[n]) for n, t in backend.hf_weights())
     names = {id(p): n for n, p in backend.model.named_parameters()}
     # fp32 master weights that the step left as they were (a bf16 weight may round back to itself)
     unmoved = [names[id(p)] for p, m, b in zip(optimizer.owned, optimizer.masters, masters_before) if torch.equal(m, b)]
     critic = _critic_step(backend, samples, ids) if backend.critic is not None else None
     if rank == 0:
         torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic,
-                    "unmoved_masters": unmoved}, out / f"result_{name}.pt")
+                    "unmoved_masters": unmoved, "old_actor": {"logps": kept, "restored": restored}},
+                   out / f"result_{name}.pt")
     from trainer import dist_env
 
     dist_env.shutdown()
@@ -147,6 +155,15 @@ def test_packed_log_probs_equal_hf(tiny, results) -> None:
             got = result["logps"][i][0]
             assert got.shape == want.shape
             assert (got - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
+
+
+def test_keep_old_actor_takes_the_published_weights_in_every_layout(results) -> None:
+    """--keep-old-actor's swap of each rank's shards (TP, SP, DP, compiled): after a step, the
+    log-probs by version 0's weights are the ones taken before it, and the live weights come back."""
+    for name, result in results.items():
+        kept, before = result["old_actor"]["logps"], result["logps"]
+        assert all(torch.equal(kept[i][0], before[i][0]) for i in before), name
+        assert result["old_actor"]["restored"], f"{name}: the live weights did not come back"
 
 
 def test_one_step_is_the_same_in_every_layout(results) -> None:

@@ -4,6 +4,7 @@ built and validated once from the parsed flags by build_config."""
 from trainer.config.build import build_config
 from trainer.config.model_checks import check_model_flags, read_hf_config
 from trainer.config.sections import (
+    AsyncOptions,
     BatchingOptions,
     CheckpointOptions,
     EvalOptions,
@@ -20,6 +21,6 @@ from trainer.config.sections import (
 )
 from trainer.config.trainer_config import TrainerConfig
 
-__all__ = ["BatchingOptions", "CheckpointOptions", "EvalOptions", "LoggingOptions", "LossOptions", "ModelOptions",
-           "OptimizerOptions", "ParallelOptions", "PublishOptions", "RewardOptions", "RolloutOptions", "RunOptions",
-           "ShapeFlags", "TrainerConfig", "build_config", "check_model_flags", "read_hf_config"]
+__all__ = ["AsyncOptions", "BatchingOptions", "CheckpointOptions", "EvalOptions", "LoggingOptions", "LossOptions",
+           "ModelOptions", "OptimizerOptions", "ParallelOptions", "PublishOptions", "RewardOptions", "RolloutOptions",
+           "RunOptions", "ShapeFlags", "TrainerConfig", "build_config", "check_model_flags", "read_hf_config"]

@@ -18,10 +18,12 @@ from contract.job_dir import API_KEY_ENV, JobDir, model_files_dir
 from rollout.data import PROMPT_SUFFIXES
 from rollout.ifbench import missing_evaluation_lib
 from rollout.rewards import DICT_REWARDS
+from trainer.config.async_checks import check_async
 from trainer.config.checks import Checks
 from trainer.config.model_checks import read_hf_config, validate_megatron_parallel
 from trainer.config.plugin_checks import check_loss_plugins, check_patterns, epoch_rollouts
 from trainer.config.sections import (
+    AsyncOptions,
     BatchingOptions,
     CheckpointOptions,
     EvalOptions,
@@ -74,6 +76,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     _check_training(args, need)
     eval_datasets = _check_eval(args, need)
     _check_rollout(args, rollout_function_path, need)
+    check_async(args, need)
     rollout_max_prompt_len = _check_lengths(args, need)
     _check_rewards(args, need)
     for flag in _PLUGIN_PATH_FLAGS:
@@ -132,7 +135,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         run=section(RunOptions), model=section(ModelOptions), shape=section(ShapeFlags),
         parallel=section(ParallelOptions), optimizer=section(OptimizerOptions), batching=section(BatchingOptions),
         loss=section(LossOptions), rollout=section(RolloutOptions), reward=section(RewardOptions),
-        eval=section(EvalOptions), publish=section(PublishOptions), checkpoint=section(CheckpointOptions),
+        eval=section(EvalOptions), publish=section(PublishOptions), asynchronous=section(AsyncOptions),
+        checkpoint=section(CheckpointOptions),
         logging=section(LoggingOptions),
         plugin_only=tuple((name, value) for name, value in vars(args).items() if name not in named))
 

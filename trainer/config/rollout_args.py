@@ -27,7 +27,7 @@ def rollout_args(config: TrainerConfig, router_url: str, router_timeout_s: float
         rollout_seed=ro.rollout_seed, rollout_concurrency=ro.rollout_concurrency,
         apply_chat_template_kwargs=ro.apply_chat_template_kwargs,
         custom_generate_function_path=ro.custom_generate_function_path,
-        rollout_function_path=ro.rollout_function_path, over_sampling_batch_size=ro.over_sampling_batch_size,
+        rollout_function_path=ro.rollout_plugin, over_sampling_batch_size=ro.over_sampling_batch_size,
         dynamic_sampling_filter_path=ro.dynamic_sampling_filter_path, partial_rollout=ro.partial_rollout,
         mask_offpolicy_in_partial_rollout=ro.mask_offpolicy_in_partial_rollout,
         rollout_sample_hook_path=ro.rollout_sample_hook_path, save_debug_rollout_data=ro.save_debug_rollout_data,

@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# slime's fully asynchronous rollout (--rollout-function-path): slurmrl's trainer.fully_async_source
+FULLY_ASYNC_ROLLOUT = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -239,6 +242,16 @@ class RolloutOptions:
     load_debug_rollout_data: str | None
     loss_mask_type: str
 
+    @property
+    def fully_async(self) -> bool:
+        """slime's fully asynchronous rollout, by its path: the loop's source, not a plug-in."""
+        return self.rollout_function_path == FULLY_ASYNC_ROLLOUT
+
+    @property
+    def rollout_plugin(self) -> str | None:
+        """The --rollout-function-path the built-in rollout calls (None: it generates itself)."""
+        return None if self.fully_async else self.rollout_function_path
+
 
 @dataclass(frozen=True)
 class RewardOptions:
@@ -296,6 +309,20 @@ class PublishOptions:
     @property
     def router_url(self) -> str | None:
         return f"http://{self.sglang_router_ip}:{self.sglang_router_port}" if self.sglang_router_ip else None
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """Generation overlapping training (trainer.ahead_source; slime's train_async.py)."""
+
+    train_async: bool  # slime's train_async.py: rollout N+1 is generated while rollout N trains
+    update_weights_interval: int  # publish after every N-th rollout (train_async only, as in slime)
+    keep_old_actor: bool  # old log-probs by the weights that generated each sample (trainer.old_actor)
+    # miles' flags of the fully asynchronous rollout (trainer.fully_async_source)
+    max_weight_staleness: int | None
+    async_data_buffer_capacity_factor: float
+    async_unused_samples_handler: str
+    pause_generation_mode: str
 
 
 @dataclass(frozen=True)

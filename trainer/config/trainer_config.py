@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from trainer.config.sections import (
+    AsyncOptions,
     BatchingOptions,
     CheckpointOptions,
     EvalOptions,
@@ -24,7 +25,7 @@ from trainer.config.sections import (
 )
 
 SECTIONS = (RunOptions, ModelOptions, ShapeFlags, ParallelOptions, OptimizerOptions, BatchingOptions, LossOptions,
-            RolloutOptions, RewardOptions, EvalOptions, PublishOptions, CheckpointOptions, LoggingOptions)
+            RolloutOptions, RewardOptions, EvalOptions, PublishOptions, AsyncOptions, CheckpointOptions, LoggingOptions)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class TrainerConfig:
     reward: RewardOptions
     eval: EvalOptions
     publish: PublishOptions
+    asynchronous: AsyncOptions
     checkpoint: CheckpointOptions
     logging: LoggingOptions
     # What only plug-ins read: slime's flags slurmrl refuses unless given as the one accepted value
