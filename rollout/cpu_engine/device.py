@@ -119,7 +119,7 @@ class CudaDevice:
 
     def release_weights(self, model: torch.nn.Module) -> None:
         with torch.no_grad():
-            for name, param in unique_parameters(model).items():
+            for name, param in _parameters_and_buffers(model).items():
                 host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=True)
                 host.copy_(param.detach())
                 self._host[name] = host
@@ -130,7 +130,7 @@ class CudaDevice:
         if not self._host:
             return
         with torch.no_grad():
-            for name, param in unique_parameters(model).items():
+            for name, param in _parameters_and_buffers(model).items():
                 param.data = self._host[name].to(self.torch_device, non_blocking=True)
         torch.cuda.synchronize(self.torch_device)  # the pinned copies are dropped next
         self._host.clear()
@@ -170,6 +170,13 @@ def open_device(args: ServerArgs) -> EngineDevice:
         raise DeviceError(f"--base-gpu-id {args.base_gpu_id}: this process sees {count} CUDA device(s) "
                           f"(CUDA_VISIBLE_DEVICES={visible}); give 0..{count - 1}")
     return CudaDevice(args.base_gpu_id, args.mem_fraction_static)
+
+
+def _parameters_and_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the model holds on its device, once: its parameters and its buffers (rotary
+    frequencies...), all of which a release gives back."""
+    buffers = {name: b for name, b in model.named_buffers()}
+    return {**unique_parameters(model), **buffers}
 
 
 def unique_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
