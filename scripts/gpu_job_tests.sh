@@ -11,7 +11,7 @@
 #          timeout_s=600)
 # SLURM and munge come from the carried .deb files (.debs/, `bash scripts/fetch_slurm_debs.sh` where apt
 # works); wheels the machine lacks from .whl/. Logs, junit XML and each test's figures and events
-# (gpu_job/*.json) go to $OUT. LIMIT (seconds) bounds the pytest run.
+# (gpu_job/*.json) go to $OUT. LIMIT (seconds) bounds the pytest run; SELECT replaces PART's -k expression.
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2; fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_job_tests}
@@ -26,6 +26,7 @@ case "${PART:-all}" in
     all) select="" ;;
     *) echo "PART must be one, two, resume, four or all, got ${PART}" >&2; exit 2 ;;
 esac
+select=${SELECT:-$select}  # SELECT: a -k expression of one's own (several parts on one machine)
 began=$SECONDS
 timeout -s INT -k 20 "${LIMIT:-570}" python -m pytest tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_job.py \
     ${select:+-k "$select"} -v -p no:cacheprovider -p no:randomly -rfEs --tb=short -o timeout=560 --durations=0 \

@@ -51,7 +51,9 @@ class SlurmPrograms:
         if self.prefix is None:
             return {}
         slurm_lib = _slurm_lib(self.prefix)
-        return {"PATH": str(self.prefix / "usr" / "bin"), "LD_LIBRARY_PATH": f"{slurm_lib.parent}:{slurm_lib}"}
+        # Debian 12 still puts some libraries under /lib (libdbus-1, which the cgroup/v2 plugin needs)
+        libs = [self.prefix / "lib" / slurm_lib.parent.name, slurm_lib.parent, slurm_lib]
+        return {"PATH": str(self.prefix / "usr" / "bin"), "LD_LIBRARY_PATH": os.pathsep.join(map(str, libs))}
 
     def env(self, base: Mapping[str, str] = os.environ) -> dict[str, str]:
         """PATH and LD_LIBRARY_PATH for the daemons and SLURM's programs: the prefix's, then `base`'s."""

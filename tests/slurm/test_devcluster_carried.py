@@ -66,13 +66,13 @@ def test_the_packages_are_unpacked_once_and_run_by_their_plain_names(debs: Path,
         {"slurmd": "slurmd-wlm", "slurmctld": "slurmctld-wlm", "slurmstepd": "slurmstepd-wlm"}
     programs = carried.SlurmPrograms(prefix)
     assert programs.daemon("slurmctld") == f"{sbin}/slurmctld" and programs.daemon("munged") == f"{sbin}/munged"
-    lib = prefix / "usr" / "lib" / "x86_64-linux-gnu"
+    lib, libs = prefix / "usr" / "lib" / "x86_64-linux-gnu", prefix / "lib" / "x86_64-linux-gnu"
     assert programs.plugin_dir == lib / "slurm-wlm"
     assert programs.env({"PATH": "/usr/bin"}) == {"PATH": f"{prefix}/usr/bin:/usr/bin",
-                                                  "LD_LIBRARY_PATH": f"{lib}:{lib}/slurm-wlm"}
+                                                  "LD_LIBRARY_PATH": f"{libs}:{lib}:{lib}/slurm-wlm"}
     assert carried.env_script(Path("/c/slurm.conf"), programs).splitlines() == [
         "export SLURM_CONF=/c/slurm.conf", f"export PATH={prefix}/usr/bin${{PATH:+:$PATH}}",
-        f"export LD_LIBRARY_PATH={lib}:{lib}/slurm-wlm${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"]
+        f"export LD_LIBRARY_PATH={libs}:{lib}:{lib}/slurm-wlm${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"]
     assert carried.SlurmPrograms().daemon("slurmd") == "slurmd" and carried.SlurmPrograms().env() == {}
 
     (sbin / "munged").write_text("kept\n")
@@ -177,6 +177,12 @@ def test_a_cluster_from_the_carried_packages_gives_each_node_its_own_gpu(carried
     assert seen == {"deb1": "0", "deb2": "1"}
     which = _run(cluster, "sh", "-c", "command -v srun")
     assert which.strip() == f"{prefix}/usr/bin/srun"
+    # the cgroup/v2 plugin slurmd loads (under cgroup v2) needs libdbus-1, which Debian 12 keeps in
+    # the prefix's lib/, not usr/lib/: a GPU machine without dbus failed "Dlopen of plugin file failed"
+    assert cluster.programs.plugin_dir is not None
+    plugin = cluster.programs.plugin_dir / "cgroup_v2.so"
+    linked = _run(cluster, "ldd", str(plugin))
+    assert "not found" not in linked and f"{prefix}/lib/x86_64-linux-gnu/libdbus-1.so.3" in linked, linked
 
 
 def test_slurmrl_asks_squeue_where_there_is_no_accounting(carried_cluster: DevCluster,
