@@ -85,16 +85,20 @@ def gpu_cluster() -> Iterator[Path]:
 
 
 def engine_pid(url: str) -> int:
-    """The pid of the engine serving `url` (its step's process: `python -m supervisor.with_key
-    rollout.cpu_engine ... --port N`), found without `ss` (the GPU machine may lack iproute2)."""
+    """The pid of the engine serving `url`, found without `ss` (the GPU machine may lack iproute2):
+    the Python process whose command line runs rollout.cpu_engine with `--port N` (the step's
+    `python -m supervisor.with_key rollout.cpu_engine ...`; srun's and wrappers' command lines hold
+    the same words) and starts no other such process."""
     port = url.rsplit(":", 1)[1]
-    found = []
+    found = set()
     for proc in psutil.process_iter(["cmdline"]):
         argv = proc.info["cmdline"] or []
-        if "rollout.cpu_engine" in argv and "--port" in argv and argv[argv.index("--port") + 1] == port:
-            found.append(proc.pid)
-    assert len(found) == 1, f"expected one engine on port {port}, found {found}"
-    return found[0]
+        if (argv and os.path.basename(argv[0]).startswith("python") and "rollout.cpu_engine" in argv
+                and "--port" in argv and argv[argv.index("--port") + 1] == port):
+            found.add(proc.pid)
+    leaves = [pid for pid in found if not found & {c.pid for c in psutil.Process(pid).children(recursive=True)}]
+    assert len(leaves) == 1, f"expected one engine on port {port}, found {sorted(found)}"
+    return leaves[0]
 
 
 def visible_gpus(pid: int) -> str:
