@@ -26,6 +26,7 @@ ALLOWED = {
     ("trainer/config/model_checks.py", "*"): "the config builder's checks against the HF config",
     ("trainer/custom_config.py", "*"): "argument parsing: --custom-config-path's keys set on the parsed flags",
     ("trainer/config/plugin_checks.py", "*"): "the config builder's checks of slime's plug-in and SFT flags",
+    ("trainer/config/async_checks.py", "*"): "the config builder's checks of the asynchronous flags",
     ("supervisor/profile_cli.py", "run"): "`slurmrl profile`'s own CLI handler (it parses its own flags)",
     ("supervisor/report.py", "run"): "`slurmrl report`'s own CLI handler (it parses its own flags)",
     ("rollout/trace_view.py", "main"): "`python -m rollout.trace_view`'s own CLI handler",
