@@ -32,6 +32,8 @@ def _history(run_file: Path) -> list[dict[str, str]]:
         if kind == 0 and length == 0:  # block padding
             pos += room
             continue
+        if pos + _HEADER + length > len(data):  # W&B is still writing this record: the rows so far
+            break
         part += data[pos + _HEADER:pos + _HEADER + length]
         pos += _HEADER + length
         if kind in (1, 4):  # a whole record, or the last piece of one
