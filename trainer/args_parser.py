@@ -7,7 +7,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from trainer.args_actions import ArgsError, Choice, HelpFormatter, Parser, RefusedFlag, moe_layer_freq, refused
+from trainer.args_actions import (
+    ArgsError,
+    Choice,
+    HelpFormatter,
+    LayerPattern,
+    Parser,
+    RefusedFlag,
+    moe_layer_freq,
+    refused,
+)
 from trainer.args_async_flags import add_async_flags
 from trainer.args_rollout_flags import add_rollout_flags
 from trainer.refused_flags import REFUSED
@@ -62,8 +71,7 @@ _MODEL_FLAGS: dict[str, Any] = {
     # DeepSeek: slime's scripts give it; megatron's sigmoid router has no pre-softmax
     "moe_router_pre_softmax": lambda c: _deepseek(c) or (bool(c.get("num_experts"))
                                                          and not c.get("norm_topk_prob", False)),
-    "moe_layer_freq": lambda c: 1 if _moe_experts(c) and not c.get("mlp_only_layers")
-    and not c.get("first_k_dense_replace") else None,
+    "moe_layer_freq": lambda c: _moe_layer_pattern(c) if _moe_experts(c) and not c.get("mlp_only_layers") else None,
     # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
     "multi_latent_attention": _deepseek,
     "q_lora_rank": lambda c: c["q_lora_rank"],
@@ -80,6 +88,12 @@ _MODEL_FLAGS: dict[str, Any] = {
     "use_rope_scaling": lambda c: _rope_type(c) == "llama3",
     "rotary_scaling_factor": lambda c: float(_rope(c)["factor"]) if _rope_type(c) == "llama3" else 1.0,
 }
+
+
+def _moe_layer_pattern(c: dict[str, Any]) -> int | LayerPattern:
+    """1 (every layer MoE), or DeepSeek's first_k_dense_replace dense layers then MoE ones."""
+    dense = (c.get("first_k_dense_replace") or 0) if _deepseek(c) else 0
+    return LayerPattern([0] * dense + [1] * (c["num_hidden_layers"] - dense)) if dense else 1
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-router-bias-update-rate", type=float, default=1e-3,
         help="after each optimizer step, each expert's routing bias moves by this much towards balanced load "
              "(megatron's aux-loss-free balancing; slime's DeepSeek scripts give 0: the bias stays as loaded)")
-    add("--moe-layer-freq", type=moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
+    add("--moe-layer-freq", type=moe_layer_freq, help="which layers are MoE: every one (1), or a 0/1 list (Megatron's "
+        "[0]*K+[1]*N): the first K dense, which must be config.json's first_k_dense_replace (DeepSeek-V3, Kimi-K2)")
     dispatchers = Choice(("allgather", "alltoall"), {"flex": "megatron's flex dispatcher runs on DeepEP or HybridEP "
                                                               "(CUDA kernels slurmrl does not ship); use alltoall"})
     add("--moe-token-dispatcher-type", type=dispatchers, metavar=dispatchers.metavar,
