@@ -29,7 +29,7 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 models"
+_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 models"
 
 def _deepseek(c: dict[str, Any]) -> bool:
     return c["architectures"][0] == "DeepseekV3ForCausalLM"
@@ -39,6 +39,7 @@ def _moe_experts(c: dict[str, Any]) -> int | None:
     return c.get("n_routed_experts") if _deepseek(c) else c.get("num_experts")
 
 
+UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
 # flag -> how to read the same quantity from an HF config
 _MODEL_FLAGS: dict[str, Any] = {
     "num_layers": lambda c: c["num_hidden_layers"],
@@ -46,8 +47,9 @@ _MODEL_FLAGS: dict[str, Any] = {
     "ffn_hidden_size": lambda c: c["intermediate_size"],
     "num_attention_heads": lambda c: c["num_attention_heads"],
     "num_query_groups": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
-    # DeepSeek's config.json head_dim is the RoPE part; megatron's kv_channels is the value head (slime's scripts)
-    "kv_channels": lambda c: c["v_head_dim"] if _deepseek(c) else (
+    # DeepSeek: megatron's MLA never reads kv_channels (--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim
+    # give its widths), and slime's scripts give any value (DeepSeek-V3 128, Kimi-K2 64)
+    "kv_channels": lambda c: UNCHECKED if _deepseek(c) else (
         c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "vocab_size": lambda c: c["vocab_size"],
     "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
