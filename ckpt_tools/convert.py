@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import os
 import shutil
@@ -52,17 +53,12 @@ def _extra_state_payload() -> bytes:
 
 
 def _indices(rule: Rule, shape: ModelShape) -> list[tuple[int, ...]]:
-    """The stacking index of every slice of a rule: (), (l,) or (l, e)."""
-    stack = stacking(rule, shape)
-    if not stack:
-        return [()]
-    if len(stack) == 1:
-        return [(layer,) for layer in range(stack[0])]
-    return [(layer, e) for layer in range(stack[0]) for e in range(stack[1])]
+    """The stacking index of every slice of a rule: (), (l,), (e,) or (l, e)."""
+    return list(itertools.product(*(range(n) for n in stacking(rule, shape))))
 
 
 def _hf_names(rule: Rule, index: tuple[int, ...]) -> list[str]:
-    return rule.hf_names(*index) if index else rule.hf_names()
+    return rule.hf_names(index[0] if rule.per_layer else None, index[-1] if rule.per_expert else None)
 
 
 def _read_as_megatron(hf: HFCheckpoint, rule: Rule, names: list[str], shape: ModelShape) -> torch.Tensor:
@@ -107,7 +103,8 @@ def hf_to_torch_dist(hf_dir: Path, out_dir: Path, *, iteration: int | None = 0, 
             ))
             if rule.linear:
                 module = rule.megatron.rsplit(".", 1)[0]
-                offsets, sizes = ".".join(map(str, index)), ".".join(map(str, stack))
+                # megatron names an unstacked module's extra state as one of shape (1,)
+                offsets, sizes = ".".join(map(str, index or (0,))), ".".join(map(str, stack or (1,)))
                 extra[f"{module}.{EXTRA_STATE}/shard_{offsets}_{sizes}"] = payload
     tmp = _prepare_out(out_dir)
     try:

@@ -7,7 +7,7 @@ says how one layer's (or one expert's) Megatron slice is built from HF tensors, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,7 @@ class ModelShape:
     mla: MLAShape | None = None
     shared_experts: bool = False
     expert_bias: bool = False  # the router's e_score_correction_bias (DeepSeek-V3's aux-loss-free balancing)
+    dense_layers: int = 0  # DeepSeek's first_k_dense_replace: the first layers' MLP is dense (intermediate_size)
 
     @classmethod
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1) -> ModelShape:
@@ -92,15 +93,21 @@ class ModelShape:
                          config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
             shared_experts=deepseek and bool(config.get("n_shared_experts")),
             expert_bias=deepseek,
+            dense_layers=(config.get("first_k_dense_replace") or 0) if deepseek else 0,
         )
+
+    def moe_layer_pattern(self) -> list[int]:
+        """Megatron's --moe-layer-freq as a per-layer list: 1 for a MoE layer, 0 for a dense one."""
+        return [0] * self.dense_layers + [1] * (self.num_layers - self.dense_layers)
 
 
 def check_deepseek_v3(config: dict) -> None:
     """What megatron-core's MLA and router compute like transformers' DeepseekV3 does, or ValueError
     naming the config.json field."""
-    if config.get("first_k_dense_replace", 0):
-        raise ValueError(f"config.json: first_k_dense_replace {config['first_k_dense_replace']} mixes dense and "
-                         "MoE layers, which is not supported yet; every layer must be MoE (0)")
+    dense, layers = config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]
+    if not 0 <= dense < layers:
+        raise ValueError(f"config.json: first_k_dense_replace {dense} must be 0 or more and below "
+                         f"num_hidden_layers ({layers}): at least one layer is MoE")
     if not config.get("rope_interleave", True):
         raise ValueError("config.json: rope_interleave false is not supported: megatron-core's MLA rotates "
                          "interleaved pairs, as DeepSeek's checkpoints do")
@@ -134,10 +141,33 @@ class Rule:
 
 
 def rules(shape: ModelShape) -> list[Rule]:
-    """Every tensor of the model, in the order the converter writes them."""
+    """Every tensor of the model, in the order the converter writes them.
+
+    Where dense and MoE layers mix (first_k_dense_replace), megatron keys each layer apart
+    (decoder.layers.N.*, its TransformerBlock's non-homogeneous layers) instead of stacking them."""
+    head = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, per_layer=False)]
+    tail = [Rule("decoder.final_layernorm.weight", ("model.norm.weight",), per_layer=False)]
+    if not shape.tied_embeddings:
+        tail.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
+    if not shape.dense_layers:
+        return head + _layer_rules(shape, moe=bool(shape.num_experts)) + tail
+    kinds = {moe: _layer_rules(shape, moe=bool(moe)) for moe in (0, 1)}
+    return head + [_in_layer(rule, layer) for layer, moe in enumerate(shape.moe_layer_pattern())
+                   for rule in kinds[moe]] + tail
+
+
+def _in_layer(rule: Rule, layer: int) -> Rule:
+    """A per-layer rule made the rule of one layer (its key and HF names name it; no layer axis)."""
+    return replace(rule, megatron=rule.megatron.replace("decoder.layers.", f"decoder.layers.{layer}.", 1),
+                   hf=tuple(name.replace("{l}", str(layer)) for name in rule.hf), per_layer=False)
+
+
+def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
+    """One decoder layer's tensors (keys without the layer number): attention, then the MLP (the
+    experts' when `moe`)."""
     attn = "model.layers.{l}.self_attn."
     mlp = "model.layers.{l}.mlp."
-    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, per_layer=False)]
+    out = []
     if shape.mla:
         out += _mla_rules(shape.mla)
     else:
@@ -154,15 +184,13 @@ def rules(shape: ModelShape) -> list[Rule]:
         out += [Rule("decoder.layers.self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
                 Rule("decoder.layers.self_attention.k_layernorm.weight", (attn + "k_norm.weight",))]
     out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
-    if shape.num_experts:
+    # The local spec stores the pre-MLP norm under the dense MLP's name (a MoE layer's too), but not with MLA.
+    norm = Rule("decoder.layers.pre_mlp_layernorm.weight" if shape.mla
+                else "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+                ("model.layers.{l}.post_attention_layernorm.weight",))
+    if moe:
         expert = mlp + "experts.{e}."
-        # The local spec stores a MoE layer's pre-MLP norm under the dense name, too (not with MLA).
-        norm = ("decoder.layers.pre_mlp_layernorm.weight" if shape.mla
-                else "decoder.layers.mlp.linear_fc1.layer_norm_weight")
-        out += [
-            Rule(norm, ("model.layers.{l}.post_attention_layernorm.weight",)),
-            Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",)),
-        ]
+        out += [norm, Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",))]
         if shape.expert_bias:
             out.append(Rule("decoder.layers.mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)))
         if shape.shared_experts:
@@ -181,15 +209,11 @@ def rules(shape: ModelShape) -> list[Rule]:
         ]
     else:
         out += [
-            Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight",
-                 ("model.layers.{l}.post_attention_layernorm.weight",)),
+            norm,
             Rule("decoder.layers.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                  GATE_UP, linear=True),
             Rule("decoder.layers.mlp.linear_fc2.weight", (mlp + "down_proj.weight",), linear=True),
         ]
-    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), per_layer=False))
-    if not shape.tied_embeddings:
-        out.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
     return out
 
 
@@ -253,7 +277,5 @@ def hf_slice_shapes(rule: Rule, shape: ModelShape, hf_shapes: list[tuple[int, ..
 
 
 def stacking(rule: Rule, shape: ModelShape) -> tuple[int, ...]:
-    """The leading axes Megatron stacks this key over: (), (layers,) or (layers, experts)."""
-    if not rule.per_layer:
-        return ()
-    return (shape.num_layers, shape.num_experts) if rule.per_expert else (shape.num_layers,)
+    """The leading axes Megatron stacks this key over: (), (layers,), (experts,) or (layers, experts)."""
+    return (*((shape.num_layers,) if rule.per_layer else ()), *((shape.num_experts,) if rule.per_expert else ()))

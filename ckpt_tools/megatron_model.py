@@ -7,6 +7,7 @@ Used by the checkpoint tools (verify) and their tests; runs on CPU (gloo) throug
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,12 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ckpt_tools import megatron_compat
 from ckpt_tools.mapping import ModelShape
@@ -55,6 +62,8 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
         # alltoall creates a torch.cuda.Stream; grouped GEMM needs the grouped_gemm package.
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
+        # DeepSeek's first_k_dense_replace: the first layers' MLP is dense (megatron's --moe-layer-freq list)
+        "moe_layer_freq": shape.moe_layer_pattern() if shape.dense_layers else 1,
     }
     if shape.expert_bias:  # DeepSeek-V3: sigmoid scores, bias-corrected grouped top-k, scaled weights
         return {**common, **_deepseek_router_kwargs(hf_config, shape)}
@@ -163,23 +172,42 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32, spec: ModuleSpec | None = None,
 ) -> GPTModel:
     """A GPTModel (no TransformerEngine) for this rank of an initialised TP/EP grid, with the given
-    layer spec (say trainer.megatron.attention.gpt_layer_spec(...)); default: megatron's local spec.
+    layer spec (say trainer.megatron.attention.gpt_layer_spec(...)); default: megatron's local spec
+    (its dense variant for the dense layers of a model that mixes them with MoE ones).
 
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype)
-    spec = spec or get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm, normalization="RMSNorm",
-        multi_latent_attention=config.multi_latent_attention,
-    )
-    attention = spec.submodules.self_attention.submodules
-    if config.multi_latent_attention and attention.core_attention is DotProductAttention:
-        attention.core_attention = MLADotProductAttention
-    model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
+
+    def local_spec(num_experts: int | None) -> ModuleSpec:
+        layer = spec or get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+            normalization="RMSNorm", multi_latent_attention=config.multi_latent_attention,
+        )
+        attention = layer.submodules.self_attention.submodules
+        if config.multi_latent_attention and attention.core_attention is DotProductAttention:
+            attention.core_attention = MLADotProductAttention
+        return layer
+
+    layers = stage_layer_specs(config, local_spec)
+    # One layer spec: megatron repeats it (and picks the final norm); dense and MoE layers: the block's list.
+    mixed = isinstance(config.moe_layer_freq, list)
+    block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl) if mixed else layers[0]
+    model = GPTModel(config=config, transformer_layer_spec=block, **model_kwargs)
     if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
     return model
+
+
+def stage_layer_specs(config: TransformerConfig, layer_spec: Callable[[int | None], ModuleSpec]) -> list[ModuleSpec]:
+    """The spec of each of this pipeline stage's layers: layer_spec(config.num_moe_experts) for a
+    MoE layer (or any layer of a model without a dense/MoE mix), layer_spec(None) for a dense one,
+    as megatron's moe_layer_freq list says (get_gpt_decoder_layer_specs, for local specs)."""
+    freq = config.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [1] * config.num_layers
+    specs = {moe: layer_spec(config.num_moe_experts if moe else None) for moe in sorted(set(pattern))}
+    offset = get_transformer_layer_offset(config)
+    return [specs[moe] for moe in pattern[offset: offset + get_num_layers_to_build(config)]]
 
 
 # Megatron-LM keeps these non-model states in the same .distcp files; a model load skips them.

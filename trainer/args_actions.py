@@ -10,16 +10,29 @@ import json
 from typing import Any
 
 
-def moe_layer_freq(text: str) -> int:
+class LayerPattern(list[int]):
+    """A per-layer 0/1 list (1: MoE) that prints in Megatron's short form, [0]*3+[1]*58."""
+
+    def __str__(self) -> str:
+        runs: list[list[int]] = []
+        for x in self:
+            if runs and runs[-1][0] == x:
+                runs[-1][1] += 1
+            else:
+                runs.append([x, 1])
+        return "+".join(f"[{x}]*{n}" for x, n in runs) or "[]"
+
+
+def moe_layer_freq(text: str) -> int | LayerPattern:
     """Megatron's --moe-layer-freq: N (every Nth layer is MoE) or a per-layer list, "[1, 1, 0, ...]"
-    or the Python expression Megatron evaluates, "[0]*1+[1]*46"; 1 when every layer is MoE, the
-    only layout slurmrl builds; 0 for any other pattern."""
+    or the Python expression Megatron evaluates, "[0]*1+[1]*46"; 1 when every layer is MoE, else
+    the list (DeepSeek's dense first layers: config.json's first_k_dense_replace)."""
     text = text.strip()
     if text.startswith("["):
         pattern = _layer_list(text)
         if pattern is None:
             raise argparse.ArgumentTypeError(f"{text!r} is not a list of 0/1 (or Megatron's [0]*K+[1]*N)")
-        return 1 if pattern and all(x == 1 for x in pattern) else 0
+        return 1 if pattern and all(x == 1 for x in pattern) else LayerPattern(pattern)
     return int(text)
 
 

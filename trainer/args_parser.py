@@ -7,7 +7,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from trainer.args_actions import ArgsError, Choice, HelpFormatter, Parser, RefusedFlag, moe_layer_freq, refused
+from trainer.args_actions import (
+    ArgsError,
+    Choice,
+    HelpFormatter,
+    LayerPattern,
+    Parser,
+    RefusedFlag,
+    moe_layer_freq,
+    refused,
+)
 from trainer.args_async_flags import add_async_flags
 from trainer.args_rollout_flags import add_rollout_flags
 from trainer.refused_flags import REFUSED
@@ -20,7 +29,7 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 models"
+_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 models"
 
 def _deepseek(c: dict[str, Any]) -> bool:
     return c["architectures"][0] == "DeepseekV3ForCausalLM"
@@ -30,6 +39,7 @@ def _moe_experts(c: dict[str, Any]) -> int | None:
     return c.get("n_routed_experts") if _deepseek(c) else c.get("num_experts")
 
 
+UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
 # flag -> how to read the same quantity from an HF config
 _MODEL_FLAGS: dict[str, Any] = {
     "num_layers": lambda c: c["num_hidden_layers"],
@@ -37,8 +47,9 @@ _MODEL_FLAGS: dict[str, Any] = {
     "ffn_hidden_size": lambda c: c["intermediate_size"],
     "num_attention_heads": lambda c: c["num_attention_heads"],
     "num_query_groups": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
-    # DeepSeek's config.json head_dim is the RoPE part; megatron's kv_channels is the value head (slime's scripts)
-    "kv_channels": lambda c: c["v_head_dim"] if _deepseek(c) else (
+    # DeepSeek: megatron's MLA never reads kv_channels (--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim
+    # give its widths), and slime's scripts give any value (DeepSeek-V3 128, Kimi-K2 64)
+    "kv_channels": lambda c: UNCHECKED if _deepseek(c) else (
         c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "vocab_size": lambda c: c["vocab_size"],
     "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
@@ -62,8 +73,7 @@ _MODEL_FLAGS: dict[str, Any] = {
     # DeepSeek: slime's scripts give it; megatron's sigmoid router has no pre-softmax
     "moe_router_pre_softmax": lambda c: _deepseek(c) or (bool(c.get("num_experts"))
                                                          and not c.get("norm_topk_prob", False)),
-    "moe_layer_freq": lambda c: 1 if _moe_experts(c) and not c.get("mlp_only_layers")
-    and not c.get("first_k_dense_replace") else None,
+    "moe_layer_freq": lambda c: _moe_layer_pattern(c) if _moe_experts(c) and not c.get("mlp_only_layers") else None,
     # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
     "multi_latent_attention": _deepseek,
     "q_lora_rank": lambda c: c["q_lora_rank"],
@@ -80,6 +90,12 @@ _MODEL_FLAGS: dict[str, Any] = {
     "use_rope_scaling": lambda c: _rope_type(c) == "llama3",
     "rotary_scaling_factor": lambda c: float(_rope(c)["factor"]) if _rope_type(c) == "llama3" else 1.0,
 }
+
+
+def _moe_layer_pattern(c: dict[str, Any]) -> int | LayerPattern:
+    """1 (every layer MoE), or DeepSeek's first_k_dense_replace dense layers then MoE ones."""
+    dense = (c.get("first_k_dense_replace") or 0) if _deepseek(c) else 0
+    return LayerPattern([0] * dense + [1] * (c["num_hidden_layers"] - dense)) if dense else 1
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-router-bias-update-rate", type=float, default=1e-3,
         help="after each optimizer step, each expert's routing bias moves by this much towards balanced load "
              "(megatron's aux-loss-free balancing; slime's DeepSeek scripts give 0: the bias stays as loaded)")
-    add("--moe-layer-freq", type=moe_layer_freq, help="which layers are MoE: every one (1) is the only layout")
+    add("--moe-layer-freq", type=moe_layer_freq, help="which layers are MoE: every one (1), or a 0/1 list (Megatron's "
+        "[0]*K+[1]*N): the first K dense, which must be config.json's first_k_dense_replace (DeepSeek-V3, Kimi-K2)")
     dispatchers = Choice(("allgather", "alltoall"), {"flex": "megatron's flex dispatcher runs on DeepEP or HybridEP "
                                                               "(CUDA kernels slurmrl does not ship); use alltoall"})
     add("--moe-token-dispatcher-type", type=dispatchers, metavar=dispatchers.metavar,

@@ -22,7 +22,7 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 (every layer MoE, plain RoPE) models "
+_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 (plain RoPE) models "
            "from --hf-checkpoint's config.json")
 _RAY = "slurmrl runs as one SLURM job with no Ray"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"

@@ -38,6 +38,7 @@ CASES = {  # id: (arch, tied embeddings)
     "llama-untied": ("llama", False),
     "qwen3_moe": ("qwen3_moe", False),
     "deepseek_v3": ("deepseek_v3", False),
+    "deepseek_v3_dense_first": ("deepseek_v3_dense_first", False),  # first_k_dense_replace 1 of 3 layers
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -127,23 +128,30 @@ def test_naive_qkv_layout_is_caught(case: Case) -> None:
     assert (megatron_logits(model, INPUT_IDS) - case.hf_logits).abs().max().item() > 100 * ATOL
 
 
-@pytest.mark.parametrize("wrong", ["v_before_k", "no_routing_bias"])
+@pytest.mark.parametrize("wrong", ["v_before_k", "no_routing_bias", "dense_up_before_gate"])
 def test_mla_layout_and_routing_bias_are_checked(case: Case, wrong: str) -> None:
-    """The tolerance discriminates for DeepSeek-V3: kv_b_proj's per-head [K | V] order, and the
-    expert bias that picks the experts (not their weights)."""
+    """The tolerance discriminates for DeepSeek-V3: kv_b_proj's per-head [K | V] order, the
+    expert bias that picks the experts (not their weights), and the [gate; up] order of the dense
+    layers' MLP (first_k_dense_replace)."""
     if "kv_lora_rank" not in case.hf_config:
         pytest.skip("DeepSeek-V3 (MLA, expert bias) only")
+    if wrong.startswith("dense") and not case.hf_config["first_k_dense_replace"]:
+        pytest.skip("DeepSeek-V3 with dense first layers only")
     model = build_gpt_model(case.hf_config)
     load_torch_dist(model, case.ckpt_dir)
     nope, v = case.hf_config["qk_nope_head_dim"], case.hf_config["v_head_dim"]
     with torch.no_grad():
         for layer in model.decoder.layers:
+            dense = not hasattr(layer.mlp, "router")
             if wrong == "v_before_k":
                 up = layer.self_attention.linear_kv_up_proj.weight
                 k, val = up.view(-1, nope + v, up.shape[-1]).split([nope, v], dim=1)
                 up.copy_(torch.cat([val, k], dim=1).reshape(up.shape))
-            else:
+            elif wrong == "no_routing_bias" and not dense:
                 layer.mlp.router.expert_bias.zero_()
+            elif wrong == "dense_up_before_gate" and dense:
+                fc1 = layer.mlp.linear_fc1.weight
+                fc1.copy_(torch.cat(fc1.chunk(2)[::-1]))
     assert (megatron_logits(model, INPUT_IDS) - case.hf_logits).abs().max().item() > 100 * ATOL
 
 

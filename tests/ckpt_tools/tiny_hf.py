@@ -30,20 +30,32 @@ _ARCHS = {
              n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0),
     ),
 }
+# As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
+# next two are MoE.
+_ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],
+                                     {**_ARCHS["deepseek_v3"][2], "first_k_dense_replace": 1, "num_hidden_layers": 3})
 ARCHS = tuple(_ARCHS)
 
 
+def tiny_config(arch: str, tied: bool = False, layers: int | None = None) -> transformers.PretrainedConfig:
+    """make_tiny_hf's config (architectures set), without the weights."""
+    config_cls, model_cls, extra = _ARCHS[arch]
+    config = config_cls(**{**_COMMON, **extra, **({"num_hidden_layers": layers} if layers else {})},
+                        tie_word_embeddings=tied)
+    config.architectures = [model_cls.__name__]
+    return config
+
+
 def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, layers: int = 2) -> Path:
-    """Save a random tiny `arch` model (one of ARCHS) to out_dir with save_pretrained; returns out_dir.
+                 dtype: torch.dtype = torch.float32, layers: int | None = None) -> Path:
+    """Save a random tiny `arch` model (one of ARCHS; `layers` layers, default the arch's) to out_dir with
+    save_pretrained; returns out_dir.
 
     Every parameter is random, norm weights included (around 1), and large enough that a
     transposed, swapped or misplaced tensor changes the logits well beyond float32 noise."""
-    config_cls, model_cls, extra = _ARCHS[arch]
-    config = config_cls(**{**_COMMON, "num_hidden_layers": layers, **extra}, tie_word_embeddings=tied)
-    config.architectures = [model_cls.__name__]
+    config = tiny_config(arch, tied, layers)
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = _ARCHS[arch][1](config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -36,6 +36,23 @@ CONFIGS = {  # the shape-bearing fields of each model's config.json on the Huggi
                               "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                               "vocab_size": 151936, "max_position_embeddings": 32768, "tie_word_embeddings": True},
 }
+_DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu", "hidden_size": 7168,
+             "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+             "num_experts_per_tok": 8, "n_shared_experts": 1, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+             "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+             "v_head_dim": 128, "attention_bias": False, "tie_word_embeddings": False}
+CONFIGS |= {
+    "DeepSeek-R1": {**_DEEPSEEK, "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+                    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                    "vocab_size": 129280, "max_position_embeddings": 163840, "rope_theta": 10000,
+                    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}},
+    "Kimi-K2-Instruct": {**_DEEPSEEK, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+                         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827, "first_k_dense_replace": 1,
+                         "vocab_size": 163840, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+                         "rope_scaling": {"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "beta_fast": 1.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
+}
 
 
 def _recipe_argv(name: str, root: Path, num_gpus: int = 8) -> list[str]:
@@ -52,8 +69,9 @@ def _files(root: Path) -> None:
         (root / model).mkdir(parents=True)
         (root / model / "config.json").write_text(json.dumps(config))
         (root / f"{model}_torch_dist").mkdir()
+    (root / "Kimi-K2_torch_dist").mkdir()  # run-kimi-k2-Instruct's --ref-load
     row = {"prompt": [{"role": "user", "content": "1 + 1?"}], "label": "2"}
-    for path in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
+    for path in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl", "rl_data/aime-2024.jsonl"):
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(json.dumps(row) + "\n")
     import pyarrow
@@ -127,3 +145,44 @@ def test_slimes_fully_async_example_passes_as_train_async(root: Path, capsys: py
 
     args = build_parser().parse_args(spec.trainer.train_args)
     assert args.train_async and args.rollout_function_path == FULLY_ASYNC_ROLLOUT and args.num_rollout == 3
+
+
+# What slime's DeepSeek-V3 and Kimi-K2 recipes give that slurmrl refuses for reasons of its own, not the
+# model's shape: YaRN RoPE scaling, and megatron's DeepEP dispatcher (flex).
+_OTHER_REFUSALS = (("--rotary-scaling-factor", 1, None), ("--mscale", 1, None), ("--mscale-all-dim", 1, None),
+                   ("--moe-enable-deepep", 0, None), ("--moe-token-dispatcher-type", 1, "flex"))  # flag, values, value
+
+
+def _without(args: list[str], flag: str, values: int, value: str | None) -> list[str]:
+    i = next(i for i, a in enumerate(args) if a == flag and (value is None or args[i + 1] == value))
+    return args[:i] + args[i + 1 + values:]
+
+
+@pytest.mark.parametrize("recipe, model, dense", [("run-deepseek-r1", "DeepSeek-R1", 3),
+                                                  ("run-kimi-k2-Instruct", "Kimi-K2-Instruct", 1)])
+def test_deepseek_and_kimi_recipes_model_flags_agree_with_config_json(root: Path, recipe: str, model: str, dense: int,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """slime's DeepSeek-V3 and Kimi-K2 model flags (scripts/models/*.sh: MLA, shared experts, sigmoid
+    grouped expert-bias routing, --moe-layer-freq [0]*K+[1]*(61-K)) agree with the real models' config.json,
+    first_k_dense_replace included; the recipe itself is refused at submission for YaRN (first of its
+    refusals, with DeepEP); a --moe-layer-freq that disagrees with first_k_dense_replace is named with it."""
+    from trainer.config.model_checks import model_flag_problems
+    from trainer.config.sections import ShapeFlags
+
+    argv = _recipe_argv(recipe, root)
+    assert submit_cli.main(argv + ["--dry-run"]) == 2
+    assert "train_args: --mscale 1.0: YaRN rope scaling is not supported" in capsys.readouterr().err
+
+    spec, _ = load_spec(None, argv)
+    train_args = list(spec.trainer.train_args)
+    for refused in _OTHER_REFUSALS:
+        train_args = _without(train_args, *refused)
+    args = build_parser().parse_args(train_args)
+    assert args.moe_layer_freq == [0] * dense + [1] * (61 - dense)
+    given = {name: getattr(args, name) for name in ShapeFlags.__dataclass_fields__}
+    config = CONFIGS[model]
+    assert model_flag_problems(given, str(root / model), config) == []
+    (problem,) = model_flag_problems(given, str(root / model), {**config, "first_k_dense_replace": dense + 1})
+    assert problem.startswith(f"--moe-layer-freq [0]*{dense}+[1]*{61 - dense} disagrees with {root / model}/config.json "
+                              f"([0]*{dense + 1}+[1]*{60 - dense}, first_k_dense_replace {dense + 1}, "
+                              "num_hidden_layers 61)"), problem

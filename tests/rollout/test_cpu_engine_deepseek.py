@@ -1,6 +1,8 @@
-"""The stand-in engine serves a tiny DeepSeek-V3 (MLA, shared experts, expert-bias routing) through
-transformers: greedy outputs with transformers' log-probs, and a disk update to other weights (experts
-under their per-expert checkpoint names, routing biases included) serves those."""
+"""The stand-in engine serves a tiny DeepSeek-V3 (MLA, shared experts, expert-bias routing, a dense
+first layer as first_k_dense_replace gives real checkpoints) through transformers: greedy outputs with
+transformers' log-probs, and an update to other weights from disk and over a weight-update group
+(experts under their per-expert checkpoint names, routing biases and the dense layer's MLP included)
+serves those."""
 
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rollout.tiny_model import write_tiny_model
+from rollout.weight_group import create_group
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
-from tests.rollout.cpu_engine_helpers import EngineProcess
+from tests.rollout.cpu_engine_helpers import EngineProcess, free_port
+from tests.rollout.test_cpu_engine_api import in_thread
 
+GROUP_JOIN_S = 60  # the weight-update group's rendezvous and one update, each
 PROMPT = [5, 17, 42, 9, 77, 3]
 PROBE = {"input_ids": PROMPT, "return_logprob": True,
          "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
@@ -23,7 +29,7 @@ PROBE = {"input_ids": PROMPT, "return_logprob": True,
 
 def _deepseek_with_tokenizer(root: Path, seed: int) -> Path:
     """make_tiny_hf's DeepSeek-V3 (vocab 128) with the tiny tokenizer (105 tokens)."""
-    model = make_tiny_hf("deepseek_v3", root / f"deepseek{seed}", tied=False, seed=seed)
+    model = make_tiny_hf("deepseek_v3_dense_first", root / f"deepseek{seed}", tied=False, seed=seed)
     tokenizer = write_tiny_model(root / f"tokenizer{seed}")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, model / name)
@@ -33,7 +39,7 @@ def _deepseek_with_tokenizer(root: Path, seed: int) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("deepseek_models")
-    return {seed: _deepseek_with_tokenizer(root, seed) for seed in (0, 1)}
+    return {seed: _deepseek_with_tokenizer(root, seed) for seed in (0, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +74,44 @@ def test_updates_from_disk(engine: EngineProcess, models: dict[int, Path]) -> No
     assert after["output_ids"] != before["output_ids"]
     logprobs = [p[0] for p in after["meta_info"]["output_token_logprobs"]]
     assert logprobs == pytest.approx(_expected_logprobs(models[1], after["output_ids"]), abs=1e-4)
+    dense = "model.layers.0.mlp.up_proj.weight"  # the dense first layer's MLP
+    expected = load_file(models[1] / "model.safetensors")[dense]
+    assert torch.equal(_served(engine, dense, expected), expected)
+
+
+def _served(engine: EngineProcess, name: str, like: torch.Tensor) -> torch.Tensor:
+    got = engine.post("/get_weights_by_name", {"name": name, "truncate_size": 10**6}).json()
+    return torch.tensor(got, dtype=like.dtype).reshape(like.shape)
+
+
+def test_updates_over_a_weight_update_group(engine: EngineProcess, models: dict[int, Path]) -> None:
+    """The trainer's HF names (tests/trainer/test_megatron_deepseek publishes exactly these), broadcast
+    one by one: the dense layer's MLP is filled, and the engine serves the new model."""
+    tensors = load_file(models[2] / "model.safetensors")
+    assert "model.layers.0.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.experts.0.up_proj.weight" in tensors
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "ds", "backend": "gloo"}
+    thread, box = in_thread(engine.post, "/init_weights_update_group", init)
+    group = create_group("127.0.0.1", port, rank=0, world_size=2, group_name="ds", timeout_s=GROUP_JOIN_S)
+    try:
+        thread.join(GROUP_JOIN_S)
+        assert box["result"].status_code == 200, box["result"].text
+        names = list(tensors)
+        update = {"names": names, "dtypes": [str(tensors[n].dtype) for n in names],
+                  "shapes": [list(tensors[n].shape) for n in names], "group_name": "ds", "weight_version": "v2"}
+        assert engine.post("/begin_weight_update", {"selector": "all"}).json()["success"] is True
+        thread, box = in_thread(engine.post, "/update_weights_from_distributed", update)
+        for name in names:
+            group.broadcast(tensors[name].clone(), src=0)
+        thread.join(GROUP_JOIN_S)
+        assert box["result"].status_code == 200, box["result"].text
+        assert engine.post("/end_weight_update", {}).json()["success"] is True
+        for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+            assert torch.equal(_served(engine, name, tensors[name]), tensors[name]), name
+        after = engine.generate(PROBE)
+        logprobs = [p[0] for p in after["meta_info"]["output_token_logprobs"]]
+        assert logprobs == pytest.approx(_expected_logprobs(models[2], after["output_ids"]), abs=1e-4)
+    finally:
+        engine.post("/destroy_weights_update_group", {"group_name": "ds"})
+        group.close()

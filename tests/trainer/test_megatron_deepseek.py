@@ -1,7 +1,8 @@
-"""DeepSeek-V3 (MLA, a shared expert, sigmoid expert-bias grouped routing) in the trainer, from
-slime's model flags (each checked against config.json): on a tiny model, one RL step gives HF's
-log-probs and the same loss, grad norm, new weights and new routing biases at TP=1 and at
-TP=2 + SP with the experts spread over the two ranks (EP=2); the bias moves as megatron moves it."""
+"""DeepSeek-V3 (MLA, a shared expert, sigmoid expert-bias grouped routing, dense first layers) in
+the trainer, from slime's model flags (each checked against config.json): on a tiny model, one RL
+step gives HF's log-probs and the same loss, grad norm, new weights and new routing biases at TP=1
+and at TP=2 + SP with the experts spread over the two ranks (EP=2); the bias moves as megatron
+moves it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from ckpt_tools.convert import hf_to_torch_dist
-from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_config
 from tests.rank_devices import rank_devices
 from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _run, _samples
 
@@ -33,12 +35,17 @@ DEEPSEEK_FLAGS = [
 LAYOUTS = {"tp2_sp_ep2": (2, 2, "local", ["--sequence-parallel", "--expert-model-parallel-size", "2",
                                           "--expert-tensor-parallel-size", "1"])}
 BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
+# The tiny model's first layer is dense (first_k_dense_replace 1, slime's --moe-layer-freq), as real
+# DeepSeek-V3 and Kimi-K2 checkpoints; its layers 1 and 2 are MoE. (An all-MoE DeepSeek-V3 is the same
+# code but for the stacked checkpoint keys, which Qwen3-MoE's trainer tests and ckpt_tools' DeepSeek
+# tests cover.)
+ARCH, MOE_LAYERS, LAYER_FREQ = "deepseek_v3_dense_first", (1, 2), ["--moe-layer-freq", "[0]*1+[1]*2"]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("deepseek")
-    model = make_tiny_hf("deepseek_v3", root / "model", tied=False)
+    model = make_tiny_hf(ARCH, root / "model", tied=False)
     return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
 
 
@@ -47,7 +54,7 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
     runs = {"tp1": (1, 1, "local", [])} | LAYOUTS
     with rank_devices(2):
-        return {name: _run(tiny, tmp, name, tp, world, attention, [*DEEPSEEK_FLAGS, *extra])
+        return {name: _run(tiny, tmp, name, tp, world, attention, [*DEEPSEEK_FLAGS, *LAYER_FREQ, *extra])
                 for name, (tp, world, attention, extra) in runs.items()}
 
 
@@ -70,14 +77,24 @@ def test_one_step_is_the_same_at_tp2_ep2(results) -> None:
         for hf_name, tensor in base["weights"].items():
             assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
     for hf_name in ("model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
-                    "model.layers.0.mlp.gate.weight"):
+                    "model.layers.1.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight",  # the dense layer's MLP
+                    "model.layers.0.mlp.down_proj.weight"):
         assert not torch.equal(base["weights"][hf_name], base["before"][hf_name]), f"{hf_name} must train"
+
+
+def test_every_hf_weight_is_published(tiny, results) -> None:
+    """The publish path sends exactly the checkpoint's HF names (dense layers' MLP included), at every layout."""
+    model, _ = tiny
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    for name, result in results.items():
+        assert set(result["weights"]) == names, f"{name}: {set(result['weights']) ^ names}"
 
 
 def test_routing_bias_moves_by_the_rate_towards_balance(results) -> None:
     """Each expert's bias moves by +-rate (or stays, at exactly average load), and the step is
     published with it (the engines route with it)."""
-    for layer in range(2):
+    for layer in MOE_LAYERS:
         before, after = results["tp1"]["before"][BIAS.format(layer)], results["tp1"]["weights"][BIAS.format(layer)]
         steps = ((after - before) / BIAS_RATE).round()
         assert torch.allclose(after - before, steps * BIAS_RATE, atol=1e-7)
@@ -91,10 +108,33 @@ def test_a_flag_that_disagrees_with_config_json_is_named(tiny) -> None:
     model, _ = tiny
     config = json.loads((model / "config.json").read_text())
     common = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
-              "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS]
+              "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS, *LAYER_FREQ]
     check_model_flags(build_config(build_parser().parse_args(common)).shape, str(model), config)  # slime's pass
     wrong = build_config(build_parser().parse_args([*common, "--q-lora-rank", "64", "--moe-router-num-groups", "8"]))
     with pytest.raises(ArgsError) as err:
         check_model_flags(wrong.shape, str(model), config)
     assert "--q-lora-rank 64 disagrees with" in str(err.value)
     assert "--moe-router-num-groups 8 disagrees with" in str(err.value)
+
+
+@pytest.mark.parametrize(("arch_name", "freq", "expected"), [
+    ("deepseek_v3_dense_first", "1", "([0]*1+[1]*2, first_k_dense_replace 1, num_hidden_layers 3)"),
+    ("deepseek_v3_dense_first", "[0, 0, 1]", "([0]*1+[1]*2, first_k_dense_replace 1, num_hidden_layers 3)"),
+    ("deepseek_v3", "[0]*1+[1]*1", "(1, first_k_dense_replace 0, num_hidden_layers 2)"),
+])
+def test_moe_layer_freq_must_match_first_k_dense_replace(tmp_path: Path, arch_name: str, freq: str,
+                                                         expected: str) -> None:
+    """slime's --moe-layer-freq against config.json's first_k_dense_replace: one line naming both."""
+    from trainer.args import ArgsError, build_config, build_parser
+    from trainer.config.model_checks import check_model_flags
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads(tiny_config(arch_name).to_json_string())
+    (model / "config.json").write_text(json.dumps(config))
+    argv = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
+            "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS, "--moe-layer-freq", freq]
+    with pytest.raises(ArgsError) as err:
+        check_model_flags(build_config(build_parser().parse_args(argv)).shape, str(model), config)
+    (line,) = err.value.problems
+    assert line.startswith("--moe-layer-freq ") and f"disagrees with {model}/config.json {expected}" in line

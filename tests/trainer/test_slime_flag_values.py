@@ -52,8 +52,8 @@ def test_the_no_op_switches_are_accepted(model: Path) -> None:
 @pytest.mark.parametrize("flag, value, reason", [
     ("--moe-token-dispatcher-type", "flex", "flex: megatron's flex dispatcher runs on DeepEP or HybridEP"),
     ("--lr-decay-style", "WSD", "WSD: megatron's inverse-square-root and WSD schedules are not implemented"),
-    ("--normalization", "LayerNorm", "LayerNorm: slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE and DeepSeek-V3 models, all "
-                                     "with RMSNorm"),
+    ("--normalization", "LayerNorm", "LayerNorm: slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and "
+                                     "Kimi-K2 models, all with RMSNorm"),
     ("--profile-target", "train_actor", "profile the trainer with `slurmrl profile JOB --train --steps N`"),
     ("--freeze-indexer", None, "the DSA indexer (DeepSeek sparse attention) is not in the models slurmrl builds"),
     ("--async-save", None, "checkpoints are written synchronously"),
@@ -191,9 +191,10 @@ def test_quantized_rollout_weights_are_refused(model: Path, tmp_path: Path, monk
 
 def test_moe_layer_freq_takes_megatrons_expression() -> None:
     """slime's GLM-4.7 scripts give --moe-layer-freq [0]*1+[1]*46 (Megatron evaluates it): read, not
-    refused as a bad value; a dense first layer is a layout slurmrl does not build (0)."""
+    refused as a bad value, as the per-layer list (printed in Megatron's short form); all MoE is 1."""
     from trainer.args_actions import moe_layer_freq
 
-    assert (moe_layer_freq("[0]*1+[1]*46"), moe_layer_freq("[1]*48"), moe_layer_freq("[1, 1]")) == (0, 1, 1)
+    assert (moe_layer_freq("[0]*1+[1]*46"), moe_layer_freq("[1]*48"), moe_layer_freq("[1, 1]")) == ([0] + [1] * 46, 1, 1)
+    assert str(moe_layer_freq("[0, 0, 0, 1, 1]")) == "[0]*3+[1]*2"
     with pytest.raises(Exception, match="is not a list of 0/1"):
         moe_layer_freq("[__import__('os')]")

@@ -10,10 +10,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from trainer.args_parser import _MODEL_FLAGS, ArgsError
+from trainer.args_parser import _MODEL_FLAGS, UNCHECKED, ArgsError
 from trainer.config.sections import ShapeFlags
 
 Need = Callable[[bool, str], object]  # records or raises a failed check
+# config.json fields a flag's expected value is computed from, named in a disagreement
+_DERIVED_FROM = {"moe_layer_freq": ("first_k_dense_replace", "num_hidden_layers")}
 
 
 def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
@@ -80,7 +82,9 @@ def model_flag_problems(given_flags: dict[str, Any], hf_checkpoint: str, hf_conf
             problems.append(f"--{flag.replace('_', '-')} {given}: {hf_checkpoint}/config.json lacks the field "
                             "to check it against; drop the flag or fix the checkpoint")
             continue
-        if given != expected:
+        if expected is not UNCHECKED and given != expected:
+            source = "".join(f", {field} {hf_config[field]}" for field in _DERIVED_FROM.get(flag, ())
+                             if field in hf_config)
             problems.append(f"--{flag.replace('_', '-')} {given} disagrees with {hf_checkpoint}/config.json "
-                            f"({expected}); drop the flag or fix the checkpoint")
+                            f"({expected}{source}); drop the flag or fix the checkpoint")
     return problems

@@ -91,7 +91,7 @@ class ShapeFlags:
     moe_router_topk: int | None
     moe_router_score_function: str | None
     moe_router_pre_softmax: bool | None
-    moe_layer_freq: int | None
+    moe_layer_freq: int | list[int] | None  # 1, or a per-layer 0/1 list (first_k_dense_replace)
     use_rope_scaling: bool | None
     rotary_scaling_factor: float | None
     # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing

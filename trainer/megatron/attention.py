@@ -35,10 +35,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
-    get_num_layers_to_build,
 )
 from torch import Tensor
 
+from ckpt_tools.megatron_model import stage_layer_specs
 from ckpt_tools.mla_attention import MLADotProductAttention
 from trainer.context_parallel import cp_attention
 from trainer.megatron.norm import HeadNorm, HiddenStateNorm
@@ -155,16 +155,21 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
 
 
 def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> ModuleSpec:
-    """The whole decoder's spec: gpt_layer_spec for every layer and the final norm, which megatron
-    would otherwise build as WrappedTorchNorm (it refuses sequence parallelism). Under pipeline
-    parallelism, this stage's layers only."""
-    layer = gpt_layer_spec(config.num_moe_experts, config.qk_layernorm, attention, config.multi_latent_attention)
-    if config.multi_latent_attention and config.tensor_model_parallel_size > 1:
-        # megatron-core 0.16.1's column-parallel q/kv down-projections give k_pos_emb (shared by all
-        # heads) the gradient of this rank's heads only; replicated ones (TE's "duplicated" mode)
-        # sum it over TP, their weights' gradients summed as sequence-parallel ones (MLA accepts
-        # megatron's replicated Linear by identity only; ckpt_tools.megatron_compat gives it extra state).
-        mla = layer.submodules.self_attention.submodules
-        mla.linear_q_down_proj = mla.linear_kv_down_proj = ReplicatedLinear
+    """The whole decoder's spec: gpt_layer_spec for every layer (its dense variant for the dense
+    layers of megatron's moe_layer_freq list, DeepSeek's first_k_dense_replace) and the final norm,
+    which megatron would otherwise build as WrappedTorchNorm (it refuses sequence parallelism).
+    Under pipeline parallelism, this stage's layers only."""
+
+    def layer_spec(num_experts: int | None) -> ModuleSpec:
+        layer = gpt_layer_spec(num_experts, config.qk_layernorm, attention, config.multi_latent_attention)
+        if config.multi_latent_attention and config.tensor_model_parallel_size > 1:
+            # megatron-core 0.16.1's column-parallel q/kv down-projections give k_pos_emb (shared by all
+            # heads) the gradient of this rank's heads only; replicated ones (TE's "duplicated" mode)
+            # sum it over TP, their weights' gradients summed as sequence-parallel ones (MLA accepts
+            # megatron's replicated Linear by identity only; ckpt_tools.megatron_compat gives it extra state).
+            mla = layer.submodules.self_attention.submodules
+            mla.linear_q_down_proj = mla.linear_kv_down_proj = ReplicatedLinear
+        return layer
+
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=HiddenStateNorm))
+        layer_specs=stage_layer_specs(config, layer_spec), layer_norm=HiddenStateNorm))

@@ -55,28 +55,30 @@ class HFExport:
         for name, param in [*self.model.named_parameters(), *biases]:
             if getattr(param, "shared", False):  # the last stage's copy of tied embeddings
                 continue
-            key, layer, experts = self._checkpoint_key(name)
+            key, layer, experts = self._checkpoint_key(name, offset)
             for expert, full in self._gather(name, param, experts):
                 if not megatron_pipeline.is_stage_leader():
                     continue
                 rule = rules[key]
-                layer_id = None if layer is None else layer + offset
-                for hf_name, tensor in zip(rule.hf_names(layer_id, expert), mapping.to_hf(rule, full, self.shape)):
+                for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
                     # transformers keeps the routing bias in fp32 whatever the model's dtype.
                     yield hf_name, tensor.to(torch.float32 if hf_name.endswith(_FP32_BIAS) else dtype).cpu()
 
-    def _checkpoint_key(self, name: str) -> tuple[str, int | None, tuple[int, int] | None]:
-        """(checkpoint key, layer, (local expert, experts per rank) or None) of a parameter name."""
+    def _checkpoint_key(self, name: str, offset: int) -> tuple[str, int | None, tuple[int, int] | None]:
+        """(checkpoint key, global layer, (local expert, experts per rank) or None) of a parameter name
+        of this stage, whose first layer is the model's `offset`th."""
         match = _LAYER.fullmatch(name)
         if not match:
             return name, None, None
-        layer, rest = int(match.group(1)), match.group(2)
+        layer, rest = int(match.group(1)) + offset, match.group(2)
+        # Dense and MoE layers mixed: each layer keyed apart, as ckpt_tools.mapping.rules says.
+        prefix = f"decoder.layers.{layer}." if self.shape.dense_layers else "decoder.layers."
         expert = _EXPERT.fullmatch(rest)
         if expert:
             per_rank = self.shape.num_experts // self.ep_size
-            return "decoder.layers.mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
+            return prefix + "mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
         # The MLA local spec keeps the norms' own names, as the checkpoint does.
-        return "decoder.layers." + (rest if self.shape.mla else _LOCAL_NAMES.get(rest, rest)), layer, None
+        return prefix + (rest if self.shape.mla else _LOCAL_NAMES.get(rest, rest)), layer, None
 
     def _gather(self, name: str, param: torch.Tensor,
                 experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:
