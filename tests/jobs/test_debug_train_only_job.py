@@ -40,3 +40,14 @@ def test_the_same_job_with_engines_asks_for_its_rollout_group(tmp_path: Path) ->
         prepare(None, job_flags(tmp_path, "rl") + GPU_ENGINES, partitions=CPU_ONLY)
     spec = prepare(None, job_flags(tmp_path, "rl"), partitions=CPU_ONLY)
     assert spec.starts_engines and render_script(spec).count("#SBATCH hetjob") == 1
+
+
+def test_train_async_with_colocate_is_refused_without_engines_too(tmp_path: Path) -> None:
+    """slime's train_async.py asserts not --colocate: its SFT scripts (train_async.py --debug-train-only)
+    run without it; with it the job is refused at submission, not failed at its trainer's start."""
+    flags = ["--train-async", "--colocate", "--debug-train-only", "--rollout-function-path", SFT, "--loss-type",
+             "sft_loss", "--disable-compute-advantages-and-returns"]
+    with pytest.raises(SpecError, match="rollout.colocate: slime's train_async.py"):
+        prepare(None, job_flags(tmp_path, "sft") + flags, partitions=CPU_ONLY)
+    spec = prepare(None, job_flags(tmp_path, "sft") + [f for f in flags if f != "--colocate"], partitions=CPU_ONLY)
+    assert spec.het_groups == 1
