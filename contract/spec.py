@@ -122,6 +122,14 @@ class TrainerSpec:
         value = flag_value(self.train_args, "--num-rollout")
         return int(value) if value is not None and value.isdigit() else None
 
+    @property
+    def debug_train_only(self) -> bool:
+        """slime's --debug-train-only, which --load-debug-rollout-data sets too (slime's
+        arguments.py): the trainer trains on saved rollouts or a rollout function that needs no
+        engine, so the job starts no router and no engines."""
+        given = {flag_name(g[0]) for g in group_flags(self.train_args)}
+        return "--debug-train-only" in given or flag_value(self.train_args, "--load-debug-rollout-data") is not None
+
 
 @dataclass
 class RolloutSpec:
@@ -359,13 +367,18 @@ class JobSpec:
         return parse_slurm_time(self.time)
 
     @property
+    def starts_engines(self) -> bool:
+        """False with --debug-train-only: no rollout group, router, engine step or engine check."""
+        return not self.trainer.debug_train_only
+
+    @property
     def het_groups(self) -> int:
-        return 1 if self.rollout.colocate else 2
+        return 2 if self.starts_engines and not self.rollout.colocate else 1
 
     @property
     def rollout_group(self) -> int:
-        """The het group the engines run in: 1, or 0 with --colocate."""
-        return 0 if self.rollout.colocate else 1
+        """The het group the engines run in: 1, or 0 with --colocate (and without engines)."""
+        return self.het_groups - 1
 
 
 SECTIONS = {"trainer": TrainerSpec, "rollout": RolloutSpec, "fault_tolerance": FaultToleranceSpec,

@@ -94,7 +94,8 @@ class HetGroup:
 def het_groups(spec: JobSpec) -> list[HetGroup]:
     """The het groups to ask SLURM for: 0 = trainer nodes (the batch step, i.e. the supervisor,
     runs on its first node), 1 = rollout nodes (absent with --colocate: the engines share
-    group 0's nodes and GPUs, their tasks added to group 0's)."""
+    group 0's nodes and GPUs, their tasks added to group 0's; absent with --debug-train-only,
+    which starts no engines)."""
     t, r = spec.trainer, spec.rollout
 
     def group(nodes: int, ntasks_per_node: int, cpus_per_task: int, gpus_per_node: int) -> HetGroup:
@@ -102,6 +103,8 @@ def het_groups(spec: JobSpec) -> list[HetGroup]:
                         gpus_per_node=gpus_per_node, partition=spec.partition, account=spec.account, qos=spec.qos,
                         time_min=spec.time_minutes, exclude=spec.exclude)
 
+    if not spec.starts_engines:
+        return [group(t.actor_num_nodes, t.tasks_per_node, t.cpus_per_task, t.actor_num_gpus_per_node)]
     if r.colocate:
         per_node = -(-r.engine_count // max(1, t.actor_num_nodes))
         cpus = max(t.cpus_per_task, r.cpus_per_engine)

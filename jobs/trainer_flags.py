@@ -54,15 +54,11 @@ def train_args_problems(spec: JobSpec, notes: list[str]) -> list[str]:
     except ArgsError as err:
         own += err.problems
     own += _device_problems(spec, parsed)
-    if parsed.debug_train_only:  # (an engine-less job shape is not there yet: the supervisor starts what the spec asks)
-        notes.append("--debug-train-only: the trainer uses no engine, but the job still starts the router and the "
-                     f"{spec.rollout.engine_count} engine(s) of rollout.*; keep them small (--rollout-engine cpu "
-                     "--rollout-num-engines 1)")
     hf = parsed.hf_checkpoint
     if Path(hf, "config.json").is_file():  # (else build_config said so)
         hf_config = read_hf_config(hf)
         own += model_flag_problems({f.name: getattr(parsed, f.name) for f in fields(ShapeFlags)}, hf, hf_config)
-        own += _context_problems(spec, parsed, hf_config)
+        own += _context_problems(spec, parsed, hf_config) if spec.starts_engines else []  # (engines' context)
         if parsed.prompt_data and Path(parsed.prompt_data).is_file():
             own += _prompt_data_problems(parsed, notes)
     return problems + [f"train_args: {p}" for p in own]

@@ -105,9 +105,6 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
         problems.append(f"rollout: {err}")
     if not problems:
         problems += _engine_group_problems(spec)
-    if r.colocate and "--train-async" in t.train_args:
-        problems.append("rollout.colocate: slime's train_async.py (--train-async) generates while the trainer trains, "
-                        "so the engines need GPUs of their own: drop --colocate, or submit train.py")
     if r.colocate and r.spare_nodes:
         problems.append("rollout.spare_nodes: colocated engines run on the trainer's nodes, which have no spares; "
                         "drop --rollout-spare-nodes or --colocate")
@@ -122,6 +119,14 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
     if not problems:
         problems += _nccl_problems(spec)
     return problems
+
+
+def _train_async_problems(spec: JobSpec) -> list[str]:
+    """slime's train_async.py refuses --colocate (with or without engines: --debug-train-only's too)."""
+    if spec.rollout.colocate and "--train-async" in spec.trainer.train_args:
+        return ["rollout.colocate: slime's train_async.py (--train-async) generates while the trainer trains, so the "
+                "engines need GPUs of their own (and it refuses --colocate): drop --colocate, or submit train.py"]
+    return []
 
 
 def _standin_problems(spec: JobSpec) -> list[str]:
@@ -286,7 +291,7 @@ def _numbers(spec: JobSpec) -> list[str]:
     if t.actor_num_gpus_per_node == 0 and t.actor_num_cpu_workers < 1:
         problems.append("trainer.actor_num_cpu_workers: with actor_num_gpus_per_node 0 the trainer runs CPU "
                         "workers; give --actor-num-cpu-workers 1 or more")
-    if spec.rollout.engine_count and ft.min_engines > spec.rollout.engine_count:
+    if spec.starts_engines and spec.rollout.engine_count and ft.min_engines > spec.rollout.engine_count:
         problems.append(f"fault_tolerance.min_engines: {ft.min_engines} is more than the {spec.rollout.engine_count} "
                         "engines asked for; lower it")
     return problems
@@ -345,10 +350,11 @@ def validate(spec: JobSpec, partitions: dict[str, PartitionInfo] | None | bool =
     """Every problem of spec, one line each (empty: fine to submit). partitions: True asks sinfo
     once; None or False skips the capacity checks; a dict is used as is (tests). notes: gets a
     line for each check that could not run here."""
-    shape = _numbers(spec) + _rollout_problems(spec)
+    # --debug-train-only starts no engine: the rollout section asks for nothing, so it is not checked
+    shape = _numbers(spec) + _train_async_problems(spec) + (_rollout_problems(spec) if spec.starts_engines else [])
     problems = (_job_problems(spec) + step_options.problems(spec.steps) + shape
                 + train_args_problems(spec, [] if notes is None else notes))
-    if not shape:  # the engine command line is well formed only then
+    if not shape and spec.starts_engines:  # the engine command line is well formed only then
         problems += _engine_flag_problems(spec, [] if notes is None else notes)
     if not shape and spec.time_minutes is not None:  # the groups' sizes mean something only then
         known = (query_partitions(spec.fault_tolerance.slurm_command_timeout) if partitions is True

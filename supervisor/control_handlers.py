@@ -61,7 +61,8 @@ class ControlHandlers:
             job.events.emit("restart_requested", ROUTER)
             step = self.launcher.current(ROUTER)
             if step is None:
-                raise ValueError("the router is not a step of this job (an external router?)")
+                raise ValueError("the router is not a step of this job (an external router, or "
+                                 "--debug-train-only, which starts none)")
             self.steps.cancel(step, job.ft.step_stop_timeout, job.ft.step_term_grace)  # its exit relaunches it
         else:
             raise ValueError(f"unknown step {target!r}; one of: {', '.join([*job.engines, ROUTER, TRAINER])}")

@@ -1,7 +1,8 @@
 """The supervisor: the job's batch step on the head node. It launches the router, one step per
 engine and the trainer, watches them (step exits at once; engines' /health_generate in parallel),
 restarts what fails per the failure table, keeps the router to engines at the current weight
-version, and answers the control socket (`slurmrl status|restart|events|stop`).
+version, and answers the control socket (`slurmrl status|restart|events|stop`). With
+--debug-train-only the layout holds no engine and no router starts: the trainer is the one step.
 
 Submitted by `slurmrl submit` as `Supervisor(spec)` (Submitit pickles it), or started by a plain
 sbatch template as `python -m supervisor --job-dir DIR`.
@@ -208,8 +209,9 @@ class Daemon:
             adopted = adoption.adopt(job, self.predecessor, self.steps, self.launcher, self.trainer)
             # Only now: the trainer's calls wait until the adopted engines' versions are re-checked.
             self.control.start(take_over=self.take_over)
-            router = (self.launcher.start_router() if not job.spec.rollout.external_router and ROUTER not in adopted
-                      else None)
+            # No router of ours: an external one, an adopted one, or none at all (--debug-train-only).
+            router = (self.launcher.start_router() if job.spec.starts_engines and not job.spec.rollout.external_router
+                      and ROUTER not in adopted else None)
             # The engines and the trainer start while the router does; the trainer loads (imports,
             # checkpoint) while the engines start: its first publish waits for them (ready_engines).
             # Colocated, it would take GPU memory they are taking: it starts once they answered.

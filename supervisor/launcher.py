@@ -144,13 +144,15 @@ class StepLauncher:
 
     def launch_trainer(self) -> Step:
         t, layout = self.job.spec.trainer, self.job.layout
-        host, port = self.router.url.split("//")[1].rsplit(":", 1)
+        spec, r = self.job.spec, self.job.spec.rollout
         argv = [self.python_of(TRAINER), "-m", "trainer", *t.train_args,
                 "--job-dir", str(self.job.dir.root), "--supervised",
-                "--sglang-router-ip", host, "--sglang-router-port", port,
                 "--master-port", str(layouts.port_free_here(layout.head_address, layout.trainer_master_port))]
-        r = self.job.spec.rollout
-        argv += ["--offload-train"] * r.offloads_train + ["--offload-rollout"] * r.offloads_rollout
+        if spec.starts_engines:  # (--debug-train-only: no router, and no engine memory to release)
+            host, port = self.router.url.split("//")[1].rsplit(":", 1)
+            argv += ["--sglang-router-ip", host, "--sglang-router-port", port]
+            argv += ["--offload-rollout"] * r.offloads_rollout
+        argv += ["--offload-train"] * r.offloads_train
         # The master by address: a node's name need not resolve (the devcluster's do not).
         return self.launch(TRAINER, "trainer", argv, layout.trainer_nodes, 0,
                            ntasks=len(layout.trainer_nodes) * t.tasks_per_node,

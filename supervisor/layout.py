@@ -106,9 +106,20 @@ def from_environment(spec: JobSpec, timeout_s: float, env: Mapping[str, str] | N
                          "(slurmrl submit, or sbatch a template of slurm/templates)")
     groups = [slurm.hostnames(slurm_env.job_nodelist(g, env)) for g in range(spec.het_groups)]
     trainer_nodes = groups[0]
-    rollout_nodes = groups[spec.rollout_group]
+    rollout_nodes = groups[spec.rollout_group] if spec.starts_engines else []  # --debug-train-only: none
     addresses = node_addresses(sorted(set(trainer_nodes) | set(rollout_nodes)), slurm)
     base = _PORT_BASE + (int(job_id) * _PORTS_PER_JOB) % _PORT_SPAN
+    engines, engine_nodes = _engine_places(spec, rollout_nodes, addresses, base) if rollout_nodes else ([], [])
+    head = trainer_nodes[0]
+    return Layout(job_id=job_id, head=head, head_address=addresses[head], trainer_nodes=tuple(trainer_nodes),
+                  rollout_nodes=tuple(rollout_nodes), router_port=base, router_metrics_port=base + 1,
+                  trainer_master_port=base + 2, engines=tuple(engines),
+                  spare_nodes=tuple(rollout_nodes[len(engine_nodes):]), addresses=addresses)
+
+
+def _engine_places(spec: JobSpec, rollout_nodes: list[str], addresses: dict[str, str],
+                   base: int) -> tuple[list[EnginePlace], list[str]]:
+    """Each engine's place on the rollout nodes, and the nodes engines start on (the rest are spares)."""
     r = spec.rollout
     span = r.nodes_per_engine
     gpus = r.gpus_per_engine_step
@@ -126,8 +137,4 @@ def from_environment(spec: JobSpec, timeout_s: float, env: Mapping[str, str] | N
         bootstrap_port = base + 10 + 2 * r.engine_count + k if role == "prefill" else None
         engines.append(EnginePlace(f"engine-{k}", k, nodes, addresses[nodes[0]], base + 10 + k, spec.rollout_group,
                                    gpus, dist_port, role, bootstrap_port))
-    head = trainer_nodes[0]
-    return Layout(job_id=job_id, head=head, head_address=addresses[head], trainer_nodes=tuple(trainer_nodes),
-                  rollout_nodes=tuple(rollout_nodes), router_port=base, router_metrics_port=base + 1,
-                  trainer_master_port=base + 2, engines=tuple(engines),
-                  spare_nodes=tuple(rollout_nodes[len(engine_nodes):]), addresses=addresses)
+    return engines, engine_nodes

@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adam-beta2", type=float, default=0.999, help="Megatron's default, as in slime")
     add("--adam-eps", type=float, default=1e-8)
     add("--clip-grad", type=float, default=1.0)
+    add("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+        help="megatron's: a NaN or infinite gradient norm skips its optimizer step, as slime does, instead of "
+             "stopping the trainer (the default)")
     # megatron optimizer: kind, distributed (ZeRO-1) sharding, CPU offload (trainer.megatron.optimizer)
     add("--optimizer", choices=("adam", "sgd"), default="adam",
         help="adam: AdamW (decoupled weight decay), as megatron's")

@@ -71,7 +71,9 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     # debug dumps and debug modes (slime's .pt layout: rollout.debug_data)
     add("--save-debug-rollout-data", help="torch.save each rollout's samples here (a path with {rollout_id})")
     add("--load-debug-rollout-data", help="train on rollouts saved by --save-debug-rollout-data, not engines")
-    add("--debug-train-only", action="store_true", help="no engines: train on --load-debug-rollout-data")
+    add("--debug-train-only", action="store_true", help="no engines (the job starts no router and no engine; "
+        "--load-debug-rollout-data sets it): train on --load-debug-rollout-data, or on a rollout function that "
+        "needs no engine (SFT's)")
     add("--debug-rollout-only", action="store_true",
         help="engines and rollouts only: no model in the trainer, no training, no checkpoint; the engines "
              "serve --hf-checkpoint's weights (published once as version 0)")

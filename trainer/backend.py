@@ -7,6 +7,8 @@ data-parallel ranks itself; log-probs come back to every rank for the samples it
 
 from __future__ import annotations
 
+import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,11 +29,12 @@ PackLoss = Callable[[Pack, list[Tensor], list[Tensor] | None], tuple[Tensor, dic
 # In the trainer state a backend writes (common): False when the checkpoint holds no optimizer state
 # (--no-save-optim), so a resume from it starts the optimizer afresh instead of failing.
 OPTIMIZER_SAVED = "optimizer_saved"
+log = logging.getLogger(__name__)
 
 
 class NonFiniteGradient(FloatingPointError):
     """A NaN or infinite gradient norm: the step is not taken and the trainer stops (Megatron's
-    check_for_nan_in_loss_and_grad, always on), so no NaN ever reaches the weights or a checkpoint."""
+    check_for_nan_in_loss_and_grad, on by default), so no NaN ever reaches the weights or a checkpoint."""
 
 
 _Part = TypeVar("_Part")
@@ -44,10 +47,19 @@ def built(part: _Part | None, what: str) -> _Part:
     return part
 
 
-def check_finite(grad_norm: float, role: str) -> None:
-    if grad_norm != grad_norm or grad_norm in (float("inf"), float("-inf")):
+def steps_on(grad_norm: float, role: str, check_nan: bool) -> bool:
+    """Whether the optimizer steps on this gradient. A NaN or infinite norm raises NonFiniteGradient
+    (Megatron's check_for_nan_in_loss_and_grad, the default); with --no-check-for-nan-in-loss-and-grad
+    the step is skipped, as slime skips it: no optimizer and no learning-rate step, grad_norm nan in
+    the metrics, and training goes on."""
+    if math.isfinite(grad_norm):
+        return True
+    if check_nan:
         raise NonFiniteGradient(f"the {role}'s gradient norm is {grad_norm}; the optimizer step was not taken. "
                                 "Lower --lr, check the rewards and the data (the last checkpoint is intact)")
+    log.warning("the %s's gradient norm is %s: this optimizer step is skipped (--no-check-for-nan-in-loss-and-grad)",
+                role, grad_norm)
+    return False
 
 
 class Backend(ABC):

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from trainer.backend import OPTIMIZER_SAVED, Backend, PackLoss, check_finite
+from trainer.backend import OPTIMIZER_SAVED, Backend, PackLoss, steps_on
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, response_slices
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.config import TrainerConfig
@@ -59,12 +59,13 @@ class FSDPBackend(Backend):
                  dtype: torch.dtype = torch.bfloat16, ref_checkpoint: str | Path | None = None,
                  lr_schedule: Callable[[int], float] | None = None,
                  attn_implementation: str | None = None, attention_backend: str = "auto",
-                 save_optimizer: bool = True) -> None:
+                 save_optimizer: bool = True, check_nan: bool = True) -> None:
         """torch.distributed must already be initialised (gloo on CPU, nccl on GPU).
         dtype: the compute dtype on GPU (master weights and gradient reduction stay fp32); CPU
         always computes in fp32. lr_schedule: the LR factor of each optimizer step (constant 1
         when None). attn_implementation: HF's (sdpa, eager, flash_attention_2...), HF's default
-        when None."""
+        when None. check_nan: False skips the step of a NaN/inf gradient norm instead of raising
+        (--no-check-for-nan-in-loss-and-grad)."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = self.rank, self.world_size
         self.save_optimizer = save_optimizer
@@ -74,6 +75,7 @@ class FSDPBackend(Backend):
         check_attention_backend(attention_backend, self.device, "fsdp")
         self.attention_backend = attention_backend
         self.clip_grad = clip_grad
+        self.check_nan = check_nan
         self.batching = batching if batching is not None else Batching()
         self.log_probs_batching = log_probs_batching or self.batching
         seed_everything(seed)
@@ -99,7 +101,8 @@ class FSDPBackend(Backend):
                    ref_checkpoint=model.hf_checkpoint if config.loss.ref_model_needed else None,
                    lr_schedule=lr_lambda(opt), attention_backend=model.attention_kernels,
                    attn_implementation="eager" if model.attention_backend == "local" else "sdpa",
-                   save_optimizer=not config.checkpoint.no_save_optim)
+                   save_optimizer=not config.checkpoint.no_save_optim,
+                   check_nan=opt.check_for_nan_in_loss_and_grad)
 
     def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
               trainable: bool) -> transformers.PreTrainedModel:
@@ -186,11 +189,11 @@ class FSDPBackend(Backend):
             for key, metric in metrics.items():  # tensors: no host sync per micro-batch
                 sums[key] = sums.get(key, 0.0) + metric.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
-        check_finite(float(_full(grad_norm)), role)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         lr = float(self.scheduler.get_last_lr()[0])
-        self.scheduler.step()
+        if steps_on(float(_full(grad_norm)), role, self.check_nan):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         totals = self._sum_over_ranks(sums)
         totals.update(grad_norm=float(_full(grad_norm)), lr=lr)
         return totals

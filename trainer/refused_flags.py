@@ -72,8 +72,6 @@ REFUSED: tuple[Refusal, ...] = (
                                             "megatron softmax fusion"),
     _accepted("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 (main_grad under --bf16) with no "
                                                    "fused wgrad kernel (it needs TransformerEngine/apex)"),
-    _switch("--no-check-for-nan-in-loss-and-grad", "a NaN loss or gradient always stops the job: training on "
-                                                    "NaN weights is never wanted"),
     Refusal("--megatron-deepgemm-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-forward-modules", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),
     Refusal("--megatron-deepgemm-moe-forward-layers", f"DeepGEMM FP8 forward: {_TE}", nargs="+"),

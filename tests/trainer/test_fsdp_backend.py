@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch import Tensor
 from rollout.tiny_model import write_tiny_model
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from trainer.args import ArgsError, parse_args
-from trainer.backend import PackLoss
+from trainer.backend import NonFiniteGradient, PackLoss
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.fsdp_backend import FSDPBackend
 from trainer.old_actor import OldActor
@@ -315,3 +316,28 @@ def test_from_config_reads_the_trainer_flags(models, tmp_path: Path) -> None:
     assert [backend.train_step(samples, [0], _nll_loss(1), need_entropy=False)["lr"] for _ in range(2)] == [0.0, 0.5 / 4]
     with pytest.raises(ArgsError, match="--ref-load"):
         FSDPBackend.from_config(parse_args(argv + ["--ref-load", str(tmp_path)]))
+
+
+def _nan_loss(pack: Pack, logps: list[Tensor], ents: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
+    return sum(lp.sum() for lp in logps) * float("nan"), {}
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-check-for-nan-in-loss-and-grad"]])
+def test_a_nan_gradient_stops_the_trainer_unless_the_check_is_off(models, tmp_path: Path, flags: list[str]) -> None:
+    """megatron's check_for_nan_in_loss_and_grad (on by default) raises; off, the step is skipped as
+    slime skips it: the weights and the LR schedule stay, grad_norm says nan, the next step goes on."""
+    argv = ["--hf-checkpoint", str(models["actor"]), "--num-rollout", "1", "--n-samples-per-prompt", "2",
+            "--debug-train-only", "--load-debug-rollout-data", "unused", "--train-backend", "fsdp", "--lr", "0.5",
+            "--lr-warmup-iters", "4", *flags]
+    backend, samples = FSDPBackend.from_config(parse_args(argv)), _samples()
+    weights = dict(backend.hf_weights())
+    if not flags:
+        with pytest.raises(NonFiniteGradient, match="gradient norm is nan; the optimizer step was not taken"):
+            backend.train_step(samples, [0], _nan_loss, need_entropy=False)
+        return
+    skipped = backend.train_step(samples, [0], _nan_loss, need_entropy=False)
+    assert math.isnan(skipped["grad_norm"]) and skipped["lr"] == 0.0
+    assert all(torch.equal(w, weights[k]) for k, w in backend.hf_weights()), "the NaN step reached the weights"
+    taken = backend.train_step(samples, [0], _nll_loss(1), need_entropy=False)
+    assert math.isfinite(taken["grad_norm"]) and taken["lr"] == 0.0, "the skipped step advanced the LR schedule"
+    assert all(torch.isfinite(w).all() for _, w in backend.hf_weights())

@@ -23,6 +23,7 @@ from trainer.config.checks import Checks
 from trainer.config.model_checks import read_hf_config, validate_megatron_parallel
 from trainer.config.plugin_checks import check_loss_plugins, check_patterns, epoch_rollouts
 from trainer.config.sections import (
+    FULLY_ASYNC_ROLLOUT,
     AsyncOptions,
     BatchingOptions,
     CheckpointOptions,
@@ -106,6 +107,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         lr_warmup_iters = int(args.lr_warmup_fraction * lr_decay_iters)
     derived: dict[str, Any] = {
         "rollout_function_path": rollout_function_path,
+        "debug_train_only": _debug_train_only(args),
         "num_rollout": num_rollout,
         # The layer spec takes slurmrl's two implementations; the flag's kernel choice is kept apart.
         "attention_kernels": args.attention_backend,
@@ -305,7 +307,7 @@ def _check_eval(args: argparse.Namespace, need: Checks) -> list[Any]:
          f"--eval-interval must be 1 or more, got {args.eval_interval}")
     need(args.eval_interval is None or bool(args.eval_prompt_data or args.eval_config),
          "--eval-interval needs eval sets: give --eval-prompt-data NAME PATH [NAME PATH ...] or --eval-config")
-    need(args.eval_interval is None or not args.debug_train_only,
+    need(args.eval_interval is None or not _debug_train_only(args),
          "--eval-interval: --debug-train-only has no engines to evaluate on; drop --eval-interval")
     need(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be 1 or more")
     if not (args.eval_prompt_data or args.eval_config):
@@ -319,11 +321,19 @@ def _check_eval(args: argparse.Namespace, need: Checks) -> list[Any]:
         return []
 
 
+def _debug_train_only(args: argparse.Namespace) -> bool:
+    """slime's: --load-debug-rollout-data sets --debug-train-only (no engines, no weight updates)."""
+    return bool(args.debug_train_only or args.load_debug_rollout_data)
+
+
 def _check_rollout(args: argparse.Namespace, rollout_function_path: str | None, need: Checks) -> None:
-    if args.debug_train_only:  # no engines: the rollouts come from a dump, or a function that needs none (SFT's)
+    if _debug_train_only(args):  # no engines: the rollouts come from a dump, or a function that needs none (SFT's)
         need(bool(args.load_debug_rollout_data) or bool(rollout_function_path),
              "--debug-train-only needs --load-debug-rollout-data (a saved rollout to train on) or a "
              "--rollout-function-path that needs no engines (slime.rollout.sft_rollout.generate_rollout)")
+        need(args.load_debug_rollout_data or rollout_function_path != FULLY_ASYNC_ROLLOUT,
+             f"--debug-train-only starts no engines, and --rollout-function-path {FULLY_ASYNC_ROLLOUT} generates "
+             "on them: drop one")
     else:
         need(bool(args.prompt_data) or bool(rollout_function_path),
              "--prompt-data is required (a jsonl file), unless --rollout-function-path supplies the samples")

@@ -140,6 +140,7 @@ class OptimizerOptions:
     adam_beta2: float
     adam_eps: float
     clip_grad: float
+    check_for_nan_in_loss_and_grad: bool  # megatron's: a NaN/inf gradient stops the job; off, the step is skipped
     optimizer: str
     sgd_momentum: float
     use_distributed_optimizer: bool

@@ -28,7 +28,7 @@ from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
 from rollout.plugins import load_function
 from trainer import context_parallel, freezing, main_grads
 from trainer.args import ArgsError
-from trainer.backend import Backend, PackLoss, built, check_finite
+from trainer.backend import Backend, PackLoss, built, steps_on
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
@@ -288,13 +288,14 @@ class MegatronBackend(Backend):
         self._reduce_gradients(trainee.model)
         update_expert_bias(trainee.model)
         grad_norm = self._grad_norm(trainee.model)
-        check_finite(grad_norm, role)
-        if self.config.optimizer.clip_grad > 0 and grad_norm > self.config.optimizer.clip_grad:
-            grads = [g for p in trainee.model.parameters() if (g := main_grads.grad_of(p)) is not None]
-            torch._foreach_mul_(grads, self.config.optimizer.clip_grad / (grad_norm + 1e-6))
-        trainee.optimizer.step()
+        opt = self.config.optimizer
         lr = trainee.scheduler.get_last_lr()[0]
-        trainee.scheduler.step()
+        if steps_on(grad_norm, role, opt.check_for_nan_in_loss_and_grad):  # (the next step zeroes the grads)
+            if opt.clip_grad > 0 and grad_norm > opt.clip_grad:
+                grads = [g for p in trainee.model.parameters() if (g := main_grads.grad_of(p)) is not None]
+                torch._foreach_mul_(grads, opt.clip_grad / (grad_norm + 1e-6))
+            trainee.optimizer.step()
+            trainee.scheduler.step()
         return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": float(lr)}
 
     def _reduce_gradients(self, model: GPTModel) -> None:
