@@ -31,6 +31,7 @@ def test_each_step_lr_equals_megatron_cores(style: str, warmup: int) -> None:
                                lr_decay_style=style, lr_decay_iters=decay, weight_decay=0.0, adam_beta1=0.9,
                                adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, optimizer="adam", sgd_momentum=0.9,
                                use_distributed_optimizer=True, optimizer_cpu_offload=False,
-                               overlap_cpu_optimizer_d2h_h2d=False, use_precision_aware_optimizer=False, critic_lr=None)
+                               overlap_cpu_optimizer_d2h_h2d=False, use_precision_aware_optimizer=False, critic_lr=None,
+                               check_for_nan_in_loss_and_grad=True)
     ours = [lr * lr_lambda(options)(step) for step in range(steps)]
     assert ours == pytest.approx(_megatron_lrs(lr, min_lr, warmup, decay, style, steps), rel=1e-9)
