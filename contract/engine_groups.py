@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from contract.spec import JobSpec
+from contract.yaml_file import YamlFileError, read_yaml
 
 REGULAR, PREFILL, DECODE = "regular", "prefill", "decode"
 ROLES = (REGULAR, PREFILL, DECODE)
@@ -120,11 +119,9 @@ def read_sglang_config(path: Path, spec: JobSpec) -> tuple[list[EngineGroup], li
     """slime's SGLang config YAML -> groups, and the problems (one line each, naming the field)."""
     where = f"--sglang-config {path}"
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        return [], [f"{where}: cannot be read ({err.strerror}); give an existing YAML file"]
-    except yaml.YAMLError as err:
-        return [], [f"{where}: not YAML ({str(err).splitlines()[0]})"]
+        data = read_yaml(path)
+    except YamlFileError as err:
+        return [], [f"{where}: {err}; give slime's SGLang config YAML"]
     models = data.get("sglang") if isinstance(data, dict) else None
     if not isinstance(models, list) or not models:
         return [], [f"{where}: needs a top-level 'sglang' list of models (slime's format)"]

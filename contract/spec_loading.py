@@ -28,6 +28,7 @@ from contract.spec import (
     merge_flags,
     set_flag,
 )
+from contract.yaml_file import YamlFileError, read_yaml
 
 
 def _fields(cls: type) -> list[dataclasses.Field]:
@@ -240,11 +241,9 @@ def load_spec(yaml_path: Path | None, argv: list[str]) -> tuple[JobSpec, list[st
     data: Any = {}
     if yaml_path is not None:
         try:
-            data = yaml.safe_load(yaml_path.read_text()) or {}
-        except FileNotFoundError:
-            problems.append(f"spec file {yaml_path}: does not exist")
-        except (OSError, yaml.YAMLError) as err:
-            problems.append(f"spec file {yaml_path}: cannot be read as YAML ({str(err).splitlines()[0]})")
+            data = read_yaml(yaml_path) or {}
+        except YamlFileError as err:
+            problems.append(f"spec file {yaml_path}: {err}")
     spec, more = spec_from_dict(data)
     problems += more + apply_flags(spec, argv)
     # ${VAR} in train_args and passthrough lists; an unset variable is left as is and reported

@@ -18,8 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from contract.yaml_file import YamlFileError, read_yaml
 from rollout.sample import Sample
 
 LEGACY_NAME = "aime"  # slime's name for a lone --eval-prompt-data PATH
@@ -120,11 +119,9 @@ def eval_sets(args: Any) -> list[EvalSet]:
 
 def _from_config(args: Any, path: Path) -> list[EvalSet]:
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise EvalConfigError(f"{CONFIG} {path}: no such file") from None
-    except (OSError, yaml.YAMLError) as err:
-        raise EvalConfigError(f"{CONFIG} {path}: cannot be read as YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(path)
+    except YamlFileError as err:
+        raise EvalConfigError(f"{CONFIG} {path}: {err}") from None
     if not isinstance(data, dict):
         raise EvalConfigError(f"{CONFIG} {path}: must hold a mapping (eval: {{defaults: ..., datasets: ...}})")
     section = data.get("eval", data)

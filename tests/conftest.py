@@ -122,3 +122,15 @@ def devcluster(slurm_programs) -> Iterator[DevCluster]:
         os.environ["SLURM_CONF"] = previous
     if not was_running:
         subprocess.run([sys.executable, "-m", "slurm.devcluster", "down", "--dir", str(root)], check=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_megatron(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny HF model (seed 0) and its torch_dist checkpoint, made once per worker for the Megatron
+    tests, which only read them (a trainer saves elsewhere)."""
+    from ckpt_tools.convert import hf_to_torch_dist
+    from rollout.tiny_model import write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_megatron")
+    model = write_tiny_model(root / "model", seed=0)
+    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)

@@ -10,8 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from contract.yaml_file import YamlFileError, read_yaml
 from trainer.args_actions import ArgsError, RefusedFlag
 
 FLAG = "--custom-config-path"
@@ -23,11 +22,9 @@ def apply_custom_config(parser: argparse.ArgumentParser, args: argparse.Namespac
     if not path:
         return
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ArgsError(f"{FLAG} {path}: no such file; give the YAML of your custom functions' arguments") from None
-    except (OSError, yaml.YAMLError) as err:
-        raise ArgsError(f"{FLAG} {path}: cannot be read as YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(Path(path)) or {}
+    except YamlFileError as err:
+        raise ArgsError(f"{FLAG} {path}: {err}; give the YAML of your custom functions' arguments") from None
     if not isinstance(data, dict):
         raise ArgsError(f"{FLAG} {path}: must hold a mapping of argument: value")
     actions = {action.dest: action for action in parser._actions}

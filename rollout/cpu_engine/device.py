@@ -42,7 +42,9 @@ class HostDevice:
     torch_device = torch.device("cpu")
 
     def __init__(self) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="cpu-engine-weights-")
+        # Made at a release and removed at the resume: an engine that is killed (as most end) leaves
+        # no folder behind unless it is killed while released.
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._backup: Path | None = None
 
     def place(self, model: Model) -> Model:
@@ -57,6 +59,7 @@ class HostDevice:
 
     def release_weights(self, model: torch.nn.Module) -> None:
         state = {name: t.detach().contiguous() for name, t in unique_parameters(model).items()}
+        self._tmp = tempfile.TemporaryDirectory(prefix="cpu-engine-weights-")
         self._backup = Path(self._tmp.name) / "weights.safetensors"
         save_file(state, str(self._backup))
         with torch.no_grad():
@@ -70,8 +73,10 @@ class HostDevice:
         with torch.no_grad():
             for name, param in model.named_parameters():  # a tied weight is listed once
                 param.data = tensors[name]
-        self._backup.unlink()
         self._backup = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def free_cache(self) -> None:
         """Nothing to give back: freed CPU tensors go back to the allocator at once."""

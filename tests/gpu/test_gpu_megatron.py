@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.convert import hf_to_torch_dist
-from rollout.tiny_model import write_tiny_model
 from tests.trainer import test_megatron_optimizer as optimizer_runs
 from tests.trainer.test_megatron_backend import _hf_logps, _run, _samples
 
@@ -23,17 +21,10 @@ BF16_WEIGHTS = 1e-3  # lr 1e-2 with Adam eps 1: a step moves a weight by up to ~
 BF16_ROUNDING = 2.0 ** -8  # relative: bf16 keeps 8 bits of mantissa (rounding to nearest: within 2^-9)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("gpu_megatron")
-    model = write_tiny_model(root / "model", seed=0)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
-
-
-def test_a_bf16_step_is_the_fp32_step_and_its_log_probs_are_hfs(tiny, tmp_path: Path) -> None:
-    fp32 = _run(tiny, tmp_path, "fp32", 1, 1, "local", [])
-    bf16 = _run(tiny, tmp_path, "bf16", 1, 1, "sdpa", ["--bf16"])
-    hf = _hf_logps(tiny[0], _samples(json.loads((tiny[0] / "config.json").read_text())["vocab_size"]))
+def test_a_bf16_step_is_the_fp32_step_and_its_log_probs_are_hfs(tiny_megatron, tmp_path: Path) -> None:
+    fp32 = _run(tiny_megatron, tmp_path, "fp32", 1, 1, "local", [])
+    bf16 = _run(tiny_megatron, tmp_path, "bf16", 1, 1, "sdpa", ["--bf16"])
+    hf = _hf_logps(tiny_megatron[0], _samples(json.loads((tiny_megatron[0] / "config.json").read_text())["vocab_size"]))
     gaps = [(bf16["logps"][i][0] - want).abs().max().item() for i, want in enumerate(hf)]
     assert max(gaps) < BF16_LOGP, f"bf16 log-probs vs HF fp32: {gaps}"
     assert max((fp32["logps"][i][0] - want).abs().max().item() for i, want in enumerate(hf)) < 1e-4
@@ -48,9 +39,10 @@ def test_a_bf16_step_is_the_fp32_step_and_its_log_probs_are_hfs(tiny, tmp_path: 
 
 
 @pytest.mark.parametrize("flags", [[], ["--bf16"]], ids=["fp32", "bf16"])
-def test_a_checkpoint_saved_on_the_gpu_resumes_the_uninterrupted_run(tiny, tmp_path: Path, flags: list[str]) -> None:
+def test_a_checkpoint_saved_on_the_gpu_resumes_the_uninterrupted_run(tiny_megatron, tmp_path: Path,
+                                                                    flags: list[str]) -> None:
     """One GPU, the same kernels in both runs: deterministic, so bit-exact in bf16 too."""
-    whole = optimizer_runs._run(tiny, tmp_path, "uninterrupted", 1, flags)[0]
+    whole = optimizer_runs._run(tiny_megatron, tmp_path, "uninterrupted", 1, flags)[0]
     assert whole["state_devices"] == ["cuda"]
-    resumed = optimizer_runs._run(tiny, tmp_path, "resumed", 1, flags)[0]
+    resumed = optimizer_runs._run(tiny_megatron, tmp_path, "resumed", 1, flags)[0]
     optimizer_runs._assert_same(resumed, whole, 0.0)

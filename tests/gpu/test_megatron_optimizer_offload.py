@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.convert import hf_to_torch_dist
-from rollout.tiny_model import write_tiny_model
 from tests.trainer.test_megatron_optimizer import _assert_same, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -18,19 +16,12 @@ ATOL = 1e-5
 OFFLOAD = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("offload")
-    model = write_tiny_model(root / "model", seed=0)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
-
-
 @pytest.mark.parametrize("overlap", [False, True])
-def test_cpu_offload_equals_the_device_optimizer_and_resumes(tiny, tmp_path: Path, overlap: bool) -> None:
+def test_cpu_offload_equals_the_device_optimizer_and_resumes(tiny_megatron, tmp_path: Path, overlap: bool) -> None:
     flags = OFFLOAD if overlap else OFFLOAD[:1]
-    on_device = _run(tiny, tmp_path / "device", "uninterrupted", 1, [])[0]
-    offloaded = _run(tiny, tmp_path / "offload", "uninterrupted", 1, flags)[0]
+    on_device = _run(tiny_megatron, tmp_path / "device", "uninterrupted", 1, [])[0]
+    offloaded = _run(tiny_megatron, tmp_path / "offload", "uninterrupted", 1, flags)[0]
     assert on_device["state_devices"] == ["cuda"] and offloaded["state_devices"] == ["cpu"]
     _assert_same(offloaded, on_device, ATOL)
-    resumed = _run(tiny, tmp_path / "offload", "resumed", 1, flags)[0]
+    resumed = _run(tiny_megatron, tmp_path / "offload", "resumed", 1, flags)[0]
     _assert_same(resumed, offloaded, 0.0)

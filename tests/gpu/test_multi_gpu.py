@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.rank_devices import rank_devices
-from tests.trainer.test_megatron_backend import _run, tiny  # noqa: F401 (a fixture)
+from tests.trainer.test_megatron_backend import _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -26,12 +26,12 @@ LAYOUTS = {"tp2_sp": (2, 2, ["--sequence-parallel"]), "pp2": (1, 2, ["--pipeline
 
 
 @pytest.fixture(scope="module")
-def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
+def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("multi_gpu_runs")
     with rank_devices(2):  # every run on the GPUs, one a rank
-        runs = {"tp1": _run(tiny, tmp, "tp1", 1, 1, "sdpa", [])}
+        runs = {"tp1": _run(tiny_megatron, tmp, "tp1", 1, 1, "sdpa", [])}
         for name, (tp, world, extra) in LAYOUTS.items():
-            runs[name] = _run(tiny, tmp, name, tp, world, "sdpa", extra)
+            runs[name] = _run(tiny_megatron, tmp, name, tp, world, "sdpa", extra)
     return runs
 
 
@@ -48,10 +48,10 @@ def test_one_step_over_two_gpus_equals_tp1(results, name: str) -> None:
         assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
 
 
-def test_a_tp2_checkpoint_resumes_at_tp1_and_pp2(tiny, tmp_path: Path) -> None:  # noqa: F811
+def test_a_tp2_checkpoint_resumes_at_tp1_and_pp2(tiny_megatron, tmp_path: Path) -> None:
     from bench.multigpu_layouts import RESHARD_ATOL, run_reshard
 
-    rows = run_reshard(*tiny, tmp_path)
+    rows = run_reshard(*tiny_megatron, tmp_path)
     assert [row["resumed_at"] for row in rows] == ["tp1", "pp2"]
     for row in rows:
         assert row["same_names"], row

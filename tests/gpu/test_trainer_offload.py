@@ -14,8 +14,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ckpt_tools.convert import hf_to_torch_dist
-from rollout.tiny_model import write_tiny_model
 from tests.rollout.servers import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -96,18 +94,13 @@ def _worker(rank: int, port: int, kind: str, offload: bool, model: Path, ckpt: P
     dist_env.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("trainer_offload")
-    model = write_tiny_model(root / "model", seed=0)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
-
-
 @pytest.mark.parametrize("kind", ["megatron", "megatron-bf16", "fsdp"])
-def test_offloaded_trainer_frees_the_gpu_and_trains_as_if_it_never_left(tiny, tmp_path: Path, kind: str) -> None:
+def test_offloaded_trainer_frees_the_gpu_and_trains_as_if_it_never_left(tiny_megatron, tmp_path: Path,
+                                                                        kind: str) -> None:
     runs = {}
     for offload in (False, True):
-        mp.start_processes(_worker, args=(free_port(), kind, offload, *tiny, tmp_path), nprocs=1, start_method="spawn")
+        mp.start_processes(_worker, args=(free_port(), kind, offload, *tiny_megatron, tmp_path), nprocs=1,
+                           start_method="spawn")
         runs[offload] = torch.load(tmp_path / f"{kind}-{offload}.pt")
     off = runs[True]
     assert off["devices"] == ["cpu"]

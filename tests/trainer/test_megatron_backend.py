@@ -17,8 +17,6 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from ckpt_tools.convert import hf_to_torch_dist
-from rollout.tiny_model import write_tiny_model
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from trainer.args import build_config, build_parser
@@ -107,17 +105,9 @@ def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
     return {"metrics": metrics, "values": backend.values(samples, ids)}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("megatron_backend")
-    model = write_tiny_model(root / "model", seed=0)
-    ckpt = hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
-    return model, ckpt
-
-
-def _run(tiny: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int, attention: str,
+def _run(tiny_megatron: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int, attention: str,
          extra: list[str]) -> dict:
-    model, ckpt = tiny
+    model, ckpt = tiny_megatron
     mp.start_processes(_worker, args=(world, free_port(), tp, attention, extra, name, model, ckpt, tmp_path),
                        nprocs=world, start_method="spawn")
     return torch.load(tmp_path / f"result_{name}.pt", map_location="cpu")
@@ -135,7 +125,7 @@ def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def results(tiny, tmp_path_factory) -> dict[str, dict]:
+def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
     sp = ["--sequence-parallel"]
     ppo = ["--advantage-estimator", "ppo"]  # adds the critic
@@ -144,11 +134,11 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:
                ("tp1_sp", 1, 1, "local", sp),  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
                ("tp2_sp_compiled", 2, 2, "sdpa", [*sp, "--torch-compile"]))
     with rank_devices(2):  # every layout on the same device
-        return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+        return {name: _run(tiny_megatron, tmp, name, *layout) for name, *layout in layouts}
 
 
-def test_packed_log_probs_equal_hf(tiny, results) -> None:
-    model, _ = tiny
+def test_packed_log_probs_equal_hf(tiny_megatron, results) -> None:
+    model, _ = tiny_megatron
     expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
     for name, result in results.items():
         for i, want in enumerate(expected):
@@ -177,8 +167,8 @@ def test_one_step_is_the_same_in_every_layout(results) -> None:
             assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
 
 
-def test_hf_weights_have_hf_names_and_changed(tiny, results) -> None:
-    model, _ = tiny
+def test_hf_weights_have_hf_names_and_changed(tiny_megatron, results) -> None:
+    model, _ = tiny_megatron
     from safetensors.torch import load_file
 
     initial = load_file(model / "model.safetensors")

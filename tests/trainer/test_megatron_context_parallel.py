@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
+from tests.trainer.test_megatron_backend import ATOL, _run
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_config, build_parser
 
@@ -25,21 +25,21 @@ CP2 = ["--context-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
-def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
+def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("cp_runs")
     ppo = ["--advantage-estimator", "ppo"]
     layouts = (("cp1", 1, 1, "sdpa", ppo), ("cp2", 1, 2, "sdpa", CP2 + ppo))
     with rank_devices(2):  # every layout on the same device
-        return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+        return {name: _run(tiny_megatron, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_one_step_at_cp2_equals_cp1(results) -> None:
     assert_same_step(results["cp1"], results["cp2"], "cp2")
 
 
-def test_one_step_at_tp2_sp_cp2_equals_cp1(tiny, results, tmp_path: Path) -> None:  # noqa: F811
+def test_one_step_at_tp2_sp_cp2_equals_cp1(tiny_megatron, results, tmp_path: Path) -> None:
     with rank_devices(4):
-        tp2_sp_cp2 = _run(tiny, tmp_path, "tp2_sp_cp2", 2, 4, "sdpa", CP2 + ["--sequence-parallel"])
+        tp2_sp_cp2 = _run(tiny_megatron, tmp_path, "tp2_sp_cp2", 2, 4, "sdpa", CP2 + ["--sequence-parallel"])
     assert_same_step(results["cp1"], tp2_sp_cp2, "tp2_sp_cp2")
 
 
@@ -71,8 +71,8 @@ def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ck
     dist_env.shutdown()
 
 
-def test_a_cp2_checkpoint_resumes_at_cp1(tiny, tmp_path: Path) -> None:  # noqa: F811
-    model, ckpt = tiny
+def test_a_cp2_checkpoint_resumes_at_cp1(tiny_megatron, tmp_path: Path) -> None:
+    model, ckpt = tiny_megatron
     for phase, world in (("uninterrupted", 2), ("resumed", 1)):
         with rank_devices(2):
             mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
@@ -84,8 +84,8 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tiny, tmp_path: Path) -> None:  # noqa:
         assert (resumed["weights"][name] - tensor).abs().max() < ATOL, f"{name} after the resumed step"
 
 
-def test_context_parallel_with_unfused_attention_is_refused(tiny) -> None:  # noqa: F811
-    model, _ = tiny
+def test_context_parallel_with_unfused_attention_is_refused(tiny_megatron) -> None:
+    model, _ = tiny_megatron
     args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
                                       "--debug-train-only", "--load-debug-rollout-data", "x", *CP2,
                                       "--attention-backend", "local"])

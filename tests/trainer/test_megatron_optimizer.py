@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ckpt_tools.convert import hf_to_torch_dist
-from rollout.tiny_model import write_tiny_model
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.test_megatron_backend import ATOL, _samples
@@ -70,15 +68,8 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
     dist_env.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("megatron_optimizer")
-    model = write_tiny_model(root / "model", seed=0)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
-
-
-def _run(tiny: tuple[Path, Path], out: Path, phase: str, world: int, extra: list[str]) -> list[dict]:
-    model, ckpt = tiny
+def _run(tiny_megatron: tuple[Path, Path], out: Path, phase: str, world: int, extra: list[str]) -> list[dict]:
+    model, ckpt = tiny_megatron
     mp.start_processes(_worker, args=(world, free_port(), phase, extra, model, ckpt, out), nprocs=world,
                        start_method="spawn")
     return torch.load(out / f"{phase}.pt", map_location="cpu")
@@ -92,16 +83,16 @@ def _assert_same(resumed: dict, uninterrupted: dict, atol: float) -> None:
 
 
 @pytest.mark.parametrize("optimizer, resume_world, precision", [("adam", 2, "fp32"), ("sgd", 1, "fp32"), ("adam", 2, "bf16")])
-def test_distributed_optimizer_resumes_exactly(tiny, tmp_path: Path, optimizer: str, resume_world: int,
+def test_distributed_optimizer_resumes_exactly(tiny_megatron, tmp_path: Path, optimizer: str, resume_world: int,
                                                precision: str) -> None:
     extra = ["--optimizer", optimizer, "--use-distributed-optimizer", *(["--bf16"] if precision == "bf16" else [])]
     with rank_devices(2):
-        before = _run(tiny, tmp_path, "uninterrupted", 2, extra)
+        before = _run(tiny_megatron, tmp_path, "uninterrupted", 2, extra)
     # Each rank owns part of the parameters and keeps state for those only, together all of them.
     owned = [r["owned"] for r in before]
     assert all(0 < mine < total for mine, total in owned) and sum(m for m, _ in owned) == owned[0][1]
     per_param = 2 if optimizer == "adam" else 1  # exp_avg and exp_avg_sq; momentum_buffer
     assert sum(r["state_numel"] for r in before) == per_param * before[0]["param_numel"]
     with rank_devices(2):
-        resumed = _run(tiny, tmp_path, "resumed", resume_world, extra)
+        resumed = _run(tiny_megatron, tmp_path, "resumed", resume_world, extra)
     _assert_same(resumed[0], before[0], 0.0 if resume_world == 2 else ATOL)

@@ -22,7 +22,7 @@ from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _run, tiny  # noqa: F401 (a fixture)
+from tests.trainer.test_megatron_backend import ATOL, _run
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_config, build_parser
 
@@ -30,12 +30,12 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
-def results(tiny, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
+def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("pp_runs")
     ppo = ["--advantage-estimator", "ppo"]
     layouts = (("pp1", 1, 1, "sdpa", ppo), ("pp2", 1, 2, "sdpa", PP2 + ppo), ("pp2_local", 1, 2, "local", PP2))
     with rank_devices(2):  # every layout on the same device
-        return {name: _run(tiny, tmp, name, *layout) for name, *layout in layouts}
+        return {name: _run(tiny_megatron, tmp, name, *layout) for name, *layout in layouts}
 
 
 def test_one_step_at_pp2_equals_pp1(results) -> None:
@@ -43,9 +43,9 @@ def test_one_step_at_pp2_equals_pp1(results) -> None:
         assert_same_step(results["pp1"], results[name], name)
 
 
-def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny, results, tmp_path: Path) -> None:  # noqa: F811
+def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny_megatron, results, tmp_path: Path) -> None:
     with rank_devices(4):
-        tp2_sp_pp2 = _run(tiny, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"])
+        tp2_sp_pp2 = _run(tiny_megatron, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"])
     assert_same_step(results["pp1"], tp2_sp_pp2, "tp2_sp_pp2")
 
 
@@ -89,9 +89,9 @@ def _resume_worker(rank: int, world: int, port: int, phase: str, model: Path, ck
 
 
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_at_another_pipeline_size(tiny, tmp_path: Path, saved_at: int,  # noqa: F811
+def test_a_checkpoint_resumes_at_another_pipeline_size(tiny_megatron, tmp_path: Path, saved_at: int,
                                                        resumed_at: int) -> None:
-    model, ckpt = tiny
+    model, ckpt = tiny_megatron
     for phase, world in ((f"uninterrupted_{saved_at}", saved_at), (f"resumed_{saved_at}", resumed_at)):
         with rank_devices(2):
             mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
@@ -104,8 +104,8 @@ def test_a_checkpoint_resumes_at_another_pipeline_size(tiny, tmp_path: Path, sav
         assert (resumed["weights"][name] - tensor).abs().max() < ATOL, f"{name} after the resumed step"
 
 
-def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny) -> None:  # noqa: F811
-    model, _ = tiny
+def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny_megatron) -> None:
+    model, _ = tiny_megatron
     args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
                                       "--debug-train-only", "--load-debug-rollout-data", "x",
                                       "--pipeline-model-parallel-size", "3"])

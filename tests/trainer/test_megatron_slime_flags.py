@@ -9,12 +9,9 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ckpt_tools.convert import hf_to_torch_dist
-from rollout.tiny_model import write_tiny_model
 from tests.rollout.servers import free_port
 from tests.trainer.test_megatron_backend import _samples
 from trainer.args import build_config, build_parser
@@ -64,15 +61,9 @@ def _worker(rank: int, port: int, model: Path, ckpt: Path, out: Path) -> None:
     dist_env.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("megatron_slime_flags")
-    model = write_tiny_model(root / "model", seed=0)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
-
-
-def test_frozen_parameters_stay_and_no_save_optim_resumes_with_a_fresh_optimizer(tiny, tmp_path: Path) -> None:
-    model, ckpt = tiny
+def test_frozen_parameters_stay_and_no_save_optim_resumes_with_a_fresh_optimizer(tiny_megatron,
+                                                                                 tmp_path: Path) -> None:
+    model, ckpt = tiny_megatron
     mp.start_processes(_worker, args=(free_port(), model, ckpt, tmp_path), nprocs=1, start_method="spawn")
     result = torch.load(tmp_path / "result.pt")
     assert result["trainable"] and all(n.startswith("decoder.layers.0.") and "layernorm" not in n
