@@ -13,7 +13,9 @@ node (authenticated by SLURM, no port to open): one JSON object a line each way.
                           {"exited": NAME, "code": C}     as a shell reports it (128 + N: signal N)
                           {"refused": NAME, "why": TEXT}  (could not start it: no free GPUs, no program)
 
-Each engine runs in its own process group with its log appended to (as srun --open-mode=append
+Each engine runs in its own process group, and dies with the agent (Linux's parent-death signal:
+an agent killed outright, by the OOM killer or a lost srun, leaves no engine holding its port and
+GPUs where SLURM's process tracking does not follow orphans), with its log appended to (as srun --open-mode=append
 would), on N GPUs of the step's own (CUDA_VISIBLE_DEVICES: the first N free), in the agent's
 environment (the step's, as srun gave it) with the variables the supervisor sends added. When its
 input ends (the supervisor is gone) or SIGTERM comes (the step is cancelled), the agent stops every
@@ -22,6 +24,7 @@ engine, then exits. Standard library only: it starts in a blink.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import selectors
@@ -30,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -73,7 +77,7 @@ class Agent:
         try:
             with open(log, "ab") as out:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                        env=env, cwd=cwd, process_group=0)
+                                        env=env, cwd=cwd, process_group=0, preexec_fn=_die_with(os.getpid()))
         except OSError as err:
             self.say(refused=name, why=f"{argv[0]}: {err}")
             return
@@ -159,6 +163,19 @@ def run(stdin_fd: int, stdout: TextIO) -> int:
             else:
                 agent.reap(key.data)
         agent.kill_overdue()
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(agent_pid: int) -> Callable[[], None]:
+    """For Popen's preexec_fn (the agent has one thread, so it is safe here): the child gets SIGKILL
+    when the agent dies, and ends at once if the agent died before it asked."""
+    def ask() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != agent_pid:
+            os._exit(128 + signal.SIGKILL)
+    return ask
 
 
 def _signal_group(pid: int, signum: int) -> None:

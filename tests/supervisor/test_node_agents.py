@@ -85,6 +85,8 @@ def test_an_agent_that_dies_ends_its_engines_and_the_next_launch_starts_another(
     os.killpg(agent_pid, signal.SIGKILL)  # as a lost node ends the agent's srun
     for step in running.values():
         _exit_of(exits, step)
+    for name, port in ports.items():  # its engines died with it: none outlives it on its port
+        wait_for(lambda port=port: not _answers(port), WAIT_S, f"{name} gone with its agent")
     again = steps.launch(specs["engine-1"])
     wait_for(lambda: _answers(ports["engine-1"]), WAIT_S, "engine-1 answers in a new agent")
     assert again.proc.pid != agent_pid and len(local.query() or {}) == 1 and local.count().launched == 2
