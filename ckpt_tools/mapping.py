@@ -8,12 +8,19 @@ says how one layer's (or one expert's) Megatron slice is built from HF tensors, 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def routed_experts(config: dict[str, Any]) -> int:
+    """A config.json's routed experts under its family's key (Qwen's num_experts, Mixtral's
+    num_local_experts, DeepSeek's n_routed_experts); 0 for a dense model."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class ModelShape:
         if heads % kv_heads:
             raise ValueError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
                              f"num_key_value_heads ({kv_heads})")
-        experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
+        experts = routed_experts(config)
         mixed = config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1
         if arch == "Qwen3MoeForCausalLM" and mixed:
             raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "

@@ -4,12 +4,15 @@ node's engine step (on a devcluster every node is this host, so the step's proce
 their slurmd otherwise).
 
 - With a spare rollout node, engine-1 is relaunched there and rejoins the router; when that node
-  dies next, no spare is left, and the job goes on with engine-0 alone (min_engines 1) and
-  completes (one job for both cases: the second loss comes once the first is recovered).
+  dies next, no spare is left, and the job goes on with engine-0 alone (min_engines 1) (one job
+  for both cases: the second loss comes once the first is recovered).
 - Without a spare and with min_engines 2, the trainer saves, the job requeues itself excluding the
-  lost node, and the new start runs both engines on other nodes and completes.
+  lost node, and the new start runs both engines on other nodes.
 
-Either way no rollout id is skipped or repeated, and no engine served a rollout with stale weights.
+Either way the job trains AFTER_S more rollouts once the last loss is dealt with, and is then stopped
+(`slurmrl stop`: a job long enough to outlive the losses whatever the machine's pace, ended as soon
+as it has shown it goes on); no rollout id is skipped or repeated, and no engine served a rollout
+with stale weights.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from tests.integration.test_rl_job import (
     events,
     listening_pid,
     rollouts_done,
+    slurmrl,
     status,
     submit,
 )
 from tests.slurm_helpers import kill_node, wait_job_gone, wait_sacct_states
 
-ROLLOUTS = 100  # about 1 s each: the job outlives the nodes' losses and the recoveries
+ROLLOUTS = 100000  # the job outlives the nodes' losses and recoveries: it is stopped
+AFTER = 3  # rollouts trained after the last loss is dealt with, before the stop
 RECOVERY_S = 180  # bound on one engine's recovery (or giving up) after its node died
 
 
@@ -41,7 +46,8 @@ def run_and_kill_engine_nodes(cluster: DevCluster, toy: tuple[Path, Path], job_d
                               while_down: Callable[[str, str], None] = lambda job_id, node: None) -> tuple[list[str], dict]:
     """Submit the toy job and, after a few rollouts, kill the node of each of `engines` in turn, the
     next once the last is recovered (or given up); `while_down(job_id, node)` is called after the
-    last. Wait for the job to end. Returns the killed nodes and the job's final status."""
+    last, then AFTER more rollouts are waited for and the job stopped. Returns the killed nodes and
+    the job's final status."""
     job_id = submit(toy, job_dir, "--num-rollout", str(ROLLOUTS), *flags)
     nodes: list[str] = []
     try:
@@ -53,16 +59,20 @@ def run_and_kill_engine_nodes(cluster: DevCluster, toy: tuple[Path, Path], job_d
             nodes.append(engine["nodes"][0])
             kill_node(cluster, nodes[-1], listening_pid(engine["url"]))
         while_down(job_id, nodes[-1])
-        wait_job_gone(job_id, timeout_s=300)
+        wait_for(partial(_settled, job_dir, engines[-1]), RECOVERY_S, f"{engines[-1]}'s recovery")
+        done = rollouts_done(job_dir)
+        wait_for(lambda: rollouts_done(job_dir) >= done + AFTER, RECOVERY_S, "the job going on")
+        slurmrl("stop", job_id)
+        wait_job_gone(job_id, timeout_s=RECOVERY_S)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
         for node in nodes:
             cluster.revive_slurmd(node)
     wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
     state = status(job_dir)
-    assert state["stop_reason"] == "completed", state
+    assert state["stop_reason"] == "stopped by user", state
     ids = [json.loads(line)["rollout_id"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert ids == list(range(ROLLOUTS)), "a rollout id was skipped or repeated"
+    assert ids == list(range(len(ids))), "a rollout id was skipped or repeated"
     assert_never_stale(job_dir)
     lost = events(job_dir, "node_failed")
     assert [e["node"] for e in lost] == nodes, lost

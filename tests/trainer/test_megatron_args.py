@@ -17,10 +17,14 @@ RECIPE_30B_A3B = ["--tensor-model-parallel-size", "4", "--sequence-parallel", "-
                   "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"]
 
 
-def _base(tmp_path: Path, moe: bool) -> list[str]:
+MOE = {True: {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128}, False: {"architectures": ["Qwen3ForCausalLM"]},
+       "deepseek": {"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 256}}
+
+
+def _base(tmp_path: Path, moe: bool | str) -> list[str]:
     model = tmp_path / "model"
     model.mkdir()
-    config = {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"], **({"num_experts": 128} if moe else {})}
+    config = MOE[moe]
     (model / "config.json").write_text(json.dumps(config))
     return ["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only", "--load-debug-rollout-data", "x"]
 
@@ -44,13 +48,15 @@ def test_defaults_are_slimes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("moe, flags, message", [
     (True, ["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 with a MoE model needs --sequence-parallel"),
+    ("deepseek", ["--tensor-model-parallel-size", "2"],  # DeepSeek's experts are n_routed_experts
+     "--tensor-model-parallel-size 2 with a MoE model needs --sequence-parallel"),
     (False, ["--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "3"],
      "--expert-tensor-parallel-size 3 must be 1 or more and divide --tensor-model-parallel-size 4"),
     (False, ["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload"),
     (False, ["--train-backend", "fsdp", "--optimizer", "sgd"], "--optimizer sgd: the fsdp backend uses AdamW"),
     (False, ["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
 ])
-def test_bad_combinations_are_named(tmp_path: Path, moe: bool, flags: list[str], message: str) -> None:
+def test_bad_combinations_are_named(tmp_path: Path, moe: bool | str, flags: list[str], message: str) -> None:
     with pytest.raises(ArgsError) as err:
         parse_args(_base(tmp_path, moe) + flags)
     assert message in str(err.value)

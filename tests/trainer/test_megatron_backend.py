@@ -46,13 +46,27 @@ PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
 BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"], (2, 4): PACKED}
 
 
-def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: list[str], name: str, model: Path,
-            ckpt: Path, out: Path) -> None:
+Layout = tuple[str, int, str, list[str]]  # name, TP, attention backend, more flags
+
+
+def _worker(rank: int, world: int, port: int, layouts: list[Layout], model: Path, ckpt: Path, out: Path) -> None:
+    """Each layout in turn, in the same processes (megatron's groups made again for each): a spawn
+    and megatron's import are most of a layout's time on CPU."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from trainer.megatron.backend import (
-        MegatronBackend,  # imports megatron: only in the workers
-    )
+    from megatron.core import parallel_state  # megatron: only in the workers
+
+    from trainer import dist_env
+
+    for name, tp, attention, extra in layouts:
+        _layout(rank, world, name, tp, attention, extra, model, ckpt, out)
+        parallel_state.destroy_model_parallel()
+    dist_env.shutdown()
+
+
+def _layout(rank: int, world: int, name: str, tp: int, attention: str, extra: list[str], model: Path, ckpt: Path,
+            out: Path) -> None:
+    from trainer.megatron.backend import MegatronBackend
 
     args = build_parser().parse_args([
         "--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
@@ -88,9 +102,6 @@ def _worker(rank: int, world: int, port: int, tp: int, attention: str, extra: li
         torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic,
                     "unmoved_masters": unmoved, "old_actor": {"logps": kept, "restored": restored}},
                    out / f"result_{name}.pt")
-    from trainer import dist_env
-
-    dist_env.shutdown()
 
 
 def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
@@ -105,12 +116,26 @@ def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
     return {"metrics": metrics, "values": backend.values(samples, ids)}
 
 
+def _run_layouts(tiny_megatron: tuple[Path, Path], tmp_path: Path, world: int, layouts: list[Layout]) -> dict:
+    """Run `layouts` (of `world` ranks each) one after another in one spawn; their results by name."""
+    model, ckpt = tiny_megatron
+    mp.start_processes(_worker, args=(world, free_port(), layouts, model, ckpt, tmp_path), nprocs=world,
+                       start_method="spawn")
+    return {name: torch.load(tmp_path / f"result_{name}.pt", map_location="cpu") for name, *_ in layouts}
+
+
 def _run(tiny_megatron: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int, attention: str,
          extra: list[str]) -> dict:
-    model, ckpt = tiny_megatron
-    mp.start_processes(_worker, args=(world, free_port(), tp, attention, extra, name, model, ckpt, tmp_path),
-                       nprocs=world, start_method="spawn")
-    return torch.load(tmp_path / f"result_{name}.pt", map_location="cpu")
+    return _run_layouts(tiny_megatron, tmp_path, world, [(name, tp, attention, extra)])[name]
+
+
+def run_all(model_and_ckpt: tuple[Path, Path], tmp_path: Path,
+            layouts: dict[str, tuple[int, int, str, list[str]]]) -> dict[str, dict]:
+    """Each layout (name: TP, world, attention, flags) run, those of one world size in one spawn."""
+    worlds = sorted({world for _, world, *_ in layouts.values()})
+    return {name: result for world in worlds for name, result in _run_layouts(
+        model_and_ckpt, tmp_path, world, [(n, tp, att, extra) for n, (tp, w, att, extra) in layouts.items() if w == world]
+    ).items()}
 
 
 def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -129,12 +154,12 @@ def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
     sp = ["--sequence-parallel"]
     ppo = ["--advantage-estimator", "ppo"]  # adds the critic
-    layouts = (("tp1", 1, 1, "local", ppo), ("tp2", 2, 2, "local", []), ("dp2", 1, 2, "local", []),
-               ("tp2_sdpa", 2, 2, "sdpa", []), ("tp2_sp", 2, 2, "local", sp), ("tp2_sp_sdpa", 2, 2, "sdpa", sp + ppo),
-               ("tp1_sp", 1, 1, "local", sp),  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
-               ("tp2_sp_compiled", 2, 2, "sdpa", [*sp, "--torch-compile"]))
+    layouts = {"tp1": (1, 1, "local", ppo), "tp2": (2, 2, "local", []), "dp2": (1, 2, "local", []),
+               "tp2_sdpa": (2, 2, "sdpa", []), "tp2_sp": (2, 2, "local", sp), "tp2_sp_sdpa": (2, 2, "sdpa", sp + ppo),
+               "tp1_sp": (1, 1, "local", sp),  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
+               "tp2_sp_compiled": (2, 2, "sdpa", [*sp, "--torch-compile"])}
     with rank_devices(2):  # every layout on the same device
-        return {name: _run(tiny_megatron, tmp, name, *layout) for name, *layout in layouts}
+        return run_all(tiny_megatron, tmp, layouts)
 
 
 def test_packed_log_probs_equal_hf(tiny_megatron, results) -> None:

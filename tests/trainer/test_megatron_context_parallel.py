@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _run
+from tests.trainer.test_megatron_backend import ATOL, _run, run_all
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_config, build_parser
 
@@ -28,9 +28,8 @@ CP2 = ["--context-parallel-size", "2"]
 def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("cp_runs")
     ppo = ["--advantage-estimator", "ppo"]
-    layouts = (("cp1", 1, 1, "sdpa", ppo), ("cp2", 1, 2, "sdpa", CP2 + ppo))
     with rank_devices(2):  # every layout on the same device
-        return {name: _run(tiny_megatron, tmp, name, *layout) for name, *layout in layouts}
+        return run_all(tiny_megatron, tmp, {"cp1": (1, 1, "sdpa", ppo), "cp2": (1, 2, "sdpa", CP2 + ppo)})
 
 
 def test_one_step_at_cp2_equals_cp1(results) -> None:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_config
 from tests.rank_devices import rank_devices
-from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _run, _samples
+from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
 
 BIAS_RATE = 1e-3
 # slime's DeepSeek-V3 model flags (scripts/models/deepseek-v3.sh) at the tiny model's sizes
@@ -54,8 +54,8 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
     runs = {"tp1": (1, 1, "local", [])} | LAYOUTS
     with rank_devices(2):
-        return {name: _run(tiny, tmp, name, tp, world, attention, [*DEEPSEEK_FLAGS, *LAYER_FREQ, *extra])
-                for name, (tp, world, attention, extra) in runs.items()}
+        return run_all(tiny, tmp, {name: (tp, world, attention, [*DEEPSEEK_FLAGS, *LAYER_FREQ, *extra])
+                                   for name, (tp, world, attention, extra) in runs.items()})
 
 
 def test_log_probs_equal_hf(tiny, results) -> None:

@@ -14,7 +14,7 @@ import torch
 from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
-from tests.trainer.test_megatron_backend import ATOL, _run
+from tests.trainer.test_megatron_backend import ATOL, run_all
 
 SP = ["--sequence-parallel"]
 LAYOUTS = {
@@ -30,7 +30,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     ckpt = hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
     runs = {"tp1": (1, 1, "local", [])} | LAYOUTS
     with rank_devices(2):  # every layout on the same device
-        return {name: _run((model, ckpt), root, name, *layout) for name, layout in runs.items()}
+        return run_all((model, ckpt), root, runs)
 
 
 def test_moe_tp2_with_sequence_parallel_matches_tp1(results) -> None:

@@ -22,7 +22,7 @@ from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _run
+from tests.trainer.test_megatron_backend import ATOL, _run, run_all
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_config, build_parser
 
@@ -33,9 +33,9 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("pp_runs")
     ppo = ["--advantage-estimator", "ppo"]
-    layouts = (("pp1", 1, 1, "sdpa", ppo), ("pp2", 1, 2, "sdpa", PP2 + ppo), ("pp2_local", 1, 2, "local", PP2))
+    layouts = {"pp1": (1, 1, "sdpa", ppo), "pp2": (1, 2, "sdpa", PP2 + ppo), "pp2_local": (1, 2, "local", PP2)}
     with rank_devices(2):  # every layout on the same device
-        return {name: _run(tiny_megatron, tmp, name, *layout) for name, *layout in layouts}
+        return run_all(tiny_megatron, tmp, layouts)
 
 
 def test_one_step_at_pp2_equals_pp1(results) -> None:

@@ -10,6 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools.mapping import routed_experts
 from trainer.args_parser import _MODEL_FLAGS, UNCHECKED, ArgsError
 from trainer.config.sections import ShapeFlags
 
@@ -30,7 +31,7 @@ def validate_megatron_parallel(args: argparse.Namespace, config: dict[str, Any],
          f"--expert-tensor-parallel-size {etp} must be 1 or more and divide --tensor-model-parallel-size {tp}")
     _validate_pipeline_stages(args, config.get("num_hidden_layers"), need)
     pp = args.pipeline_model_parallel_size
-    moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+    moe = bool(routed_experts(config))
     need(not moe or pp == 1 or args.moe_token_dispatcher_type == "alltoall", f"--pipeline-model-parallel-size {pp} "
          "with a MoE model needs --moe-token-dispatcher-type alltoall (GPU): megatron-core's allgather dispatcher "
          "does not support the variable sequence lengths pipeline stages exchange")
