@@ -29,6 +29,7 @@ from tests.integration.test_rl_job import events, rollouts_done, slurmrl, status
 from tests.slurm_helpers import wait_job_gone
 
 ACCOUNTING_BACK_S = 60  # slurmdbd started again and answering sacct (seen: 2 s)
+ROLLOUTS = 12  # the SIGTERM comes at rollout 2 and saves at once: the requeued run has rollouts left
 
 
 def _sacct_answers() -> bool:
@@ -52,7 +53,7 @@ def slurmdbd_stopped(devcluster: DevCluster) -> Iterator[None]:
 
 def test_sigterm_to_the_batch_step_saves_now_and_requeues(devcluster, slurmdbd_stopped, toy, tmp_path: Path) -> None:
     job_dir = tmp_path / "job"
-    job_id = submit(toy, job_dir, "--num-rollout", "30", "--save-interval", "100", "--rollout-batch-size", "8",
+    job_id = submit(toy, job_dir, "--num-rollout", str(ROLLOUTS), "--save-interval", "100", "--rollout-batch-size", "8",
                     "--preempt-grace", "1")
     save_dir = job_dir / "checkpoints"
     try:
@@ -60,7 +61,7 @@ def test_sigterm_to_the_batch_step_saves_now_and_requeues(devcluster, slurmdbd_s
         subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], check=True)
         wait_for(lambda: events(job_dir, "requeue"), 120, "the job to save and requeue")
         saved = read_tracker(save_dir)
-        assert saved is not None and 1 <= saved < 29, "a checkpoint at the rollout boundary, before the end"
+        assert saved is not None and 1 <= saved < ROLLOUTS - 1, "a checkpoint at the rollout boundary, before the end"
         wait_job_gone(job_id, timeout_s=300)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
