@@ -73,6 +73,7 @@ import yaml
 
 from contract.bounds import bounded
 from contract.job_dir import Phase, write_atomic
+from contract.yaml_file import YamlFileError, read_yaml
 
 ENGINES = ("sglang", "cpu", "standin")
 GPU_ENGINES = ("sglang", "standin")  # placed on GPUs by the rollout_num_gpus* fields
@@ -128,7 +129,9 @@ class TrainerSpec:
         arguments.py): the trainer trains on saved rollouts or a rollout function that needs no
         engine, so the job starts no router and no engines."""
         given = {flag_name(g[0]) for g in group_flags(self.train_args)}
-        return "--debug-train-only" in given or flag_value(self.train_args, "--load-debug-rollout-data") is not None
+        if "--debug-train-only" in given or flag_value(self.train_args, "--load-debug-rollout-data") is not None:
+            return True
+        return _custom_config_trains_only(flag_value(self.train_args, "--custom-config-path"))
 
 
 @dataclass
@@ -400,6 +403,20 @@ def group_flags(argv: list[str]) -> list[list[str]]:
 
 def flag_name(token: str) -> str:
     return token.split("=", 1)[0]
+
+
+def _custom_config_trains_only(path: str | None) -> bool:
+    """Whether --custom-config-path's YAML, whose keys the trainer sets on its flags
+    (trainer/custom_config.py), sets debug_train_only or load_debug_rollout_data. A file that cannot
+    be read is named by the trainer's own check of the flags at submission."""
+    if path is None:
+        return False
+    try:
+        data = read_yaml(Path(path))
+    except YamlFileError:
+        return False
+    return isinstance(data, dict) and (bool(data.get("debug_train_only")) or
+                                       data.get("load_debug_rollout_data") is not None)
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:

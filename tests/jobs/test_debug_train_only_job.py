@@ -35,6 +35,15 @@ def test_a_debug_train_only_job_asks_for_the_trainer_nodes_alone(tmp_path: Path,
     assert "#SBATCH --nodes=1\n" in header and "#SBATCH --ntasks-per-node=1\n" in header
 
 
+def test_debug_train_only_set_in_the_custom_config_yaml_starts_no_engines_either(tmp_path: Path) -> None:
+    config = tmp_path / "sft.yaml"  # --custom-config-path's keys are set on the trainer's flags
+    config.write_text("debug_train_only: true\n")
+    flags = ["--custom-config-path", str(config), "--rollout-function-path", SFT, "--loss-type", "sft_loss",
+             "--disable-compute-advantages-and-returns"]
+    spec = prepare(None, job_flags(tmp_path, "dto") + GPU_ENGINES + flags, partitions=CPU_ONLY)
+    assert not spec.starts_engines and spec.het_groups == 1
+
+
 def test_the_same_job_with_engines_asks_for_its_rollout_group(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="rollout group: 8 GPUs per node, but the nodes of partition dev have 0"):
         prepare(None, job_flags(tmp_path, "rl") + GPU_ENGINES, partitions=CPU_ONLY)
