@@ -100,7 +100,8 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     refused(p, "--eval-tool-key", "slurmrl's data has no tools field")
     refused(p, "--eval-max-prompt-len", "slurmrl does not drop long prompts; trim the eval set", type=int)
     refused(p, "--eval-min-new-tokens", "min_new_tokens is not a sampling parameter slurmrl sends", type=int)
-    refused(p, "--eval-max-context-len", "slurmrl bounds responses with --eval-max-response-len only", type=int)
+    add("--eval-max-context-len", type=int, help="for plug-ins, as in slime, whose own eval reads it nowhere "
+        "(multi_agent bounds its eval prompts by it; default: --rollout-max-context-len)")
     # rewards and data (issue 14 item 6): see rollout/rewards.py, rollout/remote_rm.py, rollout/data.py
     add("--reward-key", help="a reward that is a dict (dapo's, a reward server's): the entry trained on")
     add("--eval-reward-key", help="the same for eval (default: --reward-key)")

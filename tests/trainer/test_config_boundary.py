@@ -116,3 +116,14 @@ def test_the_config_is_built_once_and_the_parse_is_left_as_it_was(tmp_path: Path
     assert config.optimizer.lr_decay_iters == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.loss.kl_coef = 1.0  # type: ignore[misc]
+
+
+def test_plugins_get_slimes_eval_max_context_len(tmp_path: Path) -> None:
+    """slime's own eval reads --eval-max-context-len nowhere; plug-ins do (multi_agent bounds its
+    eval prompts by it), with --rollout-max-context-len as its default."""
+    model = write_tiny_model(tmp_path / "model")
+    base = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2", "--debug-train-only",
+            "--load-debug-rollout-data", "x", "--rollout-max-context-len", "64"]
+    assert build_config(build_parser().parse_args(base)).plugin_namespace().eval_max_context_len == 64
+    given = build_config(build_parser().parse_args([*base, "--eval-max-context-len", "32"]))
+    assert given.plugin_namespace().eval_max_context_len == 32

@@ -123,6 +123,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         "lr_warmup_iters": lr_warmup_iters,
         "ref_model_needed": bool(args.use_kl_loss or args.kl_coef),
         # slime: a custom reward post-process (or conversion) gives the rewards trained on, normalized or not
+        "eval_max_context_len": args.eval_max_context_len or args.rollout_max_context_len,  # slime's default
         "rewards_normalization": args.rewards_normalization and not (
             args.custom_reward_post_process_path or args.custom_convert_samples_to_train_data_path),
         "api_key": os.environ.get(API_KEY_ENV),  # never on the command line: ps would show it

@@ -290,6 +290,7 @@ class EvalOptions:
     eval_top_p: float | None
     eval_top_k: int | None
     eval_max_response_len: int | None
+    eval_max_context_len: int | None  # for plug-ins alone, as in slime (multi_agent's eval prompts)
     eval_function_path: str | None
     custom_eval_rollout_log_function_path: str | None
 
