@@ -100,9 +100,9 @@ class Loop:
         """Resume from --load if it holds a checkpoint, else start from `initial_weights` (None:
         the backend loaded them itself); then load the reference model, if there is one."""
         resumed = self.checkpointer.resume()
+        if self.reporter:  # the rollouts from here on are done again (replayed or not): forget their earlier lines
+            self.reporter.drop_from(self.progress.next_rollout)
         if resumed is not None:
-            if self.reporter:
-                self.reporter.drop_from(self.progress.next_rollout)  # the rollouts after it are redone
             log.info("resumed from %s: next rollout %d, weight version %d", resumed, self.progress.next_rollout,
                      self.progress.weight_version)
         elif initial_weights is not None:

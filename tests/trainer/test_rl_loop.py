@@ -165,14 +165,20 @@ def test_resume_after_a_damaged_checkpoint_equals_an_uninterrupted_run(files, cl
     assert set(PHASE_TIMES.values()) <= set(scalars)
 
 
+@pytest.mark.parametrize("save_interval, checkpoint", [("2", "iter_0000001"), ("100", None)],
+                         ids=["after-a-checkpoint", "before-any-checkpoint"])
 def test_a_killed_trainer_trains_again_on_its_rollouts_from_the_journal_and_equals_an_uninterrupted_run(
-        files, cluster, tmp_path: Path) -> None:
-    """Killed in rollout 3 with its last checkpoint after rollout 1, the trainer resumes from it and
-    trains on rollout 2 as it was generated before the kill (the rollout journal), without the
-    engines; every rollout's samples, rewards and losses then equal an uninterrupted run's."""
+        files, cluster, tmp_path: Path, save_interval: str, checkpoint: str | None) -> None:
+    """Killed in rollout 3 with its last checkpoint after rollout 1 (or none yet), the trainer
+    resumes from it (or starts again) and trains on the rollouts after it as they were generated
+    before the kill (the rollout journal), without the engines; every rollout's samples, rewards and
+    losses then equal an uninterrupted run's, and each is in metrics.jsonl once (a start with no
+    checkpoint kept the killed run's lines, and added them again)."""
     router, _ = cluster
     common = ["--num-rollout", "4", "--rollout-batch-size", "8", "--lr", "1e-2", "--adam-eps", "1",
-              "--save-interval", "2", "--seed", "7", "--rollout-sample-hook-path", "tests.trainer.plugins.die_in_rollout"]
+              "--save-interval", save_interval, "--seed", "7",
+              "--rollout-sample-hook-path", "tests.trainer.plugins.die_in_rollout"]
+    redone = [2] if checkpoint else [0, 1, 2]
 
     def run(name: str, **options: Any) -> str:
         job = tmp_path / name
@@ -182,11 +188,11 @@ def test_a_killed_trainer_trains_again_on_its_rollouts_from_the_journal_and_equa
     run("whole")
     run("parts", env={"SLURMRL_TEST_DIE_IN_ROLLOUT": "3"}, returncode=137)
     journal = tmp_path / "parts/rollout_journal"
-    assert sorted(p.name for p in journal.iterdir()) == ["rollout_2.pt"], "only the rollout after the checkpoint"
+    assert sorted(p.name for p in journal.iterdir()) == [f"rollout_{n}.pt" for n in redone], "the rollouts after it"
     generated = (tmp_path / "parts/rollouts/2.pt").stat().st_mtime_ns
     output = run("parts")
-    assert "resumed from" in output and "iter_0000001" in output
-    assert "rollout 2: replayed from the rollout journal" in output
+    assert ("resumed from" in output and checkpoint in output) if checkpoint else "resumed from" not in output
+    assert all(f"rollout {n}: replayed from the rollout journal" in output for n in redone), output
     assert (tmp_path / "parts/rollouts/2.pt").stat().st_mtime_ns == generated, "rollout 2 was generated again"
     assert list(journal.iterdir()) == [], "the final save clears the journal"
     whole, parts = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
