@@ -1,10 +1,12 @@
 """slime's examples as jobs on the devcluster (issue 33, item 5): their plug-in code, copied unchanged
-into tests/slime_examples/, loaded by the trainers of two real jobs (the supervisor, the real router,
+into tests/slime_examples/, loaded by the trainers of real jobs (the supervisor, the real router,
 a CPU engine each) from the flags of their run scripts, with this machine's paths and the tiny
 model's sizes:
 
 - retool (retool_qwen3_4b_rl.sh): generate_with_retool.generate and reward_func train the job
-  (--reward-key score);
+  (--reward-key score); its SFT stage (retool_qwen3_4b_sft.sh: slime's SFT rollout over ReTool-SFT's
+  conversations, --debug-train-only) is a third job, on one node and no engine, which SLURM starts
+  once the other two leave it room;
 - train_infer_mismatch_helper (run-qwen3-4b-mis.sh): mis.yaml as --custom-config-path and mis.py's
   compute_mis_weights_with_cp as --custom-tis-function-path weigh the same job's policy loss;
 - eval_multi_task (multi_task.sh), the second job: multi_task.yaml as --eval-config, its aime, gpqa
@@ -24,8 +26,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow
+import pyarrow.parquet
 import yaml
 
+from contract.spec_loading import spec_from_yaml
 from tests.integration.test_rl_job import events, slurmrl, status
 from tests.slurm_helpers import wait_job_gone
 
@@ -38,6 +43,31 @@ JOB_S = 600  # submission to the end of a 2-rollout job (or a 1-rollout one, its
 RETOOL_NO_TOOL_WRONG = -1.1  # reward_func: min(-0.6, -1 + (0 tool calls - 2) / 2 * 0.1)
 SEARCH_PROMPT = ("Answer the given question. You can call a search engine by <search> query </search>. Answer "
                  "inside <answer> and </answer>. Question: What is the capital of {}?")
+
+# retool_qwen3_4b_sft.sh's SFT, perf, optimizer and misc flags: --num-epoch 3 over two conversations,
+# two a rollout, so three rollouts; no engines (--debug-train-only), no advantages.
+SFT_ARGS = ["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout", "--input-key", "messages",
+            "--rollout-shuffle", "--num-epoch", "3", "--rollout-batch-size", "2", "--global-batch-size", "2",
+            "--loss-type", "sft_loss", "--calculate-per-token-loss", "--disable-compute-advantages-and-returns",
+            "--debug-train-only"]
+PERF_ARGS = ["--tensor-model-parallel-size", "1", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+             "--context-parallel-size", "1", "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"]
+OPTIMIZER_ARGS = ["--optimizer", "adam", "--lr", "1e-5", "--lr-decay-style", "cosine", "--min-lr", "1e-6",
+                  "--lr-warmup-fraction", "0.1", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95"]
+# (slime's --attention-backend flash needs a GPU; this trainer runs on CPU)
+MISC_ARGS = ["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+             "--attention-softmax-in-fp32"]
+
+
+def _conversations(path: Path) -> Path:
+    """ReTool-SFT's shape (sft_data_processing.py: a "messages" column), two conversations."""
+    messages = [[{"role": "user", "content": f"What is {a} times 7?"},
+                 {"role": "assistant", "content": f"<code>print({a} * 7)</code>\n<interpreter>{a * 7}</interpreter>\n"
+                                                  f"Answer: \\boxed{{{a * 7}}}"}] for a in (6, 8)]
+    pyarrow.parquet.write_table(pyarrow.table({"messages": messages}), path)
+    return path
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -99,8 +129,9 @@ def _completed(job_id: str, job_dir: Path) -> list[dict]:
 
 
 def test_slimes_examples_run_as_devcluster_jobs(devcluster, toy, tmp_path: Path) -> None:
-    """Two jobs at once: retool's rewards are dicts (--reward-key score), which slime's eval also
-    applies to every eval set (--eval-reward-key defaults to it), whose rewards are numbers."""
+    """Three jobs, submitted at once (the third waits for room): retool's RL is not the eval job
+    because its rewards are dicts (--reward-key score), which slime's eval also applies to every
+    eval set (--eval-reward-key defaults to it), whose rewards are numbers."""
     dapo = _jsonl(tmp_path / "dapo.jsonl", [{"prompt": _chat(f"What is 6 times {b}?"), "label": str(6 * b)}
                                             for b in range(2, 6)])
     retool = _submit(
@@ -118,6 +149,15 @@ def test_slimes_examples_run_as_devcluster_jobs(devcluster, toy, tmp_path: Path)
     evals = _submit(toy, tmp_path / "evals", "--num-rollout", "1", "--rollout-max-context-len", "1000",
                     "--eval-input-key", "prompt", "--eval-label-key", "label",
                     "--eval-config", str(_eval_config(tmp_path / "eval")), "--eval-interval", "100")
+    # retool_qwen3_4b_sft.sh, from flags alone: no job YAML, so none of the toy job's RL flags
+    sft_dir = tmp_path / "sft"
+    sft = json.loads(slurmrl(
+        "submit", "--json", "--job-name", "retool-sft", "--partition", "dev", "--time", "00:30:00",
+        "--job-dir", str(sft_dir), "--actor-num-gpus-per-node", "0", "--actor-num-cpu-workers", "1",
+        "--actor-cpus-per-task", "2", "--hf-checkpoint", str(toy[0]),
+        "--prompt-data", str(_conversations(tmp_path / "ReTool-SFT.parquet")), "--save", str(sft_dir / "ckpt"),
+        "--save-interval", "1000", *SFT_ARGS, *PERF_ARGS, *OPTIMIZER_ARGS, *MISC_ARGS,
+    ).stdout.splitlines()[-1])["job_id"]
     rows = _completed(retool, tmp_path / "retool")
     assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
     assert all(r["reward_mean"] == RETOOL_NO_TOOL_WRONG for r in rows), [r["reward_mean"] for r in rows]
@@ -126,3 +166,9 @@ def test_slimes_examples_run_as_devcluster_jobs(devcluster, toy, tmp_path: Path)
     sets = {key.split("/")[-1] for key in first if key.startswith("before_train/eval/") and "-" not in key}
     assert sets == {"aime", "gpqa", "ifbench", "search_r1", "multi_agent"}, sorted(first)
     assert all(0.0 <= first[f"before_train/eval/{name}"] <= 1.2 for name in sets)
+    rows = _completed(sft, sft_dir)
+    assert [r["samples"] for r in rows] == [2, 2, 2]  # --num-epoch 3 over two conversations, two a rollout
+    losses = [r["sft_loss"] for r in rows]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert not spec_from_yaml(sft_dir / "spec.yaml").starts_engines, "--debug-train-only: no engines"
+    assert (sft_dir / "ckpt/latest_checkpointed_iteration.txt").read_text().strip() == "2", "the final save"
