@@ -64,6 +64,7 @@ is the trainer's (`python -m trainer --help`) and lands in train_args. Strings m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -412,9 +413,15 @@ def _custom_config_trains_only(path: str | None) -> bool:
     if path is None:
         return False
     try:
-        data = read_yaml(Path(path))
-    except YamlFileError:
+        return _yaml_trains_only(Path(path), Path(path).stat().st_mtime_ns)
+    except (OSError, YamlFileError):
         return False
+
+
+@functools.lru_cache(maxsize=8)
+def _yaml_trains_only(path: Path, mtime_ns: int) -> bool:
+    """Read once per version of the file: a submission asks the spec about a dozen times."""
+    data = read_yaml(path)
     return isinstance(data, dict) and (bool(data.get("debug_train_only")) or
                                        data.get("load_debug_rollout_data") is not None)
 
