@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
@@ -80,6 +82,7 @@ class ModelShape:
         deepseek = arch == "DeepseekV3ForCausalLM"
         if deepseek:
             check_deepseek_v3(config)
+        (mla_rope_kwargs if deepseek else gpt_rope_kwargs)(config)  # a RoPE megatron-core computes as transformers
         vocab = config["vocab_size"]
         multiple = max(1, make_vocab_size_divisible_by)
         return cls(

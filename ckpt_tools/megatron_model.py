@@ -29,27 +29,9 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ckpt_tools import megatron_compat
 from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
+from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
 
 megatron_compat.apply()
-
-# Megatron-core hard-codes these Llama-3 RoPE scaling parameters; only the factor is configurable.
-_LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _rope_kwargs(hf_config: dict) -> dict[str, Any]:
-    # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-    rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": theta}
-    if rope_type == "llama3":
-        fixed = {k: rope.get(k) for k in _LLAMA3_ROPE_FIXED}
-        if fixed != _LLAMA3_ROPE_FIXED:
-            raise ValueError(f"llama3 RoPE scaling needs {_LLAMA3_ROPE_FIXED} in megatron-core, got {fixed}")
-        kwargs.update(rope_scaling=True, rope_scaling_factor=rope["factor"])
-    elif rope_type != "default":
-        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: default, llama3")
-    return kwargs
 
 
 def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
@@ -90,8 +72,8 @@ def _deepseek_router_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any
     }
 
 
-def _mla_kwargs(shape: ModelShape) -> dict[str, Any]:
-    """MLATransformerConfig's fields; plain RoPE (rope_type "rope"), no YaRN scaling."""
+def _mla_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
+    """MLATransformerConfig's fields, its RoPE (plain or YaRN) included."""
     assert shape.mla is not None
     mla = shape.mla
     return {
@@ -101,10 +83,9 @@ def _mla_kwargs(shape: ModelShape) -> dict[str, Any]:
         "qk_head_dim": mla.qk_nope_head_dim,
         "qk_pos_emb_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim,
-        "rope_type": "rope",
-        "rotary_scaling_factor": 1.0,
         # q_a_layernorm and kv_a_layernorm are the local spec's q/kv layernorms.
         "qk_layernorm": True,
+        **mla_rope_kwargs(hf_config),
     }
 
 
@@ -157,12 +138,13 @@ def transformer_config_from_hf(
     config_class = TransformerConfig
     if shape.mla:
         config_class = MLATransformerConfig
-        config_kwargs.update(_mla_kwargs(shape), rotary_base=_rope_kwargs(hf_config)["rotary_base"])
+        config_kwargs.update(_mla_kwargs(hf_config, shape))
     model_kwargs = {
         "vocab_size": shape.padded_vocab_size,
         "max_sequence_length": hf_config.get("max_position_embeddings", 4096),
         "share_embeddings_and_output_weights": shape.tied_embeddings,
-        **_rope_kwargs(hf_config),
+        # MLA's layers build their own RoPE from the config (above)
+        **({"position_embedding_type": "rope"} if shape.mla else gpt_rope_kwargs(hf_config)),
     }
     return config_class(**config_kwargs), model_kwargs
 

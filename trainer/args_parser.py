@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ckpt_tools import rope
 from trainer.args_actions import (
     ArgsError,
     Choice,
@@ -52,7 +53,7 @@ _MODEL_FLAGS: dict[str, Any] = {
     "kv_channels": lambda c: UNCHECKED if _deepseek(c) else (
         c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "vocab_size": lambda c: c["vocab_size"],
-    "rotary_base": lambda c: (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0)),
+    "rotary_base": rope.rope_theta,
     "rotary_percent": lambda c: c.get("partial_rotary_factor", 1.0),
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
     "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
@@ -86,25 +87,28 @@ _MODEL_FLAGS: dict[str, Any] = {
     "moe_router_num_groups": lambda c: c["n_group"],
     "moe_router_group_topk": lambda c: c["topk_group"],
     "moe_router_topk_scaling_factor": lambda c: c["routed_scaling_factor"],
-    # Llama 3.1's RoPE scaling (ckpt_tools.megatron_model builds it from config.json); no scaling is factor 1
-    "use_rope_scaling": lambda c: _rope_type(c) == "llama3",
-    "rotary_scaling_factor": lambda c: float(_rope(c)["factor"]) if _rope_type(c) == "llama3" else 1.0,
+    # RoPE scaling (ckpt_tools.rope builds it from config.json): Llama 3.1's, or YaRN under MLA (DeepSeek-V3,
+    # Kimi-K2); no scaling is factor 1, where YaRN's mscales have no effect (Moonlight's scripts give 1.0)
+    "use_rope_scaling": lambda c: rope.rope_type(c) == "llama3",
+    "rotary_scaling_factor": lambda c: (float(rope.rope_parameters(c)["factor"]) if rope.rope_type(c) == "llama3"
+                                        else _yarn(c).factor if rope.rope_type(c) == "yarn" else 1.0),
+    "mscale": lambda c: _yarn(c).mscale if _yarn_scales(c) else UNCHECKED,
+    "mscale_all_dim": lambda c: _yarn(c).mscale_all_dim if _yarn_scales(c) else UNCHECKED,
 }
+
+
+def _yarn(c: dict[str, Any]) -> rope.Yarn:
+    return rope.Yarn.from_hf_config(c)
+
+
+def _yarn_scales(c: dict[str, Any]) -> bool:
+    return rope.rope_type(c) == "yarn" and _yarn(c).scales
 
 
 def _moe_layer_pattern(c: dict[str, Any]) -> int | LayerPattern:
     """1 (every layer MoE), or DeepSeek's first_k_dense_replace dense layers then MoE ones."""
     dense = (c.get("first_k_dense_replace") or 0) if _deepseek(c) else 0
     return LayerPattern([0] * dense + [1] * (c["num_hidden_layers"] - dense)) if dense else 1
-
-
-def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    """config.json's RoPE parameters (transformers >= 5: rope_parameters; older: rope_scaling)."""
-    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-
-
-def _rope_type(config: dict[str, Any]) -> str:
-    return str(_rope(config).get("rope_type", _rope(config).get("type", "default")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         add("--" + flag.replace("_", "-"), type=int)
     for flag in ("rotary_base", "rotary_percent", "norm_epsilon", "rotary_scaling_factor"):
         add("--" + flag.replace("_", "-"), type=float, help="must equal config.json's")
+    for flag in ("mscale", "mscale_all_dim"):
+        add("--" + flag.replace("_", "-"), type=float, help="YaRN's (DeepSeek-V3, Kimi-K2): must equal config.json's "
+            "rope_scaling where its factor is above 1 (without scaling it has no effect)")
     for flag in ("qk_layernorm", "untie_embeddings_and_output_weights", "swiglu", "add_qkv_bias",
                  "disable_bias_linear", "moe_router_pre_softmax", "use_rope_scaling"):
         add("--" + flag.replace("_", "-"), action="store_true", default=None, help="must agree with config.json")

@@ -22,7 +22,7 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 (plain RoPE) models "
+_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 models "
            "from --hf-checkpoint's config.json")
 _RAY = "slurmrl runs as one SLURM job with no Ray"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
@@ -43,8 +43,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
-    Refusal("--mscale", f"YaRN rope scaling is not supported; {_MODELS}"),
-    Refusal("--mscale-all-dim", f"YaRN rope scaling is not supported; {_MODELS}"),
     _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
     _switch("--no-position-embedding", f"models without position embeddings are not supported; {_MODELS}"),
     _switch("--apply-layernorm-1p", f"zero-centred norms are not supported; {_MODELS}"),

@@ -13,7 +13,7 @@ from ckpt_tools.hf_checkpoint import CheckpointError
 from ckpt_tools.torch_dist import read_metadata, tensor_entries
 from ckpt_tools.verify import verify
 from tests.ckpt_tools.test_megatron_parity import ATOL
-from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import YARN, make_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,10 @@ def test_dense_first_layers_verify_and_are_keyed_per_layer(tmp_path: Path) -> No
     ("norm_topk_prob", False, "norm_topk_prob false is not supported"),
     ("topk_group", 1, "num_experts_per_tok 4 must be twice topk_group"),
     ("rope_interleave", False, "rope_interleave false is not supported"),
+    ("rope_parameters", {**YARN, "truncate": False}, "YaRN truncate false is not supported"),
+    ("rope_parameters", {**YARN, "mscale": None}, "YaRN mscale_all_dim without mscale is not supported"),
+    ("rope_parameters", {**YARN, "attention_factor": 1.5}, "YaRN attention_factor is not supported"),
+    ("rope_parameters", {**YARN, "rope_type": "llama3"}, "RoPE type 'llama3' is not supported with multi-latent"),
 ])
 def test_config_megatron_cannot_match_is_refused(tiny_deepseek: Path, tmp_path: Path, field: str, value,
                                                   message: str) -> None:

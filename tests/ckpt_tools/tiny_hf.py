@@ -12,6 +12,8 @@ _COMMON = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
     rms_norm_eps=1e-6,
 )
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
 _ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500000.0)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
@@ -21,10 +23,12 @@ _ARCHS = {
         dict(rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
              norm_topk_prob=True),
     ),
-    # MLA (with a q LoRA), one shared expert, sigmoid routing with bias over 4 groups of 2 experts.
+    # MLA (with a q LoRA), one shared expert, sigmoid routing with bias over 4 groups of 2 experts; YaRN
+    # as DeepSeek-V3's and Kimi-K2's (max_position_embeddings = factor x original), its two mscales unequal
+    # so that both the cos/sin concentration and the softmax scale depart from 1.
     "deepseek_v3": (
         transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
-        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_key_value_heads=4,
+        dict(rope_parameters=YARN, num_key_value_heads=4,
              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
              moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
              n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0),

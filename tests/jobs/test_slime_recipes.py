@@ -148,9 +148,8 @@ def test_slimes_fully_async_example_passes_as_train_async(root: Path, capsys: py
 
 
 # What slime's DeepSeek-V3 and Kimi-K2 recipes give that slurmrl refuses for reasons of its own, not the
-# model's shape: YaRN RoPE scaling, and megatron's DeepEP dispatcher (flex).
-_OTHER_REFUSALS = (("--rotary-scaling-factor", 1, None), ("--mscale", 1, None), ("--mscale-all-dim", 1, None),
-                   ("--moe-enable-deepep", 0, None), ("--moe-token-dispatcher-type", 1, "flex"))  # flag, values, value
+# model's shape: megatron's DeepEP dispatcher (flex).
+_OTHER_REFUSALS = (("--moe-enable-deepep", 0, None), ("--moe-token-dispatcher-type", 1, "flex"))  # flag, values, value
 
 
 def _without(args: list[str], flag: str, values: int, value: str | None) -> list[str]:
@@ -164,14 +163,16 @@ def test_deepseek_and_kimi_recipes_model_flags_agree_with_config_json(root: Path
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """slime's DeepSeek-V3 and Kimi-K2 model flags (scripts/models/*.sh: MLA, shared experts, sigmoid
     grouped expert-bias routing, --moe-layer-freq [0]*K+[1]*(61-K)) agree with the real models' config.json,
-    first_k_dense_replace included; the recipe itself is refused at submission for YaRN (first of its
-    refusals, with DeepEP); a --moe-layer-freq that disagrees with first_k_dense_replace is named with it."""
+    first_k_dense_replace included, YaRN's --rotary-scaling-factor and mscales too; the recipe itself is
+    refused at submission for DeepEP; a --moe-layer-freq that disagrees with first_k_dense_replace is named with it."""
     from trainer.config.model_checks import model_flag_problems
     from trainer.config.sections import ShapeFlags
 
     argv = _recipe_argv(recipe, root)
     assert submit_cli.main(argv + ["--dry-run"]) == 2
-    assert "train_args: --mscale 1.0: YaRN rope scaling is not supported" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dispatcher needs the deep_ep package and CUDA" in err, err
+    assert "mscale" not in err and "rotary" not in err, "YaRN is built from config.json"
 
     spec, _ = load_spec(None, argv)
     train_args = list(spec.trainer.train_args)

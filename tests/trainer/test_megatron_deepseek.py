@@ -1,8 +1,8 @@
-"""DeepSeek-V3 (MLA, a shared expert, sigmoid expert-bias grouped routing, dense first layers) in
-the trainer, from slime's model flags (each checked against config.json): on a tiny model, one RL
-step gives HF's log-probs and the same loss, grad norm, new weights and new routing biases at TP=1
-and at TP=2 + SP with the experts spread over the two ranks (EP=2); the bias moves as megatron
-moves it."""
+"""DeepSeek-V3 (MLA with YaRN, a shared expert, sigmoid expert-bias grouped routing, dense first
+layers) in the trainer, from slime's model flags (each checked against config.json): on a tiny model,
+one RL step gives HF's log-probs and the same loss, grad norm, new weights and new routing biases at
+TP=1, at TP=1 with the fused attention path (packed rows), and at TP=2 + SP with the experts spread
+over the two ranks (EP=2); the bias moves as megatron moves it."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ DEEPSEEK_FLAGS = [
     "--moe-router-bias-update-rate", str(BIAS_RATE), "--moe-router-topk-scaling-factor", "2.5",
     "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
     "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0",
+    "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.8",  # the tiny model's YaRN
 ]
 # As Qwen3-MoE's (test_megatron_moe_parallel): EP over the TP ranks with sequence parallelism. EP
 # over data-parallel ranks with the allgather dispatcher needs equal token counts on every rank (gloo).
@@ -52,7 +53,8 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def results(tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
-    runs = {"tp1": (1, 1, "local", [])} | LAYOUTS
+    # tp1_sdpa: the fused attention path a GPU takes by default (--attention-backend auto), packed rows
+    runs = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", [])} | LAYOUTS
     with rank_devices(2):
         return run_all(tiny, tmp, {name: (tp, world, attention, [*DEEPSEEK_FLAGS, *LAYER_FREQ, *extra])
                                    for name, (tp, world, attention, extra) in runs.items()})
@@ -66,10 +68,10 @@ def test_log_probs_equal_hf(tiny, results) -> None:
             assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
 
 
-def test_one_step_is_the_same_at_tp2_ep2(results) -> None:
+def test_one_step_is_the_same_at_tp2_ep2_and_with_fused_attention(results) -> None:
     base = results["tp1"]
     assert base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
-    for name in LAYOUTS:
+    for name in [*LAYOUTS, "tp1_sdpa"]:
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
             assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
@@ -110,11 +112,16 @@ def test_a_flag_that_disagrees_with_config_json_is_named(tiny) -> None:
     common = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
               "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS, *LAYER_FREQ]
     check_model_flags(build_config(build_parser().parse_args(common)).shape, str(model), config)  # slime's pass
-    wrong = build_config(build_parser().parse_args([*common, "--q-lora-rank", "64", "--moe-router-num-groups", "8"]))
+    wrong = build_config(build_parser().parse_args([*common, "--q-lora-rank", "64", "--moe-router-num-groups", "8",
+                                                    "--mscale-all-dim", "1.0", "--rotary-scaling-factor", "40"]))
     with pytest.raises(ArgsError) as err:
         check_model_flags(wrong.shape, str(model), config)
-    assert "--q-lora-rank 64 disagrees with" in str(err.value)
-    assert "--moe-router-num-groups 8 disagrees with" in str(err.value)
+    assert {line.split(" disagrees with")[0] for line in err.value.problems} == {
+        "--q-lora-rank 64", "--moe-router-num-groups 8", "--mscale-all-dim 1.0", "--rotary-scaling-factor 40.0"}
+    # Moonlight's scripts: no RoPE scaling in config.json, factor 1 and mscales that then change nothing
+    plain = {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    check_model_flags(build_config(build_parser().parse_args([*common, "--rotary-scaling-factor", "1"])).shape,
+                      str(model), plain)
 
 
 @pytest.mark.parametrize(("arch_name", "freq", "expected"), [

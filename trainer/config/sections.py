@@ -94,6 +94,8 @@ class ShapeFlags:
     moe_layer_freq: int | list[int] | None  # 1, or a per-layer 0/1 list (first_k_dense_replace)
     use_rope_scaling: bool | None
     rotary_scaling_factor: float | None
+    mscale: float | None  # YaRN's, with multi-latent attention
+    mscale_all_dim: float | None
     # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
     multi_latent_attention: bool | None
     q_lora_rank: int | None

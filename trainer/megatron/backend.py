@@ -146,7 +146,8 @@ class MegatronBackend(Backend):
         spec = gpt_block_spec(config, options.model.attention_backend)
         model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
                          post_process=self.last_stage, **model_kwargs).to(self.device)
-        if options.model.attention_backend != "local" and self.cp_size == 1:
+        # MLA's layers keep their own rotary tables (YaRN's among them) and rotate packed rows by megatron's path
+        if options.model.attention_backend != "local" and self.cp_size == 1 and not config.multi_latent_attention:
             model.packed_rope = PackedRope(model)
         if options.model.torch_compile:
             compile_layers(model, max(self.tp_size, self.etp_size, options.parallel.expert_model_parallel_size) > 1)
