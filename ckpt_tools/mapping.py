@@ -8,21 +8,16 @@ says how one layer's (or one expert's) Megatron slice is built from HF tensors, 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
+from ckpt_tools.architectures import (
+    EXPERT_BIAS_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    routed_experts,
+)
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "DeepseekV3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
-
-
-def routed_experts(config: dict[str, Any]) -> int:
-    """A config.json's routed experts under its family's key (Qwen's num_experts, Mixtral's
-    num_local_experts, DeepSeek's n_routed_experts); 0 for a dense model."""
-    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
 @dataclass(frozen=True)
@@ -64,7 +59,9 @@ class ModelShape:
         if len(archs) > 1 or arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures: {', '.join(archs) or arch} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        glm = arch == "Glm4MoeForCausalLM"
+        # GLM's attention_bias is on q, k and v only (Qwen2's qkv bias)
+        for flag in ("mlp_bias", "use_sliding_window") if glm else ("attention_bias", "mlp_bias", "use_sliding_window"):
             if config.get(flag):
                 raise ValueError(f"config.json: {flag}=true is not supported for {arch}")
         if config.get("hidden_act", "silu") != "silu":
@@ -80,6 +77,9 @@ class ModelShape:
             raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "
                              "which is not supported; every layer must be MoE")
         deepseek = arch == "DeepseekV3ForCausalLM"
+        expert_bias = arch in EXPERT_BIAS_ARCHITECTURES
+        if expert_bias:
+            check_expert_bias_moe(config)
         if deepseek:
             check_deepseek_v3(config)
         (mla_rope_kwargs if deepseek else gpt_rope_kwargs)(config)  # a RoPE megatron-core computes as transformers
@@ -96,14 +96,14 @@ class ModelShape:
             vocab_size=vocab,
             padded_vocab_size=-(-vocab // multiple) * multiple,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qkv_bias=arch == "Qwen2ForCausalLM" or (glm and bool(config.get("attention_bias"))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (glm and bool(config.get("use_qk_norm"))),
             num_experts=experts if arch in MOE_ARCHITECTURES else 0,
             mla=MLAShape(config.get("q_lora_rank"), config["kv_lora_rank"], config["qk_nope_head_dim"],
                          config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
-            shared_experts=deepseek and bool(config.get("n_shared_experts")),
-            expert_bias=deepseek,
-            dense_layers=(config.get("first_k_dense_replace") or 0) if deepseek else 0,
+            shared_experts=expert_bias and bool(config.get("n_shared_experts")),
+            expert_bias=expert_bias,
+            dense_layers=(config.get("first_k_dense_replace") or 0) if expert_bias else 0,
         )
 
     def moe_layer_pattern(self) -> list[int]:
@@ -112,15 +112,20 @@ class ModelShape:
 
 
 def check_deepseek_v3(config: dict) -> None:
-    """What megatron-core's MLA and router compute like transformers' DeepseekV3 does, or ValueError
-    naming the config.json field."""
+    """What megatron-core's MLA computes like transformers' DeepseekV3 does, or ValueError naming the
+    config.json field."""
+    if not config.get("rope_interleave", True):
+        raise ValueError("config.json: rope_interleave false is not supported: megatron-core's MLA rotates "
+                         "interleaved pairs, as DeepSeek's checkpoints do")
+
+
+def check_expert_bias_moe(config: dict) -> None:
+    """What megatron-core's router and layer pattern compute like transformers' DeepseekV3 and Glm4Moe
+    (the same TopkRouter) do, or ValueError naming the config.json field."""
     dense, layers = config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]
     if not 0 <= dense < layers:
         raise ValueError(f"config.json: first_k_dense_replace {dense} must be 0 or more and below "
                          f"num_hidden_layers ({layers}): at least one layer is MoE")
-    if not config.get("rope_interleave", True):
-        raise ValueError("config.json: rope_interleave false is not supported: megatron-core's MLA rotates "
-                         "interleaved pairs, as DeepSeek's checkpoints do")
     if config["num_experts_per_tok"] > 1 and not config.get("norm_topk_prob", False):
         raise ValueError("config.json: norm_topk_prob false is not supported: megatron-core's sigmoid router "
                          "always normalises the top-k scores")

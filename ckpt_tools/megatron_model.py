@@ -48,7 +48,7 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
         "moe_layer_freq": shape.moe_layer_pattern() if shape.dense_layers else 1,
     }
     if shape.expert_bias:  # DeepSeek-V3: sigmoid scores, bias-corrected grouped top-k, scaled weights
-        return {**common, **_deepseek_router_kwargs(hf_config, shape)}
+        return {**common, **_expert_bias_router_kwargs(hf_config)}
     return {
         **common,
         "moe_router_score_function": "softmax",
@@ -57,9 +57,9 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
     }
 
 
-def _deepseek_router_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
-    """transformers' DeepseekV3TopkRouter as megatron-core's (mapping.check_deepseek_v3 made sure
-    they agree); the bias starts at the checkpoint's e_score_correction_bias."""
+def _expert_bias_router_kwargs(hf_config: dict) -> dict[str, Any]:
+    """transformers' DeepseekV3TopkRouter (Glm4Moe's too) as megatron-core's (mapping.check_expert_bias_moe
+    made sure they agree); the bias starts at the checkpoint's e_score_correction_bias."""
     groups = hf_config.get("n_group") or 1
     shared = hf_config.get("n_shared_experts") or 0
     return {

@@ -29,6 +29,11 @@ def rope_theta(config: dict[str, Any]) -> float:
     return float(rope_parameters(config).get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
+def rotary_percent(config: dict[str, Any]) -> float:
+    """The share of each head's dimensions that is rotated (GLM-4.5's 0.5: the first half, as megatron's)."""
+    return float(rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+
+
 @dataclass(frozen=True)
 class Yarn:
     """transformers' YaRN parameters (modeling_rope_utils._compute_yarn_parameters, and DeepseekV3's
@@ -74,9 +79,11 @@ class Yarn:
 
 
 def gpt_rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """GPTModel's RoPE keyword arguments (standard attention): plain or Llama 3.1's scaling."""
+    """GPTModel's RoPE keyword arguments (standard attention): plain or Llama 3.1's scaling, over all of
+    each head or its first part."""
     kind = rope_type(config)
-    kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope_theta(config)}
+    kwargs: dict[str, Any] = {"position_embedding_type": "rope", "rotary_base": rope_theta(config),
+                              "rotary_percent": rotary_percent(config)}
     if kind == "llama3":
         rope = rope_parameters(config)
         fixed = {k: rope.get(k) for k in _LLAMA3_FIXED}

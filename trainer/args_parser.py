@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from ckpt_tools import rope
+from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, routed_experts
 from trainer.args_actions import (
     ArgsError,
     Choice,
@@ -30,14 +31,19 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 models"
+_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2 and GLM-4.5/4.7 models"
 
 def _deepseek(c: dict[str, Any]) -> bool:
     return c["architectures"][0] == "DeepseekV3ForCausalLM"
 
 
+def _expert_bias(c: dict[str, Any]) -> bool:
+    """DeepSeek-V3's MoE (GLM-4.5's too): sigmoid expert-bias routing, shared experts, dense first layers."""
+    return c["architectures"][0] in EXPERT_BIAS_ARCHITECTURES
+
+
 def _moe_experts(c: dict[str, Any]) -> int | None:
-    return c.get("n_routed_experts") if _deepseek(c) else c.get("num_experts")
+    return routed_experts(c) or None
 
 
 UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
@@ -54,28 +60,29 @@ _MODEL_FLAGS: dict[str, Any] = {
         c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "vocab_size": lambda c: c["vocab_size"],
     "rotary_base": rope.rope_theta,
-    "rotary_percent": lambda c: c.get("partial_rotary_factor", 1.0),
+    "rotary_percent": rope.rotary_percent,
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
     "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
     # DeepSeek: the norms of MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
     "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                                                         "DeepseekV3ForCausalLM"),
+                                                         "DeepseekV3ForCausalLM") or bool(c.get("use_qk_norm")),
     "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
     "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
     "add_qkv_bias": lambda c: c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias")),
-    # no bias on any linear but (Qwen2's) q/k/v, which --add-qkv-bias covers
+    # no bias on any linear but (Qwen2's, GLM's) q/k/v, which --add-qkv-bias covers
     "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
-        not c.get("attention_bias") or c["architectures"][0] == "Qwen2ForCausalLM"),
+        not c.get("attention_bias") or c["architectures"][0] in ("Qwen2ForCausalLM", "Glm4MoeForCausalLM")),
     # MoE (Qwen3-MoE, DeepSeek-V3): every layer's MLP is the experts'
     "num_experts": _moe_experts,
     "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
     "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
-    "moe_router_score_function": lambda c: "sigmoid" if _deepseek(c) else "softmax" if c.get("num_experts") else None,
-    # DeepSeek: slime's scripts give it; megatron's sigmoid router has no pre-softmax
-    "moe_router_pre_softmax": lambda c: _deepseek(c) or (bool(c.get("num_experts"))
+    "moe_router_score_function": lambda c: ("sigmoid" if _expert_bias(c)
+                                            else "softmax" if c.get("num_experts") else None),
+    # DeepSeek, GLM: slime's scripts give it; megatron's sigmoid router has no pre-softmax
+    "moe_router_pre_softmax": lambda c: _expert_bias(c) or (bool(c.get("num_experts"))
                                                          and not c.get("norm_topk_prob", False)),
     "moe_layer_freq": lambda c: _moe_layer_pattern(c) if _moe_experts(c) and not c.get("mlp_only_layers") else None,
-    # DeepSeek-V3: multi-latent attention, shared experts, expert-bias grouped routing
+    # DeepSeek-V3: multi-latent attention; it and GLM-4.5: shared experts, expert-bias grouped routing
     "multi_latent_attention": _deepseek,
     "q_lora_rank": lambda c: c["q_lora_rank"],
     "kv_lora_rank": lambda c: c["kv_lora_rank"],
@@ -83,7 +90,7 @@ _MODEL_FLAGS: dict[str, Any] = {
     "qk_pos_emb_head_dim": lambda c: c["qk_rope_head_dim"],
     "v_head_dim": lambda c: c["v_head_dim"],
     "moe_shared_expert_intermediate_size": lambda c: c["n_shared_experts"] * c["moe_intermediate_size"],
-    "moe_router_enable_expert_bias": _deepseek,
+    "moe_router_enable_expert_bias": _expert_bias,
     "moe_router_num_groups": lambda c: c["n_group"],
     "moe_router_group_topk": lambda c: c["topk_group"],
     "moe_router_topk_scaling_factor": lambda c: c["routed_scaling_factor"],
@@ -107,7 +114,7 @@ def _yarn_scales(c: dict[str, Any]) -> bool:
 
 def _moe_layer_pattern(c: dict[str, Any]) -> int | LayerPattern:
     """1 (every layer MoE), or DeepSeek's first_k_dense_replace dense layers then MoE ones."""
-    dense = (c.get("first_k_dense_replace") or 0) if _deepseek(c) else 0
+    dense = (c.get("first_k_dense_replace") or 0) if _expert_bias(c) else 0
     return LayerPattern([0] * dense + [1] * (c["num_hidden_layers"] - dense)) if dense else 1
 
 

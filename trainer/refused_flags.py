@@ -22,7 +22,7 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3 and Kimi-K2 models "
+_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2 and GLM-4.5/4.7 models "
            "from --hf-checkpoint's config.json")
 _RAY = "slurmrl runs as one SLURM job with no Ray"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"

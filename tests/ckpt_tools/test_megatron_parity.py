@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file
 
 from ckpt_tools.convert import hf_to_torch_dist
-from ckpt_tools.mapping import MOE_ARCHITECTURES
+from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, MOE_ARCHITECTURES
 from ckpt_tools.megatron_model import (
     build_gpt_model,
     destroy_parallel,
@@ -39,6 +39,7 @@ CASES = {  # id: (arch, tied embeddings)
     "qwen3_moe": ("qwen3_moe", False),
     "deepseek_v3": ("deepseek_v3", False),
     "deepseek_v3_dense_first": ("deepseek_v3_dense_first", False),  # first_k_dense_replace 1 of 3 layers
+    "glm4_moe": ("glm4_moe", False),  # first_k_dense_replace 1 of 3 layers, qkv bias, q/k norms, half RoPE
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -130,20 +131,22 @@ def test_naive_qkv_layout_is_caught(case: Case) -> None:
 
 @pytest.mark.parametrize("wrong", ["v_before_k", "no_routing_bias", "dense_up_before_gate"])
 def test_mla_layout_and_routing_bias_are_checked(case: Case, wrong: str) -> None:
-    """The tolerance discriminates for DeepSeek-V3: kv_b_proj's per-head [K | V] order, the
-    expert bias that picks the experts (not their weights), and the [gate; up] order of the dense
-    layers' MLP (first_k_dense_replace)."""
-    if "kv_lora_rank" not in case.hf_config:
-        pytest.skip("DeepSeek-V3 (MLA, expert bias) only")
+    """The tolerance discriminates for DeepSeek-V3 and GLM-4.5: kv_b_proj's per-head [K | V] order
+    (MLA), the expert bias that picks the experts (not their weights), and the [gate; up] order of
+    the dense layers' MLP (first_k_dense_replace)."""
+    if case.hf_config["architectures"][0] not in EXPERT_BIAS_ARCHITECTURES:
+        pytest.skip("DeepSeek-V3 and GLM-4.5 (expert bias) only")
+    if wrong == "v_before_k" and "kv_lora_rank" not in case.hf_config:
+        pytest.skip("MLA only")
     if wrong.startswith("dense") and not case.hf_config["first_k_dense_replace"]:
-        pytest.skip("DeepSeek-V3 with dense first layers only")
+        pytest.skip("dense first layers only")
     model = build_gpt_model(case.hf_config)
     load_torch_dist(model, case.ckpt_dir)
-    nope, v = case.hf_config["qk_nope_head_dim"], case.hf_config["v_head_dim"]
     with torch.no_grad():
         for layer in model.decoder.layers:
             dense = not hasattr(layer.mlp, "router")
             if wrong == "v_before_k":
+                nope, v = case.hf_config["qk_nope_head_dim"], case.hf_config["v_head_dim"]
                 up = layer.self_attention.linear_kv_up_proj.weight
                 k, val = up.view(-1, nope + v, up.shape[-1]).split([nope, v], dim=1)
                 up.copy_(torch.cat([val, k], dim=1).reshape(up.shape))

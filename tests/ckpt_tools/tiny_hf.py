@@ -34,6 +34,15 @@ _ARCHS = {
              n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0),
     ),
 }
+# GLM-4.5/4.7: DeepSeek-V3's MoE (its first layer dense) under standard attention with a q/k/v bias, q/k norms
+# and RoPE over half of each head
+_ARCHS["glm4_moe"] = (
+    transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+         attention_bias=True, use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+         num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+         first_k_dense_replace=1, num_hidden_layers=3),
+)
 # As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
 # next two are MoE.
 _ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.mapping import routed_experts
+from ckpt_tools.architectures import routed_experts
 from trainer.args_parser import _MODEL_FLAGS, UNCHECKED, ArgsError
 from trainer.config.sections import ShapeFlags
 

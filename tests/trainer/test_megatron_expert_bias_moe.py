@@ -1,8 +1,9 @@
-"""DeepSeek-V3 (MLA with YaRN, a shared expert, sigmoid expert-bias grouped routing, dense first
-layers) in the trainer, from slime's model flags (each checked against config.json): on a tiny model,
-one RL step gives HF's log-probs and the same loss, grad norm, new weights and new routing biases at
-TP=1, at TP=1 with the fused attention path (packed rows), and at TP=2 + SP with the experts spread
-over the two ranks (EP=2); the bias moves as megatron moves it."""
+"""DeepSeek-V3's MoE (a shared expert, sigmoid expert-bias grouped routing, dense first layers) in the
+trainer, under its multi-latent attention with YaRN and under GLM-4.5's standard attention (q/k/v bias,
+q/k norms, RoPE over half of each head), from slime's model flags (each checked against config.json):
+on a tiny model of each, one RL step gives HF's log-probs and the same loss, grad norm, new weights and
+new routing biases at TP=1, at TP=1 with the fused attention path (packed rows), and at TP=2 + SP with
+the experts spread over the two ranks (EP=2); the bias moves as megatron moves it."""
 
 from __future__ import annotations
 
@@ -19,44 +20,56 @@ from tests.rank_devices import rank_devices
 from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
 
 BIAS_RATE = 1e-3
-# slime's DeepSeek-V3 model flags (scripts/models/deepseek-v3.sh) at the tiny model's sizes
-DEEPSEEK_FLAGS = [
-    "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
-    "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+# the MoE flags of slime's DeepSeek-V3 and GLM-4.5 model scripts, at the tiny models' sizes
+MOE_FLAGS = [
     "--num-experts", "8", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "32",
     "--moe-shared-expert-intermediate-size", "32", "--moe-router-pre-softmax",
     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
     "--moe-router-bias-update-rate", str(BIAS_RATE), "--moe-router-topk-scaling-factor", "2.5",
     "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
     "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0",
-    "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.8",  # the tiny model's YaRN
+    # The tiny models' first layer is dense (first_k_dense_replace 1), as real DeepSeek-V3, Kimi-K2 and
+    # GLM-4.5 checkpoints; layers 1 and 2 are MoE. (An all-MoE model is the same code but for the stacked
+    # checkpoint keys, which Qwen3-MoE's trainer tests and ckpt_tools' DeepSeek tests cover.)
+    "--moe-layer-freq", "[0]*1+[1]*2",
 ]
+FAMILIES = {  # tiny_hf arch: its attention's flags (scripts/models/deepseek-v3.sh, glm4.5-355B-A32B.sh)
+    "deepseek_v3_dense_first": [
+        "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+        "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.8",  # the tiny model's YaRN
+    ],
+    "glm4_moe": ["--qk-layernorm", "--group-query-attention", "--num-attention-heads", "4", "--num-query-groups", "2",
+                 "--kv-channels", "16", "--add-qkv-bias", "--disable-bias-linear", "--rotary-percent", "0.5",
+                 "--rotary-base", "1000000", "--moe-router-dtype", "fp32"],
+}
 # As Qwen3-MoE's (test_megatron_moe_parallel): EP over the TP ranks with sequence parallelism. EP
 # over data-parallel ranks with the allgather dispatcher needs equal token counts on every rank (gloo).
 LAYOUTS = {"tp2_sp_ep2": (2, 2, "local", ["--sequence-parallel", "--expert-model-parallel-size", "2",
                                           "--expert-tensor-parallel-size", "1"])}
 BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
-# The tiny model's first layer is dense (first_k_dense_replace 1, slime's --moe-layer-freq), as real
-# DeepSeek-V3 and Kimi-K2 checkpoints; its layers 1 and 2 are MoE. (An all-MoE DeepSeek-V3 is the same
-# code but for the stacked checkpoint keys, which Qwen3-MoE's trainer tests and ckpt_tools' DeepSeek
-# tests cover.)
-ARCH, MOE_LAYERS, LAYER_FREQ = "deepseek_v3_dense_first", (1, 2), ["--moe-layer-freq", "[0]*1+[1]*2"]
+MOE_LAYERS = (1, 2)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def arch(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("deepseek")
-    model = make_tiny_hf(ARCH, root / "model", tied=False)
+def tiny(arch: str, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp(arch)
+    model = make_tiny_hf(arch, root / "model", tied=False)
     return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
 
 
 @pytest.fixture(scope="module")
-def results(tiny, tmp_path_factory) -> dict[str, dict]:
+def results(arch: str, tiny, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("runs")
     # tp1_sdpa: the fused attention path a GPU takes by default (--attention-backend auto), packed rows
     runs = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", [])} | LAYOUTS
     with rank_devices(2):
-        return run_all(tiny, tmp, {name: (tp, world, attention, [*DEEPSEEK_FLAGS, *LAYER_FREQ, *extra])
+        return run_all(tiny, tmp, {name: (tp, world, attention, [*FAMILIES[arch], *MOE_FLAGS, *extra])
                                    for name, (tp, world, attention, extra) in runs.items()})
 
 
@@ -68,7 +81,7 @@ def test_log_probs_equal_hf(tiny, results) -> None:
             assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
 
 
-def test_one_step_is_the_same_at_tp2_ep2_and_with_fused_attention(results) -> None:
+def test_one_step_is_the_same_at_tp2_ep2_and_with_fused_attention(arch: str, results) -> None:
     base = results["tp1"]
     assert base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
     for name in [*LAYOUTS, "tp1_sdpa"]:
@@ -78,7 +91,8 @@ def test_one_step_is_the_same_at_tp2_ep2_and_with_fused_attention(results) -> No
         assert other["weights"].keys() == base["weights"].keys()
         for hf_name, tensor in base["weights"].items():
             assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
-    for hf_name in ("model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+    attention = "kv_b_proj.weight" if arch.startswith("deepseek") else "q_proj.bias"
+    for hf_name in (f"model.layers.0.self_attn.{attention}", "model.layers.1.mlp.shared_experts.up_proj.weight",
                     "model.layers.1.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight",  # the dense layer's MLP
                     "model.layers.0.mlp.down_proj.weight"):
         assert not torch.equal(base["weights"][hf_name], base["before"][hf_name]), f"{hf_name} must train"
@@ -103,25 +117,31 @@ def test_routing_bias_moves_by_the_rate_towards_balance(results) -> None:
         assert set(steps.tolist()) <= {-1.0, 0.0, 1.0} and steps.abs().sum() >= 2, f"layer {layer}: {steps}"
 
 
-def test_a_flag_that_disagrees_with_config_json_is_named(tiny) -> None:
+WRONG = {  # flags that disagree with the tiny model's config.json, each named in the error
+    "deepseek_v3_dense_first": {"--q-lora-rank": "64", "--moe-router-num-groups": "8", "--mscale-all-dim": "1.0",
+                                "--rotary-scaling-factor": "40.0"},
+    "glm4_moe": {"--rotary-percent": "1.0", "--moe-router-num-groups": "8", "--kv-channels": "32"},
+}
+
+
+def test_a_flag_that_disagrees_with_config_json_is_named(arch: str, tiny) -> None:
     from trainer.args import ArgsError, build_config, build_parser
     from trainer.config.model_checks import check_model_flags
 
     model, _ = tiny
     config = json.loads((model / "config.json").read_text())
     common = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
-              "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS, *LAYER_FREQ]
+              "--load-debug-rollout-data", "x", *FAMILIES[arch], *MOE_FLAGS]
     check_model_flags(build_config(build_parser().parse_args(common)).shape, str(model), config)  # slime's pass
-    wrong = build_config(build_parser().parse_args([*common, "--q-lora-rank", "64", "--moe-router-num-groups", "8",
-                                                    "--mscale-all-dim", "1.0", "--rotary-scaling-factor", "40"]))
+    wrong = [token for flag, value in WRONG[arch].items() for token in (flag, value)]
     with pytest.raises(ArgsError) as err:
-        check_model_flags(wrong.shape, str(model), config)
+        check_model_flags(build_config(build_parser().parse_args([*common, *wrong])).shape, str(model), config)
     assert {line.split(" disagrees with")[0] for line in err.value.problems} == {
-        "--q-lora-rank 64", "--moe-router-num-groups 8", "--mscale-all-dim 1.0", "--rotary-scaling-factor 40.0"}
-    # Moonlight's scripts: no RoPE scaling in config.json, factor 1 and mscales that then change nothing
-    plain = {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    check_model_flags(build_config(build_parser().parse_args([*common, "--rotary-scaling-factor", "1"])).shape,
-                      str(model), plain)
+        f"{flag} {value}" for flag, value in WRONG[arch].items()}
+    if arch.startswith("deepseek"):  # Moonlight's scripts: no RoPE scaling, factor 1, mscales that change nothing
+        plain = {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        check_model_flags(build_config(build_parser().parse_args([*common, "--rotary-scaling-factor", "1"])).shape,
+                          str(model), plain)
 
 
 @pytest.mark.parametrize(("arch_name", "freq", "expected"), [
@@ -140,7 +160,8 @@ def test_moe_layer_freq_must_match_first_k_dense_replace(tmp_path: Path, arch_na
     config = json.loads(tiny_config(arch_name).to_json_string())
     (model / "config.json").write_text(json.dumps(config))
     argv = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
-            "--load-debug-rollout-data", "x", *DEEPSEEK_FLAGS, "--moe-layer-freq", freq]
+            "--load-debug-rollout-data", "x", *FAMILIES["deepseek_v3_dense_first"], *MOE_FLAGS[:-2],
+            "--moe-layer-freq", freq]
     with pytest.raises(ArgsError) as err:
         check_model_flags(build_config(build_parser().parse_args(argv)).shape, str(model), config)
     (line,) = err.value.problems

@@ -1,5 +1,6 @@
-"""The stand-in engine serves a tiny DeepSeek-V3 (MLA, shared experts, expert-bias routing, a dense
-first layer as first_k_dense_replace gives real checkpoints) through transformers: greedy outputs with
+"""The stand-in engine serves a tiny DeepSeek-V3 (MLA with YaRN) and a tiny GLM-4.5 (both: shared
+experts, expert-bias routing, a dense first layer as first_k_dense_replace gives real checkpoints)
+through transformers: greedy outputs with
 transformers' log-probs, and an update to other weights from disk and over a weight-update group
 (experts under their per-expert checkpoint names, routing biases and the dense layer's MLP included)
 serves those."""
@@ -27,24 +28,24 @@ PROBE = {"input_ids": PROMPT, "return_logprob": True,
          "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
 
 
-def _deepseek_with_tokenizer(root: Path, seed: int) -> Path:
-    """make_tiny_hf's DeepSeek-V3 (vocab 128) with the tiny tokenizer (105 tokens)."""
-    model = make_tiny_hf("deepseek_v3_dense_first", root / f"deepseek{seed}", tied=False, seed=seed)
+def _with_tokenizer(arch: str, root: Path, seed: int) -> Path:
+    """make_tiny_hf's `arch` (vocab 128) with the tiny tokenizer (105 tokens)."""
+    model = make_tiny_hf(arch, root / f"{arch}{seed}", tied=False, seed=seed)
     tokenizer = write_tiny_model(root / f"tokenizer{seed}")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, model / name)
     return model
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    root = tmp_path_factory.mktemp("deepseek_models")
-    return {seed: _deepseek_with_tokenizer(root, seed) for seed in (0, 1, 2)}
+@pytest.fixture(scope="module", params=["deepseek_v3_dense_first", "glm4_moe"])
+def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {seed: _with_tokenizer(request.param, root, seed) for seed in (0, 1, 2)}
 
 
 @pytest.fixture(scope="module")
 def engine(models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    process = EngineProcess(models[0], tmp_path_factory.mktemp("deepseek_engine") / "engine.log")
+    process = EngineProcess(models[0], tmp_path_factory.mktemp("engine") / "engine.log")
     try:
         process.wait_ready()
         yield process
@@ -85,7 +86,7 @@ def _served(engine: EngineProcess, name: str, like: torch.Tensor) -> torch.Tenso
 
 
 def test_updates_over_a_weight_update_group(engine: EngineProcess, models: dict[int, Path]) -> None:
-    """The trainer's HF names (tests/trainer/test_megatron_deepseek publishes exactly these), broadcast
+    """The trainer's HF names (tests/trainer/test_megatron_expert_bias_moe publishes exactly these), broadcast
     one by one: the dense layer's MLP is filled, and the engine serves the new model."""
     tensors = load_file(models[2] / "model.safetensors")
     assert "model.layers.0.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.experts.0.up_proj.weight" in tensors
