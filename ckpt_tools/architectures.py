@@ -6,14 +6,28 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
-# DeepSeek-V3's MoE: sigmoid expert-bias routing over groups, shared experts, first_k_dense_replace dense layers
-# (GLM-4.5/4.7 has it too, under standard attention)
-EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+# DeepSeek-V3's MoE: sigmoid expert-bias routing over groups, shared experts, dense first layers (GLM-4.5/4.7
+# has it under standard attention, GLM-4.7-Flash under DeepSeek's multi-latent attention)
+EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
 def routed_experts(config: dict[str, Any]) -> int:
     """A config.json's routed experts under its family's key (Qwen's num_experts, Mixtral's
     num_local_experts, DeepSeek's n_routed_experts); 0 for a dense model."""
     return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+
+
+def dense_first_layers(config: dict[str, Any]) -> int:
+    """How many first layers have a dense MLP in an expert-bias MoE: DeepSeek's first_k_dense_replace, or
+    GLM-4.7-Flash's mlp_layer_types ("dense" then "sparse"; ValueError for any other order)."""
+    kinds = config.get("mlp_layer_types")
+    if kinds is None:
+        return int(config.get("first_k_dense_replace") or 0)
+    dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+    if any(kind != "sparse" for kind in kinds[dense:]):
+        raise ValueError(f"config.json: mlp_layer_types {kinds} is not supported: megatron-core's --moe-layer-freq "
+                         "here takes dense layers first, then MoE ones")
+    return dense

@@ -13,8 +13,10 @@ import torch
 
 from ckpt_tools.architectures import (
     EXPERT_BIAS_ARCHITECTURES,
+    MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
+    dense_first_layers,
     routed_experts,
 )
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
@@ -76,7 +78,7 @@ class ModelShape:
         if arch == "Qwen3MoeForCausalLM" and mixed:
             raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "
                              "which is not supported; every layer must be MoE")
-        deepseek = arch == "DeepseekV3ForCausalLM"
+        deepseek = arch in MLA_ARCHITECTURES
         expert_bias = arch in EXPERT_BIAS_ARCHITECTURES
         if expert_bias:
             check_expert_bias_moe(config)
@@ -103,7 +105,7 @@ class ModelShape:
                          config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
             shared_experts=expert_bias and bool(config.get("n_shared_experts")),
             expert_bias=expert_bias,
-            dense_layers=(config.get("first_k_dense_replace") or 0) if expert_bias else 0,
+            dense_layers=dense_first_layers(config) if expert_bias else 0,
         )
 
     def moe_layer_pattern(self) -> list[int]:
@@ -122,7 +124,7 @@ def check_deepseek_v3(config: dict) -> None:
 def check_expert_bias_moe(config: dict) -> None:
     """What megatron-core's router and layer pattern compute like transformers' DeepseekV3 and Glm4Moe
     (the same TopkRouter) do, or ValueError naming the config.json field."""
-    dense, layers = config.get("first_k_dense_replace") or 0, config["num_hidden_layers"]
+    dense, layers = dense_first_layers(config), config["num_hidden_layers"]
     if not 0 <= dense < layers:
         raise ValueError(f"config.json: first_k_dense_replace {dense} must be 0 or more and below "
                          f"num_hidden_layers ({layers}): at least one layer is MoE")

@@ -51,10 +51,9 @@ class Yarn:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> Yarn:
         rope = rope_parameters(config)
-        for key, why in (("attention_factor", "megatron-core derives it from factor, mscale and mscale_all_dim"),
-                         ("partial_rotary_factor", "MLA rotates all of qk_rope_head_dim")):
-            if rope.get(key) is not None:
-                raise ValueError(f"config.json: YaRN {key} is not supported: {why}")
+        if rope.get("attention_factor") is not None:
+            raise ValueError("config.json: YaRN attention_factor is not supported: megatron-core derives it from "
+                             "factor, mscale and mscale_all_dim")
         if rope.get("truncate", True) is False:
             raise ValueError("config.json: YaRN truncate false is not supported: megatron-core's MLA always "
                              "rounds the correction range to whole dimensions")
@@ -99,6 +98,9 @@ def gpt_rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 def mla_rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """MLATransformerConfig's RoPE fields: plain RoPE, or YaRN."""
     kind = rope_type(config)
+    if rotary_percent(config) != 1:
+        raise ValueError(f"config.json: partial_rotary_factor {rotary_percent(config)} is not supported with "
+                         "multi-latent attention: megatron-core's MLA rotates all of qk_rope_head_dim")
     if kind == "default":
         return {"rope_type": "rope", "rotary_scaling_factor": 1.0, "rotary_base": rope_theta(config)}
     if kind != "yarn":

@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from ckpt_tools import rope
-from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, routed_experts
+from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, MLA_ARCHITECTURES, dense_first_layers, routed_experts
 from trainer.args_actions import (
     ArgsError,
     Choice,
@@ -31,10 +31,11 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2 and GLM-4.5/4.7 models"
+_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4.5/4.7 and GLM-4.7-Flash models"
 
 def _deepseek(c: dict[str, Any]) -> bool:
-    return c["architectures"][0] == "DeepseekV3ForCausalLM"
+    """Multi-latent attention: DeepSeek-V3, Kimi-K2, GLM-4.7-Flash."""
+    return c["architectures"][0] in MLA_ARCHITECTURES
 
 
 def _expert_bias(c: dict[str, Any]) -> bool:
@@ -64,11 +65,13 @@ _MODEL_FLAGS: dict[str, Any] = {
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
     "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
     # DeepSeek: the norms of MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
-    "qk_layernorm": lambda c: c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                                                         "DeepseekV3ForCausalLM") or bool(c.get("use_qk_norm")),
+    "qk_layernorm": lambda c: (c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or _deepseek(c)
+                               or bool(c.get("use_qk_norm"))),
     "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
     "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
-    "add_qkv_bias": lambda c: c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias")),
+    # MLA has no q/k/v projections (megatron's ignores it; slime's GLM-4.7-Flash script gives it)
+    "add_qkv_bias": lambda c: UNCHECKED if _deepseek(c) else (
+        c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias"))),
     # no bias on any linear but (Qwen2's, GLM's) q/k/v, which --add-qkv-bias covers
     "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
         not c.get("attention_bias") or c["architectures"][0] in ("Qwen2ForCausalLM", "Glm4MoeForCausalLM")),
@@ -114,7 +117,7 @@ def _yarn_scales(c: dict[str, Any]) -> bool:
 
 def _moe_layer_pattern(c: dict[str, Any]) -> int | LayerPattern:
     """1 (every layer MoE), or DeepSeek's first_k_dense_replace dense layers then MoE ones."""
-    dense = (c.get("first_k_dense_replace") or 0) if _expert_bias(c) else 0
+    dense = dense_first_layers(c) if _expert_bias(c) else 0
     return LayerPattern([0] * dense + [1] * (c["num_hidden_layers"] - dense)) if dense else 1
 
 
@@ -203,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--position-embedding-type", type=positions, metavar=positions.metavar, default="rope",
         help="the supported models all use rope")
     add("--use-rotary-position-embeddings", action="store_true", help="as --position-embedding-type rope")
+    refused(p, "--no-position-embedding", "accepted: Megatron's switch against a learned absolute position table, "
+            "which no model slurmrl builds has (their positions are rope's)", switch=True, allowed=True)
     add("--make-vocab-size-divisible-by", type=int, default=128)
     add("--padded-vocab-size", type=int, help="must equal config.json's vocab_size padded to a multiple of "
         "--make-vocab-size-divisible-by x --tensor-model-parallel-size (slurmrl's padding, as megatron's)")

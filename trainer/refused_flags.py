@@ -22,7 +22,7 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2 and GLM-4.5/4.7 models "
+_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4.5/4.7 and GLM-4.7-Flash models "
            "from --hf-checkpoint's config.json")
 _RAY = "slurmrl runs as one SLURM job with no Ray"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
@@ -44,7 +44,6 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
     _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
-    _switch("--no-position-embedding", f"models without position embeddings are not supported; {_MODELS}"),
     _switch("--apply-layernorm-1p", f"zero-centred norms are not supported; {_MODELS}"),
     _switch("--attention-output-gate", f"gated attention (Qwen3-Next) is not supported; {_MODELS}"),
     _switch("--use-gated-attention", f"gated attention is not supported; {_MODELS}"),

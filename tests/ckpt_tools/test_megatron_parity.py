@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file
 
 from ckpt_tools.convert import hf_to_torch_dist
-from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, MOE_ARCHITECTURES
+from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, MOE_ARCHITECTURES, dense_first_layers
 from ckpt_tools.megatron_model import (
     build_gpt_model,
     destroy_parallel,
@@ -40,6 +40,7 @@ CASES = {  # id: (arch, tied embeddings)
     "deepseek_v3": ("deepseek_v3", False),
     "deepseek_v3_dense_first": ("deepseek_v3_dense_first", False),  # first_k_dense_replace 1 of 3 layers
     "glm4_moe": ("glm4_moe", False),  # first_k_dense_replace 1 of 3 layers, qkv bias, q/k norms, half RoPE
+    "glm4_moe_lite": ("glm4_moe_lite", False),  # MLA, mlp_layer_types dense, sparse, sparse
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -138,7 +139,7 @@ def test_mla_layout_and_routing_bias_are_checked(case: Case, wrong: str) -> None
         pytest.skip("DeepSeek-V3 and GLM-4.5 (expert bias) only")
     if wrong == "v_before_k" and "kv_lora_rank" not in case.hf_config:
         pytest.skip("MLA only")
-    if wrong.startswith("dense") and not case.hf_config["first_k_dense_replace"]:
+    if wrong.startswith("dense") and not dense_first_layers(case.hf_config):
         pytest.skip("dense first layers only")
     model = build_gpt_model(case.hf_config)
     load_torch_dist(model, case.ckpt_dir)

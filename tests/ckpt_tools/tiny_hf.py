@@ -43,6 +43,16 @@ _ARCHS["glm4_moe"] = (
          num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
          first_k_dense_replace=1, num_hidden_layers=3),
 )
+# GLM-4.7-Flash: DeepSeek-V3's multi-latent attention (plain RoPE) and MoE, its dense first layer given by
+# mlp_layer_types; head_dim is qk_rope_head_dim there
+_ARCHS["glm4_moe_lite"] = (
+    transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM,
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, num_key_value_heads=4, q_lora_rank=48,
+         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+         routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=3,
+         mlp_layer_types=["dense", "sparse", "sparse"]),
+)
 # As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
 # next two are MoE.
 _ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],

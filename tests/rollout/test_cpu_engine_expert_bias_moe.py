@@ -1,4 +1,4 @@
-"""The stand-in engine serves a tiny DeepSeek-V3 (MLA with YaRN) and a tiny GLM-4.5 (both: shared
+"""The stand-in engine serves a tiny DeepSeek-V3 (MLA with YaRN), GLM-4.5 and GLM-4.7-Flash (all: shared
 experts, expert-bias routing, a dense first layer as first_k_dense_replace gives real checkpoints)
 through transformers: greedy outputs with
 transformers' log-probs, and an update to other weights from disk and over a weight-update group
@@ -37,7 +37,7 @@ def _with_tokenizer(arch: str, root: Path, seed: int) -> Path:
     return model
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3_dense_first", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3_dense_first", "glm4_moe", "glm4_moe_lite"])
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("models")
     return {seed: _with_tokenizer(request.param, root, seed) for seed in (0, 1, 2)}

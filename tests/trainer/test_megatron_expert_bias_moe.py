@@ -1,6 +1,6 @@
 """DeepSeek-V3's MoE (a shared expert, sigmoid expert-bias grouped routing, dense first layers) in the
-trainer, under its multi-latent attention with YaRN and under GLM-4.5's standard attention (q/k/v bias,
-q/k norms, RoPE over half of each head), from slime's model flags (each checked against config.json):
+trainer, under its multi-latent attention with YaRN, under GLM-4.5's standard attention (q/k/v bias,
+q/k norms, RoPE over half of each head) and under GLM-4.7-Flash's MLA, from slime's model flags (each checked against config.json):
 on a tiny model of each, one RL step gives HF's log-probs and the same loss, grad norm, new weights and
 new routing biases at TP=1, at TP=1 with the fused attention path (packed rows), and at TP=2 + SP with
 the experts spread over the two ranks (EP=2); the bias moves as megatron moves it."""
@@ -38,6 +38,13 @@ FAMILIES = {  # tiny_hf arch: its attention's flags (scripts/models/deepseek-v3.
         "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
         "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
         "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.8",  # the tiny model's YaRN
+    ],
+    # glm4.7-30B-A3B.sh (GLM-4.7-Flash): DeepSeek's attention; its --add-qkv-bias and --no-position-embedding
+    # change nothing there, as in megatron
+    "glm4_moe_lite": [
+        "--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--kv-channels", "16", "--qk-layernorm",
+        "--add-qkv-bias", "--disable-bias-linear", "--no-position-embedding", "--rotary-base", "1000000",
     ],
     "glm4_moe": ["--qk-layernorm", "--group-query-attention", "--num-attention-heads", "4", "--num-query-groups", "2",
                  "--kv-channels", "16", "--add-qkv-bias", "--disable-bias-linear", "--rotary-percent", "0.5",
@@ -91,7 +98,7 @@ def test_one_step_is_the_same_at_tp2_ep2_and_with_fused_attention(arch: str, res
         assert other["weights"].keys() == base["weights"].keys()
         for hf_name, tensor in base["weights"].items():
             assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
-    attention = "kv_b_proj.weight" if arch.startswith("deepseek") else "q_proj.bias"
+    attention = "kv_b_proj.weight" if "--multi-latent-attention" in FAMILIES[arch] else "q_proj.bias"
     for hf_name in (f"model.layers.0.self_attn.{attention}", "model.layers.1.mlp.shared_experts.up_proj.weight",
                     "model.layers.1.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight",  # the dense layer's MLP
                     "model.layers.0.mlp.down_proj.weight"):
@@ -121,6 +128,7 @@ WRONG = {  # flags that disagree with the tiny model's config.json, each named i
     "deepseek_v3_dense_first": {"--q-lora-rank": "64", "--moe-router-num-groups": "8", "--mscale-all-dim": "1.0",
                                 "--rotary-scaling-factor": "40.0"},
     "glm4_moe": {"--rotary-percent": "1.0", "--moe-router-num-groups": "8", "--kv-channels": "32"},
+    "glm4_moe_lite": {"--v-head-dim": "32", "--moe-ffn-hidden-size": "64"},
 }
 
 
