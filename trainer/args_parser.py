@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of the log-prob passes' micro-batches (default: --max-tokens-per-gpu)")
     add("--balance-data", action="store_true",
         help="hand micro-batches to data-parallel ranks by Karmarkar-Karp on their token counts")
+    add("--log-probs-chunk-size", type=int, default=-1,
+        help="compute log-probs and entropies this many response tokens at a time, so their fp32 copies of the "
+             "logits ([tokens, vocab]) exist for one chunk, in training's backward pass too (recomputed there); "
+             "-1: all of a micro-batch's at once")
     refused(p, "--balance-by-flops", "micro-batches are packed first-fit by tokens; FLOPs-balanced packing is not "
             "implemented (use --balance-data)", switch=True)
     add("--kl-loss-type", choices=KL_TYPES, default="k1")

@@ -45,6 +45,7 @@ from trainer.loop import seed_everything
 from trainer.lr_schedule import lr_lambda
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.offload import Offloadable
+from trainer.token_stats import chunked_log_probs_and_entropy
 
 Result = tuple[Tensor, Tensor | None]  # per-token log-probs [R], entropies [R] or None
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)\.")
@@ -59,13 +60,14 @@ class FSDPBackend(Backend):
                  dtype: torch.dtype = torch.bfloat16, ref_checkpoint: str | Path | None = None,
                  lr_schedule: Callable[[int], float] | None = None,
                  attn_implementation: str | None = None, attention_backend: str = "auto",
-                 save_optimizer: bool = True, check_nan: bool = True) -> None:
+                 save_optimizer: bool = True, check_nan: bool = True, log_probs_chunk_size: int = -1) -> None:
         """torch.distributed must already be initialised (gloo on CPU, nccl on GPU).
         dtype: the compute dtype on GPU (master weights and gradient reduction stay fp32); CPU
         always computes in fp32. lr_schedule: the LR factor of each optimizer step (constant 1
         when None). attn_implementation: HF's (sdpa, eager, flash_attention_2...), HF's default
         when None. check_nan: False skips the step of a NaN/inf gradient norm instead of raising
-        (--no-check-for-nan-in-loss-and-grad)."""
+        (--no-check-for-nan-in-loss-and-grad). log_probs_chunk_size: response tokens per log-prob chunk
+        (<= 0: a sample's at once)."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = self.rank, self.world_size
         self.save_optimizer = save_optimizer
@@ -76,6 +78,7 @@ class FSDPBackend(Backend):
         self.attention_backend = attention_backend
         self.clip_grad = clip_grad
         self.check_nan = check_nan
+        self.chunk_size = log_probs_chunk_size
         self.batching = batching if batching is not None else Batching()
         self.log_probs_batching = log_probs_batching or self.batching
         seed_everything(seed)
@@ -102,7 +105,7 @@ class FSDPBackend(Backend):
                    lr_schedule=lr_lambda(opt), attention_backend=model.attention_kernels,
                    attn_implementation="eager" if model.attention_backend == "local" else "sdpa",
                    save_optimizer=not config.checkpoint.no_save_optim,
-                   check_nan=opt.check_for_nan_in_loss_and_grad)
+                   check_nan=opt.check_for_nan_in_loss_and_grad, log_probs_chunk_size=model.log_probs_chunk_size)
 
     def _load(self, path: str | Path, mesh: DeviceMesh, attn_implementation: str | None,
               trainable: bool) -> transformers.PreTrainedModel:
@@ -152,7 +155,7 @@ class FSDPBackend(Backend):
             for pack in self._padded_packs(samples, ids, self.log_probs_batching):
                 logits = self._pack_logits(net, pack)
                 logps, ents = response_log_probs(logits, pack.tokens.to(self.device),
-                                                 response_slices(pack, samples), with_entropy)
+                                                 response_slices(pack, samples), with_entropy, self.chunk_size)
                 for k, i in enumerate(pack.sample_ids):
                     mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
         gathered: list[dict[int, Result]] = [{} for _ in range(self.world_size)]
@@ -183,7 +186,7 @@ class FSDPBackend(Backend):
                 (logits.sum() * 0).backward()
                 continue
             logps, ents = response_log_probs(logits, pack.tokens.to(self.device),
-                                             response_slices(pack, samples), need_entropy)
+                                             response_slices(pack, samples), need_entropy, self.chunk_size)
             value, metrics = loss(pack, logps, ents)
             value.backward()
             for key, metric in metrics.items():  # tensors: no host sync per micro-batch
@@ -276,17 +279,17 @@ def block_causal_mask(cu_seqlens: Tensor, dtype: torch.dtype, device: torch.devi
     return mask[None, None]
 
 
-def response_log_probs(logits: Tensor, tokens: Tensor, slices: list[slice],
-                       with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
-    """Per sample: log-prob of each response token (fp32 log-softmax of the logits one position
-    before it) and, when asked, the entropy of that distribution."""
+def response_log_probs(logits: Tensor, tokens: Tensor, slices: list[slice], with_entropy: bool,
+                       chunk_size: int = -1) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Per sample: log-prob of each response token (fp32, from the logits one position before it)
+    and, when asked, the entropy of that distribution; chunk_size rows at a time (token_stats)."""
     logps, ents = [], []
     for sl in slices:
-        logp_all = torch.log_softmax(logits[sl].float(), dim=-1)
-        targets = tokens[sl.start + 1:sl.stop + 1]
-        logps.append(logp_all.gather(-1, targets[:, None]).squeeze(-1))
-        if with_entropy:
-            ents.append(-(logp_all.exp() * logp_all).sum(-1))
+        logp, ent = chunked_log_probs_and_entropy(logits[sl], tokens[sl.start + 1:sl.stop + 1],
+                                                  with_entropy=with_entropy, chunk_size=chunk_size)
+        logps.append(logp)
+        if ent is not None:
+            ents.append(ent)
     return logps, ents if with_entropy else None
 
 

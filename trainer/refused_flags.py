@@ -125,8 +125,6 @@ REFUSED: tuple[Refusal, ...] = (
     # -- training options slurmrl does not have
     _switch("--recompute-loss-function", "the loss is computed once per micro-batch; recomputing it in the "
                                          "backward pass is not supported (use --recompute-granularity)"),
-    Refusal("--log-probs-chunk-size", "log-probs are computed over the whole micro-batch (bound it with "
-                                      "--log-probs-max-tokens-per-gpu)", allowed=-1, type=int),
     Refusal("--megatron-config-path", "per-role Megatron YAML is not supported; the critic takes the actor's "
                                       "flags and --critic-lr"),
     _switch("--reset-optimizer-states", "the optimizer's moments persist across rollouts, as in an exact resume"),

@@ -157,7 +157,9 @@ def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     layouts = {"tp1": (1, 1, "local", ppo), "tp2": (2, 2, "local", []), "dp2": (1, 2, "local", []),
                "tp2_sdpa": (2, 2, "sdpa", []), "tp2_sp": (2, 2, "local", sp), "tp2_sp_sdpa": (2, 2, "sdpa", sp + ppo),
                "tp1_sp": (1, 1, "local", sp),  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
-               "tp2_sp_compiled": (2, 2, "sdpa", [*sp, "--torch-compile"])}
+               "tp2_sp_compiled": (2, 2, "sdpa", [*sp, "--torch-compile"]),
+               # log-probs 3 response tokens at a time: vocab-parallel chunks, recomputed in the backward pass
+               "tp2_chunked": (2, 2, "local", ["--log-probs-chunk-size", "3"])}
     with rank_devices(2):  # every layout on the same device
         return run_all(tiny_megatron, tmp, layouts)
 
@@ -184,7 +186,7 @@ def test_keep_old_actor_takes_the_published_weights_in_every_layout(results) -> 
 def test_one_step_is_the_same_in_every_layout(results) -> None:
     base = results["tp1"]
     assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
-    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp", "tp2_sp_compiled"):
+    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp", "tp2_sp_compiled", "tp2_chunked"):
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
             assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"

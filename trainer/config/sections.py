@@ -43,6 +43,7 @@ class ModelOptions:
     seed: int
     bf16: bool
     torch_compile: bool
+    log_probs_chunk_size: int  # <= 0: log-probs over a micro-batch's rows at once (trainer.token_stats)
     attention_backend: Literal["local", "sdpa"]  # derived: the layer spec's implementation (local: unfused)
     attention_kernels: str  # the --attention-backend flag as given: which SDPA kernels may run
     deterministic_mode: bool

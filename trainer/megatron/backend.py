@@ -10,6 +10,7 @@ in fp32, as megatron's DDP does with its main grads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +45,7 @@ from trainer.megatron.rope import PackedRope
 from trainer.megatron.trainee_state import Trainee
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.offload import Offloadable
-from trainer.token_stats import log_probs_and_entropy
+from trainer.token_stats import chunked_log_probs_and_entropy, log_probs_and_entropy
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,10 @@ class MegatronBackend(Backend):
                        if config.loss.advantage_estimator == "ppo" else None)
         # The log-probs over the vocabulary read and write [tokens, vocab] fp32 tensors a dozen
         # times; compiled, they fuse into a few passes. Under TP the collectives stay eager.
-        self._token_stats = torch.compile(log_probs_and_entropy, dynamic=True) \
+        stats = torch.compile(log_probs_and_entropy, dynamic=True) \
             if config.model.torch_compile and self.tp_size == 1 else log_probs_and_entropy
+        self._token_stats = functools.partial(chunked_log_probs_and_entropy, stats=stats,
+                                              chunk_size=config.model.log_probs_chunk_size)
         self._hooks = {name: load_function(path, flag) for name, path, flag in (
             ("log_prob", config.model.custom_megatron_before_log_prob_hook_path,
              "--custom-megatron-before-log-prob-hook-path"),
