@@ -1,7 +1,8 @@
 """Marks beside the engines' records: which engines are being recovered (one recovery each, and
-whether it waits for the router to admit its engine), why a recovery must try again, and which
-engines the kill cap holds back. Kept by the engines' owner (supervisor/engines.py, Engines) and
-read and changed only under its lock, with the engine moves they go with."""
+whether it waits for the router to admit its engine), why a recovery must try again, which engines
+the kill cap holds back, and which are loading the current weights from disk. Kept by the engines'
+owner (supervisor/engines.py, Engines) and read and changed only under its lock, with the engine
+moves they go with."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class EngineMarks:
     admitting: set[str] = field(default_factory=set)  # of those, the ones whose recovery waits for the router
     retry: dict[str, str] = field(default_factory=dict)  # a failure while its recovery waited: why it tries again
     held: dict[str, str] = field(default_factory=dict)  # failed its probes, kept running by the kill cap: why
+    # loading the current version from disk (EngineRecovery's sync): a publish meanwhile would race the load
+    syncing: set[str] = field(default_factory=set)
 
     def start(self, name: str, reason: str) -> RecoveryStart:
         """A failure of a live engine: a new recovery, or the next try of the one that waits for its
@@ -41,8 +44,8 @@ class EngineMarks:
 
     def serving(self, name: str) -> bool:
         """Whether a live engine gets the trainer's next version: unless a recovery holds it, short
-        of the wait for its admission."""
-        return name not in self.recovering or name in self.admitting
+        of the wait for its admission, or the supervisor is loading the current version into it."""
+        return name not in self.syncing and (name not in self.recovering or name in self.admitting)
 
     def end(self, name: str) -> str | None:
         """Its recovery ends, unless a failure came at the last moment: then that failure's reason

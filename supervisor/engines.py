@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,6 +248,23 @@ class Engines(Mapping[str, Engine]):
         self._save([engine])
         if reported is None or reported < version:
             raise WrongVersion(engine.name, version, reported)
+
+    @contextmanager
+    def syncing(self, engine: Engine) -> Iterator[bool]:
+        """Around the supervisor's loads of the current version into the engine from disk: it is left
+        out of the trainer's publishes meanwhile (serving), whose update could land before the load and
+        be undone by it (the engine then reports the older version and fails the publish). Yields
+        False, marking nothing, while another sync of the engine is under way: that one loads the
+        newer version."""
+        with self._lock:
+            first = engine.name not in self._marks.syncing
+            self._marks.syncing.add(engine.name)
+        try:
+            yield first
+        finally:
+            if first:
+                with self._lock:
+                    self._marks.syncing.discard(engine.name)
 
     def admit(self, engine: Engine) -> bool:
         """Into the router if (and only if) it is live and itself reports the current version."""

@@ -381,14 +381,17 @@ class EngineRecovery:
 
     def _sync(self, engine: Engine) -> None:
         """Bring a waiting engine to the current version from disk, if it is there, and admit it.
-        The trainer may publish meanwhile: then load the newer version (a few tries)."""
+        The trainer may publish meanwhile, leaving it out: then load the newer version (a few tries)."""
         job = self.job
-        for _ in range(_SYNC_TRIES):
-            current = job.engines.current
-            folder = job.dir.weights_of(current) if current is not None else None
-            if current is None or folder is None or not folder.is_dir():
-                return  # not on disk (an update group): the trainer's next publish includes it
-            if engine.version != current:
-                job.engines.loaded(engine, folder, current, timeout_s=job.ft.weight_load_timeout)
-            if job.engines.admit(engine):
-                return
+        with job.engines.syncing(engine) as mine:
+            if not mine:
+                return  # its sync under way takes the newer version (the loop below)
+            for _ in range(_SYNC_TRIES):
+                current = job.engines.current
+                folder = job.dir.weights_of(current) if current is not None else None
+                if current is None or folder is None or not folder.is_dir():
+                    return  # not on disk (an update group): the trainer's next publish includes it
+                if engine.version != current:
+                    job.engines.loaded(engine, folder, current, timeout_s=job.ft.weight_load_timeout)
+                if job.engines.admit(engine):
+                    return

@@ -76,14 +76,19 @@ def kill_node(cluster: DevCluster, node: str, step_pid: int) -> None:
         proc.kill()
 
 
-def listening_pid(url: str) -> int:
-    """The process listening on url's port, looked up in the network namespace of the node whose
-    address url has (the host's own where nodes share loopback): `ss` there names its pid."""
+def listening_pids(url: str) -> set[int]:
+    """The processes listening on url's port, looked up in the network namespace of the node whose
+    address url has (the host's own where nodes share loopback): `ss` there names their pids."""
     parts = urlsplit(url)
     out = subprocess.run([*_netns_of(parts.hostname), "ss", "-Hltnp", f"sport = :{parts.port}"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
-    pids = {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
-    assert len(pids) == 1, f"expected one process listening on {parts.port}, found {pids}: {out}"
+    return {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
+
+
+def listening_pid(url: str) -> int:
+    """The one process listening on url's port."""
+    pids = listening_pids(url)
+    assert len(pids) == 1, f"expected one process listening on {urlsplit(url).port}, found {pids}"
     return pids.pop()
 
 

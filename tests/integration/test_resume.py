@@ -27,9 +27,8 @@ import pytest
 from ckpt_tools.tracker import iteration_dirname, read_tracker
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import (assert_never_stale, events, heartbeat, listening_pid, rollouts_done,
-                                             status, submit)
-from tests.slurm_helpers import wait_job_gone
+from tests.integration.test_rl_job import assert_never_stale, events, heartbeat, rollouts_done, status, submit
+from tests.slurm_helpers import listening_pids, wait_job_gone
 from trainer import checkpoint
 
 # --adam-eps 1: Adam's first steps are about lr * sign(g), so a last-bit difference between two runs
@@ -177,6 +176,14 @@ def freeze_during_rollout(job_dir: Path, engines: list[int]) -> None:
     wait_for(caught, CATCH_GENERATING_S, "the trainer generating a rollout", interval_s=0.002)
 
 
+def _each_engine_listening(job_dir: Path, pids: list[int]) -> bool:
+    """Whether each engine step of the job has one process listening on its URL; pids: theirs."""
+    found = [listening_pids(step["url"]) if step.get("url") else set()
+             for name, step in status(job_dir)["steps"].items() if name.startswith("engine")]
+    pids[:] = [pid for each in found for pid in each]
+    return bool(found) and all(len(each) == 1 for each in found)
+
+
 def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Path) -> None:
     """preempt_grace 1 s is shorter than any rollout plus save: the supervisor has the trainer
     save at once (save_now). Once during a checkpoint save, once during a rollout."""
@@ -199,7 +206,9 @@ def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Pat
         # 2. The signal arrives while rank 0 waits for a rollout: both engines are frozen.
         wait_for(lambda: len(events(job_dir, "supervisor_started")) >= 2 and rollouts_done(job_dir) >= 8, 300,
                  "the requeued job to resume and go on")
-        engines = [listening_pid(s["url"]) for name, s in status(job_dir)["steps"].items() if name.startswith("engine")]
+        # every engine of the resumed job up (one may be starting or restarting when the rollouts are)
+        engines: list[int] = []
+        wait_for(lambda: _each_engine_listening(job_dir, engines), 120, "every engine to listen")
         stopped += engines
         freeze_during_rollout(job_dir, engines)
         preempt(job_id)

@@ -12,12 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+from slurm.devcluster.daemons import wait_for
+
+LOAD_GATE_S = 60.0  # the longest a gated load waits for its gate
 
 
 class _Engine(BaseHTTPRequestHandler):
     version: str | None = None
     stuck = False
+    gate: Path | None = None
 
     def _answer(self, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -32,6 +38,9 @@ class _Engine(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/update_weights_from_disk" and _Engine.gate is not None:
+            Path(f"{_Engine.gate}.waiting").touch()  # the test sees the load under way
+            wait_for(_Engine.gate.exists, LOAD_GATE_S, f"the load gate {_Engine.gate}")
         if self.path == "/update_weights_from_disk" and not _Engine.stuck:
             _Engine.version = body["weight_version"]
         self._answer({"success": True})
@@ -46,12 +55,14 @@ def main() -> None:
     parser.add_argument("--exit-code", type=int)
     parser.add_argument("--say", help="a line to print (to its log) before --exit-code")
     parser.add_argument("--stuck-version", action="store_true")
+    parser.add_argument("--load-gate", type=Path)
     args, _ = parser.parse_known_args()
     if args.say:
         print(args.say, flush=True)
     if args.exit_code is not None:
         raise SystemExit(args.exit_code)
     _Engine.stuck = args.stuck_version
+    _Engine.gate = args.load_gate
     ThreadingHTTPServer(("127.0.0.1", args.port), _Engine).serve_forever()
 
 

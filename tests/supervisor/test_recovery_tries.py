@@ -8,7 +8,9 @@ tests/supervisor/local_engine.py as plain processes; the setup of test_recovery_
   another version) is given up after two tries, with that reason.
 - A start that fails twice with the same error line in the engine's log is given up, naming it.
 - The last engine given up ends the job with a reason, even with min_engines 0 (no hang with no
-  worker)."""
+  worker).
+- An engine loading the current version from disk gets no publish meanwhile, and takes a newer one
+  after its load."""
 
 from __future__ import annotations
 
@@ -176,3 +178,39 @@ def test_the_last_engine_given_up_fails_the_job_even_with_min_engines_0(wired) -
     assert wiring.ending.failure.startswith("no engine left: engine-1 was given up"), wiring.ending.failure
     assert not _events(job, "engine_degraded", "engine-1")
     assert _events(job, "no_engine_serving", "engine-1"), "the router's last engine left without a word"
+
+
+def test_an_engine_loading_the_current_version_gets_no_publish_meanwhile(job, tmp_path: Path) -> None:
+    """An engine a publish left behind is brought to the current version from disk by the supervisor;
+    that load and the trainer's next publish to the same engine raced: the publish's update landed
+    first, the load undid it, the trainer saw the older version and the engine was restarted (CI:
+    test_short_grace_saves_at_once). While the load runs the engine is not among the engines the
+    trainer publishes to; a publish meanwhile leaves it behind again, and the same sync then loads
+    that newer version and admits the engine."""
+    job, router = job
+    gate, waiting = tmp_path / "gate", tmp_path / "gate.waiting"
+    gate.touch()  # the loads at start-up go through
+    flags["engine-0"] = ["--load-gate", str(gate)]
+    wiring = _wire(job, router, tmp_path / "steps")
+    engine, other = job.engines["engine-0"], job.engines["engine-1"]
+
+    def publish(version: int) -> None:
+        """The trainer's publish of `version` to the engines it was given (engine-1 only, here)."""
+        job.dir.weights_of(version).mkdir()
+        job.client.load_from_disk(other.url, job.dir.weights_of(version), version, timeout_s=WAIT_S)
+        wiring.handlers.published(version, [other.url], {})
+
+    try:
+        _start(job, wiring)
+        gate.unlink()
+        waiting.unlink()
+        publish(VERSION + 1)  # engine-0 left behind: the supervisor loads the new version into it
+        wait_for(waiting.exists, WAIT_S, "engine-0's load of the current version to begin")
+        assert engine.url not in wiring.handlers.ready_engines()["engines"], "a publish now would race its load"
+        publish(VERSION + 2)
+        gate.touch()
+        wait_for(lambda: engine.state == HEALTHY and engine.in_router, WAIT_S, "engine-0 back in the router")
+        assert engine.version == VERSION + 2 and job.client.weight_version(engine.url) == VERSION + 2
+        assert not _events(job, "engine_failed") and engine.restarts == 0
+    finally:
+        wiring.stop()
