@@ -150,6 +150,12 @@ def test_a_flag_that_disagrees_with_config_json_is_named(arch: str, tiny) -> Non
         plain = {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
         check_model_flags(build_config(build_parser().parse_args([*common, "--rotary-scaling-factor", "1"])).shape,
                           str(model), plain)
+        # a YaRN megatron-core cannot build: named, in one line, not a traceback
+        odd = {**config, "rope_parameters": {**config["rope_parameters"], "attention_factor": 1.5}}
+        with pytest.raises(ArgsError) as err:
+            check_model_flags(build_config(build_parser().parse_args(common)).shape, str(model), odd)
+        [line] = [line for line in err.value.problems if "YaRN attention_factor is not supported" in line]
+        assert line.startswith("--rotary-scaling-factor 4.0: ") and f"{model}/config.json: YaRN" in line, line
 
 
 @pytest.mark.parametrize(("arch_name", "freq", "expected"), [
