@@ -42,6 +42,7 @@ from tests.integration.test_rl_job import (
 from tests.slurm_helpers import wait_job_gone, wait_sacct_states
 
 FIRST_ROLLOUTS_S = 240  # the job starting and its first rollouts
+BOTH_LISTED_S = 60  # after the first rollout, until the router lists both engines
 JOB_END_S = 300
 # Out of the router after a cut: 3 failed probes (2 s timeout) 2 s apart, the recovery's expel, slack.
 OUT_OF_ROUTER_S = 40
@@ -126,13 +127,22 @@ def finish(job_id: str, job_dir: Path, rollouts: int) -> dict:
     return state
 
 
+def _lists_both(job_dir: Path, listed: list[str]) -> bool:
+    """Whether the router lists two engines now; listed: what it lists."""
+    listed[:] = router_workers(job_dir)
+    return len(listed) == 2
+
+
 def test_toy_job_on_isolated_nodes(isolated_devcluster: DevCluster, toy, tmp_path: Path) -> None:
     job_dir, net = tmp_path / "job", isolated_devcluster.net
-    job_id = submit(toy, job_dir, "--num-rollout", "3")
+    job_id = submit(toy, job_dir, "--num-rollout", "6")
+    listed: list[str] = []
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 1, FIRST_ROLLOUTS_S, "the first rollout")
-        listed = router_workers(job_dir)
-        state = finish(job_id, job_dir, 3)
+        # An engine that answers after the first publish joins once it has loaded the current version
+        # (the supervisor leaves it out of publishes meanwhile): a rollout or two later.
+        wait_for(lambda: _lists_both(job_dir, listed), BOTH_LISTED_S, "the router to list both engines")
+        state = finish(job_id, job_dir, 6)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
     for name in ("engine-0", "engine-1", "router"):
