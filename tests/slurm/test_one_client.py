@@ -61,10 +61,25 @@ def _program_argv(node: ast.AST) -> bool:
             and isinstance(node.elts[0].value, str) and Path(node.elts[0].value).name in PROGRAMS)
 
 
+PARSE_TRIES = 3
+
+
+def _parse(source: str) -> ast.Module:
+    """ast.parse, again where CPython 3.11 trips over another thread's parse (gh-106905: "AST constructor
+    recursion depth mismatch", a SystemError; seen in CI beside a test's leftover threads)."""
+    for _ in range(PARSE_TRIES - 1):
+        try:
+            return ast.parse(source)
+        except SystemError as err:
+            if "recursion depth mismatch" not in str(err):
+                raise
+    return ast.parse(source)
+
+
 def slurm_calls(source: str) -> list[int]:
     """Line numbers in `source` where a SLURM program is run: a runner call that names one, and, in
     a module that runs processes at all, a command line of one built to be run later."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     modules, functions = _runners(tree)
     calls = [node for node in ast.walk(tree)
              if isinstance(node, ast.Call) and _is_runner(node.func, modules, functions)]

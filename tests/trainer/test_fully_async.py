@@ -106,8 +106,13 @@ def test_groups_generate_across_rollouts_within_the_bounded_queue(engine, model:
     finally:
         src.close()
     groups = [{s.group_index for s in r.samples()} for r in rollouts]
-    for r in (0, 1):  # groups still generating, or finished, when rollout r was taken go on into r + 1
-        assert groups[r + 1] <= Ledger.left[r], (r, groups, Ledger.left)
+    # Groups still generating, or finished, when rollout r was taken are trained in a later rollout, or are
+    # still in the buffer at the end: none is lost. (Rollouts take groups as they finish, so a group begun
+    # after rollout r may finish, and be taken, before one left over from r: CI saw rollout 2 take 5 and 6
+    # while 4 went on generating.)
+    for r in (0, 1):
+        assert Ledger.left[r] <= set().union(*groups[r + 1:], Ledger.left[2]), (r, groups, Ledger.left)
+    assert Ledger.left[0] & (groups[1] | groups[2]), "no generation went on across a rollout's end"
     assert Ledger.most == 2 * BATCH, "never more groups generating and finished than the capacity"
     trained = [s.sample_index for r in rollouts for s in r.samples()]
     assert len(trained) == len(set(trained)) == 3 * BATCH * N
