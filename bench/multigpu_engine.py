@@ -37,6 +37,7 @@ class EngineState:
         self.kv: list[torch.Tensor] = []
         self.groups: dict[str, UpdateGroup] = {}
         self.version: str | None = "0"
+        self.sglang_version: str | None = None  # what /server_info says (an old SGLang's: per-tensor buckets)
         self.open = False
         self.released: set[str] = set()
         self.lock = threading.Lock()  # one group operation at a time
@@ -85,10 +86,15 @@ class EngineState:
             total += float((a @ a).sum())
         return total
 
-    def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        """One bucket: receive every tensor (all queued before any is waited on, as the CPU engine's
-        group.receive, on the device), then load each into its parameter."""
-        tensors = group.receive(names, [parse_dtype(d) for d in dtypes], shapes, DEVICE)
+    def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                load_format: str | None) -> None:
+        """One bucket, as the CPU engine takes it (SGLang's load_format): one flattened broadcast, or
+        one per tensor (all queued before any is waited on), on the device; then load each into its
+        parameter."""
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format {load_format!r} is not supported")
+        receive = group.receive_flat if load_format else group.receive
+        tensors = receive(names, [parse_dtype(d) for d in dtypes], shapes, DEVICE)
         for name, tensor in tensors.items():
             if name in self.params:
                 self.params[name].copy_(tensor)
@@ -111,7 +117,7 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/server_info":
-                self.answer({"tp_size": 1})
+                self.answer({"tp_size": 1, "version": state.sglang_version})
             elif self.path == "/model_info":
                 self.answer({"weight_version": state.version})
             elif self.path == "/health":
@@ -147,7 +153,8 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
                 if not state.open:
                     raise ValueError("update_weights_from_distributed outside /begin_weight_update")
                 with state.lock:
-                    state.receive(state.groups[body["group_name"]], body["names"], body["dtypes"], body["shapes"])
+                    state.receive(state.groups[body["group_name"]], body["names"], body["dtypes"], body["shapes"],
+                                  body.get("load_format"))
                 if body.get("weight_version") is not None:
                     state.version = body["weight_version"]
                 return {"success": True, "message": f"updated {len(body['names'])} parameters"}
@@ -160,6 +167,9 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
                     if DEVICE.type == "cuda":
                         torch.cuda.synchronize()
                 return {"success": True, "message": "received", "checksum": int(flat[:4096].sum())}
+            if path == "/bench_sglang_version":  # e.g. "0.5.5": the trainer then sends one broadcast per tensor
+                state.sglang_version = body["version"]
+                return {"success": True}
             if path == "/bench_checksum":  # the weights' sum, to check an update arrived whole
                 with state.lock:
                     return {"success": True, "checksum": sum(float(t.float().sum()) for t in state.params.values())}

@@ -4,8 +4,10 @@ real publisher, pipelined (trainer/publish.py: two buckets in flight, every broa
 /init_weights_update_group, /begin_weight_update, bucketed broadcasts with
 /update_weights_from_distributed, /end_weight_update, /model_info) and update group
 (rollout/weight_group.py); against a plain broadcast of the same bytes, as one flat buffer, over
-an update group of the same processes, in the same run: ratio_vs_plain (the goal: >= 0.85). On the
-CPU every side uses gloo.
+an update group of the same processes, in the same run: ratio_vs_plain (the goal: >= 0.85). The
+publisher sends a bucket as one flattened broadcast (SGLang's load_format "flattened_bucket"); the
+same publish with one broadcast per tensor (the engines then say they are SGLang 0.5.5, which takes
+only that) is timed too, the two alternating: per_tensor_publish_s, flattened_speedup. On the CPU every side uses gloo.
 """
 
 from __future__ import annotations
@@ -139,28 +141,36 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
             procs.append(start_engine(port, ["--param-shapes", str(shapes_file)], (1 + i) % gpus if gpus else None,
                                       work / f"engine{i}.log"))
         urls = [f"http://127.0.0.1:{port}" for port in ports]
-        times = []
-        for i in range(repeats + 1):  # the first publish also forms the group
-            _sync()
-            result = publisher.publish(i + 1, urls, iter(weights.items()))
-            if result.updated != urls:
-                raise RuntimeError(f"engines were dropped: {result.dropped}")
-            times.append(result.seconds)
         want = sum(float(t.float().sum()) for t in weights.values())
-        checksums = [post(url, "/bench_checksum", {})["checksum"] for url in urls]
+
+        times: list[float] = []
+        per_tensor_times: list[float] = []
+        equal = True
+        for _ in range(repeats + 1):  # the first publish also forms the group; the two forms alternate
+            for sglang_version, timings in ((None, times), ("0.5.5", per_tensor_times)):
+                for url in urls:  # "0.5.5": an SGLang older than flattened buckets, sent one broadcast per tensor
+                    post(url, "/bench_sglang_version", {"version": sglang_version})
+                _sync()
+                result = publisher.publish(len(times) + len(per_tensor_times) + 1, urls, iter(weights.items()))
+                if result.updated != urls:
+                    raise RuntimeError(f"engines were dropped: {result.dropped}")
+                timings.append(result.seconds)
+                checksums = [post(url, "/bench_checksum", {})["checksum"] for url in urls]
+                equal = equal and all(abs(c - want) <= 1e-3 * max(1.0, abs(want)) for c in checksums)
         publisher.close()
         plain = plain_broadcast_seconds(urls, publisher.backend, nbytes, repeats, device)
     finally:
         publisher.close()
         for proc in procs:
             stop_engine(proc)
-    steady = statistics.median(times[1:])
+    steady, per_tensor = statistics.median(times[1:]), statistics.median(per_tensor_times[1:])
     return {"model": label, "bytes": nbytes, "tensors": len(weights), "bucket_bytes": bucket_bytes,
             "engines": engines, "backend": publisher.backend, "first_publish_s": times[0], "publish_s": steady,
             "publish_gbps": nbytes / steady / 1e9, "plain_broadcast_s": plain, "plain_gbps": nbytes / plain / 1e9,
-            "ratio_vs_plain": plain / steady,
-            "checksum_equal": all(abs(c - want) <= 1e-3 * max(1.0, abs(want)) for c in checksums),
-            "all_publish_s": times}
+            "ratio_vs_plain": plain / steady, "per_tensor_publish_s": per_tensor,
+            "per_tensor_ratio_vs_plain": plain / per_tensor, "flattened_speedup": per_tensor / steady,
+            "checksum_equal": equal, "all_publish_s": times,
+            "all_per_tensor_publish_s": per_tensor_times}
 
 
 def run(shapes: dict[str, dict], repeats: int, out: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -8,13 +8,22 @@ torch.distributed's default group, so neither side's own distributed state is to
 process may hold several groups. The store keys are prefixed as SGLang's init_custom_process_group
 prefixes them (the group name, then 'name/', then the device), so either side may use that helper
 or this module.
+
+Two wire layouts, as SGLang's /update_weights_from_distributed takes them (its load_format):
+- per tensor (no load_format): one broadcast per tensor, in the order of the names;
+- "flattened_bucket" (SGLang's FlattenedTensorBucket, weight_sync/tensor_bucket.py): ONE broadcast of
+  a uint8 buffer holding every tensor's bytes back to back, in the order of the names, no padding;
+  each tensor is that byte range viewed as its dtype and shape. Mixed dtypes share a bucket; a view
+  needs its tensor to start at a multiple of its element size (SGLang fails otherwise), so the
+  trainer orders a bucket's tensors by falling element size (flat_order).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,8 +31,13 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from packaging.version import InvalidVersion, Version
 
 Backend = Literal["gloo", "nccl"]
+FLATTENED_BUCKET = "flattened_bucket"  # /update_weights_from_distributed's load_format for one broadcast a bucket
+# The first SGLang release taking that load_format (PR #13824, opened 2025-11-24, after 0.5.5; 0.5.7
+# is the first release known here to have it: the bound errs towards the always-understood per-tensor form).
+FLATTENED_SINCE = Version("0.5.7")
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 _DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}
 # Read once, by ProcessGroupNCCL's constructor. By default (3, SkipCleanUp) a broadcast to a hung
@@ -77,6 +91,13 @@ class UpdateGroup:
         self.wait(self.start_all(tensors))
         return dict(zip(names, tensors))
 
+    def receive_flat(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
+                     device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Receive a flattened bucket (one broadcast) and view it as one tensor per name, in order."""
+        flat = torch.empty(flat_bytes(dtypes, shapes), dtype=torch.uint8, device=device)
+        self.broadcast(flat)
+        return dict(zip(names, unflatten(flat, dtypes, shapes)))
+
     def close(self) -> None:
         """Shut the group down and let go of its process group now: only its destruction closes
         gloo's connections, which is what wakes ranks still blocked on a broadcast (else they
@@ -94,6 +115,75 @@ def parse_dtype(name: str) -> torch.dtype:
     if dtype is None:
         raise WeightSyncError(f"unsupported dtype {name!r}; expected one of {', '.join(_DTYPES)}")
     return dtype
+
+
+def takes_flattened_buckets(version: object) -> bool:
+    """Whether an engine whose /server_info gives `version` takes FLATTENED_BUCKET: an SGLang release
+    older than FLATTENED_SINCE ignores load_format (it would wait for one broadcast per tensor);
+    anything else (a newer SGLang, the stand-in engines, which give no SGLang version) takes it."""
+    try:
+        return Version(str(version)) >= FLATTENED_SINCE
+    except InvalidVersion:
+        return True
+
+
+def buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+    """Consecutive runs of at most bucket_bytes (a larger tensor goes alone), each with whether
+    it is the last; only one bucket is held at a time."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket, False
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket, True
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def flat_bytes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
+    return sum(_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
+
+
+def flat_order(dtypes: list[torch.dtype]) -> list[int]:
+    """Indices in falling element size (stable): every tensor of a flattened bucket then starts at a
+    multiple of its element size, as the views on the engine need."""
+    return sorted(range(len(dtypes)), key=lambda i: -dtypes[i].itemsize)
+
+
+def flatten(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The flattened bucket of `tensors` (their bytes back to back, in order), built on `device`:
+    one buffer, each tensor copied into its range (no host round trip for tensors already there)."""
+    flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device=device)
+    start = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        flat[start:start + size].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+        start += size
+    return flat
+
+
+def unflatten(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Views of a flattened bucket, one per dtype and shape (SGLang's reconstruct_tensors)."""
+    if flat.numel() != flat_bytes(dtypes, shapes):
+        raise WeightSyncError(f"a flattened bucket of {flat.numel()} bytes does not hold dtypes and shapes "
+                              f"of {flat_bytes(dtypes, shapes)} bytes")
+    views, start = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        size = _nbytes(dtype, shape)
+        if start % dtype.itemsize:
+            raise WeightSyncError(f"a {dtype} tensor starts at byte {start} of the flattened bucket, not a "
+                                  f"multiple of {dtype.itemsize}: order the bucket by falling element size")
+        views.append(flat[start:start + size].view(dtype).reshape(shape))
+        start += size
+    return views
 
 
 def create_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,

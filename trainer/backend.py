@@ -92,7 +92,8 @@ class Backend(ABC):
     @abstractmethod
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The actor's weights under Hugging Face names, full (gathered over model-parallel
-        ranks), in the HF dtype. Collective: yields on global rank 0 only, nothing elsewhere.
+        ranks), in the HF dtype, on the trainer's device (an NCCL publish sends them from there; disk
+        writers move them to the host). Collective: yields on global rank 0 only, nothing elsewhere.
         The tensors may share memory with the live model: use them before the next step."""
 
     @abstractmethod

@@ -224,8 +224,8 @@ class FSDPBackend(Backend):
                 chunk = {}
             chunk_key = key
             full = _full(tensor.detach())  # collective: every rank gathers
-            if self.rank == 0:  # a copy: on one rank `full` is the live parameter itself
-                chunk[name] = full.to("cpu", self.hf_dtype, copy=True)
+            if self.rank == 0:  # a copy: on one rank `full` is the live parameter itself. On its device:
+                chunk[name] = full.to(dtype=self.hf_dtype, copy=True)  # NCCL publishing sends it from there
         if chunk:
             yield from self._hf_chunk(chunk)
 

@@ -5,11 +5,15 @@ Two transports, named as slime names them:
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
   while the engine set is unchanged; tensors are broadcast in buckets of --update-weight-buffer-size
-  between /begin_weight_update and /end_weight_update, pipelined (no lock step): a bucket's
-  broadcasts are all queued before any is waited on, the next bucket is gathered and queued while
-  the previous one is on the wire, and engines get each bucket's request as soon as they answered
-  the one before. Without a GPU, or with a CPU engine in the group (its /server_info says device
-  cpu), it runs on gloo, as the CPU engine does.
+  between /begin_weight_update and /end_weight_update, pipelined (no lock step): the next bucket is
+  gathered and queued while the previous one is on the wire (two in flight), and engines get each
+  bucket's request as soon as they answered the one before. A bucket goes as ONE broadcast of its
+  tensors' bytes packed on the trainer's device (SGLang's load_format "flattened_bucket"; layout in
+  rollout/weight_group.py), unless an engine of the group is an SGLang older than that format
+  (its /server_info version below weight_group.FLATTENED_SINCE): an older SGLang ignores load_format and would
+  wait for one broadcast per tensor, so the whole group (the broadcasts are collective) then sends
+  one per tensor, all queued before any is waited on. Without a GPU, or with a CPU engine in the
+  group (its /server_info says device cpu), it runs on gloo, as the CPU engine does.
 
 An engine whose update fails or times out is dropped: reported, handed to on_drop and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only
@@ -22,7 +26,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +37,19 @@ import torch
 
 from contract.job_dir import JobDir
 from rollout.engine_client import EngineClient, EngineError, version_to_wire
-from rollout.weight_group import Backend, UpdateGroup, WeightSyncError, create_group, free_port, route_address
+from rollout.weight_group import (
+    FLATTENED_BUCKET,
+    Backend,
+    UpdateGroup,
+    WeightSyncError,
+    buckets,
+    create_group,
+    flat_order,
+    flatten,
+    free_port,
+    route_address,
+    takes_flattened_buckets,
+)
 from trainer.weight_folders import WeightFolders
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # --update-weight-buffer-size
@@ -130,6 +146,7 @@ class WeightPublisher:
         # with a CPU engine in it is gloo: a trainer on a GPU asking it for nccl would wait forever).
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._on_cpu: dict[str, bool] = {}  # engine url -> its /server_info says device cpu
+        self._takes_flat: dict[str, bool] = {}  # engine url -> it takes flattened buckets (takes_flattened_buckets)
         self._engines = _Engines(api_key, timeout_s)
         self._group: _Group | None = None
         self._group_ids = itertools.count(1)
@@ -243,6 +260,7 @@ class WeightPublisher:
         if not isinstance(size, int) or size < 1:
             raise EngineError(f"{url}/server_info gives tp_size {size!r}")
         self._on_cpu[url] = info.get("device") == "cpu"  # SGLang's --device, as its server_info shows it
+        self._takes_flat[url] = takes_flattened_buckets(info.get("version"))
         return size
 
     def _build_group(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str]) -> _Group | None:
@@ -280,21 +298,30 @@ class WeightPublisher:
 
     def _send_buckets(self, version: int, group: _Group, weights: Weights,
                       dropped: dict[str, str]) -> tuple[list[str], int]:
-        """Broadcast bucket by bucket, pipelined: a bucket's broadcasts are all queued before any is
-        waited on, and bucket k+1 is gathered and queued while k is still on the wire (two buckets
-        in flight at most). Each engine is asked for its buckets in order (_Feed). Returns the
-        members that took every bucket and the bytes sent; the version rides on the last bucket."""
+        """Broadcast bucket by bucket, pipelined: bucket k+1 is gathered, packed and queued while k
+        is still on the wire (two buckets in flight at most); a bucket is one broadcast (flattened)
+        or, for an engine older than flattened buckets, one per tensor, all queued before any is
+        waited on. Each engine is asked for its buckets in order (_Feed). Returns the members that
+        took every bucket and the bytes sent; the version rides on the last bucket."""
         feeds = {url: _Feed(self._engines, url) for url in group.engines}
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
-        in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's tensors, held till waited
+        flattened = all(self._takes_flat.get(url, True) for url in group.engines)
+        in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's buffers, held till waited
         nbytes, last, broken = 0, None, None
         try:
-            for bucket, last in _buckets(weights, self.bucket_bytes):
-                tensors = [tensor.detach().to(device).contiguous() for _, tensor in bucket]
+            for bucket, last in buckets(weights, self.bucket_bytes):
+                if flattened:  # a tensor of element size k starts at a multiple of k (flat_order)
+                    bucket = [bucket[i] for i in flat_order([t.dtype for _, t in bucket])]
+                tensors = [tensor.detach() for _, tensor in bucket]
                 body = {"names": [name for name, _ in bucket],
                         "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                         "shapes": [list(t.shape) for t in tensors], "group_name": group.group.name,
                         "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
+                if flattened:
+                    body["load_format"] = FLATTENED_BUCKET
+                    tensors = [flatten(tensors, device)]
+                else:
+                    tensors = [tensor.to(device).contiguous() for tensor in tensors]
                 for feed in feeds.values():
                     feed.post(body)
                 in_flight.append((tensors, group.group.start_all(tensors)))
@@ -330,22 +357,6 @@ class WeightPublisher:
         group.group.close()
         alive = [url for url in group.engines if url not in (dropped or {})]
         self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": group.group.name})
-
-
-def _buckets(weights: Weights, bucket_bytes: int) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Consecutive runs of at most bucket_bytes (a larger tensor goes alone), each with whether
-    it is the last; only one bucket is held at a time."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket, False
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket, True
 
 
 def _wait(group: UpdateGroup, works: list[Any]) -> str | None:

@@ -147,9 +147,9 @@ class _Follower:
             self.groups[name] = create_group(command["master_address"], command["master_port"],
                                              command["rank_offset"] + self.args.node_rank, command["world_size"],
                                              name, self.args.weight_update_group_timeout)
-        elif op == "receive":
-            self.groups[name].receive(command["names"], [parse_dtype(d) for d in command["dtypes"]],
-                                      command["shapes"])
+        elif op == "receive":  # as rank 0 receives it: one flattened broadcast, or one per tensor
+            receive = self.groups[name].receive_flat if command.get("flattened") else self.groups[name].receive
+            receive(command["names"], [parse_dtype(d) for d in command["dtypes"]], command["shapes"])
         elif op == "destroy":
             self.groups.pop(name).close()
 

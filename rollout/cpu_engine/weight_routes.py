@@ -3,7 +3,17 @@ and reading a parameter back. Every update answers {"success", "message"}: 200 o
 
 A distributed bucket is answered once it is received (every receive queued before any is waited on)
 and checked against the model; it loads in the background (BucketLoads) while the trainer sends the
-next, and the versioned last bucket answers once every bucket has loaded."""
+next, and the versioned last bucket answers once every bucket has loaded.
+
+/update_weights_from_distributed takes SGLang's `load_format` (SGLang >= the release with PR #13824,
+ModelRunner._update_bucketed_weights_from_distributed):
+- absent or null: one broadcast per tensor, in the order of `names` (SGLang's default);
+- "flattened_bucket": ONE broadcast of a uint8 buffer of every tensor's bytes back to back in the
+  order of `names`, each then viewed as its dtype and shape (SGLang's FlattenedTensorBucket; mixed
+  dtypes allowed, no padding: rollout/weight_group.py).
+Any other value is refused (400) before anything is received. SGLang itself would receive per
+tensor for an unknown value; the stand-in is stricter, so that a trainer's misspelt format fails
+here instead of hanging the group on a real engine."""
 
 from __future__ import annotations
 
@@ -18,9 +28,10 @@ from rollout.cpu_engine.engine import Engine
 from rollout.cpu_engine.faults import FAIL, Faults
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
 from rollout.cpu_engine.weights import WeightError, copy_plan, load_into, plan_load, read_safetensors_folder
-from rollout.weight_group import WeightSyncError, create_group, parse_dtype
+from rollout.weight_group import FLATTENED_BUCKET, WeightSyncError, create_group, parse_dtype
 
 DEFAULT_GROUP = "weight_update_group"
+DISTRIBUTED_FORMATS = (None, FLATTENED_BUCKET)  # /update_weights_from_distributed's load_format
 
 
 def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
@@ -176,6 +187,11 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
                                   "(strings, dtype names, lists of sizes)")
         if version is not None and not isinstance(version, str):
             return _result(False, "weight_version must be a string")
+        load_format = body.get("load_format")
+        if load_format not in DISTRIBUTED_FORMATS:
+            return _result(False, f"load_format {load_format!r} is not supported; use null (one broadcast per "
+                                  f"tensor) or {FLATTENED_BUCKET!r} (one broadcast per bucket)")
+        flattened = load_format == FLATTENED_BUCKET
         try:
             torch_dtypes = [parse_dtype(d) for d in dtypes]
         except WeightSyncError as err:
@@ -186,24 +202,27 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
                 return _result(False, f"no group {name!r}; call /init_weights_update_group first")
             try:
                 # Receive everything even if a name is wrong, so the trainer's broadcasts complete.
-                engine.tell_followers("receive", group_name=name, names=names, dtypes=dtypes, shapes=shapes)
-                tensors = await asyncio.to_thread(group.receive, names, torch_dtypes, shapes,
+                engine.tell_followers("receive", group_name=name, names=names, dtypes=dtypes, shapes=shapes,
+                                      flattened=flattened)
+                receive = group.receive_flat if flattened else group.receive
+                tensors = await asyncio.to_thread(receive, names, torch_dtypes, shapes,
                                                   engine.device.receive_device(group.backend))
-            except RuntimeError as err:
+            except (RuntimeError, WeightSyncError) as err:
                 return _result(False, f"broadcast failed: {err}")
         try:
             plan = plan_load(engine.model, tensors, complete=False)
         except WeightError as err:
             return _result(False, f"Failed to update weights: {err}; the previous weights are kept.")
         bucket_loads.add(lambda: run_on_scheduler(engine, lambda: copy_plan(plan), needs_idle=True))
+        received = f"{len(names)} parameters in " + ("one broadcast" if flattened else f"{len(names)} broadcasts")
         if version is None:  # loads while the next bucket is received; the versioned (last) one settles them
-            return _result(True, f"Received {len(names)} parameters; loading them.")
+            return _result(True, f"Received {received}; loading them.")
         failure = await bucket_loads.settle()
         if failure:
             return _result(False, f"Failed to update weights: {failure}")
         if not faults.version_stuck:
             await run_on_scheduler(engine, lambda: setattr(scheduler, "weight_version", version))
-        return _result(True, f"Succeeded to update {len(names)} parameters.")
+        return _result(True, f"Succeeded to update {received}.")
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from rollout.weight_group import create_group
+from rollout.weight_group import create_group, flat_order, flatten
 from tests.rollout.cpu_engine_helpers import (
     EngineProcess,
     free_port,
@@ -238,6 +238,45 @@ def test_distributed_update_loads_exactly_the_broadcast_tensors(engine: EnginePr
         assert engine.post("/destroy_weights_update_group", {"group_name": "wg"}).json()["success"] is True
         assert engine.post("/destroy_weights_update_group", {"group_name": "wg"}).status_code == 400
     finally:
+        group.close()
+
+
+def test_flattened_bucket_is_one_broadcast_of_mixed_dtypes(engine: EngineProcess, models: dict[int, Path],
+                                                         restored: None) -> None:
+    """load_format "flattened_bucket" (SGLang's FlattenedTensorBucket): the engine receives the whole
+    bucket, fp32 and bf16 tensors together, in ONE broadcast of their bytes, and serves them bit for
+    bit; an unknown load_format is refused before anything is received."""
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "flat"}
+    thread, box = in_thread(engine.post, "/init_weights_update_group", init)
+    group = create_group("127.0.0.1", port, rank=0, world_size=2, group_name="flat", timeout_s=60)
+    try:
+        thread.join(60)
+        assert box["result"].json()["success"] is True
+        tensors = _trainer_tensors(models[2])
+        mixed = {name: t.bfloat16() if i % 2 else t for i, (name, t) in enumerate(sorted(tensors.items()))}
+        names = list(mixed)
+        names = [names[i] for i in flat_order([mixed[n].dtype for n in names])]
+        update = {"names": names, "dtypes": [str(mixed[n].dtype) for n in names],
+                  "shapes": [list(mixed[n].shape) for n in names], "group_name": "flat",
+                  "weight_version": "v-flat", "load_format": "flattened_bucket"}
+        assert engine.post("/begin_weight_update", {}).json()["success"] is True
+        refused = engine.post("/update_weights_from_distributed", {**update, "load_format": "flattened"})
+        assert refused.status_code == 400 and "load_format 'flattened' is not supported" in refused.json()["message"]
+
+        thread, box = in_thread(engine.post, "/update_weights_from_distributed", update)
+        group.broadcast(flatten([mixed[n] for n in names], torch.device("cpu")), src=0)  # the only broadcast
+        thread.join(60)
+        answer = box["result"].json()
+        assert answer["success"] is True and f"{len(names)} parameters in one broadcast" in answer["message"]
+        assert engine.post("/end_weight_update", {}).json()["success"] is True
+        for name in names:
+            got = engine.post("/get_weights_by_name", {"name": name, "truncate_size": 1000}).json()
+            assert torch.equal(torch.tensor(got, dtype=torch.float32), mixed[name].float()), name
+        assert probe(engine)["meta_info"]["weight_version"] == "v-flat"
+    finally:
+        engine.post("/destroy_weights_update_group", {"group_name": "flat"})
         group.close()
 
 

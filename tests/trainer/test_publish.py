@@ -192,6 +192,40 @@ def test_pipelined_publish_is_bit_exact_for_any_bucket_size(engines: list[server
         publisher.close()
 
 
+@pytest.mark.parametrize("sglang_version", [None, "0.5.5"])
+def test_mixed_dtype_buckets_reach_engines_flattened_or_per_tensor(engines: list[servers.Server], model: Path,
+                                                                   base: dict[str, torch.Tensor], tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   sglang_version: str | None) -> None:
+    """fp32 and bf16 tensors in the same buckets reach real engines bit for bit: as flattened buckets
+    (one broadcast each, the engine says so), or, when the engines say they are an SGLang older than
+    that format (0.5.5), one broadcast per tensor."""
+    urls = [e.url for e in engines]
+    publisher = WeightPublisher("nccl", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=60,
+                                backend="gloo")
+    call, answers = publisher._engines.call, []
+
+    def as_version(url: str, route: str, body=None):
+        answer = call(url, route, body)
+        if route == "/server_info" and sglang_version:
+            answer["version"] = sglang_version
+        if route == "/update_weights_from_distributed":
+            answers.append(answer["message"])
+        return answer
+
+    monkeypatch.setattr(publisher._engines, "call", as_version)
+    try:
+        weights = [(name, (t + 0.3).to(torch.bfloat16 if i % 2 else torch.float32))
+                   for i, (name, t) in enumerate(sorted(base.items()))]
+        result = publisher.publish(31, urls, iter(weights))
+        assert result.updated == urls and result.dropped == {}
+        for url in urls:
+            assert_serving(url, 31, weights)
+        assert len(answers) > 2 * 2 and all(("in one broadcast" in a) == (sglang_version is None) for a in answers)
+    finally:
+        publisher.close()
+
+
 def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights, freezing an engine (SIGSTOP) once the publisher asks for tensor `index`:
     mid-publish, after some buckets went out."""

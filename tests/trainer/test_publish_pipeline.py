@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollout.weight_group import WeightSyncError, flatten, parse_dtype, unflatten
 from trainer.publish import WeightPublisher, _Group
 
 # Seconds an engine's first answer may wait for the trainer to queue the second bucket.
@@ -43,16 +44,27 @@ class RecordingGroup:
         pass
 
 
-def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("sglang_version", "per_bucket", "load_format"), [
+    ("0.5.15.post1", 1, "flattened_bucket"),  # one broadcast per bucket (the tensors packed into one)
+    (None, 1, "flattened_bucket"),  # the stand-in engines give no SGLang version
+    ("0.5.5", 2, None),  # an SGLang older than flattened buckets: one broadcast per tensor
+])
+def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sglang_version: str | None, per_bucket: int,
+        load_format: str | None) -> None:
     publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
     group = RecordingGroup()
     calls: dict[str, list[tuple[str, str]]] = {url: [] for url in ENGINES}
+    formats: list[str | None] = []
     lock = threading.Lock()
 
-    def call(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    def call(url: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        if route == "/server_info":
+            return {"tp_size": 1, "version": sglang_version}
+        assert body is not None
         with lock:
             calls[url].append(("enter", body["names"][0]))
+            formats.append(body.get("load_format"))
         if len(calls[url]) == 1:  # the first bucket is answered only once the second is on its way
             assert group.second_bucket_queued.wait(QUEUE_WAIT_S), "the trainer waited for an answer"
         with lock:
@@ -60,12 +72,43 @@ def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(tmp_path: P
         return {"success": True}
 
     monkeypatch.setattr(publisher._engines, "call", call)
+    for url in ENGINES:
+        assert publisher._tp_size(url) == 1
     weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(6)]  # 32 bytes each: 3 buckets of 2
     layout = tuple((url, 1) for url in ENGINES)
     taken, nbytes = publisher._send_buckets(3, _Group(layout, group, "gloo"), iter(weights), {})  # type: ignore[arg-type]
 
     assert taken == list(ENGINES) and nbytes == 6 * 32
-    assert group.events == [("start", 0, 2), ("start", 1, 2), ("wait", 0), ("start", 2, 2), ("wait", 1),
-                            ("wait", 2)]
+    assert group.events == [("start", 0, per_bucket), ("start", 1, per_bucket), ("wait", 0),
+                            ("start", 2, per_bucket), ("wait", 1), ("wait", 2)]
+    assert formats == [load_format] * 6
     for url in ENGINES:  # one request at a time, in bucket order
         assert calls[url] == [(step, first) for first in ("w0", "w2", "w4") for step in ("enter", "leave")]
+
+
+def test_a_flattened_bucket_is_packed_with_every_tensor_aligned_for_its_view(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed dtypes in one bucket (SGLang's uint8 FlattenedTensorBucket takes them): the bucket goes in
+    falling element size, so each tensor starts at a multiple of its element size, and the one
+    buffer sent holds exactly the bytes the engine views back (bit for bit)."""
+    publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=1024, backend="gloo")
+    group = RecordingGroup()
+    sent: list[torch.Tensor] = []
+    bodies: list[dict[str, Any]] = []
+    monkeypatch.setattr(group, "start_all", lambda tensors: sent.extend(tensors) or [0])
+    monkeypatch.setattr(publisher._engines, "call", lambda url, route, body=None: bodies.append(body) or {})
+    weights = [("odd_bf16", torch.randn(3).bfloat16()), ("f32", torch.randn(2, 3)),
+               ("f64", torch.tensor(2.5, dtype=torch.float64)), ("f16", torch.randn(5).half()),
+               ("empty", torch.empty(0, 4))]
+    publisher._send_buckets(1, _Group(((ENGINES[0], 1),), group, "gloo"), iter(weights), {})  # type: ignore[arg-type]
+
+    assert len(sent) == 1 and sent[0].dtype == torch.uint8
+    body = bodies[0]
+    assert body["load_format"] == "flattened_bucket" and body["names"] == ["f64", "f32", "empty", "odd_bf16", "f16"]
+    views = unflatten(sent[0], [parse_dtype(d) for d in body["dtypes"]], body["shapes"])
+    by_name = dict(weights)
+    for name, view in zip(body["names"], views):
+        assert view.dtype == by_name[name].dtype and torch.equal(view, by_name[name]), name
+    with pytest.raises(WeightSyncError, match="starts at byte 6"):  # SGLang's views need the order above
+        unflatten(flatten([by_name["odd_bf16"], by_name["f32"]], torch.device("cpu")), [torch.bfloat16, torch.float32],
+                  [[3], [2, 3]])

@@ -62,7 +62,8 @@ class HFExport:
                 rule = rules[key]
                 for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
                     # transformers keeps the routing bias in fp32 whatever the model's dtype.
-                    yield hf_name, tensor.to(torch.float32 if hf_name.endswith(_FP32_BIAS) else dtype).cpu()
+                    # On the GPU: NCCL publishing packs them there; disk writers move them to the host.
+                    yield hf_name, tensor.to(torch.float32 if hf_name.endswith(_FP32_BIAS) else dtype)
 
     def _checkpoint_key(self, name: str, offset: int) -> tuple[str, int | None, tuple[int, int] | None]:
         """(checkpoint key, global layer, (local expert, experts per rank) or None) of a parameter name

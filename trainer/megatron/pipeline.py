@@ -109,7 +109,7 @@ def from_every_stage(local: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str,
                 tensor = torch.empty(shape, dtype=dtype, device=_device())
                 dist.broadcast(tensor, src=src, group=group)
                 if dist.get_rank() == 0:
-                    yield name, tensor.cpu()
+                    yield name, tensor  # on the GPU, as stage 0's own
 
 
 def _broadcast_meta(obj: Any, src: int, group) -> Any:
