@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything GPU that one 4-GPU device machine can run in two calls of the device's 10 minutes, with the
+# GPUs split between runs that do not share one (see each STEP). Carry .whl and .debs, e.g.
+#   run(kind="nvidia-h100-x4", command="STEP=1 bash scripts/gpu_four.sh", carry=[".whl", ".debs"])
+#   STEP=1: the log-probs chunk bench on a quiet GPU; then, at once: the suite on the CPUs (24 workers),
+#           tests/gpu in three shards (GPU 0, GPU 1, GPUs 2-3) and the GPU demo job (scripts/gpu_job.sh)
+#   STEP=2: the NCCL publish bench on GPUs 0-1 (nothing else running), then every GPU job test
+#           (scripts/gpu_job_tests.sh, PART=all) until LIMIT
+# Logs go to $OUT (one file per run); the summary of each to stdout.
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/gpu_four} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's KINDS.md
+mkdir -p "$OUT"
+python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+nvidia-smi -L
+case "${STEP:-1}" in
+1)
+    CUDA_VISIBLE_DEVICES=3 timeout 90 python -m bench.bench_log_probs_chunk 2>&1 | tee "$OUT/bench_log_probs_chunk.txt" | tail -6
+    ( timeout -k 10 460 bash scripts/gpu_job.sh > "$OUT/gpu_job.txt" 2>&1; echo "gpu_job.sh rc=$?" >> "$OUT/gpu_job.txt"
+      python -m jobs.cli cluster down --dir /tmp/slurmrl-devcluster >> "$OUT/gpu_job.txt" 2>&1 ) &
+    g=tests/gpu
+    SHARDS="0=$g/test_gpu_ckpt_verify.py $g/test_gpu_fsdp.py $g/test_memory_history.py $g/test_trainer_offload.py $g/test_gpu_rl_loop.py"
+    SHARDS+=";1=$g/test_gpu_megatron.py $g/test_megatron_moe.py $g/test_megatron_optimizer_offload.py $g/test_gpu_expert_bias_moe.py"
+    SHARDS+=";2,3=$g/test_multi_gpu.py $g/test_gpu_flattened_publish.py"
+    SHARDS=$SHARDS GPU_LIMIT=480 SUITE_LIMIT=480 WORKERS=24 bash scripts/gpu_suite.sh
+    wait
+    grep -E "reward:|rc=|did not|completed" "$OUT/gpu_job.txt" | tail -8
+    ;;
+2)
+    timeout -k 10 150 python -m bench.bench_multi_gpu --parts weights --out "$OUT" > "$OUT/bench_weights.txt" 2>&1
+    echo "bench rc=$?"; grep RESULT "$OUT/bench_weights.txt" | cut -c1-400
+    PART=all LIMIT=${LIMIT:-400} bash scripts/gpu_job_tests.sh
+    ;;
+*) echo "STEP must be 1 or 2, got $STEP" >&2; exit 2 ;;
+esac
+true
