@@ -3,8 +3,9 @@ entropies (forward and backward) from [tokens, vocab] logits, whole against chun
 
     python -m bench.bench_log_probs_chunk [--tokens 4096] [--vocab 151936] [--chunk 512]
 
-On a GPU: bf16 logits, peak CUDA memory above the logits themselves. On the CPU: fp32 logits, each
-variant in a fresh child process, its peak RSS above the RSS it had once the logits were made.
+On a GPU: bf16 logits, peak CUDA memory above the logits themselves, the best of 3 runs after a
+warm-up. On the CPU: fp32 logits, each variant in a fresh child process, its peak RSS above the
+RSS it had once the logits were made.
 Prints each variant's figures and their ratio to the whole computation's (the baseline).
 """
 
@@ -22,6 +23,7 @@ import torch
 from trainer.token_stats import chunked_log_probs_and_entropy
 
 CHILD_S = 600  # one CPU variant's child process
+REPEATS = 3  # timed runs of each variant on a GPU, after one to warm up
 
 
 def measure(tokens: int, vocab: int, chunk: int, device: str) -> dict[str, float]:
@@ -64,9 +66,11 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     run = (lambda chunk: measure(args.tokens, args.vocab, chunk, "cuda")) if cuda else \
         (lambda chunk: _in_child(args.tokens, args.vocab, chunk))
-    if cuda:
-        run(-1)  # warm up the kernels and the allocator
-    whole, chunked = run(-1), run(args.chunk)
+    if cuda:  # each variant warmed up (kernels, the allocator), then the best of REPEATS
+        whole, chunked = (min([run(chunk) for _ in range(REPEATS + 1)][1:], key=lambda r: r["seconds"])
+                          for chunk in (-1, args.chunk))
+    else:
+        whole, chunked = run(-1), run(args.chunk)
     where = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"log-probs + entropies, forward + backward, {args.tokens} tokens x {args.vocab} vocab on {where}")
     for name, result in (("whole (baseline)", whole), (f"--log-probs-chunk-size {args.chunk}", chunked)):

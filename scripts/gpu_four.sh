@@ -6,6 +6,8 @@
 #           tests/gpu in three shards (GPU 0, GPU 1, GPUs 2-3) and the GPU demo job (scripts/gpu_job.sh)
 #   STEP=2: the NCCL publish bench on GPUs 0-1 (nothing else running), then every GPU job test
 #           (scripts/gpu_job_tests.sh, PART=all) until LIMIT
+#   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
+#           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_four} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -31,6 +33,10 @@ case "${STEP:-1}" in
     echo "bench rc=$?"; grep RESULT "$OUT/bench_weights.txt" | cut -c1-400
     PART=all LIMIT=${LIMIT:-400} bash scripts/gpu_job_tests.sh
     ;;
-*) echo "STEP must be 1 or 2, got $STEP" >&2; exit 2 ;;
+3)
+    CUDA_VISIBLE_DEVICES=3 timeout 120 python -m bench.bench_log_probs_chunk 2>&1 | tee "$OUT/bench_log_probs_chunk.txt" | tail -6
+    PART=suite SUITE_LIMIT=${LIMIT:-450} WORKERS=24 bash scripts/gpu_suite.sh
+    ;;
+*) echo "STEP must be 1, 2 or 3, got $STEP" >&2; exit 2 ;;
 esac
 true

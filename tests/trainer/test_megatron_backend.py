@@ -93,6 +93,7 @@ def _layout(rank: int, world: int, name: str, tp: int, attention: str, extra: li
     for s in samples:
         s.weight_version = 0
     kept = old_actor.log_probs(samples, ids, current=1)
+    after = backend.log_probs(samples, ids)  # by the step's weights
     restored = all(torch.equal(t, weights[n]) for n, t in backend.hf_weights())
     names = {id(p): n for n, p in backend.model.named_parameters()}
     # fp32 master weights that the step left as they were (a bf16 weight may round back to itself)
@@ -100,7 +101,7 @@ def _layout(rank: int, world: int, name: str, tp: int, attention: str, extra: li
     critic = _critic_step(backend, samples, ids) if backend.critic is not None else None
     if rank == 0:
         torch.save({"before": before, "logps": logps, "metrics": metrics, "weights": weights, "critic": critic,
-                    "unmoved_masters": unmoved, "old_actor": {"logps": kept, "restored": restored}},
+                    "unmoved_masters": unmoved, "old_actor": {"logps": kept, "restored": restored, "after": after}},
                    out / f"result_{name}.pt")
 
 
@@ -174,12 +175,19 @@ def test_packed_log_probs_equal_hf(tiny_megatron, results) -> None:
             assert (got - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
 
 
+SWAP_NOISE = 1e-5  # fp32 log-probs of one model by two compiled graphs
+
+
 def test_keep_old_actor_takes_the_published_weights_in_every_layout(results) -> None:
     """--keep-old-actor's swap of each rank's shards (TP, SP, DP, compiled): after a step, the
-    log-probs by version 0's weights are the ones taken before it, and the live weights come back."""
+    log-probs by version 0's weights are the ones taken before it, and the live weights come back.
+    Equal to float noise, not bit for bit: on a GPU, a compiled model's forward after the step may be
+    another compiled graph (dynamic shapes once the step's packs came) that sums in another order."""
     for name, result in results.items():
-        kept, before = result["old_actor"]["logps"], result["logps"]
-        assert all(torch.equal(kept[i][0], before[i][0]) for i in before), name
+        kept, before, after = result["old_actor"]["logps"], result["logps"], result["old_actor"]["after"]
+        assert all((kept[i][0] - before[i][0]).abs().max() <= SWAP_NOISE for i in before), name
+        moved = max((after[i][0] - before[i][0]).abs().max().item() for i in before)
+        assert moved > 100 * SWAP_NOISE, f"{name}: the step moved the log-probs by {moved}: no test of the swap"
         assert result["old_actor"]["restored"], f"{name}: the live weights did not come back"
 
 
