@@ -197,7 +197,8 @@ def test_one_step_is_the_same_in_every_layout(results) -> None:
     for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp", "tp2_sp_compiled", "tp2_chunked"):
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
-            assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
+            # relative as well: grad_norm is ~10 (on a GPU, compiled, 1e-6 relative apart)
+            assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL, rel=ATOL), f"{name}: {key}"
         for hf_name, tensor in base["weights"].items():
             assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
 
