@@ -12,6 +12,12 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeFor
 # has it under standard attention, GLM-4.7-Flash under DeepSeek's multi-latent attention)
 EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# Hybrids whose linear-attention layers are gated delta nets: why slurmrl cannot build them yet
+GATED_DELTA_NET_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+GATED_DELTA_NET_BLOCKER = (
+    "Qwen3-Next and Qwen3.5 interleave gated delta net layers, which megatron-core 0.16.1 builds only with "
+    "flash-linear-attention's Triton kernels (the fla package, absent from slurmrl's machines) and only "
+    "without packed sequences (every slurmrl micro-batch is packed)")
 
 
 def routed_experts(config: dict[str, Any]) -> int:

@@ -15,6 +15,8 @@ from ckpt_tools.architectures import (
     EXPERT_BIAS_ARCHITECTURES,
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
+    GATED_DELTA_NET_ARCHITECTURES,
+    GATED_DELTA_NET_BLOCKER,
     SUPPORTED_ARCHITECTURES,
     dense_first_layers,
     routed_experts,
@@ -58,6 +60,8 @@ class ModelShape:
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1) -> ModelShape:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else "(none)"
+        if arch in GATED_DELTA_NET_ARCHITECTURES:
+            raise ValueError(f"config.json architectures: {arch} is not supported: {GATED_DELTA_NET_BLOCKER}")
         if len(archs) > 1 or arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures: {', '.join(archs) or arch} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.architectures import GATED_DELTA_NET_BLOCKER
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -39,21 +41,22 @@ def _accepted(flag: str, what_slurmrl_does: str) -> Refusal:
 
 REFUSED: tuple[Refusal, ...] = (
     # -- models slurmrl does not build
-    Refusal("--qwen-gdn-backend", f"Qwen3-Next's gated delta net is not supported; {_MODELS}"),
+    Refusal("--qwen-gdn-backend", f"{GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
     _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
-    _switch("--apply-layernorm-1p", f"zero-centred norms are not supported; {_MODELS}"),
-    _switch("--attention-output-gate", f"gated attention (Qwen3-Next) is not supported; {_MODELS}"),
-    _switch("--use-gated-attention", f"gated attention is not supported; {_MODELS}"),
+    _switch("--apply-layernorm-1p", f"zero-centred norms (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
+    _switch("--attention-output-gate", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
+    _switch("--use-gated-attention", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     _switch("--post-mlp-layernorm", f"extra post-MLP norms (GLM-4) are not supported; {_MODELS}"),
     _switch("--post-self-attn-layernorm", f"extra post-attention norms (GLM-4) are not supported; {_MODELS}"),
     Refusal("--mtp-num-layers", "multi-token prediction layers are not supported; drop it"),
     Refusal("--mtp-loss-scaling-factor", "multi-token prediction layers are not supported; drop it", type=float),
     _switch("--enable-mtp-training", "multi-token prediction layers are not supported; drop it"),
     # -- MoE features beyond Qwen3-MoE's and DeepSeek-V3's (gated shared experts, DeepEP)
-    _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next) are not supported; {_MODELS}"),
+    _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; "
+                                        f"{_MODELS}"),
     _switch("--moe-enable-deepep", "DeepEP's dispatcher needs the deep_ep package and CUDA; slurmrl uses "
                                    "megatron's alltoall (GPU) or allgather (CPU) dispatcher"),
     Refusal("--moe-aux-loss-coeff", "load-balancing losses are not used in RL fine-tuning (the router trains on "

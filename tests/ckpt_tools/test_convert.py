@@ -100,6 +100,7 @@ def test_missing_shard_is_refused(tmp_path: Path) -> None:
     ("num_hidden_layers", 3, "weights lack model.layers.2"),
     ("num_hidden_layers", 1, "tensors config.json does not describe"),
     ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel is not supported"),
+    ("architectures", ["Qwen3NextForCausalLM"], "Qwen3NextForCausalLM is not supported: .*gated delta net.*fla package"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ("use_sliding_window", True, "use_sliding_window=true is not supported"),
 ])
