@@ -13,10 +13,10 @@ import torch
 
 from ckpt_tools.architectures import (
     EXPERT_BIAS_ARCHITECTURES,
-    MLA_ARCHITECTURES,
-    MOE_ARCHITECTURES,
     GATED_DELTA_NET_ARCHITECTURES,
     GATED_DELTA_NET_BLOCKER,
+    MLA_ARCHITECTURES,
+    MOE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     dense_first_layers,
     routed_experts,

@@ -24,42 +24,18 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.engine_client import EngineClient, EngineError
 from rollout.router_client import RouterClient, RouterError
 from supervisor.engine_marks import EngineMarks, RecoveryStart
+from supervisor.engine_record import Engine, copy_into, step_record
 from supervisor.engine_start import WrongVersion
 from supervisor.engine_states import FAILED, HEALTHY, LIVE, RESTARTING, STARTING, WAITING, EngineState, checked
 from supervisor.layout import EnginePlace
-from supervisor.state import JobState, StateStore, StepRecord
+from supervisor.state import StateStore, StepRecord
 
 log = logging.getLogger(__name__)
-
-UNHEALTHY = "unhealthy"  # the record's state of a live engine the kill cap holds back
-
-
-@dataclass
-class Engine:
-    """One engine's record. Others read its fields; only Engines writes them."""
-
-    place: EnginePlace
-    state: EngineState = STARTING
-    version: int | None = None  # the weight version it serves (None: the initial checkpoint, or unknown)
-    restarts: int = 0  # in the job's life
-    recent_restarts: int = 0  # in a row, each soon after the one before: the crash-loop count
-    last_restart: float = 0.0
-    in_router: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.place.name
-
-    @property
-    def url(self) -> str:
-        return self.place.url
-
 
 class Engines(Mapping[str, Engine]):
     """The job's engines by name (the set never changes), and every operation that changes one."""
@@ -339,7 +315,7 @@ class Engines(Mapping[str, Engine]):
             for engine in self._engines.values():
                 place = engine.place
                 state.steps[engine.name] = StepRecord(engine.name, "engine", place.het_group, list(place.nodes))
-                _copy_into(state.steps[engine.name], engine, held=False)
+                copy_into(state.steps[engine.name], engine, held=False)
 
     def record_stopped(self, name: str) -> None:
         """The supervisor stopped its step: `failed` if it was given up, else `stopped`."""
@@ -353,7 +329,7 @@ class Engines(Mapping[str, Engine]):
         with self._store.update() as state, self._lock:
             state.weight_version = self._current
             for engine in engines:
-                _copy_into(_record(state, engine), engine, held=engine.name in self._marks.held)
+                copy_into(step_record(state, engine), engine, held=engine.name in self._marks.held)
                 if last_failure is not None:
                     state.steps[engine.name].last_failure = last_failure
 
@@ -394,25 +370,3 @@ class Engines(Mapping[str, Engine]):
             log.warning("could not remove %s from the router: %s", engine.url, err)
         with self._lock:
             engine.in_router = False
-
-
-def _record(state: JobState, engine: Engine) -> StepRecord:
-    if engine.name not in state.steps:
-        state.steps[engine.name] = StepRecord(engine.name, "engine", engine.place.het_group, list(engine.place.nodes))
-    return state.steps[engine.name]
-
-
-def _copy_into(record: StepRecord, engine: Engine, held: bool) -> None:
-    """held: the kill cap keeps it running though it failed its probes: `unhealthy` in the record
-    (and in `slurmrl status`), whatever its state of the engine machine (it is still live)."""
-    record.state = UNHEALTHY if held else engine.state.value
-    record.restarts, record.weight_version = engine.restarts, engine.version
-    record.nodes, record.url = list(engine.place.nodes), engine.url
-
-
-def roles_missing(engines: Iterable[Engine]) -> list[str]:
-    """With prefill/decode engines: the roles no live engine has left (a PD router needs a prefill
-    and a decode engine for every request, so the job cannot go on without one of each)."""
-    engines = list(engines)
-    wanted = {e.place.role for e in engines} - {"regular"}
-    return sorted(wanted - {e.place.role for e in engines if e.state != FAILED})

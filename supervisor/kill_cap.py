@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rollout.engine_client import ProbeResult
 from supervisor.context import JobContext
-from supervisor.engines import Engine
+from supervisor.engine_record import Engine
 from supervisor.probe import KillBudget
 
 

@@ -25,8 +25,8 @@ from slurm.step_spec import StepSpec
 from supervisor import layout as layouts
 from supervisor import node_rank
 from supervisor.context import JobContext
+from supervisor.engine_record import Engine
 from supervisor.engine_states import HEALTHY, STARTING
-from supervisor.engines import Engine
 from supervisor.keys import step_env
 from supervisor.layout import EnginePlace, Layout
 from supervisor.node_agents import AgentShape

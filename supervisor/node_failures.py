@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from supervisor.context import JobContext
+from supervisor.engine_record import Engine
 from supervisor.engine_states import FAILED
-from supervisor.engines import Engine
 from supervisor.nodes import LostNodeWatch, NodeTracker
 from supervisor.step_control import Step
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from rollout.engine_client import EngineError
 from supervisor.context import JobContext
-from supervisor.engines import Engine
+from supervisor.engine_record import Engine
 
 ROLLOUT, TRAIN = "rollout", "train"
 

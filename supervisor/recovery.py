@@ -26,9 +26,9 @@ from rollout.engine_client import EngineError, ProbeResult
 from slurm.contact import retry_delays
 from supervisor.context import Ending, JobContext, restart_backoff
 from supervisor.engine_marks import RecoveryStart
+from supervisor.engine_record import Engine, roles_missing
 from supervisor.engine_start import EngineStartError, Tries, error_line, log_size, wait_healthy
 from supervisor.engine_states import FAILED, HEALTHY
-from supervisor.engines import Engine, roles_missing
 from supervisor.fencing import Fenced
 from supervisor.launcher import JobFailed, StepLauncher
 from supervisor.node_failures import NodeFailures

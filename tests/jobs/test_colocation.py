@@ -11,7 +11,7 @@ import pytest
 
 from contract.spec_loading import load_spec
 from slurm.client import SlurmClient
-from supervisor.engines import Engine
+from supervisor.engine_record import Engine
 from supervisor.launcher import StepLauncher, engine_command
 from supervisor.steps import StepSpec, srun_argv
 from tests.jobs.helpers import job_flags

@@ -18,7 +18,7 @@ from jobs.hetjob import het_groups
 from jobs.validate import validate
 from rollout.cpu_engine.args import parse_args
 from slurm.client import SlurmClient
-from supervisor.engines import Engine
+from supervisor.engine_record import Engine
 from supervisor.launcher import StepLauncher
 from tests.jobs.helpers import job_flags
 from tests.jobs.test_sglang_args import _spec, needs_parser

@@ -22,8 +22,8 @@ from slurm.devcluster.daemons import wait_for
 from supervisor import adoption
 from supervisor.context import Ending, JobContext
 from supervisor.control_handlers import ControlHandlers
+from supervisor.engine_record import Engine
 from supervisor.engine_states import HEALTHY
-from supervisor.engines import Engine
 from supervisor.gpu_holder import GpuHolder
 from supervisor.launcher import StepLauncher
 from supervisor.layout import EnginePlace

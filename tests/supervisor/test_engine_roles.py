@@ -3,8 +3,8 @@ one role is given up (a PD router needs a prefill and a decode engine for every 
 
 from __future__ import annotations
 
+from supervisor.engine_record import Engine, roles_missing
 from supervisor.engine_states import FAILED, HEALTHY
-from supervisor.engines import Engine, roles_missing
 from supervisor.layout import EnginePlace
 
 

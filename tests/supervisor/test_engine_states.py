@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from contract.job_dir import JobDir
+from supervisor.engine_marks import RecoveryStart
+from supervisor.engine_record import Engine
 from supervisor.engine_states import (
     FAILED,
     HEALTHY,
@@ -20,8 +22,7 @@ from supervisor.engine_states import (
     IllegalTransition,
     checked,
 )
-from supervisor.engine_marks import RecoveryStart
-from supervisor.engines import Engine, Engines
+from supervisor.engines import Engines
 from supervisor.layout import EnginePlace
 from supervisor.state import StateStore
 

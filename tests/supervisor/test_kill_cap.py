@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rollout.engine_client import ProbeResult
 from slurm.devcluster.daemons import wait_for
-from supervisor.engines import HEALTHY
+from supervisor.engine_states import HEALTHY
 from supervisor.kill_cap import act_on_probes
 from supervisor.probe import KillBudget
 from tests.supervisor.test_recovery_local import WAIT_S, _start, _wire, local_job

@@ -25,7 +25,8 @@ from slurm.devcluster.daemons import wait_for
 from slurm.step_spec import StepSpec
 from supervisor import adoption, launcher, nodes, recovery, status_view
 from supervisor.context import JobContext
-from supervisor.engines import FAILED, HEALTHY, Engines
+from supervisor.engine_states import FAILED, HEALTHY
+from supervisor.engines import Engines
 from supervisor.launcher import RouterPlace
 from supervisor.layout import EnginePlace
 from supervisor.local_steps import LocalSteps

@@ -31,7 +31,7 @@ from contract.spec import JobSpec
 from slurm.devcluster.daemons import wait_for
 from supervisor import launcher
 from supervisor.context import JobContext
-from supervisor.engines import FAILED, HEALTHY
+from supervisor.engine_states import FAILED, HEALTHY
 from supervisor.layout import EnginePlace
 from tests.supervisor.recovery_wiring import Wiring
 from tests.supervisor.test_recovery_local import VERSION, WAIT_S, _kinds, _start, _wire, local_job
