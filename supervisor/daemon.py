@@ -304,7 +304,8 @@ class Daemon:
     def _probe_cycle(self) -> None:
         job = self.job
         targets = {name: e.url for name, e in self.recovery.serving().items()}
-        if not targets or job.gpus.trainer_holds:  # colocated engines released their memory: no answer
+        # colocated engines that released their memory do not answer; engines being updated answer late
+        if not targets or job.gpus.trainer_holds or self.trainer.publishing():
             return
         results = job.client.probe_all(targets)
         now = time.time()

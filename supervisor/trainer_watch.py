@@ -78,6 +78,18 @@ class TrainerWatch:
         if not self.requeue.signal_trainer("KILL"):
             self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
 
+    def publishing(self) -> bool:
+        """The running trainer is updating the engines' weights (its heartbeat's phase is publish).
+        SGLang's /health is a generation, which waits while a weight update runs: a probe then
+        times out on an engine that is only busy. The update's own timeout fences an engine that
+        hangs in it, and trainer_publish_timeout bounds the phase."""
+        step = self.launcher.current(TRAINER)
+        if step is None or step.returncode is not None:
+            return False
+        with self._lock:
+            launched = self._launched
+        return read_heartbeat(self.job.dir, launched).phase is Phase.PUBLISH
+
     def check_heartbeat(self) -> None:
         """A trainer whose heartbeat stays in one phase past that phase's timeout is hung (a rank
         stuck in a collective, a dead engine connection...): end its step; its exit restarts it."""
