@@ -15,6 +15,9 @@ first rollout, which nothing overlaps, left out). Prints each run's rate, its ra
 goal: >= 1.6x), its mean reward per trained sample, and where the time went.
 
     PYTHONPATH=. python -m bench.bench_async [--rollouts 12] [--hold-ms 40] [--response-len 16]
+
+On a GPU machine (2 GPUs or more) the trainer runs on GPU 0 and its cores are its own; with
+`--engine-device cuda --hold-ms 0` the engines decode for real on GPU 1 (no simulation).
 """
 
 from __future__ import annotations
@@ -46,7 +49,17 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=16, help="--rollout-max-response-len")
     parser.add_argument("--batch", type=int, default=16, help="--rollout-batch-size (x 8 samples per prompt)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
+    parser.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: both engines on GPU 1 (real decode, give --hold-ms 0), the trainer on GPU 0")
     args = parser.parse_args()
+    engine_flags = ["--decode-step-hold-ms", str(args.hold_ms)]
+    if args.engine_device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            parser.error(f"--engine-device cuda needs 2 GPUs (the trainer on GPU 0, the engines on GPU 1); "
+                         f"torch sees {torch.cuda.device_count()}")
+        engine_flags += ["--device", "cuda", "--base-gpu-id", "1", "--mem-fraction-static", "0.3"]
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_async_"))
     (root / "servers").mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(root / "model", seed=0)
@@ -54,8 +67,7 @@ def main() -> None:
     flags = ["--num-rollout", str(args.rollouts), "--rollout-batch-size", str(args.batch), "--lr", "1e-2",
              "--rollout-max-response-len", str(args.response_len)]
     rates: dict[str, float] = {}
-    with engines_behind_router(model, root / "servers", flags=("--decode-step-hold-ms", str(args.hold_ms))) as (
-            router, _):
+    with engines_behind_router(model, root / "servers", flags=tuple(engine_flags)) as (router, _):
         for mode, extra in MODES.items():
             trainer((model, data), router, root / mode, *flags, *extra, timeout_s=1800)
             lines = metrics(root / mode)
@@ -68,8 +80,8 @@ def main() -> None:
             trained = sum(m["train_seconds"] for m in lines[1:]) / (len(lines) - 1)
             stale = max(m["async/staleness_max"] for m in lines)
             print(f"{mode:12s} {rates[mode]:7.1f} samples/s  x{rates[mode] / rates['sync']:.2f} of sync  "
-                  f"reward per trained sample {reward:.3f} +- {noise:.3f}  (a rollout: waited {waited:.2f} s for data, trained "
-                  f"{trained:.2f} s; staleness at most {stale})", flush=True)
+                  f"reward per trained sample {reward:.3f} +- {noise:.3f}  (a rollout: waited {waited:.2f} s for data, "
+                  f"trained {trained:.2f} s; staleness at most {stale})", flush=True)
 
 
 if __name__ == "__main__":

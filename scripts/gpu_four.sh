@@ -6,6 +6,8 @@
 #           tests/gpu in three shards (GPU 0, GPU 1, GPUs 2-3) and the GPU demo job (scripts/gpu_job.sh)
 #   STEP=2: the NCCL publish bench on GPUs 0-1 (nothing else running), then every GPU job test
 #           (scripts/gpu_job_tests.sh, PART=all) until LIMIT
+#   STEP=4: the async bench (issue 32): the trainer on GPU 0 against CPU engines with simulated decode,
+#           then against engines decoding on GPU 1 (bench/bench_async.py --engine-device cuda)
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -37,7 +39,12 @@ case "${STEP:-1}" in
     CUDA_VISIBLE_DEVICES=3 timeout 120 python -m bench.bench_log_probs_chunk 2>&1 | tee "$OUT/bench_log_probs_chunk.txt" | tail -6
     PART=suite SUITE_LIMIT=${LIMIT:-450} WORKERS=24 bash scripts/gpu_suite.sh
     ;;
-*) echo "STEP must be 1, 2 or 3, got $STEP" >&2; exit 2 ;;
+4)
+    timeout -k 10 280 python -m bench.bench_async 2>&1 | tee "$OUT/bench_async_cpu_engines.txt" | grep -E "x[0-9.]+ of sync"
+    timeout -k 10 280 python -m bench.bench_async --engine-device cuda --hold-ms 0 2>&1 \
+        | tee "$OUT/bench_async_gpu_engines.txt" | grep -E "x[0-9.]+ of sync"
+    ;;
+*) echo "STEP must be 1, 2, 3 or 4, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true
