@@ -117,7 +117,7 @@ def _rollout_problems(spec: JobSpec) -> list[str]:
         else:
             problems += colocation_problems(spec)
     if not problems:
-        problems += _nccl_problems(spec)
+        problems += _nccl_problems(spec) + _tensor_problems(spec)
     return problems
 
 
@@ -161,6 +161,27 @@ def _nccl_problems(spec: JobSpec) -> list[str]:
         return []
     return [f"trainer.train_args: --update-weight-transport nccl: NCCL refuses two ranks on one GPU, and {who}; "
             "give --update-weight-transport disk"]
+
+
+def _tensor_problems(spec: JobSpec) -> list[str]:
+    """--update-weight-transport tensor hands trainer rank 0's memory to the engines by reference (a
+    CUDA IPC handle, a shared-memory file): they must map it, so they share its GPU (colocated, one
+    GPU), or on the CPU its node."""
+    r, t = spec.rollout, spec.trainer
+    if flag_value(t.train_args, "--update-weight-transport") != "tensor":
+        return []
+    fix = "give --update-weight-transport disk (or nccl, for engines on GPUs of their own)"
+    if not r.colocate:
+        return [f"trainer.train_args: --update-weight-transport tensor hands the trainer's memory to engines on its "
+                f"own GPU, but the engines are not colocated (--colocate); {fix}"]
+    if r.engine in GPU_ENGINES and t.actor_num_nodes * t.actor_num_gpus_per_node != 1:
+        return [f"trainer.train_args: --update-weight-transport tensor: trainer rank 0 sends every weight, and an "
+                f"engine can map only its own GPU's memory; with {t.actor_num_nodes * t.actor_num_gpus_per_node} "
+                f"trainer GPUs the engines of the others cannot; {fix}"]
+    if t.actor_num_nodes != 1:
+        return [f"trainer.train_args: --update-weight-transport tensor: shared memory stays on trainer rank 0's node, "
+                f"and the colocated engines span {t.actor_num_nodes} nodes; {fix}"]
+    return []
 
 
 # --colocate: the engines' static pool (weights + KV cache) at most this fraction of each GPU: the

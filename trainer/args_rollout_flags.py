@@ -127,9 +127,11 @@ def add_rollout_flags(p: argparse.ArgumentParser) -> None:
     add("--sglang-router-ip")
     add("--sglang-router-port", type=int)
     add("--engine-urls", nargs="*", help="standalone debugging: publish to these engines (default: the router's)")
-    add("--update-weight-transport", choices=("disk", "nccl"), default="disk",
+    add("--update-weight-transport", choices=("disk", "nccl", "tensor"), default="disk",
         help="disk: each version an HF folder in JOB_DIR/weights, which a restarted engine also loads; nccl: "
-             "broadcast over a weight-update group (slime's default)")
+             "broadcast over a weight-update group (slime's default); tensor: by reference to engines on the "
+             "trainer's own GPU (--colocate; CUDA IPC handles through /update_weights_from_tensor, as slime "
+             "updates colocated engines)")
     add("--update-weight-buffer-size", type=int, default=512 * 2**20)
     add("--keep-weight-versions", type=int, default=3)
     add("--update-weight-timeout", type=float, default=600.0)

@@ -1,6 +1,6 @@
 """Publishing new weights from trainer rank 0 to every ready engine as version v.
 
-Two transports, named as slime names them:
+Three transports, the first two named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
@@ -15,6 +15,10 @@ Two transports, named as slime names them:
   one per tensor, all queued before any is waited on. Without a GPU, or with a CPU engine in the
   group (its /server_info says device cpu), it runs on gloo, as the CPU engine does.
 
+- tensor: by reference, for engines on the trainer's own GPU (--colocate; slime's path for colocated
+  engines): POST /update_weights_from_tensor with CUDA IPC handles (shared memory on the CPU) of each
+  bucket; trainer/publish_tensor.py.
+
 An engine whose update fails or times out is dropped: reported, handed to on_drop and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only
 ever travels in the Authorization header: it is never printed, logged or put in a reason.
@@ -27,7 +31,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +40,7 @@ from urllib.parse import urlsplit
 import torch
 
 from contract.job_dir import JobDir
-from rollout.engine_client import EngineClient, EngineError, version_to_wire
+from rollout.engine_client import EngineError, version_to_wire
 from rollout.weight_group import (
     FLATTENED_BUCKET,
     Backend,
@@ -50,12 +54,15 @@ from rollout.weight_group import (
     route_address,
     takes_flattened_buckets,
 )
+from trainer.engine_fanout import EngineFanOut
+from trainer.publish_tensor import send_by_reference
 from trainer.weight_folders import WeightFolders
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # --update-weight-buffer-size
 # Two buffers: the bucket on the wire and the next one being gathered and queued behind it.
 _BUCKETS_IN_FLIGHT = 2
-Transport = Literal["disk", "nccl"]
+Transport = Literal["disk", "nccl", "tensor"]
+TRANSPORTS: tuple[Transport, ...] = ("disk", "nccl", "tensor")
 Weights = Iterable[tuple[str, torch.Tensor]]
 OnDrop = Callable[[str, str], None]
 # Seconds: bounds every single wait of a publish (one engine call, the group's rendezvous, one
@@ -89,38 +96,6 @@ class _Group:
         return [url for url, _ in self.layout]
 
 
-class _Engines(EngineClient):
-    """The engine client fanned out: one thread per engine so the calls run at once, each bounded
-    by the timeout. A failed call (EngineError) is the reason its engine is dropped."""
-
-    def start(self, urls: list[str], fn: Callable[[str], Any]) -> dict[str, Future]:
-        pool = ThreadPoolExecutor(max_workers=max(len(urls), 1))
-        futures = {url: pool.submit(fn, url) for url in urls}
-        pool.shutdown(wait=False)  # each thread ends with its call, which the timeout bounds
-        return futures
-
-    @staticmethod
-    def settle(futures: dict[str, Future]) -> tuple[dict[str, Any], dict[str, str]]:
-        """(url -> answer for the successes, url -> reason for the failures)."""
-        done, failed = {}, {}
-        for url, future in futures.items():
-            try:
-                done[url] = future.result()
-            except EngineError as err:
-                failed[url] = str(err)
-        return done, failed
-
-    def each(self, urls: list[str], fn: Callable[[str], Any]) -> tuple[dict[str, Any], dict[str, str]]:
-        return self.settle(self.start(urls, fn))
-
-    def start_call(self, urls: list[str], route: str, body: dict[str, Any] | None = None) -> dict[str, Future]:
-        return self.start(urls, lambda url: self.call(url, route, body))
-
-    def on_all(self, urls: list[str], route: str, body: dict[str, Any] | None = None
-               ) -> tuple[dict[str, Any], dict[str, str]]:
-        return self.settle(self.start_call(urls, route, body))
-
-
 class WeightPublisher:
     """Publishes trainer rank 0's full HF-named weights to engines; see the module docstring.
 
@@ -133,8 +108,8 @@ class WeightPublisher:
     def __init__(self, transport: Transport, job_dir: Path, model_files: Path, api_key: str | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
                  on_drop: OnDrop | None = None, backend: Backend | None = None) -> None:
-        if transport not in ("disk", "nccl"):
-            raise ValueError(f"transport must be disk or nccl, got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if bucket_bytes <= 0 or keep_versions < 1 or timeout_s <= 0:
             raise ValueError("bucket_bytes and timeout_s must be positive and keep_versions at least 1")
         self.transport = transport
@@ -147,7 +122,7 @@ class WeightPublisher:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._on_cpu: dict[str, bool] = {}  # engine url -> its /server_info says device cpu
         self._takes_flat: dict[str, bool] = {}  # engine url -> it takes flattened buckets (takes_flattened_buckets)
-        self._engines = _Engines(api_key, timeout_s)
+        self._engines = EngineFanOut(api_key, timeout_s)
         self._group: _Group | None = None
         self._group_ids = itertools.count(1)
 
@@ -169,6 +144,8 @@ class WeightPublisher:
         try:
             if self.transport == "disk":
                 updated, nbytes = self._publish_disk(version, list(engines), weights, dropped)
+            elif self.transport == "tensor":
+                updated, nbytes = self._publish_tensor(version, list(engines), weights, dropped)
             else:
                 updated, nbytes = self._publish_distributed(version, list(engines), weights, dropped)
         finally:
@@ -210,6 +187,23 @@ class WeightPublisher:
         self._drop_engines(failed, dropped)
         self._folders.prune(folder)
         return [url for url in engines if url in done], nbytes
+
+    # ---- tensor (by reference) ----
+
+    def _publish_tensor(self, version: int, engines: list[str], weights: Weights,
+                        dropped: dict[str, str]) -> tuple[list[str], int]:
+        begun, failed = self._engines.on_all(engines, "/begin_weight_update", {"selector": "all"})
+        self._drop_engines(failed, dropped)
+        members = [url for url in engines if url in begun]
+        try:
+            taken, failed, nbytes = send_by_reference(self._engines, version, members, weights, self.bucket_bytes)
+        finally:  # even when the caller's weights fail: engines must not stay held
+            _, end_failed = self._engines.on_all(members, "/end_weight_update", {})
+        if nbytes == 0:
+            raise PublishError("no weights to publish")
+        self._drop_engines(failed, dropped)
+        self._drop_engines({url: reason for url, reason in end_failed.items() if url in taken}, dropped)
+        return [url for url in taken if url not in dropped], nbytes
 
     # ---- nccl (gloo on CPU) ----
 
@@ -374,7 +368,7 @@ class _Feed:
     the broadcasts out of order. The trainer does not wait for the answers; after the first
     failure nothing more is posted."""
 
-    def __init__(self, engines: _Engines, url: str) -> None:
+    def __init__(self, engines: EngineFanOut, url: str) -> None:
         self._engines = engines
         self.url = url
         self.failure: str | None = None

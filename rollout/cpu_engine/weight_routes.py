@@ -1,5 +1,6 @@
-"""Weight routes: from disk, over a gloo or NCCL group (init/begin/update/end/destroy), the version tag,
-and reading a parameter back. Every update answers {"success", "message"}: 200 or 400.
+"""Weight routes: from disk, over a gloo or NCCL group (init/begin/update/end/destroy), by reference from
+a trainer on the same GPU or node (/update_weights_from_tensor), the version tag, and reading a
+parameter back. Every update answers {"success", "message"}: 200 or 400.
 
 A distributed bucket is answered once it is received (every receive queued before any is waited on)
 and checked against the model; it loads in the background (BucketLoads) while the trainer sends the
@@ -28,6 +29,7 @@ from rollout.cpu_engine.engine import Engine
 from rollout.cpu_engine.faults import FAIL, Faults
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
 from rollout.cpu_engine.weights import WeightError, copy_plan, load_into, plan_load, read_safetensors_folder
+from rollout.tensor_handles import TensorHandleError, deserialize
 from rollout.weight_group import FLATTENED_BUCKET, WeightSyncError, create_group, parse_dtype
 
 DEFAULT_GROUP = "weight_update_group"
@@ -70,6 +72,11 @@ class BucketLoads:
             await self._tail
         failure, self._tail, self._failure = self._failure, None, None
         return failure
+
+
+def outside_update(route: str) -> JSONResponse:
+    """A bucket sent outside an update: SGLang (since 0.5.23) takes them only inside one."""
+    return _result(False, f"{route} must sit between /begin_weight_update and /end_weight_update")
 
 
 def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
@@ -176,8 +183,7 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         body = await weight_body(request)
         if not engine.weight_update_open:
-            return _result(False, "update_weights_from_distributed must sit between /begin_weight_update "
-                                  "and /end_weight_update")
+            return outside_update("update_weights_from_distributed")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         name, version = body.get("group_name", DEFAULT_GROUP), body.get("weight_version")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
@@ -223,6 +229,35 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
         if not faults.version_stuck:
             await run_on_scheduler(engine, lambda: setattr(scheduler, "weight_version", version))
         return _result(True, f"Succeeded to update {received}.")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        # SGLang's route for colocated trainers: tensors by reference (rollout/tensor_handles.py), one
+        # serialized list of (name, tensor) per tensor-parallel rank; copied into the model at once.
+        body = await weight_body(request)
+        if not engine.weight_update_open:
+            return outside_update("update_weights_from_tensor")
+        payloads, version = body.get("serialized_named_tensors"), body.get("weight_version")
+        if not (isinstance(payloads, list) and len(payloads) == 1 and isinstance(payloads[0], str)):
+            return _result(False, "serialized_named_tensors must be a list of one serialized (name, tensor) list "
+                                  "per tensor-parallel rank: this engine has one")
+        if engine.link is not None:
+            return _result(False, "update_weights_from_tensor reaches this process's memory only; an engine over "
+                                  "several nodes takes its weights from disk or a weight-update group")
+        if body.get("load_format") is not None:
+            return _result(False, f"load_format {body['load_format']!r} is not supported; use null (a list of "
+                                  "(name, tensor))")
+        if version is not None and not isinstance(version, str):
+            return _result(False, "weight_version must be a string")
+        if faults.update == FAIL:
+            return _result(False, "Failed to update weights: the engine's test fault (slurmrl_fault update fail)")
+        try:
+            named = await asyncio.to_thread(deserialize, payloads[0])
+            tensors = dict(named)
+        except (TensorHandleError, TypeError, ValueError) as err:
+            return _result(False, f"Failed to update weights: {err}; the previous weights are kept.")
+        failed = await apply(tensors, complete=False, version=version)
+        return failed or _result(True, f"Succeeded to update {len(tensors)} parameters from tensors.")
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:

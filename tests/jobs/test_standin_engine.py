@@ -109,6 +109,13 @@ def test_the_standin_command_line_parses_with_sglangs_parser(tmp_path: Path, mon
      "--update-weight-transport nccl: NCCL refuses two ranks on one GPU, and 2 engines share 1 GPUs"),
     (["--rollout-num-gpus", "1", "--rollout-num-gpus-per-node", "1", "--colocate", "--update-weight-transport", "nccl"],
      "NCCL refuses two ranks on one GPU, and the colocated trainer and engines share their GPUs"),
+    (["--rollout-num-gpus", "1", "--update-weight-transport", "tensor"],
+     "--update-weight-transport tensor hands the trainer's memory to engines on its own GPU, but the engines are "
+     "not colocated (--colocate); give --update-weight-transport disk"),
+    (["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-node", "2", "--colocate",
+      "--update-weight-transport", "tensor"],
+     "--update-weight-transport tensor: trainer rank 0 sends every weight, and an engine can map only its own "
+     "GPU's memory; with 2 trainer GPUs"),
     (["--rollout-num-gpus", "2", "--prefill-num-servers", "1"],
      "rollout: the standin engine's prefill/decode disaggregation runs on CPU only"),
     (["--rollout-num-gpus", "1", "--sglang-device", "cpu"], "rollout: --sglang-device is set by slurmrl itself"),
@@ -117,6 +124,12 @@ def test_what_the_standin_engine_cannot_do_is_refused(tmp_path: Path, extra: lis
     spec, problems = load_spec(None, _flags(tmp_path, *extra))
     problems += validate(spec, partitions=None)
     assert any(problem in p for p in problems), problems
+
+
+def test_a_colocated_job_on_one_gpu_takes_its_weights_by_reference(tmp_path: Path) -> None:
+    spec, problems = load_spec(None, _flags(tmp_path, "--rollout-num-gpus", "1", "--rollout-num-gpus-per-node", "1",
+                                            "--colocate", "--update-weight-transport", "tensor"))
+    assert problems + validate(spec, partitions=None) == []
 
 
 def test_the_cpu_engine_refuses_a_gpu_device(tmp_path: Path) -> None:

@@ -226,6 +226,28 @@ def test_mixed_dtype_buckets_reach_engines_flattened_or_per_tensor(engines: list
         publisher.close()
 
 
+def test_tensor_publish_hands_the_engines_its_buckets_by_reference(engines: list[servers.Server], model: Path,
+                                                                     base: dict[str, torch.Tensor],
+                                                                     tmp_path: Path) -> None:
+    """--update-weight-transport tensor on the CPU: each bucket (fp32 and bf16 tensors in the same
+    ones) in shared memory through /update_weights_from_tensor, nothing on disk; a dead engine is
+    dropped and the others still update; no shared-memory file outlives the publish."""
+    urls = [e.url for e in engines]
+    dead = f"http://127.0.0.1:{servers.free_port()}"  # nothing listens there
+    shm_before = set(os.listdir("/dev/shm"))
+    publisher = WeightPublisher("tensor", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=30)
+    for version, delta in ((40, 0.4), (41, 0.41)):
+        weights = [(name, (t + delta).to(torch.bfloat16 if i % 2 else torch.float32))
+                   for i, (name, t) in enumerate(sorted(base.items()))]
+        result = publisher.publish(version, [*urls, dead], iter(weights))
+        assert result.updated == urls and list(result.dropped) == [dead], result.dropped
+        assert result.bytes == sum(t.numel() * t.element_size() for _, t in weights)
+        for url in urls:
+            assert_serving(url, version, weights)
+    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
 def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights, freezing an engine (SIGSTOP) once the publisher asks for tensor `index`:
     mid-publish, after some buckets went out."""

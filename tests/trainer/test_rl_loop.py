@@ -268,3 +268,17 @@ def test_fsdp_backend_runs_the_loop_on_policy(files, cluster, tmp_path: Path) ->
     assert [m["rollout_id"] for m in rows] == [0, 1, 2]
     assert all(m["logp_mismatch_max"] < 1e-5 and m["engines_updated"] == 2 for m in rows), rows
     assert rows[-1]["entropy"] < rows[0]["entropy"]
+
+
+def test_the_tensor_transport_keeps_the_engines_on_policy(files, cluster, tmp_path: Path) -> None:
+    """--update-weight-transport tensor (the engines map the trainer's shared memory, as colocated
+    engines map its GPU memory): after every publish the engines' log-probs are the trainer's."""
+    router, _ = cluster
+    trainer(files, router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8", "--lr", "1e-2",
+            "--true-on-policy-mode", "--update-weight-transport", "tensor")
+    rows = metrics(tmp_path / "job")
+    assert [m["rollout_id"] for m in rows] == [0, 1, 2]
+    assert all(m["logp_mismatch_max"] < 1e-5 and m["engines_updated"] == 2 and m["publish_bytes"] > 0
+               for m in rows), rows
+    assert rows[-1]["entropy"] < rows[0]["entropy"], "the weights the engines sample from did not change"
+    assert not (tmp_path / "job" / "weights").exists() or not any((tmp_path / "job" / "weights").iterdir())

@@ -306,7 +306,7 @@ class PublishOptions:
     sglang_router_port: int | None
     engine_urls: list[str] | None
     api_key: str | None  # derived: the job's key from the environment, never a flag (ps would show it)
-    update_weight_transport: Literal["disk", "nccl"]
+    update_weight_transport: Literal["disk", "nccl", "tensor"]
     update_weight_buffer_size: int
     keep_weight_versions: int
     update_weight_timeout: float

@@ -1,0 +1,139 @@
+"""Tensors handed to another process of the same machine by reference, in the form SGLang's
+/update_weights_from_tensor takes (sglang.srt.utils.MultiprocessingSerializer: a pickle made with
+torch's multiprocessing reductions, base64'd): a CUDA tensor travels as a CUDA IPC handle of its GPU
+memory, a CPU tensor as the name of a shared-memory file. The receiver maps them; nothing is copied
+until it copies the values into its own weights.
+
+A CUDA tensor names its GPU by UUID instead of index, as SGLang's patch of torch's reductions does
+(sglang.srt.utils.patch_torch): two processes on one GPU may number it differently under their own
+CUDA_VISIBLE_DEVICES. A real SGLang engine maps the UUID back with that patch; the receiver here with
+its own unpickler, which also admits nothing but torch's classes and functions (a payload cannot run
+other code).
+
+The sender must keep its tensors alive until the receiver has copied them (the call that carried
+them returned). CPU tensors must be views of a shared_buffer: a file in /dev/shm that the receiver
+maps by name (slurmrl's own form: torch's CPU sharing needs a torch_shm_manager daemon, which the
+sender would start and which outlives it while receivers hold its memory). SGLang takes CUDA only.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+from torch.multiprocessing import reductions
+
+# rebuild_cuda_tensor's argument that holds the device index (torch's signature; SGLang's patch
+# changes the same one)
+_DEVICE_ARG = 6
+_REBUILD_CUDA = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+
+
+class TensorHandleError(Exception):
+    """A payload that is not tensors by reference, or names a GPU this process cannot see."""
+
+
+SHM_DIR = "/dev/shm"
+_buffers = itertools.count()
+_shared_files: dict[int, str] = {}  # data_ptr of a live CPU shared_buffer -> its file
+
+
+@contextmanager
+def shared_buffer(nbytes: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """A uint8 buffer another process of this machine can map while the block runs: on a GPU, any
+    (its IPC handle is made when it is pickled); on the CPU, a file in /dev/shm, removed at the end."""
+    if device.type == "cuda":
+        yield torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return
+    path = os.path.join(SHM_DIR, f"slurmrl-weights-{os.getpid()}-{next(_buffers)}")
+    buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    _shared_files[buffer.data_ptr()] = path
+    try:
+        yield buffer
+    finally:
+        del _shared_files[buffer.data_ptr()]
+        os.unlink(path)
+
+
+def _map_cpu(path: str, nbytes: int, offset: int, dtype: torch.dtype, size: list[int], stride: list[int]
+             ) -> torch.Tensor:
+    """A view of a sender's shared_buffer (offset: in elements of dtype)."""
+    try:
+        buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as err:
+        raise TensorHandleError(f"cannot map {path}: {err} (the sender must share this machine)") from err
+    if 0 in size:
+        return torch.empty(size, dtype=dtype)
+    extent = 1 + sum((n - 1) * step for n, step in zip(size, stride))  # elements the view spans
+    start = offset * dtype.itemsize
+    return buffer[start:start + extent * dtype.itemsize].view(dtype).as_strided(size, stride)
+
+
+class _Pickler(ForkingPickler):
+    """torch's reductions (ForkingPickler's table), with the GPU of a CUDA tensor named by UUID."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if obj.is_cuda:
+            rebuild, args = reductions.reduce_tensor(obj)
+            uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+            return rebuild, (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
+        storage = obj.untyped_storage()
+        path = _shared_files.get(storage.data_ptr())
+        if path is None:
+            raise TensorHandleError("a CPU tensor goes by reference only as a view of a shared_buffer")
+        return _map_cpu, (path, storage.nbytes(), obj.storage_offset(), obj.dtype, list(obj.shape), list(obj.stride()))
+
+
+def serialize(obj: Any) -> str:
+    """`obj` (e.g. a list of (name, tensor)) as one entry of serialized_named_tensors."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _device_index(device: int | str) -> int:
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device:
+            return index
+    raise TensorHandleError(f"the tensors are on GPU {device}, which this process does not see "
+                            f"(CUDA_VISIBLE_DEVICES={torch.cuda.device_count()} GPUs): they must share one GPU")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    index = _device_index(args[_DEVICE_ARG])
+    rebuild: Any = reductions.rebuild_cuda_tensor  # typed with fewer arguments than torch passes it
+    return rebuild(*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1:])
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == _REBUILD_CUDA:
+            return _rebuild_cuda_tensor
+        if (module, name) == (__name__, "_map_cpu"):
+            return _map_cpu
+        if module == "torch" or module.startswith("torch.") or (module, name) == ("collections", "OrderedDict"):
+            return super().find_class(module, name)
+        raise TensorHandleError(f"a tensor payload may hold torch's objects only, not {module}.{name}")
+
+
+def deserialize(payload: str) -> Any:
+    """What serialize() was given, its tensors mapped from the sender's memory."""
+    try:
+        data = base64.b64decode(payload, validate=True)
+        return _Unpickler(io.BytesIO(data)).load()
+    except TensorHandleError:
+        raise
+    except (ValueError, pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
+        raise TensorHandleError(f"not tensors by reference: {err}") from err

@@ -1,0 +1,108 @@
+"""Tensors by reference (rollout/tensor_handles.py), on the CPU: another process, not forked from
+the sender, maps the sender's shared memory (what it writes, the sender sees), and a payload that
+names anything but torch's objects runs nothing. The stand-in engine's /update_weights_from_tensor
+keeps SGLang's rules: only inside /begin_weight_update ... /end_weight_update, and a bad payload
+changes no weight. The publish over it: tests/trainer/test_publish.py; on a GPU (CUDA IPC):
+tests/gpu/test_gpu_tensor_publish.py."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from rollout.tensor_handles import SHM_DIR, TensorHandleError, deserialize, serialize, shared_buffer
+from rollout.tiny_model import vocabulary
+from rollout.weight_group import unflatten
+from tests.rollout.cpu_engine_helpers import REPO, EngineProcess, make_tiny_model
+
+CHILD_S = 60
+
+
+def test_another_process_maps_the_senders_memory() -> None:
+    """...and the file is gone once the buffer is: no daemon, no leftover in /dev/shm."""
+    before = set(os.listdir(SHM_DIR))
+    with shared_buffer(4 * 6 + 2 * 3, torch.device("cpu")) as flat:
+        weight, bias = unflatten(flat, [torch.float32, torch.bfloat16], [[2, 3], [3]])
+        weight.copy_(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+        bias.copy_(torch.tensor([0.5, 1.5, 2.5]))
+        code = ("import sys; from rollout.tensor_handles import deserialize\n"
+                "named = dict(deserialize(sys.stdin.read()))\n"
+                "print(named['w'].tolist(), named['b'].float().tolist())\n"
+                "named['w'].add_(100)  # the sender's memory\n")
+        done = subprocess.run([sys.executable, "-c", code], input=serialize([("w", weight), ("b", bias)]), text=True,
+                              capture_output=True, timeout=CHILD_S, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\n")[0] == "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] [0.5, 1.5, 2.5]"
+        assert torch.equal(weight, torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100)
+    assert set(os.listdir(SHM_DIR)) <= before
+
+
+def test_a_cpu_tensor_outside_a_shared_buffer_is_refused() -> None:
+    with pytest.raises(TensorHandleError, match="only as a view of a shared_buffer"):
+        serialize([("w", torch.zeros(3))])
+
+
+class _RunsCode:
+    def __reduce__(self):  # what a hostile payload would carry
+        return (os.system, ("echo ran",))
+
+
+@pytest.mark.parametrize("payload, message", [
+    (base64.b64encode(pickle.dumps(_RunsCode())).decode(), "torch's objects only, not posix.system"),
+    ("not base64 !", "not tensors by reference"),
+    (base64.b64encode(b"no pickle").decode(), "not tensors by reference"),
+])
+def test_a_payload_of_anything_else_is_refused(payload: str, message: str) -> None:
+    with pytest.raises(TensorHandleError, match=message):
+        deserialize(payload)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    root = tmp_path_factory.mktemp("tensor_route")
+    process = EngineProcess(make_tiny_model(root / "model"), root / "engine.log")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+def _embedding(engine: EngineProcess) -> list:
+    return engine.post("/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 2}).json()
+
+
+def test_the_engines_route_keeps_sglangs_rules(engine: EngineProcess) -> None:
+    rows = _embedding(engine)
+    shape = [len(vocabulary()), len(rows[0])]  # the tiny model's embedding: vocabulary x hidden
+    with shared_buffer(4 * shape[0] * shape[1], torch.device("cpu")) as flat:
+        _test_the_route(engine, rows, flat.view(torch.float32).view(shape).fill_(0.25))
+    assert _embedding(engine) == [[0.25] * len(rows[0])] * 2
+    assert engine.get("/model_info").json()["weight_version"] == "7"
+
+
+def _test_the_route(engine: EngineProcess, rows: list, new: torch.Tensor) -> None:
+    body = {"serialized_named_tensors": [serialize([("model.embed_tokens.weight", new)])]}
+    outside = engine.post("/update_weights_from_tensor", body)
+    assert outside.status_code == 400 and "between /begin_weight_update" in outside.json()["message"]
+    assert engine.post("/begin_weight_update", {}).status_code == 200
+    try:
+        hostile = engine.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [base64.b64encode(pickle.dumps(_RunsCode())).decode()]})
+        assert hostile.status_code == 400 and "torch's objects only" in hostile.json()["message"]
+        wrong = engine.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialize([("model.no_such.weight", new)])]})
+        assert wrong.status_code == 400 and "unexpected tensor model.no_such.weight" in wrong.json()["message"]
+        assert _embedding(engine) == rows  # nothing loaded
+        taken = engine.post("/update_weights_from_tensor", {**body, "weight_version": "7"})
+        assert taken.status_code == 200, taken.text
+    finally:
+        assert engine.post("/end_weight_update", {}).status_code == 200
