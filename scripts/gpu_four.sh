@@ -6,8 +6,9 @@
 #           tests/gpu in three shards (GPU 0, GPU 1, GPUs 2-3) and the GPU demo job (scripts/gpu_job.sh)
 #   STEP=2: the NCCL publish bench on GPUs 0-1 (nothing else running), then every GPU job test
 #           (scripts/gpu_job_tests.sh, PART=all) until LIMIT
-#   STEP=4: the async bench (issue 32): the trainer on GPU 0 against CPU engines with simulated decode,
-#           then against engines decoding on GPU 1 (bench/bench_async.py --engine-device cuda)
+#   STEP=4: the publish by reference into an engine on the trainer's GPU (bench/bench_tensor_publish.py,
+#           issue 31) and tests/gpu/test_gpu_tensor_publish.py; the async bench (issue 32): the trainer on
+#           GPU 0 against CPU engines with simulated decode, then against engines decoding on GPU 1
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -40,6 +41,8 @@ case "${STEP:-1}" in
     PART=suite SUITE_LIMIT=${LIMIT:-450} WORKERS=24 bash scripts/gpu_suite.sh
     ;;
 4)
+    timeout -k 10 150 python -m bench.bench_tensor_publish 2>&1 | tee "$OUT/bench_tensor_publish.txt" | tail -2
+    timeout -k 10 120 python -m pytest -q -p no:randomly tests/gpu/test_gpu_tensor_publish.py 2>&1 | tail -15
     timeout -k 10 280 python -m bench.bench_async 2>&1 | tee "$OUT/bench_async_cpu_engines.txt" | grep -E "x[0-9.]+ of sync"
     timeout -k 10 280 python -m bench.bench_async --engine-device cuda --hold-ms 0 2>&1 \
         | tee "$OUT/bench_async_gpu_engines.txt" | grep -E "x[0-9.]+ of sync"

@@ -1,0 +1,84 @@
+"""--update-weight-transport tensor (issue 31, item 2): a publish by reference into a stand-in engine
+on the trainer's own device (this process, GPU 0; on the CPU: /dev/shm), through the real publisher
+and the engine's /update_weights_from_tensor, against, in the same run:
+- a device-to-device copy of the same bytes into tensors of this process (the goal: the publish
+  >= 0.85x of it: ratio_vs_copy);
+- the disk publish of the same weights (what colocated jobs take otherwise: disk_publish_s).
+
+    python -m bench.bench_tensor_publish [--shape small|qwen3-0.6b] [--repeats 3]
+
+Each figure is the best of `--repeats` after one warm-up; one "RESULT {json}" line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.bench_trainer_step import make_model
+from rollout.cpu_engine.weights import read_safetensors_folder
+from tests.rollout.servers import API_KEY, engine
+from trainer.publish import WeightPublisher
+
+
+def best_of(repeats: int, run: Callable[[int], None], device: torch.device) -> float:
+    """Seconds of the fastest of `repeats` runs of run(i), after one run to warm up."""
+    times = []
+    for i in range(repeats + 1):
+        began = time.perf_counter()
+        run(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - began)
+    return min(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("small", "qwen3-0.6b"), default=None,
+                        help="default: qwen3-0.6b on a GPU, small on the CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    shape = args.shape or ("qwen3-0.6b" if cuda else "small")
+    work = Path(tempfile.mkdtemp(prefix="bench_tensor_publish_"))
+    model = make_model(work / "model", shape)
+    weights = [(name, (t + 0.01).to(device, torch.bfloat16))
+               for name, t in sorted(read_safetensors_folder(model).items())]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    flags = ("--device", "cuda", "--base-gpu-id", "0", "--mem-fraction-static", "0.5") if cuda else ()
+    server = engine(model, work / "engine.log", flags=("--skip-server-warmup", *flags))
+    try:
+        by_reference = WeightPublisher("tensor", work / "job", model, API_KEY, timeout_s=600)
+        through_disk = WeightPublisher("disk", work / "job", model, API_KEY, timeout_s=600)
+
+        def publish(publisher: WeightPublisher, version: int) -> None:
+            result = publisher.publish(version, [server.url], iter(weights))
+            assert result.updated == [server.url], result.dropped
+
+        tensor_s = best_of(args.repeats, lambda i: publish(by_reference, 10 + i), device)
+        disk_s = best_of(args.repeats, lambda i: publish(through_disk, 20 + i), device)
+        targets = [torch.empty_like(t) for _, t in weights]
+        copy_s = best_of(args.repeats, lambda i: [dst.copy_(src) for dst, (_, src) in zip(targets, weights)], device)
+    finally:
+        server.stop()
+    where = torch.cuda.get_device_name(device) if cuda else "cpu"
+    result = {"shape": shape, "device": where, "bytes": nbytes, "tensors": len(weights),
+              "tensor_publish_s": tensor_s, "tensor_publish_gbps": nbytes / tensor_s / 1e9, "copy_s": copy_s,
+              "copy_gbps": nbytes / copy_s / 1e9, "ratio_vs_copy": copy_s / tensor_s, "disk_publish_s": disk_s,
+              "tensor_vs_disk": disk_s / tensor_s}
+    print(f"{shape} ({nbytes / 1e9:.2f} GB bf16, {len(weights)} tensors) on {where}: publish by reference "
+          f"{tensor_s * 1e3:.1f} ms, device copy {copy_s * 1e3:.1f} ms (ratio {copy_s / tensor_s:.3f}, goal >= 0.85), "
+          f"disk publish {disk_s * 1e3:.1f} ms ({disk_s / tensor_s:.1f}x the by-reference time)")
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
