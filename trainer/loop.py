@@ -110,9 +110,7 @@ class Loop:
         if load_reference is not None:
             load_reference()
         self.publish()  # the engines serve exactly the trainer's weights from the first rollout on
-        self.source.published(self.progress.weight_version)
-        if self.colocation:
-            self.colocation.to_engines()
+        self.after_publish()
         self.evals.start(resumed=resumed is not None)
 
     def run(self) -> None:
@@ -191,9 +189,7 @@ class Loop:
                 metrics.update(self.publish())
         metrics["published_version"] = self.published
         if due:
-            self.source.published(self.progress.weight_version)
-            if self.colocation:
-                self.colocation.to_engines()
+            self.after_publish()
         with self.memory.phase("eval"):
             evaluated = self.evals.after_publish(rollout_id, published=not stopping)
         if Metric.EVAL_SECONDS not in evaluated:
@@ -218,6 +214,14 @@ class Loop:
         if self.old_actor:
             self.old_actor.published(version)
         return out
+
+    def after_publish(self) -> None:
+        """Colocated, the engines get all their memory back; then the supervisor hears which engines
+        took the version (it admits them to the router: trainer/publisher.py), then the source."""
+        if self.colocation:
+            self.colocation.to_engines()
+        self.publisher.report()
+        self.source.published(self.progress.weight_version)
 
     def save_before_stop(self) -> None:
         """A checkpoint of the last finished rollout, unless it has one."""

@@ -1,6 +1,10 @@
 """The loop's publisher: the trainer's weights to every ready engine as a version, the supervisor
 told which engines took it. Rank 0 sends (trainer.publish.WeightPublisher, the transport); every
-other rank only takes part in gathering the weights."""
+other rank only takes part in gathering the weights.
+
+The supervisor is told (report) once the loop has handed the engines back all their memory
+(colocated): it admits an engine that took the version into the router, whose health check is a
+generation, which an engine without its KV cache cannot run."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class Publisher:
         self.engines = engines
         self.supervisor = supervisor
         self.heartbeat = heartbeat
+        self._unreported: tuple[int, list[str], dict[str, str]] | None = None  # rank 0's last publish
 
     def publish(self, version: int, rollout_id: int, weights: Weights) -> dict[str, Any]:
         """Send `weights` as `version` (collective: every rank draws `weights`); rollout_id is the
@@ -35,8 +40,13 @@ class Publisher:
             return {}
         self.heartbeat(Phase.PUBLISH, rollout_id)
         result = self.transport.publish(version, self.engines(), weights)
-        if self.supervisor:
-            self.supervisor.published(version, result.updated, result.dropped)
+        self._unreported = (version, result.updated, result.dropped)
         return {Metric.PUBLISH_SECONDS: result.seconds, Metric.PUBLISH_BYTES: result.bytes,
                 "engines_updated": len(result.updated),
                 "engines_dropped": len(result.dropped)}
+
+    def report(self) -> None:
+        """Tell the supervisor which engines took the last version (rank 0; nothing elsewhere)."""
+        unreported, self._unreported = self._unreported, None
+        if unreported and self.supervisor:
+            self.supervisor.published(*unreported)

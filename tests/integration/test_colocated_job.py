@@ -1,6 +1,8 @@
 """The toy job colocated (--colocate: slime's default turns --offload-train and --offload-rollout
 on) through `slurmrl submit` on the devcluster: one job (no hetjob), the engines' steps beside the
-trainer's (--overlap), CPU engines, the real router and trainer.
+trainer's (--overlap), CPU engines, the real router and trainer; the weights by reference, as slime
+updates colocated engines (--update-weight-transport tensor: /update_weights_from_tensor, here from
+/dev/shm), so a restarted engine takes the trainer's next publish.
 
 In one run: it completes with rewards rising; around every training phase the engines release
 their memory and take it back (their logs, and the supervisor's gpus_to_trainer/gpus_to_engines
@@ -43,7 +45,7 @@ def test_colocated_job_offloads_around_training_and_survives_an_engine_kill(devc
     job_dir = tmp_path / "job"
     # Every rollout saves and takes several optimizer steps: the trainer holds the GPUs a while.
     job_id = submit(toy, job_dir, "--colocate", "--num-rollout", str(ROLLOUTS), "--save-interval", "1",
-                    "--global-batch-size", "16")
+                    "--global-batch-size", "16", "--update-weight-transport", "tensor")
     killed = frozen = None
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 3, 120, "the first rollouts")
