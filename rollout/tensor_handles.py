@@ -7,8 +7,8 @@ until it copies the values into its own weights.
 A CUDA tensor names its GPU by UUID instead of index, as SGLang's patch of torch's reductions does
 (sglang.srt.utils.patch_torch): two processes on one GPU may number it differently under their own
 CUDA_VISIBLE_DEVICES. A real SGLang engine maps the UUID back with that patch; the receiver here with
-its own unpickler, which also admits nothing but torch's classes and functions (a payload cannot run
-other code).
+its own unpickler, which also admits nothing but the tensor classes, dtypes and rebuild functions
+that tensors by reference need (a payload cannot run other code).
 
 The sender must keep its tensors alive until the receiver has copied them (the call that carried
 them returned). CPU tensors must be views of a shared_buffer: a file in /dev/shm that the receiver
@@ -117,15 +117,21 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     return rebuild(*args[:_DEVICE_ARG], index, *args[_DEVICE_ARG + 1:])
 
 
+# What a payload may name besides the two rebuild functions: the classes and dtypes a tensor's
+# reduction refers to (torch's own reduce_tensor for CUDA tensors), nothing that runs code.
+_TYPES = {("torch", "Tensor"), ("torch", "Size"), ("torch.nn.parameter", "Parameter"),
+          ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage")}
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == _REBUILD_CUDA:
             return _rebuild_cuda_tensor
         if (module, name) == (__name__, "_map_cpu"):
             return _map_cpu
-        if module == "torch" or module.startswith("torch.") or (module, name) == ("collections", "OrderedDict"):
+        if (module, name) in _TYPES or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        raise TensorHandleError(f"a tensor payload may hold torch's objects only, not {module}.{name}")
+        raise TensorHandleError(f"a tensor payload may hold tensors only, not {module}.{name}")
 
 
 def deserialize(payload: str) -> Any:

@@ -1,6 +1,6 @@
 """Tensors by reference (rollout/tensor_handles.py), on the CPU: another process, not forked from
 the sender, maps the sender's shared memory (what it writes, the sender sees), and a payload that
-names anything but torch's objects runs nothing. The stand-in engine's /update_weights_from_tensor
+names anything but tensors runs nothing. The stand-in engine's /update_weights_from_tensor
 keeps SGLang's rules: only inside /begin_weight_update ... /end_weight_update, and a bad payload
 changes no weight. The publish over it: tests/trainer/test_publish.py; on a GPU (CUDA IPC):
 tests/gpu/test_gpu_tensor_publish.py."""
@@ -55,8 +55,14 @@ class _RunsCode:
         return (os.system, ("echo ran",))
 
 
+class _LoadsAFile:
+    def __reduce__(self):  # torch's own functions can run code too (a pickle loaded by torch.load)
+        return (torch.load, ("/no/such/file",))
+
+
 @pytest.mark.parametrize("payload, message", [
-    (base64.b64encode(pickle.dumps(_RunsCode())).decode(), "torch's objects only, not posix.system"),
+    (base64.b64encode(pickle.dumps(_RunsCode())).decode(), "tensors only, not posix.system"),
+    (base64.b64encode(pickle.dumps(_LoadsAFile())).decode(), "tensors only, not torch.serialization.load"),
     ("not base64 !", "not tensors by reference"),
     (base64.b64encode(b"no pickle").decode(), "not tensors by reference"),
 ])
@@ -97,7 +103,7 @@ def _test_the_route(engine: EngineProcess, rows: list, new: torch.Tensor) -> Non
     try:
         hostile = engine.post("/update_weights_from_tensor", {
             "serialized_named_tensors": [base64.b64encode(pickle.dumps(_RunsCode())).decode()]})
-        assert hostile.status_code == 400 and "torch's objects only" in hostile.json()["message"]
+        assert hostile.status_code == 400 and "tensors only" in hostile.json()["message"]
         wrong = engine.post("/update_weights_from_tensor", {
             "serialized_named_tensors": [serialize([("model.no_such.weight", new)])]})
         assert wrong.status_code == 400 and "unexpected tensor model.no_such.weight" in wrong.json()["message"]
