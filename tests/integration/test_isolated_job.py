@@ -36,6 +36,7 @@ from tests.integration.test_rl_job import (
     events,
     heartbeat,
     rollouts_done,
+    slurmrl,
     status,
     submit,
 )
@@ -52,6 +53,7 @@ REQUEUED_S = 150
 # The old supervisor seeing the newer run: its monitor loop looks at each turn, after a probe round
 # (2 s timeout) or a SLURM command that the cut leaves unanswered (slurm_command_timeout).
 FENCED_S = 90
+AGREE_S = 30  # the engines in the router at one weight version again (a publish moves them one by one)
 STOP_S = 15  # processes the test stops itself, until gone
 
 
@@ -64,7 +66,8 @@ def router_workers(job_dir: Path) -> list[str]:
 
 
 def weight_version(url: str, key: str) -> str:
-    return requests.get(url + "/model_info", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()["weight_version"]
+    info = requests.get(url + "/model_info", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return info.json()["weight_version"]
 
 
 def stop_left_over_steps(cluster: DevCluster) -> int:
@@ -151,11 +154,23 @@ def test_toy_job_on_isolated_nodes(isolated_devcluster: DevCluster, toy, tmp_pat
     assert sorted(listed) == sorted(state["steps"][e]["url"] for e in ("engine-0", "engine-1")), listed
 
 
+def _router_view(job_dir: Path, key: str, view: dict) -> bool:
+    """Whether the router lists exactly the engines the job has now, every one at one weight version;
+    view: what it saw (a publish moves the engines one at a time, so agreement is waited for)."""
+    now = status(job_dir)["steps"]
+    view["listed"] = sorted(router_workers(job_dir))
+    view["current"] = sorted(now[e]["url"] for e in ("engine-0", "engine-1"))
+    view["versions"] = {url: weight_version(url, key) for url in view["listed"]}
+    return view["listed"] == view["current"] and len(set(view["versions"].values())) == 1
+
+
 def test_cut_engine_node_is_replaced_and_never_rejoins_stale(isolated_devcluster: DevCluster, toy,
                                                              tmp_path: Path) -> None:
-    job_dir, root, rollouts = tmp_path / "job", isolated_devcluster.paths.root, 40
-    job_id = submit(toy, job_dir, "--num-rollout", str(rollouts), "--rollout-spare-nodes", "1")
-    node = None
+    # More rollouts than the test needs: the job must still be running (its router serving) when the
+    # router is read after the heal; the test stops it then.
+    job_dir, root = tmp_path / "job", isolated_devcluster.paths.root
+    job_id = submit(toy, job_dir, "--num-rollout", "200", "--rollout-spare-nodes", "1")
+    node, view = None, {}
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 3, FIRST_ROLLOUTS_S, "the first rollouts")
         old = status(job_dir)["steps"]["engine-1"]
@@ -169,19 +184,25 @@ def test_cut_engine_node_is_replaced_and_never_rejoins_stale(isolated_devcluster
         node = None
         done = rollouts_done(job_dir)
         wait_for(lambda: rollouts_done(job_dir) >= done + 2, REPLACED_S, "rollouts after the heal")
-        now = status(job_dir)
-        listed = router_workers(job_dir)
-        current = sorted(now["steps"][e]["url"] for e in ("engine-0", "engine-1"))
         key = load_key(JobDir(job_dir))
-        versions = {url: weight_version(url, key) for url in listed}
-        state = finish(job_id, job_dir, rollouts)
+        try:
+            wait_for(lambda: _router_view(job_dir, key, view), AGREE_S, "the router's engines at one version",
+                     interval_s=1)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}: {view}") from None
+        assert old["url"] not in view["listed"], view
+        slurmrl("stop", job_id)
+        wait_job_gone(job_id, timeout_s=JOB_END_S)
     finally:
         if node is not None:
             fault(root, "heal", node)
         subprocess.run(["scancel", job_id], capture_output=True)
-    print(f"engine-1 out of the router {out_s:.1f} s after the cut; versions after heal {versions}")
-    assert sorted(listed) == current and old["url"] not in listed, (listed, current)
-    assert len(set(versions.values())) == 1, f"an engine in the router at another weight version: {versions}"
+    print(f"engine-1 out of the router {out_s:.1f} s after the cut; after the heal {view}")
+    state = status(job_dir)
+    assert state["stop_reason"] == "stopped by user", state
+    ids = [json.loads(line)["rollout_id"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert ids == list(range(len(ids))) and len(ids) >= done + 2, f"a rollout was lost or run twice: {ids}"
+    assert_never_stale(job_dir)
     moved = events(job_dir, "engine_moved", "engine-1")
     assert len(moved) == 1 and moved[0]["from_nodes"] == [old["nodes"][0]], moved
     assert state["steps"]["engine-1"]["url"] != old["url"]
