@@ -11,9 +11,9 @@ its own unpickler, which also admits nothing but the tensor classes, dtypes and 
 that tensors by reference need (a payload cannot run other code).
 
 The sender must keep its tensors alive until the receiver has copied them (the call that carried
-them returned). CPU tensors must be views of a shared_buffer: a file in /dev/shm that the receiver
-maps by name (slurmrl's own form: torch's CPU sharing needs a torch_shm_manager daemon, which the
-sender would start and which outlives it while receivers hold its memory). SGLang takes CUDA only.
+them returned). CPU tensors must be views of a shared_buffer: an anonymous memory file the receiver
+maps through /proc (slurmrl's own form: torch's CPU sharing needs a torch_shm_manager daemon, which
+the sender would start and which outlives it while receivers hold its memory). SGLang takes CUDA only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import io
 import itertools
 import os
 import pickle
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
@@ -41,34 +42,42 @@ class TensorHandleError(Exception):
     """A payload that is not tensors by reference, or names a GPU this process cannot see."""
 
 
-SHM_DIR = "/dev/shm"
+_MEMFD = "slurmrl-weights-"  # the name of every shared_buffer's memory file
 _buffers = itertools.count()
-_shared_files: dict[int, str] = {}  # data_ptr of a live CPU shared_buffer -> its file
+_shared_files: dict[int, str] = {}  # data_ptr of a live CPU shared_buffer -> the path that maps it
+_BUFFER_PATH = re.compile(r"/proc/\d+/fd/\d+")
 
 
 @contextmanager
 def shared_buffer(nbytes: int, device: torch.device) -> Iterator[torch.Tensor]:
     """A uint8 buffer another process of this machine can map while the block runs: on a GPU, any
-    (its IPC handle is made when it is pickled); on the CPU, a file in /dev/shm, removed at the end."""
+    (its IPC handle is made when it is pickled); on the CPU, an anonymous memory file (memfd) that
+    others open through /proc/<pid>/fd: nothing in /dev/shm, nothing left if the sender dies."""
     if device.type == "cuda":
         yield torch.empty(nbytes, dtype=torch.uint8, device=device)
         return
-    path = os.path.join(SHM_DIR, f"slurmrl-weights-{os.getpid()}-{next(_buffers)}")
-    buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    _shared_files[buffer.data_ptr()] = path
+    fd = os.memfd_create(f"{_MEMFD}{next(_buffers)}")
     try:
-        yield buffer
+        os.ftruncate(fd, max(nbytes, 1))
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        buffer = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        _shared_files[buffer.data_ptr()] = path
+        try:
+            yield buffer[:nbytes]
+        finally:
+            del _shared_files[buffer.data_ptr()]
     finally:
-        del _shared_files[buffer.data_ptr()]
-        os.unlink(path)
+        os.close(fd)  # the mapping keeps the memory while a view of it lives
 
 
 def _map_cpu(path: str, nbytes: int, offset: int, dtype: torch.dtype, size: list[int], stride: list[int]
              ) -> torch.Tensor:
-    """A view of a sender's shared_buffer (offset: in elements of dtype)."""
+    """A view of a sender's shared_buffer (offset: in elements of dtype); no other file."""
     try:
+        if not (_BUFFER_PATH.fullmatch(path) and os.readlink(path).startswith(f"/memfd:{_MEMFD}")):
+            raise TensorHandleError(f"{path} is not a sender's shared buffer")
         buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    except RuntimeError as err:
+    except (OSError, RuntimeError) as err:
         raise TensorHandleError(f"cannot map {path}: {err} (the sender must share this machine)") from err
     if 0 in size:
         return torch.empty(size, dtype=dtype)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from rollout.tensor_handles import SHM_DIR, TensorHandleError, deserialize, serialize, shared_buffer
+from rollout.tensor_handles import TensorHandleError, _map_cpu, deserialize, serialize, shared_buffer
 from rollout.tiny_model import vocabulary
 from rollout.weight_group import unflatten
 from tests.rollout.cpu_engine_helpers import REPO, EngineProcess, make_tiny_model
@@ -26,8 +26,8 @@ CHILD_S = 60
 
 
 def test_another_process_maps_the_senders_memory() -> None:
-    """...and the file is gone once the buffer is: no daemon, no leftover in /dev/shm."""
-    before = set(os.listdir(SHM_DIR))
+    """...with no daemon and nothing in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
     with shared_buffer(4 * 6 + 2 * 3, torch.device("cpu")) as flat:
         weight, bias = unflatten(flat, [torch.float32, torch.bfloat16], [[2, 3], [3]])
         weight.copy_(torch.arange(6, dtype=torch.float32).reshape(2, 3))
@@ -42,7 +42,7 @@ def test_another_process_maps_the_senders_memory() -> None:
         assert done.returncode == 0, done.stderr
         assert done.stdout.split("\n")[0] == "[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] [0.5, 1.5, 2.5]"
         assert torch.equal(weight, torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100)
-    assert set(os.listdir(SHM_DIR)) <= before
+    assert set(os.listdir("/dev/shm")) <= before
 
 
 def test_a_cpu_tensor_outside_a_shared_buffer_is_refused() -> None:
@@ -55,6 +55,11 @@ class _RunsCode:
         return (os.system, ("echo ran",))
 
 
+class _MapsAnotherFile:
+    def __reduce__(self):  # the CPU form's own rebuild, pointed at a file that is no shared buffer
+        return (_map_cpu, ("/etc/hostname", 4, 0, torch.uint8, [4], [1]))
+
+
 class _LoadsAFile:
     def __reduce__(self):  # torch's own functions can run code too (a pickle loaded by torch.load)
         return (torch.load, ("/no/such/file",))
@@ -63,6 +68,7 @@ class _LoadsAFile:
 @pytest.mark.parametrize("payload, message", [
     (base64.b64encode(pickle.dumps(_RunsCode())).decode(), "tensors only, not posix.system"),
     (base64.b64encode(pickle.dumps(_LoadsAFile())).decode(), "tensors only, not torch.serialization.load"),
+    (base64.b64encode(pickle.dumps(_MapsAnotherFile())).decode(), "/etc/hostname is not a sender's shared buffer"),
     ("not base64 !", "not tensors by reference"),
     (base64.b64encode(b"no pickle").decode(), "not tensors by reference"),
 ])
