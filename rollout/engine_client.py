@@ -25,6 +25,9 @@ import aiohttp
 import requests
 
 HEALTH_PATH = "/health_generate"
+# SGLang's liveness route: 200 while the server is up, no generation (so an engine busy in a weight
+# update answers it, and a dead one or one cut off from the network does not).
+LIVENESS_PATH = "/ping"
 # Sockets left for the rest of the process beyond one per engine probed at once.
 FD_HEADROOM = 256
 # Seconds close() waits for the probe session to close, and then for its loop thread to end.
@@ -91,12 +94,12 @@ class EngineClient:
         """Whether the engine answers GET /health_generate with 200 within the timeout."""
         return self.probe_all({url: url})[url].ok
 
-    def probe_all(self, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
-        """{engine name: base url} -> {engine name: result}, all probed at once; each probe is
-        bounded by timeout_s, so this returns after about that long at most."""
+    def probe_all(self, targets: Mapping[str, str], path: str = HEALTH_PATH) -> dict[str, ProbeResult]:
+        """{engine name: base url} -> {engine name: result}, all probed at once (GET `path`); each
+        probe is bounded by timeout_s, so this returns after about that long at most."""
         _raise_fd_limit(len(targets) + FD_HEADROOM)
         prober = self._probe_loop()
-        return asyncio.run_coroutine_threadsafe(self._probe_many(prober.session, targets), prober.loop).result()
+        return asyncio.run_coroutine_threadsafe(self._probe_many(prober.session, targets, path), prober.loop).result()
 
     def _probe_loop(self) -> _ProbeLoop:
         with self._lock:
@@ -114,16 +117,17 @@ class EngineClient:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         return aiohttp.ClientSession(connector=connector, headers=self._headers)
 
-    async def _probe_many(self, session: aiohttp.ClientSession, targets: Mapping[str, str]) -> dict[str, ProbeResult]:
+    async def _probe_many(self, session: aiohttp.ClientSession, targets: Mapping[str, str],
+                          path: str) -> dict[str, ProbeResult]:
         names = list(targets)
-        results = await asyncio.gather(*(self._probe(session, targets[n]) for n in names))
+        results = await asyncio.gather(*(self._probe(session, targets[n], path) for n in names))
         return dict(zip(names, results))
 
-    async def _probe(self, session: aiohttp.ClientSession, url: str) -> ProbeResult:
+    async def _probe(self, session: aiohttp.ClientSession, url: str, path: str) -> ProbeResult:
         start = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with session.get(url.rstrip("/") + HEALTH_PATH) as resp:
+                async with session.get(url.rstrip("/") + path) as resp:
                     await resp.read()
                     ok = resp.status == 200
                     return ProbeResult(ok, time.monotonic() - start, None if ok else f"HTTP {resp.status}")

@@ -64,7 +64,7 @@ import submitit
 from contract.control_protocol import CallerRun
 from contract.job_dir import JobDir
 from contract.spec import JobSpec
-from rollout.engine_client import EngineClient
+from rollout.engine_client import HEALTH_PATH, LIVENESS_PATH, EngineClient
 from rollout.router_client import RouterClient
 from slurm import env as slurm_env
 from slurm.watchdog import RESTARTS_ENV
@@ -304,10 +304,12 @@ class Daemon:
     def _probe_cycle(self) -> None:
         job = self.job
         targets = {name: e.url for name, e in self.recovery.serving().items()}
-        # colocated engines that released their memory do not answer; engines being updated answer late
-        if not targets or job.gpus.trainer_holds or self.trainer.publishing():
+        if not targets or job.gpus.trainer_holds:  # colocated engines that released their memory do not answer
             return
-        results = job.client.probe_all(targets)
+        # An engine in a weight update answers its generation probe late: during a publish only
+        # whether it is alive and reachable counts (a dead or cut-off engine must still leave the
+        # router, not hold the job until the update's own timeout).
+        results = job.client.probe_all(targets, LIVENESS_PATH if self.trainer.publishing() else HEALTH_PATH)
         now = time.time()
         with job.store.update() as state:
             for name, result in results.items():

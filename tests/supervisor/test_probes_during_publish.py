@@ -1,13 +1,17 @@
-"""The supervisor's probe cycle pauses while the trainer updates the engines' weights: SGLang's
-/health is a generation, which waits while an update runs, so a probe then fails on an engine that
-is only busy. Outside the publish phase failed probes count as before. No SLURM: the trainer is a
-plain process (LocalSteps) whose heartbeat the test writes; the engines' ports have no listener, so
-every probe fails."""
+"""While the trainer updates the engines' weights the supervisor's probes ask only whether an engine
+is alive (SGLang's /ping): its /health is a generation, which waits while an update runs, so a
+generation probe then fails on an engine that is only busy, but an engine that is dead or cut off
+must still leave the router. Outside the publish phase the probe is the generation, as before. No
+SLURM: the trainer is a plain process (LocalSteps) whose heartbeat the test writes; engine-0 is a
+stand-in that answers /ping and holds /health_generate past the probe timeout (busy in an update),
+engine-1's port has no listener (dead)."""
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,14 +27,33 @@ from tests.supervisor.job_context import two_engine_job
 from tests.supervisor.recovery_wiring import Wiring, wire_recovery
 
 EXIT_WAIT_S = 10.0  # a killed stand-in trainer's exit being seen
+PROBE_TIMEOUT_S = 2.0
+BUSY_S = PROBE_TIMEOUT_S + 1.0  # how long the busy engine holds a generation probe
+
+
+class _BusyEngine(BaseHTTPRequestHandler):
+    """An engine in a weight update: alive (/ping), its generation probe late."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path == "/health_generate":
+            threading.Event().wait(BUSY_S)
+        self.send_response(200 if self.path in ("/ping", "/health_generate") else 404)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
 
 
 @pytest.fixture
 def watched(tmp_path: Path) -> Iterator[tuple[Wiring, HealthTracker, SimpleNamespace]]:
     ft = FaultToleranceSpec(use_fault_tolerance=True, step_stop_timeout=5.0, step_term_grace=1.0,
-                            slurm_command_timeout=5.0, rollout_health_check_timeout=2.0)
+                            slurm_command_timeout=5.0, rollout_health_check_timeout=PROBE_TIMEOUT_S)
     spec = JobSpec(job_dir=str(tmp_path / "job"), rollout=RolloutSpec(engine="cpu", num_engines=2), fault_tolerance=ft)
     job, router = two_engine_job(spec, head="n0", node="n1", het_group=1)
+    busy = ThreadingHTTPServer(("127.0.0.1", int(job.engines["engine-0"].url.rsplit(":", 1)[1])), _BusyEngine)
+    busy.daemon_threads = True
+    serving = threading.Thread(target=busy.serve_forever, daemon=True)
+    serving.start()
     wiring = wire_recovery(job, router, LocalSteps(job.layout.job_id, tmp_path / "steps", on_exit=job.inbox.put))
     wiring.launcher.launch(TRAINER, "trainer", [sys.executable, "-c", "import time; time.sleep(60)"], ("n0",), 0)
     wiring.trainer.adopted()  # its heartbeat counts from now
@@ -43,6 +66,9 @@ def watched(tmp_path: Path) -> Iterator[tuple[Wiring, HealthTracker, SimpleNames
     try:
         yield wiring, tracker, daemon
     finally:
+        busy.shutdown()
+        busy.server_close()
+        serving.join()
         wiring.stop()
         job.events.close()
         job.client.close()
@@ -52,17 +78,17 @@ def _failures(tracker: HealthTracker) -> list[int]:
     return [tracker.failures(name) for name in ("engine-0", "engine-1")]
 
 
-def test_failed_probes_do_not_count_while_the_trainer_publishes(watched) -> None:
+def test_while_the_trainer_publishes_a_busy_engine_passes_and_a_dead_one_fails(watched) -> None:
     wiring, tracker, daemon = watched
     job = daemon.job
     write_heartbeat(job.dir, Phase.PUBLISH, rollout_id=3)
     assert wiring.trainer.publishing()
     Daemon._probe_cycle(daemon)  # type: ignore[arg-type]
-    assert _failures(tracker) == [0, 0]
+    assert _failures(tracker) == [0, 1]
     write_heartbeat(job.dir, Phase.ROLLOUT, rollout_id=4)
     assert not wiring.trainer.publishing()
     Daemon._probe_cycle(daemon)  # type: ignore[arg-type]
-    assert _failures(tracker) == [1, 1]
+    assert _failures(tracker) == [1, 2]  # the generation probe again: the busy engine is late
 
 
 def test_a_trainer_that_exited_in_the_publish_phase_pauses_nothing(watched) -> None:
