@@ -12,6 +12,8 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeFor
 # has it under standard attention, GLM-4.7-Flash under DeepSeek's multi-latent attention)
 EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# Their checkpoints keep num_nextn_predict_layers multi-token prediction (MTP) layers after the decoder's
+MTP_ARCHITECTURES = EXPERT_BIAS_ARCHITECTURES
 # Hybrids whose linear-attention layers are gated delta nets: why slurmrl cannot build them yet
 GATED_DELTA_NET_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_DELTA_NET_BLOCKER = (
@@ -24,6 +26,12 @@ def routed_experts(config: dict[str, Any]) -> int:
     """A config.json's routed experts under its family's key (Qwen's num_experts, Mixtral's
     num_local_experts, DeepSeek's n_routed_experts); 0 for a dense model."""
     return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+
+
+def declared_mtp_layers(config: dict[str, Any]) -> int:
+    """The MTP layers a config.json declares (DeepSeek's num_nextn_predict_layers); 0 for a family without."""
+    archs = config.get("architectures") or []
+    return int(config.get("num_nextn_predict_layers") or 0) if archs and archs[0] in MTP_ARCHITECTURES else 0
 
 
 def dense_first_layers(config: dict[str, Any]) -> int:

@@ -34,6 +34,10 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     to_td.add_argument("--release", action="store_true", help="write the release/ layout instead of iter_0000000/")
     to_td.add_argument("--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
                        help="pad the vocabulary to a multiple of N, as Megatron does (default %(default)s)")
+    to_td.add_argument("--mtp-num-layers", type=int, default=0, metavar="N",
+                       help="keep the first N multi-token prediction layers of config.json's num_nextn_predict_layers "
+                            "(DeepSeek-V3, GLM-4.5/4.7), as slime's --mtp-num-layers; 0 leaves them out "
+                            "(default %(default)s)")
     _common(to_td)
     to_td.add_argument("--threads", type=int, default=4, help="parallel writer threads (default %(default)s)")
 
@@ -82,8 +86,12 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "hf-to-torch-dist":
             _positive(args.prog, "--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
             _positive(args.prog, "--threads", args.threads)
+            if args.mtp_num_layers < 0:
+                print(f"{args.prog}: error: --mtp-num-layers must be 0 or more, got {args.mtp_num_layers}",
+                      file=sys.stderr)
+                return 1
             folder = hf_to_torch_dist(args.hf, args.out, iteration=None if args.release else 0,
-                                      dtype=dtype, threads=args.threads,
+                                      dtype=dtype, threads=args.threads, mtp_layers=args.mtp_num_layers,
                                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                                       progress=not args.no_progress)
             print(f"wrote {folder}")

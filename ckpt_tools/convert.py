@@ -8,6 +8,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -82,15 +83,17 @@ def _publish(tmp: Path, out_dir: Path) -> None:
 
 
 def hf_to_torch_dist(hf_dir: Path, out_dir: Path, *, iteration: int | None = 0, dtype: torch.dtype | None = None,
-                     make_vocab_size_divisible_by: int = 1, threads: int = 4, progress: bool = True) -> Path:
+                     make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0, threads: int = 4,
+                     progress: bool = True) -> Path:
     """Convert an HF checkpoint into a Megatron save folder: OUT/iter_0000000 (or OUT/release) with
-    the tracker. Everything is checked before a byte is written; OUT appears only when complete."""
-    hf = HFCheckpoint(hf_dir, make_vocab_size_divisible_by)
+    the tracker, with its first `mtp_layers` MTP layers (--mtp-num-layers; the rest are left out).
+    Everything is checked before a byte is written; OUT appears only when complete."""
+    hf = HFCheckpoint(hf_dir, make_vocab_size_divisible_by, mtp_layers)
     shape = hf.shape
     chunks: list[Chunk] = []
     extra: dict[str, bytes] = {}
     payload = _extra_state_payload()
-    for rule in rules(shape):
+    for rule in (r for r in rules(shape) if not r.repeat):
         stack = stacking(rule, shape)
         for index in _indices(rule, shape):
             names = _hf_names(rule, index)
@@ -146,7 +149,10 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
     except FileNotFoundError as err:
         raise CheckpointError(str(err)) from None
     stored = tensor_entries(read_metadata(folder))
-    shape = ModelShape.from_hf_config(config, _stored_vocab_multiple(stored, config))
+    try:
+        shape = ModelShape.from_hf_config(config, _stored_vocab_multiple(stored, config), _stored_mtp_layers(stored))
+    except ValueError as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
     slices = _plan_slices(stored, shape, folder, config_path, dtype)
 
     def load(item: _Slice) -> list[torch.Tensor]:
@@ -203,6 +209,11 @@ def _plan_slices(stored: dict, shape: ModelShape, folder: Path, config_path: Pat
             outputs = [(name, tuple(t.shape), out_dtype) for name, t in zip(_hf_names(rule, index), probe)]
             slices.append(_Slice(rule, index, outputs))
     return slices
+
+
+def _stored_mtp_layers(stored: dict) -> int:
+    """How many MTP layers the checkpoint holds (each has its input projection)."""
+    return sum(1 for key in stored if re.fullmatch(r"mtp\.layers\.\d+\.eh_proj\.weight", key))
 
 
 def _stored_vocab_multiple(stored: dict, config: dict) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ckpt_tools.architectures import declared_mtp_layers
 from ckpt_tools.mapping import ModelShape, Rule, rules
 
 INDEX = "model.safetensors.index.json"
@@ -25,14 +26,14 @@ class CheckpointError(ValueError):
 class HFCheckpoint:
     """Tensor names, shapes and dtypes from the safetensors headers; data only when asked for."""
 
-    def __init__(self, hf_dir: Path, make_vocab_size_divisible_by: int = 1) -> None:
+    def __init__(self, hf_dir: Path, make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0) -> None:
         self.dir = Path(hf_dir)
         config_path = self.dir / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} not found: --hf must be a Hugging Face model folder")
         try:
             self.config = json.loads(config_path.read_text())
-            self.shape = ModelShape.from_hf_config(self.config, make_vocab_size_divisible_by)
+            self.shape = ModelShape.from_hf_config(self.config, make_vocab_size_divisible_by, mtp_layers)
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{config_path}: cannot read {err}") from None
         except ValueError as err:
@@ -87,8 +88,12 @@ class HFCheckpoint:
             if self.shapes[name] != want:
                 raise CheckpointError(f"config.json and weights disagree: {name} is {list(self.shapes[name])}, "
                                       f"the config implies {list(want)}")
+        # The MTP layers config.json declares beyond those kept are described, and left out.
+        left_out = tuple(f"model.layers.{layer}." for layer in range(s.num_layers + s.mtp_layers,
+                                                                     s.num_layers + declared_mtp_layers(self.config)))
         extra = sorted(n for n in self.shapes if n not in needed and not n.endswith(IGNORED_SUFFIXES)
-                       and not (s.tied_embeddings and n == "lm_head.weight"))
+                       and not (s.tied_embeddings and n == "lm_head.weight")
+                       and not (left_out and n.startswith(left_out)))
         if extra:
             raise CheckpointError(f"weights hold {len(extra)} tensors config.json does not describe "
                                   f"(e.g. {', '.join(extra[:3])}): config and weights disagree")

@@ -17,7 +17,9 @@ from ckpt_tools.architectures import (
     GATED_DELTA_NET_BLOCKER,
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
+    MTP_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
+    declared_mtp_layers,
     dense_first_layers,
     routed_experts,
 )
@@ -55,9 +57,12 @@ class ModelShape:
     shared_experts: bool = False
     expert_bias: bool = False  # the router's e_score_correction_bias (DeepSeek-V3's aux-loss-free balancing)
     dense_layers: int = 0  # DeepSeek's first_k_dense_replace: the first layers' MLP is dense (intermediate_size)
+    # Multi-token prediction layers kept (--mtp-num-layers): megatron's mtp.layers.K, HF's decoder layer
+    # num_layers + K (a MoE layer with its own norms and input projection)
+    mtp_layers: int = 0
 
     @classmethod
-    def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1) -> ModelShape:
+    def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0) -> ModelShape:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else "(none)"
         if arch in GATED_DELTA_NET_ARCHITECTURES:
@@ -89,6 +94,12 @@ class ModelShape:
         if deepseek:
             check_deepseek_v3(config)
         (mla_rope_kwargs if deepseek else gpt_rope_kwargs)(config)  # a RoPE megatron-core computes as transformers
+        if mtp_layers and arch not in MTP_ARCHITECTURES:
+            raise ValueError(f"--mtp-num-layers {mtp_layers}: {arch} has no multi-token prediction layers; "
+                             f"those that do: {', '.join(MTP_ARCHITECTURES)}")
+        if mtp_layers > declared_mtp_layers(config):
+            raise ValueError(f"num_nextn_predict_layers is {declared_mtp_layers(config)}, below --mtp-num-layers "
+                             f"{mtp_layers}: the checkpoint must hold every MTP layer trained")
         vocab = config["vocab_size"]
         multiple = max(1, make_vocab_size_divisible_by)
         return cls(
@@ -110,6 +121,7 @@ class ModelShape:
             shared_experts=expert_bias and bool(config.get("n_shared_experts")),
             expert_bias=expert_bias,
             dense_layers=dense_first_layers(config) if expert_bias else 0,
+            mtp_layers=mtp_layers,
         )
 
     def moe_layer_pattern(self) -> list[int]:
@@ -156,6 +168,9 @@ class Rule:
     per_layer: bool = True
     per_expert: bool = False
     linear: bool = False  # Megatron keeps an _extra_state entry for each linear module
+    # An HF tensor that repeats the Megatron one another rule reads (an MTP layer's own copy of the
+    # embedding and of the output head): written to HF from it, never read from HF
+    repeat: bool = False
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [name.format(l=layer, e=expert) for name in self.hf]
@@ -171,10 +186,32 @@ def rules(shape: ModelShape) -> list[Rule]:
     if not shape.tied_embeddings:
         tail.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
     if not shape.dense_layers:
-        return head + _layer_rules(shape, moe=bool(shape.num_experts)) + tail
+        return head + _layer_rules(shape, moe=bool(shape.num_experts)) + tail + _mtp_rules(shape)
     kinds = {moe: _layer_rules(shape, moe=bool(moe)) for moe in (0, 1)}
     return head + [_in_layer(rule, layer) for layer, moe in enumerate(shape.moe_layer_pattern())
-                   for rule in kinds[moe]] + tail
+                   for rule in kinds[moe]] + tail + _mtp_rules(shape)
+
+
+def _mtp_rules(shape: ModelShape) -> list[Rule]:
+    """The MTP layers (DeepSeek-V3's layout): each a MoE decoder layer whose input is the projection
+    of [norm(embedding of the next token); norm(hidden state)], its own final norm, and HF's copies
+    of the embedding and the output head (megatron shares the model's own)."""
+    out = []
+    for k in range(shape.mtp_layers):
+        layer = shape.num_layers + k
+        hf, mega = f"model.layers.{layer}.", f"mtp.layers.{k}."
+        out += [Rule(mega + "enorm.weight", (hf + "enorm.weight",), per_layer=False),
+                Rule(mega + "hnorm.weight", (hf + "hnorm.weight",), per_layer=False),
+                Rule(mega + "eh_proj.weight", (hf + "eh_proj.weight",), per_layer=False, linear=True)]
+        out += [replace(rule, megatron=rule.megatron.replace("decoder.layers.", mega + "transformer_layer.", 1),
+                        hf=tuple(name.replace("{l}", str(layer)) for name in rule.hf), per_layer=False)
+                for rule in _layer_rules(shape, moe=True)]
+        head = "embedding.word_embeddings.weight" if shape.tied_embeddings else "output_layer.weight"
+        out += [Rule(mega + "final_layernorm.weight", (hf + "shared_head.norm.weight",), per_layer=False),
+                Rule("embedding.word_embeddings.weight", (hf + "embed_tokens.weight",), VOCAB, per_layer=False,
+                     repeat=True),
+                Rule(head, (hf + "shared_head.head.weight",), VOCAB, per_layer=False, repeat=True)]
+    return out
 
 
 def _in_layer(rule: Rule, layer: int) -> Rule:

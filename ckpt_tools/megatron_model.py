@@ -16,8 +16,14 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl,
@@ -29,6 +35,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ckpt_tools import megatron_compat
 from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
+from ckpt_tools.mtp_model import MTPGPTModel
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
 
 megatron_compat.apply()
@@ -92,7 +99,7 @@ def _mla_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
 def transformer_config_from_hf(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
     params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, etp: int | None = None,
-    cp: int = 1, pp: int = 1, pp_first: int | None = None, pp_last: int | None = None,
+    cp: int = 1, pp: int = 1, pp_first: int | None = None, pp_last: int | None = None, mtp_layers: int = 0,
 ) -> tuple[TransformerConfig, dict[str, Any]]:
     """TransformerConfig and GPTModel keyword arguments (besides config and layer spec).
 
@@ -100,7 +107,7 @@ def transformer_config_from_hf(
     is padded as Megatron-LM does, to a multiple of make_vocab_size_divisible_by * tp.
     sequence_parallel needs tp > 1 and SP-capable norms (trainer.megatron.norm); etp (expert
     tensor parallel size) defaults to tp, as in megatron."""
-    shape = ModelShape.from_hf_config(hf_config, make_vocab_size_divisible_by * tp)
+    shape = ModelShape.from_hf_config(hf_config, make_vocab_size_divisible_by * tp, mtp_layers)
     config_kwargs: dict[str, Any] = {
         "num_layers": shape.num_layers,
         "hidden_size": shape.hidden_size,
@@ -132,6 +139,7 @@ def transformer_config_from_hf(
         "params_dtype": params_dtype,
         "bf16": params_dtype == torch.bfloat16,
         "fp16": params_dtype == torch.float16,
+        "mtp_num_layers": mtp_layers or None,
     }
     if shape.num_experts:
         config_kwargs.update(_moe_kwargs(hf_config, shape))
@@ -151,14 +159,16 @@ def transformer_config_from_hf(
 
 def build_gpt_model(
     hf_config: dict, tp: int = 1, ep: int = 1, make_vocab_size_divisible_by: int = 128,
-    params_dtype: torch.dtype = torch.float32, spec: ModuleSpec | None = None,
+    params_dtype: torch.dtype = torch.float32, spec: ModuleSpec | None = None, mtp_layers: int = 0,
 ) -> GPTModel:
     """A GPTModel (no TransformerEngine) for this rank of an initialised TP/EP grid, with the given
     layer spec (say trainer.megatron.attention.gpt_layer_spec(...)); default: megatron's local spec
-    (its dense variant for the dense layers of a model that mixes them with MoE ones).
+    (its dense variant for the dense layers of a model that mixes them with MoE ones); with
+    `mtp_layers` MTP layers (ckpt_tools.mtp_model).
 
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
-    config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype)
+    config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype,
+                                                      mtp_layers=mtp_layers)
 
     def local_spec(num_experts: int | None) -> ModuleSpec:
         layer = spec or get_gpt_layer_local_spec(
@@ -174,11 +184,26 @@ def build_gpt_model(
     # One layer spec: megatron repeats it (and picks the final norm); dense and MoE layers: the block's list.
     mixed = isinstance(config.moe_layer_freq, list)
     block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl) if mixed else layers[0]
-    model = GPTModel(config=config, transformer_layer_spec=block, **model_kwargs)
+    model = with_mtp_layers(config, block, local_spec(config.num_moe_experts), LayerNormImpl, model_kwargs,
+                            hf_config["vocab_size"])
     if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
     return model
+
+
+def with_mtp_layers(config: TransformerConfig, block: ModuleSpec | TransformerBlockSubmodules, mtp_layer: ModuleSpec,
+                    norm: type, model_kwargs: dict[str, Any], hf_vocab_size: int, **kwargs: Any) -> GPTModel:
+    """The GPTModel of `block`; with config.mtp_num_layers, an MTPGPTModel whose MTP layers are
+    `mtp_layer`s (the decoder's MoE layer, as DeepSeek-V3's) with `norm`s (the decoder's own: megatron's
+    spec would take its torch norm, which refuses sequence parallelism)."""
+    if not config.mtp_num_layers:
+        return GPTModel(config=config, transformer_layer_spec=block, **model_kwargs, **kwargs)
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, transformer_layer=mtp_layer, layer_norm=norm))
+    mtp = MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
+    return MTPGPTModel(config=config, transformer_layer_spec=block, mtp_block_spec=mtp, hf_vocab_size=hf_vocab_size,
+                       **model_kwargs, **kwargs)
 
 
 def stage_layer_specs(config: TransformerConfig, layer_spec: Callable[[int | None], ModuleSpec]) -> list[ModuleSpec]:

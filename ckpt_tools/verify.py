@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from ckpt_tools.architectures import declared_mtp_layers
 from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
 from ckpt_tools.hf_checkpoint import HFCheckpoint
 from ckpt_tools.inspect import roundtrip_differences
@@ -31,8 +32,10 @@ def fp32_bytes_of_both_models(hf_dir: Path) -> int:
     return 2 * 4 * params
 
 
-def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: int = 32, seed: int = 0) -> float:
-    """max |Megatron - HF| over random prompts, fp32, TP=1 in this process."""
+def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: int = 32, seed: int = 0,
+                    mtp_layers: int = 0) -> float:
+    """max |Megatron - HF| over random prompts, fp32, TP=1 in this process (the checkpoint holding
+    `mtp_layers` MTP layers, which the logits do not go through)."""
     import transformers
 
     from ckpt_tools.megatron_model import (
@@ -51,7 +54,7 @@ def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: 
     del hf_model
     init_parallel(tp=1, ep=1)
     try:
-        model = build_gpt_model(config)
+        model = build_gpt_model(config, mtp_layers=mtp_layers)
         load_torch_dist(model, ckpt_folder)
         return (megatron_logits(model, ids) - expected).abs().max().item()
     finally:
@@ -59,9 +62,11 @@ def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: 
 
 
 def verify(hf_dir: Path, make_vocab_size_divisible_by: int = 128, logits: bool = True) -> Verdict:
+    """Both conversions (every MTP layer config.json declares kept) and the logits against transformers'."""
+    mtp_layers = declared_mtp_layers(json.loads((Path(hf_dir) / "config.json").read_text()))
     with tempfile.TemporaryDirectory(prefix="slurmrl-verify-") as tmp:
         folder = hf_to_torch_dist(hf_dir, Path(tmp) / "td", make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                  progress=False)
+                                  mtp_layers=mtp_layers, progress=False)
         torch_dist_to_hf(Path(tmp) / "td", Path(tmp) / "hf", hf_dir, progress=False)
         problems = roundtrip_differences(hf_dir, Path(tmp) / "hf")
         if not logits:
@@ -70,4 +75,4 @@ def verify(hf_dir: Path, make_vocab_size_divisible_by: int = 128, logits: bool =
         if need > 0.8 * available:
             return Verdict(problems, None, f"logits check skipped: needs {need / 1024**3:.1f} GiB, "
                                            f"{available / 1024**3:.1f} GiB available")
-        return Verdict(problems, logits_max_diff(hf_dir, folder))
+        return Verdict(problems, logits_max_diff(hf_dir, folder, mtp_layers=mtp_layers))

@@ -48,6 +48,7 @@ def _moe_experts(c: dict[str, Any]) -> int | None:
 
 
 UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
+MTP_LOSS_SCALE = 0.2  # --mtp-loss-scaling-factor, slime's default
 # flag -> how to read the same quantity from an HF config
 _MODEL_FLAGS: dict[str, Any] = {
     "num_layers": lambda c: c["num_hidden_layers"],
@@ -191,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-token-dispatcher-type", type=dispatchers, metavar=dispatchers.metavar,
         help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
+    # multi-token prediction (DeepSeek-V3, GLM-4.5/4.7: config.json's num_nextn_predict_layers), slime's flags
+    add("--mtp-num-layers", type=int, help="keep this many MTP layers in the model (checkpoints, publishing); "
+        "trained only with --enable-mtp-training")
+    add("--enable-mtp-training", action="store_true",
+        help="train the MTP layers: their loss over the response tokens joins the policy loss")
+    add("--mtp-loss-scaling-factor", type=float, default=MTP_LOSS_SCALE,
+        help="the MTP loss's weight (split evenly over the MTP layers), with --enable-mtp-training")
     refused(p, "--moe-grouped-gemm", "accepted: experts run as megatron's SequentialMLP, one GEMM per expert (the "
             "same numbers; grouped GEMM needs TransformerEngine or the grouped_gemm package)",
             switch=True, allowed=True)

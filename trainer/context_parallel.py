@@ -41,6 +41,7 @@ class RowLayout:
     group: dist.ProcessGroup | None = None  # the CP group when CP > 1
     counts: list[int] | None = None  # response rows held by each CP rank
     order: Tensor | None = None  # gathered rows -> sample order
+    token_weights: Tensor | None = None  # float [t]: each fed token's loss mask (the MTP loss: trainer.megatron.mtp)
 
     def per_sample(self, values: Tensor) -> list[Tensor]:
         """values [m] (one per entry of `rows`) -> one [R] tensor per sample of the pack."""

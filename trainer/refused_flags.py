@@ -51,9 +51,6 @@ REFUSED: tuple[Refusal, ...] = (
     _switch("--use-gated-attention", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     _switch("--post-mlp-layernorm", f"extra post-MLP norms (GLM-4) are not supported; {_MODELS}"),
     _switch("--post-self-attn-layernorm", f"extra post-attention norms (GLM-4) are not supported; {_MODELS}"),
-    Refusal("--mtp-num-layers", "multi-token prediction layers are not supported; drop it"),
-    Refusal("--mtp-loss-scaling-factor", "multi-token prediction layers are not supported; drop it", type=float),
-    _switch("--enable-mtp-training", "multi-token prediction layers are not supported; drop it"),
     # -- MoE features beyond Qwen3-MoE's and DeepSeek-V3's (gated shared experts, DeepEP)
     _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; "
                                         f"{_MODELS}"),

@@ -34,7 +34,8 @@ def build(config: TrainerConfig) -> tuple[Loop, Path | None, Callable[[], None] 
 
     backend = MegatronBackend(config, hf_config)
     ckpt = config.checkpoint
-    initial = initial_weights(ckpt, model.hf_checkpoint, config.run.job_dir, backend.rank == 0, backend.cpu_group)
+    initial = initial_weights(ckpt, model.hf_checkpoint, config.run.job_dir, backend.rank == 0, backend.cpu_group,
+                              model.mtp_num_layers or 0)
     if ckpt.opd_teacher_load:
         backend.load_teacher(_resolve("--opd-teacher-load", ckpt.opd_teacher_load, ckpt.opd_teacher_ckpt_step))
     load_reference = (lambda: backend.load_reference(initial)) if config.loss.ref_model_needed else None
@@ -49,14 +50,15 @@ def _resolve(flag: str, path: str, step: int | None = None) -> Path:
 
 
 def initial_weights(ckpt: CheckpointOptions, hf_checkpoint: str, job_dir: str, rank0: bool,
-                    group: dist.ProcessGroup | None) -> Path:
-    """--ref-load's checkpoint; without one, --hf-checkpoint converted once into the job dir."""
+                    group: dist.ProcessGroup | None, mtp_layers: int = 0) -> Path:
+    """--ref-load's checkpoint; without one, --hf-checkpoint converted once into the job dir (with
+    its first `mtp_layers` MTP layers)."""
     if ckpt.ref_load:
         return _resolve("--ref-load", ckpt.ref_load, ckpt.ref_ckpt_step)
     converted = JobDir(Path(job_dir)).hf_torch_dist
     if rank0 and not converted.exists():
         from ckpt_tools.convert import hf_to_torch_dist
 
-        hf_to_torch_dist(Path(hf_checkpoint), converted, iteration=None, progress=False)
+        hf_to_torch_dist(Path(hf_checkpoint), converted, iteration=None, mtp_layers=mtp_layers, progress=False)
     dist.barrier(group=group)
     return resolve_checkpoint(converted)

@@ -53,13 +53,23 @@ def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
     copy_plan(plan_load(model, tensors, complete))
 
 
+def _without_mtp_layers(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """As SGLang's DeepSeek-V3 and GLM-4.5 models, the main model passes over the multi-token
+    prediction layers' tensors (config.json's num_nextn_predict_layers, after the decoder's layers):
+    a draft model for speculative decoding loads those."""
+    config = getattr(model, "config", None)
+    first, count = getattr(config, "num_hidden_layers", 0), getattr(config, "num_nextn_predict_layers", 0) or 0
+    skipped = tuple(f"model.layers.{layer}." for layer in range(first, first + count))
+    return {name: t for name, t in tensors.items() if not name.startswith(skipped)} if skipped else tensors
+
+
 def plan_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> Plan:
     """Check `tensors` against the model (WeightError if they do not fit) and pair each with its parameter.
 
     complete=True (a whole checkpoint) requires every parameter; tied parameters (an lm_head
     sharing the embedding) count as one and may come under either name."""
     targets = model.state_dict(keep_vars=True)
-    tensors, expert_plan = expert_views(tensors, targets)
+    tensors, expert_plan = expert_views(_without_mtp_layers(model, tensors), targets)
     unknown = sorted(set(tensors) - set(targets))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""

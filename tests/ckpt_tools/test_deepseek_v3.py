@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.convert import hf_to_torch_dist
-from ckpt_tools.hf_checkpoint import CheckpointError
+from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
+from ckpt_tools.hf_checkpoint import CheckpointError, HFCheckpoint
 from ckpt_tools.torch_dist import read_metadata, tensor_entries
 from ckpt_tools.verify import verify
 from tests.ckpt_tools.test_megatron_parity import ATOL
@@ -62,3 +62,37 @@ def test_config_megatron_cannot_match_is_refused(tiny_deepseek: Path, tmp_path: 
     with pytest.raises(CheckpointError, match=f"config.json: {message}"):
         hf_to_torch_dist(hf, tmp_path / "td", progress=False)
     assert not (tmp_path / "td").exists()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_convert_both_ways_and_verify(arch: str, tmp_path: Path) -> None:
+    """DeepSeek-V3's and GLM-4.5's multi-token prediction layer (HF: decoder layer num_hidden_layers,
+    with its norms, input projection and copies of the embedding and head) becomes megatron's
+    mtp.layers.0 and back bit for bit; the logits (which do not go through it) match transformers'."""
+    hf = make_tiny_hf(arch, tmp_path / "hf", tied=False, mtp_layers=1)
+    verdict = verify(hf)
+    assert verdict.roundtrip_problems == []
+    assert verdict.logits_max_diff is not None and verdict.logits_max_diff <= ATOL
+    stored = tensor_entries(read_metadata(hf_to_torch_dist(hf, tmp_path / "td", mtp_layers=1, progress=False)))
+    mtp = {key for key in stored if key.startswith("mtp.")}
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.mlp.router.expert_bias"} <= mtp, sorted(mtp)
+    assert list(stored["mtp.layers.0.eh_proj.weight"].size) == [64, 128]
+    assert list(stored["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"].size) == [8, 64, 64]
+
+
+def test_mtp_layers_left_out_unless_asked(tmp_path: Path) -> None:
+    """A checkpoint with an MTP layer converts without it (the trainer keeps it only with
+    --mtp-num-layers), and back to HF without it; more MTP layers than config.json declares, or any on
+    a family without them, are refused by name before anything is written."""
+    hf = make_tiny_hf("deepseek_v3", tmp_path / "hf", tied=False, mtp_layers=1)
+    stored = tensor_entries(read_metadata(hf_to_torch_dist(hf, tmp_path / "td", progress=False)))
+    assert not [key for key in stored if key.startswith("mtp.")]
+    back = HFCheckpoint(torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False))
+    assert not [name for name in back.shapes if name.startswith("model.layers.2.")]
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers is 1, below --mtp-num-layers 2"):
+        hf_to_torch_dist(hf, tmp_path / "td2", mtp_layers=2, progress=False)
+    qwen = make_tiny_hf("qwen3", tmp_path / "qwen", tied=False)
+    with pytest.raises(CheckpointError, match="--mtp-num-layers 1: Qwen3ForCausalLM has no multi-token prediction"):
+        hf_to_torch_dist(qwen, tmp_path / "td3", mtp_layers=1, progress=False)
+    assert not (tmp_path / "td2").exists() and not (tmp_path / "td3").exists()

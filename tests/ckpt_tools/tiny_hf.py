@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import transformers
 
@@ -70,9 +72,10 @@ def tiny_config(arch: str, tied: bool = False, layers: int | None = None) -> tra
 
 
 def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, layers: int | None = None) -> Path:
+                 dtype: torch.dtype = torch.float32, layers: int | None = None, mtp_layers: int = 0) -> Path:
     """Save a random tiny `arch` model (one of ARCHS; `layers` layers, default the arch's) to out_dir with
-    save_pretrained; returns out_dir.
+    save_pretrained; returns out_dir. With `mtp_layers`, DeepSeek-V3's multi-token prediction layers
+    after the decoder's (which transformers does not build: they are written beside its weights).
 
     Every parameter is random, norm weights included (around 1), and large enough that a
     transposed, swapped or misplaced tensor changes the logits well beyond float32 noise."""
@@ -90,4 +93,30 @@ def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
                 buffer.copy_(0.1 * torch.randn_like(buffer))
     out_dir = Path(out_dir)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    if mtp_layers:
+        _add_mtp_layers(out_dir, mtp_layers, config.num_hidden_layers)
     return out_dir
+
+
+def _add_mtp_layers(hf_dir: Path, count: int, layers: int) -> None:
+    """DeepSeek-V3's MTP layers as its checkpoints keep them: decoder layers `layers`.. (random, shaped
+    as the last decoder layer) with their input norms and projection, final norm, and copies of the
+    embedding and the output head; config.json's num_nextn_predict_layers says how many."""
+    weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    last = f"model.layers.{layers - 1}."
+    for k in range(count):
+        mtp = f"model.layers.{layers + k}."
+        for name, tensor in list(weights.items()):
+            if name.startswith(last):
+                weights[mtp + name[len(last):]] = tensor + 0.05 * torch.randn_like(tensor)
+        hidden = weights["model.embed_tokens.weight"].shape[1]
+        dtype = weights["model.embed_tokens.weight"].dtype
+        for norm in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            weights[mtp + norm] = (1.0 + 0.2 * torch.randn(hidden)).to(dtype)
+        weights[mtp + "eh_proj.weight"] = (0.15 * torch.randn(hidden, 2 * hidden)).to(dtype)
+        weights[mtp + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        weights[mtp + "shared_head.head.weight"] = head.clone()
+    safetensors.torch.save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": count}, indent=2))

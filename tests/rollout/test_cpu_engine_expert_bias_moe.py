@@ -3,7 +3,8 @@ experts, expert-bias routing, a dense first layer as first_k_dense_replace gives
 through transformers: greedy outputs with
 transformers' log-probs, and an update to other weights from disk and over a weight-update group
 (experts under their per-expert checkpoint names, routing biases and the dense layer's MLP included)
-serves those."""
+serves those. The checkpoints carry a multi-token prediction layer, whose tensors the engine passes
+over, as SGLang's main model does (its draft model would load them)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ PROBE = {"input_ids": PROMPT, "return_logprob": True,
          "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
 
 
-def _with_tokenizer(arch: str, root: Path, seed: int) -> Path:
+def _with_tokenizer(arch: str, root: Path, seed: int, mtp_layers: int = 0) -> Path:
     """make_tiny_hf's `arch` (vocab 128) with the tiny tokenizer (105 tokens)."""
-    model = make_tiny_hf(arch, root / f"{arch}{seed}", tied=False, seed=seed)
+    model = make_tiny_hf(arch, root / f"{arch}{seed}", tied=False, seed=seed, mtp_layers=mtp_layers)
     tokenizer = write_tiny_model(root / f"tokenizer{seed}")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, model / name)
@@ -40,7 +41,7 @@ def _with_tokenizer(arch: str, root: Path, seed: int) -> Path:
 @pytest.fixture(scope="module", params=["deepseek_v3_dense_first", "glm4_moe", "glm4_moe_lite"])
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {seed: _with_tokenizer(request.param, root, seed) for seed in (0, 1, 2)}
+    return {seed: _with_tokenizer(request.param, root, seed, mtp_layers=1) for seed in (0, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,7 @@ def test_updates_over_a_weight_update_group(engine: EngineProcess, models: dict[
     one by one: the dense layer's MLP is filled, and the engine serves the new model."""
     tensors = load_file(models[2] / "model.safetensors")
     assert "model.layers.0.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.experts.0.up_proj.weight" in tensors
+    assert "model.layers.3.eh_proj.weight" in tensors  # the MTP layer's, passed over
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "ds", "backend": "gloo"}

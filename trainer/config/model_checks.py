@@ -10,8 +10,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.architectures import routed_experts
-from trainer.args_parser import _MODEL_FLAGS, UNCHECKED, ArgsError
+from ckpt_tools.architectures import MTP_ARCHITECTURES, declared_mtp_layers, routed_experts
+from trainer.args_parser import _MODEL_FLAGS, MTP_LOSS_SCALE, UNCHECKED, ArgsError
 from trainer.config.sections import ShapeFlags
 
 Need = Callable[[bool, str], object]  # records or raises a failed check
@@ -23,6 +23,32 @@ def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
     """--hf-checkpoint's config.json (build_config checked that there is one)."""
     result: dict[str, Any] = json.loads((Path(hf_checkpoint) / "config.json").read_text())
     return result
+
+
+def check_mtp(args: argparse.Namespace, config: dict[str, Any] | None, need: Need) -> None:
+    """slime's multi-token prediction flags against the backend, the layout and config.json."""
+    layers = args.mtp_num_layers
+    need(not args.enable_mtp_training or layers, "--enable-mtp-training needs --mtp-num-layers N (the MTP layers "
+                                                 "to train)")
+    need(args.enable_mtp_training or args.mtp_loss_scaling_factor == MTP_LOSS_SCALE,
+         "--mtp-loss-scaling-factor weighs the loss of --enable-mtp-training: add it or drop the flag")
+    if layers is None:
+        return
+    if not need(layers >= 1, f"--mtp-num-layers must be 1 or more, got {layers}"):
+        return
+    need(args.train_backend == "megatron", f"--mtp-num-layers {layers} needs --train-backend megatron (the fsdp "
+                                           "backend trains transformers' model, which has no MTP layers)")
+    need(args.pipeline_model_parallel_size == 1 and args.context_parallel_size == 1,
+         f"--mtp-num-layers {layers}: MTP layers under pipeline or context parallelism are not supported; "
+         "use tensor, expert and data parallelism")
+    if config is None:
+        return
+    arch, families = (config.get("architectures") or ["(none)"])[0], ", ".join(MTP_ARCHITECTURES)
+    if need(arch in MTP_ARCHITECTURES, f"--mtp-num-layers {layers}: {args.hf_checkpoint} is a {arch}, which has "
+                                       f"no multi-token prediction layers (those that do: {families})"):
+        need(layers <= declared_mtp_layers(config), f"--mtp-num-layers {layers}: {args.hf_checkpoint}/config.json "
+             f"has num_nextn_predict_layers {declared_mtp_layers(config)}; the checkpoint must hold every MTP layer "
+             "trained")
 
 
 def validate_megatron_parallel(args: argparse.Namespace, config: dict[str, Any], need: Need) -> None:

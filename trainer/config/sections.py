@@ -54,6 +54,9 @@ class ModelOptions:
     only_train_params_name_list: list[str] | None  # trainer.freezing
     freeze_params_name_list: list[str] | None
     moe_router_bias_update_rate: float  # DeepSeek-V3's expert bias: its step after each optimizer step
+    mtp_num_layers: int | None  # multi-token prediction layers kept (trainer.megatron.mtp)
+    enable_mtp_training: bool  # their loss joins the policy loss
+    mtp_loss_scaling_factor: float
     moe_router_load_balancing_type: str  # no effect: the aux-loss coefficient is 0
     custom_megatron_init_path: str | None
     custom_megatron_before_log_prob_hook_path: str | None

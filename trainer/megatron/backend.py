@@ -23,9 +23,10 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ckpt_tools import mapping
-from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf
+from ckpt_tools.megatron_model import init_parallel, transformer_config_from_hf, with_mtp_layers
 from rollout.plugins import load_function
 from trainer import context_parallel, freezing, main_grads
 from trainer.args import ArgsError
@@ -33,6 +34,7 @@ from trainer.backend import Backend, PackLoss, built, steps_on
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
 from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
+from trainer.megatron import mtp as megatron_mtp
 from trainer.megatron import pipeline as megatron_pipeline
 from trainer.megatron import state as megatron_state
 from trainer.megatron import trainee_state
@@ -40,6 +42,7 @@ from trainer.megatron.attention import gpt_block_spec
 from trainer.megatron.compile import compile_layers
 from trainer.megatron.expert_bias import update_expert_bias
 from trainer.megatron.hf_export import HFExport
+from trainer.megatron.norm import HiddenStateNorm
 from trainer.megatron.optimizer import ShardedOptimizer
 from trainer.megatron.rope import PackedRope
 from trainer.megatron.trainee_state import Trainee
@@ -48,7 +51,6 @@ from trainer.offload import Offloadable
 from trainer.token_stats import chunked_log_probs_and_entropy, log_probs_and_entropy
 
 log = logging.getLogger(__name__)
-
 
 
 class ValueHead(torch.nn.Module):
@@ -91,8 +93,9 @@ class MegatronBackend(Backend):
                        else torch.device("cpu"))
         check_attention_backend(config.model.attention_kernels, self.device, "megatron", parallel.context_parallel_size)
         self.hf_config = hf_config
+        self.mtp_layers = config.model.mtp_num_layers or 0
         self.shape = mapping.ModelShape.from_hf_config(
-            hf_config, config.model.make_vocab_size_divisible_by * self.tp_size)
+            hf_config, config.model.make_vocab_size_divisible_by * self.tp_size, self.mtp_layers)
         self.plugin_args = config.plugin_namespace()  # what slime's megatron hooks get as args
         if config.model.custom_megatron_init_path:  # slime's: once megatron is initialised, before any model is built
             init = load_function(config.model.custom_megatron_init_path, "--custom-megatron-init-path")
@@ -132,7 +135,8 @@ class MegatronBackend(Backend):
             options.model.make_vocab_size_divisible_by, sequence_parallel=self.sequence_parallel, etp=self.etp_size,
             cp=self.cp_size, pp=self.pp_size, pp_first=options.parallel.decoder_first_pipeline_num_layers,
             pp_last=options.parallel.decoder_last_pipeline_num_layers,
-            params_dtype=torch.bfloat16 if options.model.bf16 else torch.float32)
+            params_dtype=torch.bfloat16 if options.model.bf16 else torch.float32, mtp_layers=self.mtp_layers)
+        config.mtp_loss_scaling_factor = options.model.mtp_loss_scaling_factor
         if tied is not None:
             model_kwargs["share_embeddings_and_output_weights"] = tied
         # megatron's torch.compile'd SwiGLU: a GPU fusion that needs no TransformerEngine.
@@ -147,8 +151,9 @@ class MegatronBackend(Backend):
             config.moe_router_dtype = options.model.moe_router_dtype
             config.moe_router_bias_update_rate = options.model.moe_router_bias_update_rate
         spec = gpt_block_spec(config, options.model.attention_backend)
-        model = GPTModel(config=config, transformer_layer_spec=spec, pre_process=ps.is_pipeline_first_stage(),
-                         post_process=self.last_stage, **model_kwargs).to(self.device)
+        last = spec.submodules.layer_specs[-1] if isinstance(spec.submodules, TransformerBlockSubmodules) else spec
+        model = with_mtp_layers(config, spec, last, HiddenStateNorm, model_kwargs, self.shape.vocab_size,
+                                pre_process=ps.is_pipeline_first_stage(), post_process=self.last_stage).to(self.device)
         # MLA's layers keep their own rotary tables (YaRN's among them) and rotate packed rows by megatron's path
         if options.model.attention_backend != "local" and self.cp_size == 1 and not config.multi_latent_attention:
             model.packed_rope = PackedRope(model)
@@ -175,9 +180,11 @@ class MegatronBackend(Backend):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.config.optimizer))
         return Trainee(model, optimizer, schedule)
 
-    def _layout(self, pack: Pack, samples: list[TrainSample]) -> context_parallel.RowLayout:
-        return context_parallel.layout(pack, samples, self.tp_size if self.sequence_parallel else 1,
+    def _layout(self, pack: Pack, samples: list[TrainSample], mtp: bool = False) -> context_parallel.RowLayout:
+        """This rank's rows of `pack`; with `mtp`, what the MTP loss weighs each token by too."""
+        rows = context_parallel.layout(pack, samples, self.tp_size if self.sequence_parallel else 1,
                                        ps.get_context_parallel_group() if self.cp_size > 1 else None)
+        return megatron_mtp.weighted(rows, [samples[i].loss_mask for i in pack.sample_ids]) if mtp else rows
 
     def _run_model(self, model: GPTModel, rows: context_parallel.RowLayout) -> torch.Tensor:
         """The model's output for this rank's rows: on the last stage its vocab slice of the logits,
@@ -195,6 +202,9 @@ class MegatronBackend(Backend):
             inputs["attention_mask"] = None
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
+        if rows.token_weights is not None:
+            inputs["mtp_targets"] = [(t.to(self.device), w.to(self.device)) for t, w in megatron_mtp.targets(
+                rows.tokens, rows.token_weights, cu, self.mtp_layers)]
         rope: PackedRope | None = getattr(model, "packed_rope", None)
         if rope is not None:
             rope.positions = positions[0]
@@ -220,14 +230,17 @@ class MegatronBackend(Backend):
 
     def _each_pack(self, model: GPTModel, samples: list[TrainSample], ids: list[int],
                    step: megatron_pipeline.PackStep, train: bool) -> list[dict[str, torch.Tensor]]:
-        packs = [(pack, self._layout(pack, samples)) for pack in self._my_packs(samples, ids, not train)]
+        mtp = train and model is self.model and self.config.model.enable_mtp_training
+        packs = [(pack, self._layout(pack, samples, mtp)) for pack in self._my_packs(samples, ids, not train)]
         return megatron_pipeline.each_pack(model, packs, self._run_model, step, train)
 
-    def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
+    def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool,
+                  dp_rank: int | None = None) -> list[Pack]:
+        """The packs of this data-parallel rank (or of `dp_rank`)."""
         batching = Batching.of(self.config.batching, for_log_probs)
         if batching.dynamic and self.cp_size > 1:  # as slime: each rank holds 1 / CP of a pack's tokens
             batching = dataclasses.replace(batching, max_tokens=batching.max_tokens * self.cp_size)
-        return rank_packs(samples, ids, self.dp_size, self.dp_rank, batching)
+        return rank_packs(samples, ids, self.dp_size, self.dp_rank if dp_rank is None else dp_rank, batching)
 
     # ---------------------------------------------------------------- Backend
     def _values_of(self, output: torch.Tensor, rows: context_parallel.RowLayout) -> list[torch.Tensor]:
@@ -280,11 +293,18 @@ class MegatronBackend(Backend):
         trainee.model.train()
         trainee.optimizer.zero_grad()
         totals: dict[str, torch.Tensor] = {}
+        mtp = role == "actor" and self.config.model.enable_mtp_training
+        if mtp:
+            packs = megatron_mtp.weigh_micro_batches(
+                sum(len(self._my_packs(samples, ids, False, rank)) for rank in range(self.dp_size)))
 
         def step(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
             if role == "critic":
                 return loss(pack, self._values_of(output, rows), None)
-            return loss(pack, *self._stats(output[0], rows, need_entropy))
+            value, metrics = loss(pack, *self._stats(output[0], rows, need_entropy))
+            if mtp:
+                metrics = {**metrics, **megatron_mtp.metrics(trainee.model, packs)}
+            return value, metrics
 
         for metrics in self._each_pack(trainee.model, samples, ids, step, train=True):
             for name, m in metrics.items():

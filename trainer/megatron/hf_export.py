@@ -23,6 +23,7 @@ _LOCAL_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_
                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _FP32_BIAS = "e_score_correction_bias"
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.transformer_layer\.)(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
@@ -40,14 +41,18 @@ class HFExport:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every (HF name, tensor), on global rank 0; a collective: every rank iterates it."""
-        rules = {rule.megatron: rule for rule in mapping.rules(self.shape)}
+        every = mapping.rules(self.shape)
+        rules = {rule.megatron: rule for rule in every if not rule.repeat}
+        # HF's copies of a tensor (an MTP layer's embedding and head), sent after it
+        repeats = {rule.megatron: [r for r in every if r.repeat and r.megatron == rule.megatron] for rule in every}
         dtype = getattr(torch, self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
         if self.pp_size == 1:
-            yield from self._stage_weights(rules, dtype)
+            yield from self._stage_weights(rules, repeats, dtype)
         else:
-            yield from megatron_pipeline.from_every_stage(self._stage_weights(rules, dtype))
+            yield from megatron_pipeline.from_every_stage(self._stage_weights(rules, repeats, dtype))
 
-    def _stage_weights(self, rules: dict[str, mapping.Rule], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stage_weights(self, rules: dict[str, mapping.Rule], repeats: dict[str, list[mapping.Rule]],
+                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """This pipeline stage's weights, on its leader (global rank 0 without PP)."""
         offset = get_transformer_layer_offset(self.model.config)
         # DeepSeek-V3's routing bias is a buffer, not a parameter, and the engines need it too.
@@ -59,21 +64,25 @@ class HFExport:
             for expert, full in self._gather(name, param, experts):
                 if not megatron_pipeline.is_stage_leader():
                     continue
-                rule = rules[key]
-                for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
-                    # transformers keeps the routing bias in fp32 whatever the model's dtype.
-                    # On the GPU: NCCL publishing packs them there; disk writers move them to the host.
-                    yield hf_name, tensor.to(torch.float32 if hf_name.endswith(_FP32_BIAS) else dtype)
+                for rule in (rules[key], *repeats.get(key, ())):
+                    for hf_name, tensor in zip(rule.hf_names(layer, expert), mapping.to_hf(rule, full, self.shape)):
+                        # transformers keeps the routing bias in fp32 whatever the model's dtype.
+                        # On the GPU: NCCL publishing packs them there; disk writers move them to the host.
+                        yield hf_name, tensor.to(torch.float32 if hf_name.endswith(_FP32_BIAS) else dtype)
 
     def _checkpoint_key(self, name: str, offset: int) -> tuple[str, int | None, tuple[int, int] | None]:
         """(checkpoint key, global layer, (local expert, experts per rank) or None) of a parameter name
         of this stage, whose first layer is the model's `offset`th."""
         match = _LAYER.fullmatch(name)
-        if not match:
+        mtp = _MTP_LAYER.fullmatch(name)
+        if mtp:  # an MTP layer's decoder layer: keyed alone, its HF layer in the rule's names
+            layer, (prefix, rest) = None, mtp.groups()
+        elif match:
+            layer, rest = int(match.group(1)) + offset, match.group(2)
+            # Dense and MoE layers mixed: each layer keyed apart, as ckpt_tools.mapping.rules says.
+            prefix = f"decoder.layers.{layer}." if self.shape.dense_layers else "decoder.layers."
+        else:
             return name, None, None
-        layer, rest = int(match.group(1)) + offset, match.group(2)
-        # Dense and MoE layers mixed: each layer keyed apart, as ckpt_tools.mapping.rules says.
-        prefix = f"decoder.layers.{layer}." if self.shape.dense_layers else "decoder.layers."
         expert = _EXPERT.fullmatch(rest)
         if expert:
             per_rank = self.shape.num_experts // self.ep_size
