@@ -3,7 +3,9 @@ on a tiny DeepSeek-V3 with one MTP layer (HF: decoder layer 3 with its norms, in
 copies of the embedding and head): trained, its loss joins the step and is logged as slime logs it,
 its weights move, and the step is the same at TP=1, at TP=2 + SP with the experts over two ranks
 (EP=2) and at DP=2; kept but not trained, its weights stay as loaded; either way the logits (log-probs) are
-the decoder's alone, and publishing sends every HF tensor of the checkpoint, the MTP layer's too."""
+the decoder's alone, and publishing sends every HF tensor of the checkpoint, the MTP layer's too.
+End to end (`python -m trainer` from --hf-checkpoint, a stand-in engine behind the real router): the
+MTP loss falls over a few rollouts while each published version reaches the engine intact."""
 
 from __future__ import annotations
 
@@ -15,10 +17,14 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tools.convert import hf_to_torch_dist
+from rollout.toy_task import write_toy_data
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
+from tests.rollout.servers import engines_behind_router
+from tests.rollout.test_cpu_engine_expert_bias_moe import _with_tokenizer
 from tests.trainer.test_megatron_backend import ATOL, PACKED, _hf_logps, _samples, run_all
 from tests.trainer.test_megatron_expert_bias_moe import FAMILIES, MOE_FLAGS
+from tests.trainer.test_rl_loop import metrics, trainer
 
 ARCH = "deepseek_v3_dense_first"
 MTP = ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
@@ -137,3 +143,21 @@ def test_a_model_without_mtp_layers_is_named(tmp_path: Path) -> None:
                                                 "--load-debug-rollout-data", "x", "--mtp-num-layers", "1"]))
     assert any("is a Qwen3ForCausalLM, which has no multi-token prediction layers" in line
                for line in err.value.problems), err.value.problems
+
+
+SAME_CPU = 1e-4  # the engine's log-probs against the trainer's, both fp32 on the CPU (~1e-6 apart)
+
+
+def test_mtp_trains_in_the_rl_loop_and_every_version_reaches_the_engine(tmp_path: Path) -> None:
+    model = _with_tokenizer(ARCH, tmp_path / "models", seed=0, mtp_layers=1)
+    data = write_toy_data(tmp_path / "toy.jsonl", num_prompts=64)
+    servers = tmp_path / "servers"
+    servers.mkdir()
+    with engines_behind_router(model, servers, count=1, deterministic=True) as (router, _):
+        trainer((model, data), router, tmp_path / "job", "--num-rollout", "4", "--rollout-batch-size", "8",
+                "--lr", "1e-2", "--train-backend", "megatron", "--update-weight-transport", "disk",
+                *FAMILIES[ARCH], *MOE_FLAGS, *MTP, "--true-on-policy-mode", "--true-on-policy-tolerance", str(SAME_CPU))
+    rows = metrics(tmp_path / "job")
+    assert [m["rollout_id"] for m in rows] == [0, 1, 2, 3]
+    assert all(m["logp_mismatch_max"] < SAME_CPU and m["engines_updated"] == 1 for m in rows), rows
+    assert rows[-1]["mtp_loss"] < rows[0]["mtp_loss"], [m["mtp_loss"] for m in rows]
