@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import safetensors.torch
 import torch
 import transformers
+
+from rollout.tiny_model import write_tiny_model
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -120,3 +123,13 @@ def _add_mtp_layers(hf_dir: Path, count: int, layers: int) -> None:
     safetensors.torch.save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": count}, indent=2))
+
+
+def tiny_hf_with_tokenizer(arch: str, root: Path, seed: int, mtp_layers: int = 0) -> Path:
+    """make_tiny_hf's `arch` (vocab 128) under root, with the tiny tokenizer (105 tokens): a model
+    the stand-in engine serves."""
+    model = make_tiny_hf(arch, root / f"{arch}{seed}", tied=False, seed=seed, mtp_layers=mtp_layers)
+    tokenizer = write_tiny_model(root / f"tokenizer{seed}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, model / name)
+    return model

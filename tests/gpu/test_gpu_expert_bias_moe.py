@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from rollout.toy_task import write_toy_data
+from tests.ckpt_tools.tiny_hf import tiny_hf_with_tokenizer
 from tests.gpu.gpu_cluster import needs_gpus
 from tests.rollout.servers import engines_behind_router
-from tests.rollout.test_cpu_engine_expert_bias_moe import _with_tokenizer
 from tests.trainer.test_megatron_expert_bias_moe import FAMILIES, MOE_FLAGS
 from tests.trainer.test_megatron_mtp import MTP
 from tests.trainer.test_rl_loop import metrics, trainer
@@ -31,7 +31,7 @@ SAME_GPU = 1e-4
 
 
 def test_a_deepseek_v3_style_model_trains_on_policy_with_its_engine_on_the_gpu(tmp_path: Path) -> None:
-    model = _with_tokenizer(ARCH, tmp_path / "models", seed=0, mtp_layers=1)
+    model = tiny_hf_with_tokenizer(ARCH, tmp_path / "models", seed=0, mtp_layers=1)
     data = write_toy_data(tmp_path / "toy.jsonl", num_prompts=64)
     servers = tmp_path / "servers"
     servers.mkdir()

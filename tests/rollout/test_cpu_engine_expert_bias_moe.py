@@ -8,7 +8,6 @@ over, as SGLang's main model does (its draft model would load them)."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rollout.tiny_model import write_tiny_model
 from rollout.weight_group import create_group
-from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import tiny_hf_with_tokenizer
 from tests.rollout.cpu_engine_helpers import EngineProcess, free_port
 from tests.rollout.test_cpu_engine_api import in_thread
 
@@ -29,19 +27,10 @@ PROBE = {"input_ids": PROMPT, "return_logprob": True,
          "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
 
 
-def _with_tokenizer(arch: str, root: Path, seed: int, mtp_layers: int = 0) -> Path:
-    """make_tiny_hf's `arch` (vocab 128) with the tiny tokenizer (105 tokens)."""
-    model = make_tiny_hf(arch, root / f"{arch}{seed}", tied=False, seed=seed, mtp_layers=mtp_layers)
-    tokenizer = write_tiny_model(root / f"tokenizer{seed}")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, model / name)
-    return model
-
-
 @pytest.fixture(scope="module", params=["deepseek_v3_dense_first", "glm4_moe", "glm4_moe_lite"])
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {seed: _with_tokenizer(request.param, root, seed, mtp_layers=1) for seed in (0, 1, 2)}
+    return {seed: tiny_hf_with_tokenizer(request.param, root, seed, mtp_layers=1) for seed in (0, 1, 2)}
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,9 @@ from safetensors import safe_open
 
 from ckpt_tools.convert import hf_to_torch_dist
 from rollout.toy_task import write_toy_data
-from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_hf_with_tokenizer
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import engines_behind_router
-from tests.rollout.test_cpu_engine_expert_bias_moe import _with_tokenizer
 from tests.trainer.test_megatron_backend import ATOL, PACKED, _hf_logps, _samples, run_all
 from tests.trainer.test_megatron_expert_bias_moe import FAMILIES, MOE_FLAGS
 from tests.trainer.test_rl_loop import metrics, trainer
@@ -149,7 +148,7 @@ SAME_CPU = 1e-4  # the engine's log-probs against the trainer's, both fp32 on th
 
 
 def test_mtp_trains_in_the_rl_loop_and_every_version_reaches_the_engine(tmp_path: Path) -> None:
-    model = _with_tokenizer(ARCH, tmp_path / "models", seed=0, mtp_layers=1)
+    model = tiny_hf_with_tokenizer(ARCH, tmp_path / "models", seed=0, mtp_layers=1)
     data = write_toy_data(tmp_path / "toy.jsonl", num_prompts=64)
     servers = tmp_path / "servers"
     servers.mkdir()
