@@ -102,12 +102,14 @@ class WeightPublisher:
     model_files: the folder with the model's config and tokenizer, which disk versions carry
     (contract.job_dir.model_files_dir). bucket_bytes bounds one broadcast bucket (nccl) and one
     safetensors shard (disk); timeout_s bounds every single wait; on_drop(url, reason) is called
-    once per dropped engine, as soon as it is dropped. Call close() when done, to destroy the
-    update group."""
+    once per dropped engine, as soon as it is dropped; serving (supervised) lists the engines the
+    supervisor serves with now: one it took out is no longer waited for (trainer.engine_fanout).
+    Call close() when done, to destroy the update group."""
 
     def __init__(self, transport: Transport, job_dir: Path, model_files: Path, api_key: str | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 on_drop: OnDrop | None = None, backend: Backend | None = None) -> None:
+                 on_drop: OnDrop | None = None, backend: Backend | None = None,
+                 serving: Callable[[], list[str]] | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if bucket_bytes <= 0 or keep_versions < 1 or timeout_s <= 0:
@@ -122,7 +124,7 @@ class WeightPublisher:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._on_cpu: dict[str, bool] = {}  # engine url -> its /server_info says device cpu
         self._takes_flat: dict[str, bool] = {}  # engine url -> it takes flattened buckets (takes_flattened_buckets)
-        self._engines = EngineFanOut(api_key, timeout_s)
+        self._engines = EngineFanOut(api_key, timeout_s, serving)
         self._group: _Group | None = None
         self._group_ids = itertools.count(1)
 

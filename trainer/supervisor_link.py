@@ -54,6 +54,10 @@ class SupervisorLink:
                 return list(answer["engines"])
             time.sleep(_STARTING_POLL_S)
 
+    def serving_engines(self) -> list[str]:
+        """The engines the supervisor serves with now, asked once (ControlError if it does not answer)."""
+        return list(self.client.call(Call.READY_ENGINES)["engines"])
+
     def engine_failed(self, url: str, reason: str) -> None:
         # Not waited for (the rollout goes on meanwhile): a restarted supervisor probes the engine itself.
         self._tell(self.client.call, Call.ENGINE_FAILED, url=url, reason=reason)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,13 +18,17 @@ import requests
 import torch
 from safetensors.torch import load_file
 
+from contract.control_protocol import ControlError
 from rollout.tiny_model import write_tiny_model
 from tests.rollout import servers
+from trainer.engine_fanout import SERVING_POLL_S, TAKEN_OUT
 from trainer.publish import PublishResult, WeightPublisher
 
 BUCKET = 64 * 1024  # the tiny model is about 320 KiB: several buckets (and disk shards)
 AUTH = {"Authorization": f"Bearer {servers.API_KEY}"}
 Tensors = list[tuple[str, torch.Tensor]]
+TIMEOUT_S = 60.0  # the update's own bound, which a cut-off engine would hold a publish for
+TAKEN_OUT_AFTER_S = 3.0  # until the supervisor no longer serves with the cut-off engine
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +143,45 @@ def test_dead_or_failing_engines_are_dropped_and_the_others_still_update(
     assert "ConnectionError" in result.dropped[dead] and "404" in result.dropped[failing]
     assert all(servers.API_KEY not in reason for reason in result.dropped.values())
     assert_serving(live, 6, weights)
+
+
+class _CutOff:
+    """A listening socket that accepts and never answers: an engine whose node is cut off (its
+    requests get no answer, no error, for as long as the cut lasts). Closed by the test."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_engine_the_supervisor_took_out_is_not_waited_for(
+        engines: list[servers.Server], model: Path, base: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """Supervised, the trainer stops waiting for an engine once the supervisor no longer serves with
+    it, long before the update's own timeout; while the supervisor cannot say, it waits on."""
+    live, cut = engines[0].url, _CutOff()
+    serving = [live, cut.url]
+    unanswered = {"asks": 0}
+
+    def supervisor_says() -> list[str]:
+        unanswered["asks"] += 1
+        if unanswered["asks"] == 1:
+            raise ControlError("no supervisor answers")  # ignored: asked again at the next look
+        return list(serving)
+
+    publisher = WeightPublisher("disk", tmp_path, model, servers.API_KEY, timeout_s=TIMEOUT_S, serving=supervisor_says)
+    try:
+        weights = shifted(base, 0.07)
+        threading.Timer(TAKEN_OUT_AFTER_S, serving.remove, args=(cut.url,)).start()  # the supervisor's probes
+        result, seconds = timed(publisher, 7, [live, cut.url], iter(weights))
+    finally:
+        cut.close()
+    assert result.updated == [live] and result.dropped == {cut.url: TAKEN_OUT}, result
+    assert TAKEN_OUT_AFTER_S <= seconds < TAKEN_OUT_AFTER_S + 3 * SERVING_POLL_S < TIMEOUT_S / 2, seconds
+    assert unanswered["asks"] >= 2
+    assert_serving(live, 7, weights)
 
 
 # nccl: what a trainer on a GPU asks for; the CPU engines' /server_info says device cpu, so the
