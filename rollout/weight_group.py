@@ -158,10 +158,14 @@ def flat_order(dtypes: list[torch.dtype]) -> list[int]:
     return sorted(range(len(dtypes)), key=lambda i: -dtypes[i].itemsize)
 
 
-def flatten(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def flatten(tensors: list[torch.Tensor], device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """The flattened bucket of `tensors` (their bytes back to back, in order), built on `device`:
-    one buffer, each tensor copied into its range (no host round trip for tensors already there)."""
-    flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8, device=device)
+    one buffer (`out`, a uint8 tensor of their size, if given), each tensor copied into its range
+    (no host round trip for tensors already there)."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
+    if flat.numel() != size or flat.dtype != torch.uint8:
+        raise ValueError(f"out must be {size} bytes of uint8, got {flat.numel()} of {flat.dtype}")
     start = 0
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()

@@ -16,7 +16,7 @@ import torch
 
 from rollout.engine_client import version_to_wire
 from rollout.tensor_handles import serialize, shared_buffer
-from rollout.weight_group import buckets, flat_order, unflatten
+from rollout.weight_group import buckets, flat_order, flatten, unflatten
 from trainer.engine_fanout import EngineFanOut
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -35,9 +35,8 @@ def send_by_reference(engines: EngineFanOut, version: int, urls: list[str], weig
         device = tensors[0].device
         size = sum(t.numel() * t.element_size() for t in tensors)
         with shared_buffer(size, device) as flat:  # held until every engine answered: they copied it
-            views = unflatten(flat, [t.dtype for t in tensors], [list(t.shape) for t in tensors])
-            for view, tensor in zip(views, tensors):
-                view.copy_(tensor)
+            views = unflatten(flatten(tensors, device, out=flat), [t.dtype for t in tensors],
+                              [list(t.shape) for t in tensors])
             body = {"serialized_named_tensors": [serialize(list(zip(names, views)))], "load_format": None,
                     "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
             if device.type == "cuda":
