@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tools.convert import hf_to_torch_dist
+from ckpt_tools.torch_dist import read_metadata, tensor_entries
+from ckpt_tools.tracker import resolve_checkpoint
 from rollout.toy_task import write_toy_data
 from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_hf_with_tokenizer
 from tests.rank_devices import rank_devices
@@ -155,8 +157,11 @@ def test_mtp_trains_in_the_rl_loop_and_every_version_reaches_the_engine(tmp_path
     with engines_behind_router(model, servers, count=1, deterministic=True) as (router, _):
         trainer((model, data), router, tmp_path / "job", "--num-rollout", "4", "--rollout-batch-size", "8",
                 "--lr", "1e-2", "--train-backend", "megatron", "--update-weight-transport", "disk",
-                *FAMILIES[ARCH], *MOE_FLAGS, *MTP, "--true-on-policy-mode", "--true-on-policy-tolerance", str(SAME_CPU))
+                *FAMILIES[ARCH], *MOE_FLAGS, *MTP, "--true-on-policy-mode", "--true-on-policy-tolerance", str(SAME_CPU),
+                "--save", str(tmp_path / "ckpt"), "--save-interval", "4")
     rows = metrics(tmp_path / "job")
     assert [m["rollout_id"] for m in rows] == [0, 1, 2, 3]
     assert all(m["logp_mismatch_max"] < SAME_CPU and m["engines_updated"] == 1 for m in rows), rows
     assert rows[-1]["mtp_loss"] < rows[0]["mtp_loss"], [m["mtp_loss"] for m in rows]
+    saved = tensor_entries(read_metadata(resolve_checkpoint(tmp_path / "ckpt")))
+    assert "mtp.layers.0.eh_proj.weight" in saved and "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in saved
