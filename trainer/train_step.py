@@ -99,7 +99,7 @@ class TrainStep:
             s.old_log_probs = old[i][0]
         out: dict[str, Any] = {}
         if cfg.on_policy_tolerance is not None:
-            out["logp_mismatch_max"] = check_on_policy(samples, cfg.on_policy_tolerance)
+            out["logp_mismatch_max"] = check_on_policy(samples, cfg.on_policy_tolerance, version)
         if cfg.ref_model:
             ref = self.backend.log_probs(samples, ids, "ref")
             for i, s in enumerate(samples):
@@ -164,13 +164,27 @@ class TrainStep:
         return totals
 
 
-def check_on_policy(samples: list[TrainSample], tolerance: float) -> float:
+def check_on_policy(samples: list[TrainSample], tolerance: float, version: int | None = None) -> float:
     worst = logp_mismatch(samples)
     if worst > tolerance:
         raise OffPolicyError(f"--true-on-policy-mode: max |logp_train - logp_rollout| = {worst:.3g} exceeds "
                              f"--true-on-policy-tolerance {tolerance:g}: the trainer "
-                             "and the engines no longer compute the same distribution")
+                             f"and the engines no longer compute the same distribution ({_worst_token(samples)}; "
+                             f"the trainer's weight version {version})")
     return worst
+
+
+def _worst_token(samples: list[TrainSample]) -> str:
+    """Where logp_mismatch's maximum is: which sample and token, both log-probs, its weight version."""
+    def gap(s: TrainSample) -> torch.Tensor:
+        assert s.old_log_probs is not None and s.rollout_log_probs is not None  # (logp_mismatch checked)
+        return (s.old_log_probs - s.rollout_log_probs).abs() * s.loss_mask
+    k, s = max(enumerate(samples), key=lambda item: float(gap(item[1]).max()) if item[1].response_length else 0.0)
+    token = int(gap(s).argmax())
+    assert s.old_log_probs is not None and s.rollout_log_probs is not None
+    return (f"sample {s.sample_index if s.sample_index is not None else k}, response token {token} "
+            f"(id {int(s.tokens[s.prompt_length + token])}): logp_train {float(s.old_log_probs[token]):.7g}, "
+            f"logp_rollout {float(s.rollout_log_probs[token]):.7g}, generated at weight version {s.weight_version}")
 
 
 def masked_token_mean(values: list[torch.Tensor], samples: list[TrainSample]) -> float:

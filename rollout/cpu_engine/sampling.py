@@ -150,10 +150,16 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     else:
         probs = torch.softmax(logits / params.temperature, dim=-1)
         sorted_probs, order = probs.sort(descending=True)
-        # Drop a token when the mass before it already reaches top_p, as SGLang does.
-        outside_top_p = (sorted_probs.cumsum(0) - sorted_probs) > params.top_p
-        nucleus = sorted_probs.masked_fill(outside_top_p, 0.0)
-        logprobs = torch.zeros_like(probs).scatter_(0, order, nucleus / nucleus.sum()).log()
+        if params.top_p >= 1.0:
+            # SGLang samples without top-p then: a float32 cumulative sum passes 1.0 before the
+            # last tokens in about one row in five, which would drop them and renormalise the rest.
+            nucleus = sorted_probs
+            logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        else:
+            # Drop a token when the mass before it already reaches top_p, as SGLang does.
+            outside_top_p = (sorted_probs.cumsum(0) - sorted_probs) > params.top_p
+            nucleus = sorted_probs.masked_fill(outside_top_p, 0.0)
+            logprobs = torch.zeros_like(probs).scatter_(0, order, nucleus / nucleus.sum()).log()
         drawable = nucleus.clone()
         if params.top_k > 0:
             drawable[params.top_k:] = 0.0

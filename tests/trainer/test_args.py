@@ -17,7 +17,7 @@ from rollout.tiny_model import write_tiny_model
 from trainer import dist_env
 from trainer.args import ArgsError, check_model_flags, parse_args
 from trainer.batch import TrainSample
-from trainer.train_step import OffPolicyError, logp_mismatch
+from trainer.train_step import OffPolicyError, check_on_policy, logp_mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,6 +206,11 @@ def test_true_on_policy_check_measures_the_largest_gap() -> None:
                          reward=1.0, group_index=0, rollout_log_probs=torch.tensor([-1.0, -2.0, -3.0]))
     sample.old_log_probs = torch.tensor([-1.0, -2.5, -9.0])  # the masked-out token does not count
     assert logp_mismatch([sample]) == pytest.approx(0.5)
+    sample.sample_index, sample.weight_version = 7, 3
+    with pytest.raises(OffPolicyError, match=r"= 0\.5 exceeds --true-on-policy-tolerance 0\.1: .* \(sample 7, "
+                                             r"response token 1 \(id 3\): logp_train -2\.5, logp_rollout -2, "
+                                             r"generated at weight version 3; the trainer's weight version 4\)"):
+        check_on_policy([sample], 0.1, version=4)
     sample.rollout_log_probs = None
     with pytest.raises(OffPolicyError, match="needs the engines' log-prob"):
         logp_mismatch([sample])
