@@ -155,7 +155,7 @@ class MegatronBackend(Backend):
         model = with_mtp_layers(config, spec, last, HiddenStateNorm, model_kwargs, self.shape.vocab_size,
                                 pre_process=ps.is_pipeline_first_stage(), post_process=self.last_stage).to(self.device)
         # MLA's layers keep their own rotary tables (YaRN's among them) and rotate packed rows by megatron's path
-        if self.cp_size == 1 and not config.multi_latent_attention:
+        if options.model.attention_backend != "local" and self.cp_size == 1 and not config.multi_latent_attention:
             model.packed_rope = PackedRope(model)
         if options.model.torch_compile:
             compile_layers(model, max(self.tp_size, self.etp_size, options.parallel.expert_model_parallel_size) > 1)

@@ -1,11 +1,4 @@
-"""RoPE for packed rows at each token's position in its own sample, as one gather per forward and
-one rotation per layer.
-
-Unfused attention (the local spec, which takes a block-diagonal mask) would otherwise rotate the
-whole row by its offsets in the pack: the same attention scores in exact arithmetic (RoPE is
-relative), but in float32 the angles of a token thousands of positions into the pack are rounded
-there, and its log-probs drift from an engine's, which starts each sample at 0 (6e-6 at 4,000
-tokens on the tiny model, against 5e-7 rotated at its own positions).
+"""RoPE for packed (thd) rows as one gather per forward and one rotation per layer.
 
 Without TransformerEngine, megatron-core 0.16.1 rotates a thd row sample by sample in Python
 (`rope_utils._apply_rotary_pos_emb_thd`: `cu_seqlens.tolist()`, a host sync, then a split and a
@@ -41,7 +34,7 @@ def _apply_rotary_pos_emb(t: Tensor, freqs: Tensor, config: Any, cu_seqlens: Ten
 
 class PackedRope:
     """Installed on a GPTModel: while `positions` is set (a [T] tensor of each token's position in
-    its own sample), the model's rotary table comes out per token (thd rows and unfused ones)."""
+    its own sample), the model's rotary table comes out per token."""
 
     def __init__(self, model: GPTModel) -> None:
         self.positions: Tensor | None = None
@@ -49,6 +42,6 @@ class PackedRope:
         model.rotary_pos_emb.register_forward_hook(self._per_token, with_kwargs=True)
 
     def _per_token(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], table: Tensor) -> Tensor | None:
-        if self.positions is None:
+        if self.positions is None or not kwargs.get("packed_seq", False):
             return None
         return table[self.positions]
