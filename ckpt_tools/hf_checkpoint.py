@@ -98,6 +98,13 @@ class HFCheckpoint:
             raise CheckpointError(f"weights hold {len(extra)} tensors config.json does not describe "
                                   f"(e.g. {', '.join(extra[:3])}): config and weights disagree")
 
+    def mtp_layers_held(self) -> int:
+        """How many of the MTP layers config.json declares the weights hold (each has its input
+        projection): a checkpoint may declare them and leave them out, as transformers' saves do."""
+        first, declared = self.shape.num_layers, declared_mtp_layers(self.config)
+        return sum(1 for layer in range(first, first + declared)
+                   if f"model.layers.{layer}.eh_proj.weight" in self.shapes)
+
     def names_of(self, rule: Rule) -> list[str]:
         """Every HF tensor name a rule reads, over all layers and experts."""
         layers = range(self.shape.num_layers) if rule.per_layer else [None]

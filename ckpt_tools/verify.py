@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import torch
 
-from ckpt_tools.architectures import declared_mtp_layers
 from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
 from ckpt_tools.hf_checkpoint import HFCheckpoint
 from ckpt_tools.inspect import roundtrip_differences
@@ -62,8 +61,8 @@ def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: 
 
 
 def verify(hf_dir: Path, make_vocab_size_divisible_by: int = 128, logits: bool = True) -> Verdict:
-    """Both conversions (every MTP layer config.json declares kept) and the logits against transformers'."""
-    mtp_layers = declared_mtp_layers(json.loads((Path(hf_dir) / "config.json").read_text()))
+    """Both conversions (every MTP layer the checkpoint holds kept) and the logits against transformers'."""
+    mtp_layers = HFCheckpoint(hf_dir).mtp_layers_held()
     with tempfile.TemporaryDirectory(prefix="slurmrl-verify-") as tmp:
         folder = hf_to_torch_dist(hf_dir, Path(tmp) / "td", make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                   mtp_layers=mtp_layers, progress=False)

@@ -54,6 +54,7 @@ REQUEUED_S = 150
 # The old supervisor seeing the newer run: its monitor loop looks at each turn, after a probe round
 # (2 s timeout) or a SLURM command that the cut leaves unanswered (slurm_command_timeout).
 FENCED_S = 90
+ISOLATED_ROLLOUTS = 20  # the toy job runs a rollout in about a second
 AGREE_S = 30  # the engines in the router at one weight version again (a publish moves them one by one)
 STOP_S = 15  # processes the test stops itself, until gone
 
@@ -139,14 +140,15 @@ def _lists_both(job_dir: Path, listed: list[str]) -> bool:
 
 def test_toy_job_on_isolated_nodes(isolated_devcluster: DevCluster, toy, tmp_path: Path) -> None:
     job_dir, net = tmp_path / "job", isolated_devcluster.net
-    job_id = submit(toy, job_dir, "--num-rollout", "6")
+    # Rollouts to spare: the router must still serve when both engines are listed (a rollout or two in).
+    job_id = submit(toy, job_dir, "--num-rollout", str(ISOLATED_ROLLOUTS))
     listed: list[str] = []
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 1, FIRST_ROLLOUTS_S, "the first rollout")
         # An engine that answers after the first publish joins once it has loaded the current version
         # (the supervisor leaves it out of publishes meanwhile): a rollout or two later.
         wait_for(lambda: _lists_both(job_dir, listed), BOTH_LISTED_S, "the router to list both engines")
-        state = finish(job_id, job_dir, 6)
+        state = finish(job_id, job_dir, ISOLATED_ROLLOUTS)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
     for name in ("engine-0", "engine-1", "router"):

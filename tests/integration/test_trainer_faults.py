@@ -27,18 +27,20 @@ TIMEOUTS = ("--trainer-rollout-timeout", "20", "--trainer-train-timeout", "5", "
 
 
 def trainer_rank(job_dir: Path, rank: int) -> int:
-    """The pid of the trainer task SLURM started as `rank` for this job dir."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    """The pid of the trainer task SLURM started as `rank` for this job dir. (A process the trainer
+    forks, such as a checkpoint writer, has its command line and environment: it is left out.)"""
+    found: dict[int, int] = {}  # pid -> parent pid
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
         cmdline = proc.info["cmdline"] or []
         if cmdline[1:3] == ["-m", "trainer"] and str(job_dir) in cmdline:  # not srun, not a helper process
             try:
                 if proc.environ().get("SLURM_PROCID") == str(rank):
-                    found.append(proc.pid)
+                    found[proc.pid] = proc.info["ppid"]
             except psutil.Error:
                 continue
-    assert len(found) == 1, f"expected one trainer rank {rank}, found {found}"
-    return found[0]
+    tasks = [pid for pid, parent in found.items() if parent not in found]
+    assert len(tasks) == 1, f"expected one trainer rank {rank}, found {found} (pid: parent)"
+    return tasks[0]
 
 
 def when_training(job_dir: Path, act) -> None:
