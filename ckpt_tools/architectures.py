@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmForCausalLM",
+                           "Glm4ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 # DeepSeek-V3's MoE: sigmoid expert-bias routing over groups, shared experts, dense first layers (GLM-4.5/4.7
 # has it under standard attention, GLM-4.7-Flash under DeepSeek's multi-latent attention)
@@ -14,6 +15,18 @@ EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 # Their checkpoints keep num_nextn_predict_layers multi-token prediction (MTP) layers after the decoder's
 MTP_ARCHITECTURES = EXPERT_BIAS_ARCHITECTURES
+# The dense GLM-4s (glm-4-9b-chat-hf; GLM-4-0414 and GLM-Z1): a q/k/v bias, one fused gate_up_proj, RoPE over
+# interleaved pairs of the first part of each head; GLM-4-0414 also normalises the attention's and the MLP's
+# outputs before each residual add (its post_self_attn_layernorm and post_mlp_layernorm)
+DENSE_GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+POST_NORM_ARCHITECTURES = ("Glm4ForCausalLM",)
+# Their config.json's attention_bias is a bias on q, k and v only (megatron's add_qkv_bias)
+QKV_BIAS_GLM_ARCHITECTURES = ("Glm4MoeForCausalLM", *DENSE_GLM_ARCHITECTURES)
+# Said in errors: the families whose models slurmrl builds from config.json
+BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), GLM-4.5/4.7 and "
+                  "GLM-4.7-Flash")
+# slime's --spec layer specs (module, function) whose layers slurmrl builds itself, for these architectures
+BUILT_SPECS = {("slime_plugins.models.glm4", "get_glm_spec"): DENSE_GLM_ARCHITECTURES}
 # Hybrids whose linear-attention layers are gated delta nets: why slurmrl cannot build them yet
 GATED_DELTA_NET_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_DELTA_NET_BLOCKER = (

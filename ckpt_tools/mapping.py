@@ -12,12 +12,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from ckpt_tools.architectures import (
+    DENSE_GLM_ARCHITECTURES,
     EXPERT_BIAS_ARCHITECTURES,
     GATED_DELTA_NET_ARCHITECTURES,
     GATED_DELTA_NET_BLOCKER,
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MTP_ARCHITECTURES,
+    POST_NORM_ARCHITECTURES,
+    QKV_BIAS_GLM_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     declared_mtp_layers,
     dense_first_layers,
@@ -60,6 +63,11 @@ class ModelShape:
     # Multi-token prediction layers kept (--mtp-num-layers): megatron's mtp.layers.K, HF's decoder layer
     # num_layers + K (a MoE layer with its own norms and input projection)
     mtp_layers: int = 0
+    # The dense GLM-4s: HF fuses gate_proj and up_proj into mlp.gate_up_proj (megatron's linear_fc1 layout),
+    # rotates interleaved pairs, and (GLM-4-0414) normalises the attention's and the MLP's outputs
+    fused_gate_up: bool = False
+    rotary_interleaved: bool = False
+    post_norms: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0) -> ModelShape:
@@ -70,7 +78,7 @@ class ModelShape:
         if len(archs) > 1 or arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures: {', '.join(archs) or arch} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        glm = arch == "Glm4MoeForCausalLM"
+        glm = arch in QKV_BIAS_GLM_ARCHITECTURES
         # GLM's attention_bias is on q, k and v only (Qwen2's qkv bias)
         for flag in ("mlp_bias", "use_sliding_window") if glm else ("attention_bias", "mlp_bias", "use_sliding_window"):
             if config.get(flag):
@@ -122,6 +130,9 @@ class ModelShape:
             expert_bias=expert_bias,
             dense_layers=dense_first_layers(config) if expert_bias else 0,
             mtp_layers=mtp_layers,
+            fused_gate_up=arch in DENSE_GLM_ARCHITECTURES,
+            rotary_interleaved=arch in DENSE_GLM_ARCHITECTURES,
+            post_norms=arch in POST_NORM_ARCHITECTURES,
         )
 
     def moe_layer_pattern(self) -> list[int]:
@@ -242,6 +253,9 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
         out += [Rule("decoder.layers.self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
                 Rule("decoder.layers.self_attention.k_layernorm.weight", (attn + "k_norm.weight",))]
     out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
+    if shape.post_norms:  # slime's megatron names them as HF does
+        out.append(Rule("decoder.layers.post_self_attn_layernorm.weight",
+                        ("model.layers.{l}.post_self_attn_layernorm.weight",)))
     # The local spec stores the pre-MLP norm under the dense MLP's name (a MoE layer's too), but not with MLA.
     norm = Rule("decoder.layers.pre_mlp_layernorm.weight" if shape.mla
                 else "decoder.layers.mlp.linear_fc1.layer_norm_weight",
@@ -268,10 +282,14 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
     else:
         out += [
             norm,
+            Rule("decoder.layers.mlp.linear_fc1.weight", (mlp + "gate_up_proj.weight",), linear=True)
+            if shape.fused_gate_up else
             Rule("decoder.layers.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                  GATE_UP, linear=True),
             Rule("decoder.layers.mlp.linear_fc2.weight", (mlp + "down_proj.weight",), linear=True),
         ]
+    if shape.post_norms:
+        out.append(Rule("decoder.layers.post_mlp_layernorm.weight", ("model.layers.{l}.post_mlp_layernorm.weight",)))
     return out
 
 

@@ -36,6 +36,7 @@ from ckpt_tools import megatron_compat
 from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.mtp_model import MTPGPTModel
+from ckpt_tools.post_norm_layer import with_post_norms
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
 
 megatron_compat.apply()
@@ -121,6 +122,7 @@ def transformer_config_from_hf(
         "activation_func": F.silu,
         "add_bias_linear": False,
         "add_qkv_bias": shape.qkv_bias,
+        "rotary_interleaved": shape.rotary_interleaved,
         "qk_layernorm": shape.qk_norm,
         "hidden_dropout": 0.0,
         "attention_dropout": hf_config.get("attention_dropout", 0.0),
@@ -169,6 +171,7 @@ def build_gpt_model(
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype,
                                                       mtp_layers=mtp_layers)
+    post_norms = ModelShape.from_hf_config(hf_config).post_norms
 
     def local_spec(num_experts: int | None) -> ModuleSpec:
         layer = spec or get_gpt_layer_local_spec(
@@ -178,7 +181,7 @@ def build_gpt_model(
         attention = layer.submodules.self_attention.submodules
         if config.multi_latent_attention and attention.core_attention is DotProductAttention:
             attention.core_attention = MLADotProductAttention
-        return layer
+        return with_post_norms(layer, LayerNormImpl) if post_norms and spec is None else layer
 
     layers = stage_layer_specs(config, local_spec)
     # One layer spec: megatron repeats it (and picks the final norm); dense and MoE layers: the block's list.

@@ -8,7 +8,16 @@ import argparse
 from typing import Any
 
 from ckpt_tools import rope
-from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, MLA_ARCHITECTURES, dense_first_layers, routed_experts
+from ckpt_tools.architectures import (
+    BUILT_FAMILIES,
+    DENSE_GLM_ARCHITECTURES,
+    EXPERT_BIAS_ARCHITECTURES,
+    MLA_ARCHITECTURES,
+    POST_NORM_ARCHITECTURES,
+    QKV_BIAS_GLM_ARCHITECTURES,
+    dense_first_layers,
+    routed_experts,
+)
 from trainer.args_actions import (
     ArgsError,
     Choice,
@@ -31,7 +40,7 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # attention, the others SDPA (trainer.numerics limits its kernels for flash and fused).
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-_SUPPORTED = "slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4.5/4.7 and GLM-4.7-Flash models"
+_SUPPORTED = f"slurmrl builds {BUILT_FAMILIES} models"
 
 def _deepseek(c: dict[str, Any]) -> bool:
     """Multi-latent attention: DeepSeek-V3, Kimi-K2, GLM-4.7-Flash."""
@@ -75,7 +84,7 @@ _MODEL_FLAGS: dict[str, Any] = {
         c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias"))),
     # no bias on any linear but (Qwen2's, GLM's) q/k/v, which --add-qkv-bias covers
     "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
-        not c.get("attention_bias") or c["architectures"][0] in ("Qwen2ForCausalLM", "Glm4MoeForCausalLM")),
+        not c.get("attention_bias") or c["architectures"][0] in ("Qwen2ForCausalLM", *QKV_BIAS_GLM_ARCHITECTURES)),
     # MoE (Qwen3-MoE, DeepSeek-V3): every layer's MLP is the experts'
     "num_experts": _moe_experts,
     "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
@@ -98,6 +107,10 @@ _MODEL_FLAGS: dict[str, Any] = {
     "moe_router_num_groups": lambda c: c["n_group"],
     "moe_router_group_topk": lambda c: c["topk_group"],
     "moe_router_topk_scaling_factor": lambda c: c["routed_scaling_factor"],
+    # the dense GLM-4s: RoPE over interleaved pairs (MLA's own, whatever the flag); GLM-4-0414's post norms
+    "rotary_interleaved": lambda c: UNCHECKED if _deepseek(c) else c["architectures"][0] in DENSE_GLM_ARCHITECTURES,
+    "post_self_attn_layernorm": lambda c: c["architectures"][0] in POST_NORM_ARCHITECTURES,
+    "post_mlp_layernorm": lambda c: c["architectures"][0] in POST_NORM_ARCHITECTURES,
     # RoPE scaling (ckpt_tools.rope builds it from config.json): Llama 3.1's, or YaRN under MLA (DeepSeek-V3,
     # Kimi-K2); no scaling is factor 1, where YaRN's mscales have no effect (Moonlight's scripts give 1.0)
     "use_rope_scaling": lambda c: rope.rope_type(c) == "llama3",
@@ -167,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         add("--" + flag.replace("_", "-"), type=float, help="YaRN's (DeepSeek-V3, Kimi-K2): must equal config.json's "
             "rope_scaling where its factor is above 1 (without scaling it has no effect)")
     for flag in ("qk_layernorm", "untie_embeddings_and_output_weights", "swiglu", "add_qkv_bias",
-                 "disable_bias_linear", "moe_router_pre_softmax", "use_rope_scaling"):
+                 "disable_bias_linear", "moe_router_pre_softmax", "use_rope_scaling", "rotary_interleaved",
+                 "post_self_attn_layernorm", "post_mlp_layernorm"):
         add("--" + flag.replace("_", "-"), action="store_true", default=None, help="must agree with config.json")
     for flag in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
         add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
@@ -192,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-token-dispatcher-type", type=dispatchers, metavar=dispatchers.metavar,
         help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
+    add("--spec", nargs=2, metavar=("MODULE", "FUNCTION"), help="slime's layer spec: accepted where slurmrl builds "
+        "the same layers from config.json (slime_plugins.models.glm4 get_glm_spec: GLM-4), refused otherwise")
     # multi-token prediction (DeepSeek-V3, GLM-4.5/4.7: config.json's num_nextn_predict_layers), slime's flags
     add("--mtp-num-layers", type=int, help="keep this many MTP layers in the model (checkpoints, publishing); "
         "trained only with --enable-mtp-training")

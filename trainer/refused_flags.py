@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.architectures import GATED_DELTA_NET_BLOCKER
+from ckpt_tools.architectures import BUILT_FAMILIES, GATED_DELTA_NET_BLOCKER
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,7 @@ class Refusal:
     nargs: str | None = None
 
 
-_MODELS = ("slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4.5/4.7 and GLM-4.7-Flash models "
-           "from --hf-checkpoint's config.json")
+_MODELS = f"slurmrl builds {BUILT_FAMILIES} models from --hf-checkpoint's config.json"
 _RAY = "slurmrl runs as one SLURM job with no Ray"
 _TE = "it needs TransformerEngine, which slurmrl's trainer does not use"
 
@@ -44,13 +43,9 @@ REFUSED: tuple[Refusal, ...] = (
     Refusal("--qwen-gdn-backend", f"{GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
     Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
-    Refusal("--spec", f"custom layer specs are not supported; {_MODELS}", nargs="+"),
-    _switch("--rotary-interleaved", "interleaved rotary embeddings are not supported (Qwen and Llama rotate halves)"),
     _switch("--apply-layernorm-1p", f"zero-centred norms (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     _switch("--attention-output-gate", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     _switch("--use-gated-attention", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
-    _switch("--post-mlp-layernorm", f"extra post-MLP norms (GLM-4) are not supported; {_MODELS}"),
-    _switch("--post-self-attn-layernorm", f"extra post-attention norms (GLM-4) are not supported; {_MODELS}"),
     # -- MoE features beyond Qwen3-MoE's and DeepSeek-V3's (gated shared experts, DeepEP)
     _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; "
                                         f"{_MODELS}"),

@@ -58,6 +58,12 @@ _ARCHS["glm4_moe_lite"] = (
          routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=3,
          mlp_layer_types=["dense", "sparse", "sparse"]),
 )
+# The dense GLM-4s: q/k/v bias, a fused gate_up_proj, RoPE over interleaved pairs of half of each head;
+# GLM-4-0414 (glm4) also with norms of the attention's and the MLP's outputs
+_GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+_GLM = dict(rope_parameters=_GLM_ROPE, attention_bias=True, pad_token_id=0, eos_token_id=1)  # ids within the tiny vocab
+_ARCHS["glm"] = (transformers.GlmConfig, transformers.GlmForCausalLM, _GLM)
+_ARCHS["glm4"] = (transformers.Glm4Config, transformers.Glm4ForCausalLM, _GLM)
 # As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
 # next two are MoE.
 _ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],

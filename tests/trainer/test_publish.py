@@ -289,7 +289,9 @@ def test_tensor_publish_hands_the_engines_its_buckets_by_reference(engines: list
         for url in urls:
             assert_serving(url, version, weights)
     assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    # Other processes of a parallel suite make and remove their own semaphores and CUDA files meanwhile.
+    left = {name for name in set(os.listdir("/dev/shm")) - shm_before if not name.startswith(("sem.", "cuda.shm."))}
+    assert left == set()
 
 
 def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:

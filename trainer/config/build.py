@@ -20,7 +20,7 @@ from rollout.ifbench import missing_evaluation_lib
 from rollout.rewards import DICT_REWARDS
 from trainer.config.async_checks import check_async
 from trainer.config.checks import Checks
-from trainer.config.model_checks import check_mtp, read_hf_config, validate_megatron_parallel
+from trainer.config.model_checks import check_mtp, check_spec, read_hf_config, validate_megatron_parallel
 from trainer.config.plugin_checks import check_loss_plugins, check_patterns, epoch_rollouts
 from trainer.config.sections import (
     FULLY_ASYNC_ROLLOUT,
@@ -76,6 +76,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
     global_batch_size = _check_batching(args, need)
     _check_training(args, need)
     check_mtp(args, hf_config, need)
+    check_spec(args, hf_config, need)
     eval_datasets = _check_eval(args, need)
     _check_rollout(args, rollout_function_path, need)
     check_async(args, need)

@@ -10,7 +10,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.architectures import MTP_ARCHITECTURES, declared_mtp_layers, routed_experts
+from ckpt_tools.architectures import (
+    BUILT_FAMILIES,
+    BUILT_SPECS,
+    MTP_ARCHITECTURES,
+    declared_mtp_layers,
+    routed_experts,
+)
 from trainer.args_parser import _MODEL_FLAGS, MTP_LOSS_SCALE, UNCHECKED, ArgsError
 from trainer.config.sections import ShapeFlags
 
@@ -49,6 +55,21 @@ def check_mtp(args: argparse.Namespace, config: dict[str, Any] | None, need: Nee
         need(layers <= declared_mtp_layers(config), f"--mtp-num-layers {layers}: {args.hf_checkpoint}/config.json "
              f"has num_nextn_predict_layers {declared_mtp_layers(config)}; the checkpoint must hold every MTP layer "
              "trained")
+
+
+def check_spec(args: argparse.Namespace, config: dict[str, Any] | None, need: Need) -> None:
+    """slime's --spec MODULE FUNCTION: accepted where slurmrl builds those layers itself for config.json's model."""
+    if args.spec is None:
+        return
+    spec = " ".join(args.spec)
+    archs = BUILT_SPECS.get(tuple(args.spec))
+    if not need(archs is not None, f"--spec {spec}: custom layer specs are not supported; slurmrl builds "
+                                   f"{BUILT_FAMILIES} models from --hf-checkpoint's config.json"):
+        return
+    assert archs is not None
+    arch = (config.get("architectures") or ["(none)"])[0] if config else None
+    need(arch is None or arch in archs, f"--spec {spec} builds {', '.join(archs)} layers, but {args.hf_checkpoint} "
+                                        f"is a {arch}: drop --spec (slurmrl builds the layers from config.json)")
 
 
 def validate_megatron_parallel(args: argparse.Namespace, config: dict[str, Any], need: Need) -> None:

@@ -67,6 +67,7 @@ class ModelOptions:
     position_embedding_type: str
     use_rotary_position_embeddings: bool
     seq_length: int | None
+    spec: list[str] | None  # slime's --spec: only one whose layers config.json builds too (model_checks.check_spec)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,10 @@ class ShapeFlags:
     moe_router_num_groups: int | None
     moe_router_group_topk: int | None
     moe_router_topk_scaling_factor: float | None
+    # the dense GLM-4s
+    rotary_interleaved: bool | None
+    post_self_attn_layernorm: bool | None
+    post_mlp_layernorm: bool | None
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ckpt_tools.megatron_model import stage_layer_specs
 from ckpt_tools.mla_attention import MLADotProductAttention
+from ckpt_tools.post_norm_layer import with_post_norms
 from trainer.context_parallel import cp_attention
 from trainer.megatron.norm import HeadNorm, HiddenStateNorm
 
@@ -154,11 +155,12 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
     return spec
 
 
-def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> ModuleSpec:
+def gpt_block_spec(config: TransformerConfig, attention: AttentionKind, post_norms: bool = False) -> ModuleSpec:
     """The whole decoder's spec: gpt_layer_spec for every layer (its dense variant for the dense
     layers of megatron's moe_layer_freq list, DeepSeek's first_k_dense_replace) and the final norm,
     which megatron would otherwise build as WrappedTorchNorm (it refuses sequence parallelism).
-    Under pipeline parallelism, this stage's layers only."""
+    Under pipeline parallelism, this stage's layers only. post_norms: GLM-4-0414's norms of the
+    attention's and the MLP's outputs (ckpt_tools.post_norm_layer)."""
 
     def layer_spec(num_experts: int | None) -> ModuleSpec:
         layer = gpt_layer_spec(num_experts, config.qk_layernorm, attention, config.multi_latent_attention)
@@ -169,7 +171,7 @@ def gpt_block_spec(config: TransformerConfig, attention: AttentionKind) -> Modul
             # megatron's replicated Linear by identity only; ckpt_tools.megatron_compat gives it extra state).
             mla = layer.submodules.self_attention.submodules
             mla.linear_q_down_proj = mla.linear_kv_down_proj = ReplicatedLinear
-        return layer
+        return with_post_norms(layer, HiddenStateNorm) if post_norms else layer
 
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=stage_layer_specs(config, layer_spec), layer_norm=HiddenStateNorm))
