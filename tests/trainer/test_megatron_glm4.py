@@ -53,8 +53,9 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def results(tiny, tmp_path_factory) -> dict[str, dict]:
     with rank_devices(2):
-        return run_all(tiny, tmp_path_factory.mktemp("runs"), {
-            name: (tp, world, attention, [*GLM4_FLAGS, *extra]) for name, (tp, world, attention, extra) in LAYOUTS.items()})
+        layouts = {name: (tp, world, attention, [*GLM4_FLAGS, *extra])
+                   for name, (tp, world, attention, extra) in LAYOUTS.items()}
+        return run_all(tiny, tmp_path_factory.mktemp("runs"), layouts)
 
 
 def test_log_probs_equal_hf(tiny, results) -> None:
@@ -81,10 +82,10 @@ def test_post_norms_train_and_every_hf_weight_is_published(tiny, results) -> Non
 
 
 def _check(model: Path, flags: list[str], config: dict | None = None) -> None:
-    args = build_config(build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1",
-                                                   "--debug-train-only", "--n-samples-per-prompt", "2", "--load-debug-rollout-data", "x",
-                                                   *flags]))
-    check_model_flags(args.shape, str(model), config or json.loads((model / "config.json").read_text()))
+    argv = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
+            "--load-debug-rollout-data", "x", *flags]
+    check_model_flags(build_config(build_parser().parse_args(argv)).shape, str(model),
+                      config or json.loads((model / "config.json").read_text()))
 
 
 def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) -> None:
