@@ -105,14 +105,9 @@ def plan_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete
 
 
 def copy_plan(plan: Plan) -> None:
-    """Copy every new value into its parameter; if one copy fails, the copies are undone (WeightError)."""
-    # On the host: a GPU engine capped by --mem-fraction-static has no room for a second copy.
-    backup = [target.detach().to("cpu", copy=True) for target, _ in plan]
+    """Copy every new value into its parameter. plan_load checked every name and shape, so a copy fails
+    only on a device error, after which the engine is replaced anyway: there is no backup to restore
+    (a host copy of every bucket would cost more than the update: SGLang keeps none either)."""
     with torch.no_grad():
-        try:
-            for target, source in plan:
-                target.copy_(source)
-        except Exception as err:
-            for (target, _), saved in zip(plan, backup):
-                target.copy_(saved)
-            raise WeightError(f"loading failed, previous weights restored: {err}") from err
+        for target, source in plan:
+            target.copy_(source)
