@@ -47,6 +47,13 @@ def declared_mtp_layers(config: dict[str, Any]) -> int:
     return int(config.get("num_nextn_predict_layers") or 0) if archs and archs[0] in MTP_ARCHITECTURES else 0
 
 
+def mtp_layer_prefixes(config: dict[str, Any], kept: int = 0) -> tuple[str, ...]:
+    """The HF name prefixes of the MTP layers config.json declares, after the first `kept`: HF keeps MTP
+    layer k as decoder layer num_hidden_layers + k."""
+    first = int(config.get("num_hidden_layers") or 0)
+    return tuple(f"model.layers.{layer}." for layer in range(first + kept, first + declared_mtp_layers(config)))
+
+
 def dense_first_layers(config: dict[str, Any]) -> int:
     """How many first layers have a dense MLP in an expert-bias MoE: DeepSeek's first_k_dense_replace, or
     GLM-4.7-Flash's mlp_layer_types ("dense" then "sparse"; ValueError for any other order)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ckpt_tools.architectures import declared_mtp_layers
+from ckpt_tools.architectures import mtp_layer_prefixes
 from ckpt_tools.mapping import ModelShape, Rule, rules
 
 INDEX = "model.safetensors.index.json"
@@ -89,8 +89,7 @@ class HFCheckpoint:
                 raise CheckpointError(f"config.json and weights disagree: {name} is {list(self.shapes[name])}, "
                                       f"the config implies {list(want)}")
         # The MTP layers config.json declares beyond those kept are described, and left out.
-        left_out = tuple(f"model.layers.{layer}." for layer in range(s.num_layers + s.mtp_layers,
-                                                                     s.num_layers + declared_mtp_layers(self.config)))
+        left_out = mtp_layer_prefixes(self.config, kept=s.mtp_layers)
         extra = sorted(n for n in self.shapes if n not in needed and not n.endswith(IGNORED_SUFFIXES)
                        and not (s.tied_embeddings and n == "lm_head.weight")
                        and not (left_out and n.startswith(left_out)))
@@ -101,9 +100,7 @@ class HFCheckpoint:
     def mtp_layers_held(self) -> int:
         """How many of the MTP layers config.json declares the weights hold (each has its input
         projection): a checkpoint may declare them and leave them out, as transformers' saves do."""
-        first, declared = self.shape.num_layers, declared_mtp_layers(self.config)
-        return sum(1 for layer in range(first, first + declared)
-                   if f"model.layers.{layer}.eh_proj.weight" in self.shapes)
+        return sum(1 for prefix in mtp_layer_prefixes(self.config) if f"{prefix}eh_proj.weight" in self.shapes)
 
     def names_of(self, rule: Rule) -> list[str]:
         """Every HF tensor name a rule reads, over all layers and experts."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+from contract.control_protocol import CallerFenced
 from rollout.engine_client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class EngineFanOut(EngineClient):
             return []
         try:
             listed = set(self.serving())
+        except CallerFenced:  # a newer run of the job owns it: this trainer stops, it does not wait on
+            raise
         except Exception as err:  # noqa: BLE001 (the supervisor's answer is a hint: its absence waits on)
             log.warning("cannot ask the supervisor which engines serve: %s", err)
             return []

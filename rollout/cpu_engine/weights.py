@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ckpt_tools.architectures import mtp_layer_prefixes
 from rollout.cpu_engine.expert_weights import expert_views
 
 
@@ -58,8 +59,7 @@ def _without_mtp_layers(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     prediction layers' tensors (config.json's num_nextn_predict_layers, after the decoder's layers):
     a draft model for speculative decoding loads those."""
     config = getattr(model, "config", None)
-    first, count = getattr(config, "num_hidden_layers", 0), getattr(config, "num_nextn_predict_layers", 0) or 0
-    skipped = tuple(f"model.layers.{layer}." for layer in range(first, first + count))
+    skipped = mtp_layer_prefixes(config.to_dict()) if config is not None else ()
     return {name: t for name, t in tensors.items() if not name.startswith(skipped)} if skipped else tensors
 
 

@@ -18,7 +18,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from contract.control_protocol import ControlError
+from contract.control_protocol import CallerFenced, ControlError
 from rollout.tiny_model import write_tiny_model
 from tests.rollout import servers
 from trainer.engine_fanout import SERVING_POLL_S, TAKEN_OUT
@@ -182,6 +182,25 @@ def test_an_engine_the_supervisor_took_out_is_not_waited_for(
     assert TAKEN_OUT_AFTER_S <= seconds < TAKEN_OUT_AFTER_S + 3 * SERVING_POLL_S < TIMEOUT_S / 2, seconds
     assert unanswered["asks"] >= 2
     assert_serving(live, 7, weights)
+
+
+def test_a_fenced_trainer_stops_waiting_and_publishes_nothing(model: Path, tmp_path: Path,
+                                                              base: dict[str, torch.Tensor]) -> None:
+    """The supervisor says a newer run of the job owns it: the publish raises at the next look (the
+    trainer then exits as fenced) instead of waiting for the engine as for a silent supervisor."""
+    cut = _CutOff()
+
+    def fenced() -> list[str]:
+        raise CallerFenced("a newer run of the job owns it")
+
+    publisher = WeightPublisher("disk", tmp_path, model, servers.API_KEY, timeout_s=TIMEOUT_S, serving=fenced)
+    try:
+        began = time.monotonic()
+        with pytest.raises(CallerFenced):
+            publisher.publish(8, [cut.url], iter(shifted(base, 0.08)))
+        assert time.monotonic() - began < 3 * SERVING_POLL_S < TIMEOUT_S / 2
+    finally:
+        cut.close()
 
 
 # nccl: what a trainer on a GPU asks for; the CPU engines' /server_info says device cpu, so the
