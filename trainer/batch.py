@@ -96,14 +96,17 @@ class Batching:
             raise ValueError(f"micro_batch_size must be 1 or more, got {self.micro_batch_size}")
 
     @classmethod
-    def of(cls, options: BatchingOptions, for_log_probs: bool = False) -> Batching:
+    def of(cls, options: BatchingOptions, for_log_probs: bool = False, cp_size: int = 1) -> Batching:
         """The training micro-batches, or (for_log_probs) those of the no-grad log-prob passes,
-        packed to --log-probs-max-tokens-per-gpu when dynamic (slime's default: the same budget)."""
+        packed to --log-probs-max-tokens-per-gpu when dynamic (slime's default: the same budget).
+        Under context parallelism a pack holds cp_size times the budget (as slime: each CP rank
+        holds 1 / cp_size of a pack's tokens)."""
         budget = options.max_tokens_per_gpu
         if for_log_probs and options.log_probs_max_tokens_per_gpu:
             budget = options.log_probs_max_tokens_per_gpu
         return cls(dynamic=options.use_dynamic_batch_size, micro_batch_size=options.micro_batch_size,
-                   max_tokens=budget, balance=options.balance_data)
+                   max_tokens=budget * cp_size if options.use_dynamic_batch_size and budget else budget,
+                   balance=options.balance_data)
 
 
 def schedule(lengths: list[int], dp_size: int, batching: Batching) -> list[list[list[int]]]:

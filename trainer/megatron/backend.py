@@ -9,7 +9,6 @@ in fp32, as megatron's DDP does with its main grads.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from rollout.plugins import load_function
 from trainer import context_parallel, freezing, main_grads
 from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, built, steps_on
-from trainer.batch import Batching, Pack, TrainSample, rank_packs
+from trainer.batch import Batching, Pack, TrainSample, rank_packs, schedule
 from trainer.config import TrainerConfig
 from trainer.lr_schedule import lr_lambda
 from trainer.megatron import mtp as megatron_mtp
@@ -234,13 +233,10 @@ class MegatronBackend(Backend):
         packs = [(pack, self._layout(pack, samples, mtp)) for pack in self._my_packs(samples, ids, not train)]
         return megatron_pipeline.each_pack(model, packs, self._run_model, step, train)
 
-    def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool,
-                  dp_rank: int | None = None) -> list[Pack]:
-        """The packs of this data-parallel rank (or of `dp_rank`)."""
-        batching = Batching.of(self.config.batching, for_log_probs)
-        if batching.dynamic and self.cp_size > 1:  # as slime: each rank holds 1 / CP of a pack's tokens
-            batching = dataclasses.replace(batching, max_tokens=batching.max_tokens * self.cp_size)
-        return rank_packs(samples, ids, self.dp_size, self.dp_rank if dp_rank is None else dp_rank, batching)
+    def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
+        """The packs of this data-parallel rank."""
+        return rank_packs(samples, ids, self.dp_size, self.dp_rank,
+                          Batching.of(self.config.batching, for_log_probs, self.cp_size))
 
     # ---------------------------------------------------------------- Backend
     def _values_of(self, output: torch.Tensor, rows: context_parallel.RowLayout) -> list[torch.Tensor]:
@@ -295,8 +291,9 @@ class MegatronBackend(Backend):
         totals: dict[str, torch.Tensor] = {}
         mtp = role == "actor" and self.config.model.enable_mtp_training
         if mtp:
-            packs = megatron_mtp.weigh_micro_batches(
-                sum(len(self._my_packs(samples, ids, False, rank)) for rank in range(self.dp_size)))
+            every_rank = schedule([samples[i].tokens.numel() for i in ids], self.dp_size,
+                                  Batching.of(self.config.batching, cp_size=self.cp_size))
+            packs = megatron_mtp.weigh_micro_batches(sum(len(packs) for packs in every_rank))
 
         def step(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
             if role == "critic":
