@@ -41,6 +41,7 @@ class EngineState:
         self.open = False
         self.released: set[str] = set()
         self.lock = threading.Lock()  # one group operation at a time
+        self.bucket_seconds: list[tuple[float, float]] = []  # per bucket received: (receive, load), for the bench
         self._allocate_kv()
 
     def _allocate_kv(self) -> None:
@@ -94,12 +95,20 @@ class EngineState:
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"load_format {load_format!r} is not supported")
         receive = group.receive_flat if load_format else group.receive
+        began = time.perf_counter()
         tensors = receive(names, [parse_dtype(d) for d in dtypes], shapes, DEVICE)
+        _sync()
+        received = time.perf_counter()
         for name, tensor in tensors.items():
             if name in self.params:
                 self.params[name].copy_(tensor)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
+        _sync()
+        self.bucket_seconds.append((received - began, time.perf_counter() - received))
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
@@ -170,6 +179,9 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
             if path == "/bench_sglang_version":  # e.g. "0.5.5": the trainer then sends one broadcast per tensor
                 state.sglang_version = body["version"]
                 return {"success": True}
+            if path == "/bench_bucket_seconds":  # each bucket's receive and load since the last ask
+                seconds, state.bucket_seconds = state.bucket_seconds, []
+                return {"success": True, "buckets": seconds}
             if path == "/bench_checksum":  # the weights' sum, to check an update arrived whole
                 with state.lock:
                     return {"success": True, "checksum": sum(float(t.float().sum()) for t in state.params.values())}

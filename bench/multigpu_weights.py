@@ -25,6 +25,7 @@ from pathlib import Path
 import requests
 import torch
 
+from rollout.engine_client import EngineClient
 from rollout.weight_group import create_group, free_port
 from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
 
@@ -123,6 +124,22 @@ def plain_broadcast_seconds(urls: list[str], backend: str, nbytes: int, repeats:
         group.close()
 
 
+# Engine calls of a publish besides its buckets: /server_info, /begin_weight_update, /end_weight_update,
+# /model_info (trainer/publish.py)
+FIXED_CALLS = 4
+
+
+def engine_call_seconds(url: str, count: int = 50) -> float:
+    """The median seconds of one engine call as the publisher makes it (GET /model_info), after a warm-up."""
+    client = EngineClient(None, CALL_TIMEOUT_S)
+    timings = []
+    for _ in range(count + 5):
+        began = time.perf_counter()
+        client.call(url, "/model_info")
+        timings.append(time.perf_counter() - began)
+    return statistics.median(timings[5:])
+
+
 def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bucket_bytes: int,
                 engines: int) -> dict:
     params = qwen3_params(shape)
@@ -145,31 +162,45 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
 
         times: list[float] = []
         per_tensor_times: list[float] = []
+        engine_side: list[list[tuple[float, float]]] = []  # engine 0's (receive, load) per bucket, each flat publish
         equal = True
         for _ in range(repeats + 1):  # the first publish also forms the group; the two forms alternate
             for sglang_version, timings in ((None, times), ("0.5.5", per_tensor_times)):
                 for url in urls:  # "0.5.5": an SGLang older than flattened buckets, sent one broadcast per tensor
                     post(url, "/bench_sglang_version", {"version": sglang_version})
+                    post(url, "/bench_bucket_seconds", {})
                 _sync()
                 result = publisher.publish(len(times) + len(per_tensor_times) + 1, urls, iter(weights.items()))
                 if result.updated != urls:
                     raise RuntimeError(f"engines were dropped: {result.dropped}")
                 timings.append(result.seconds)
+                if sglang_version is None:
+                    engine_side.append(post(urls[0], "/bench_bucket_seconds", {})["buckets"])
                 checksums = [post(url, "/bench_checksum", {})["checksum"] for url in urls]
                 equal = equal and all(abs(c - want) <= 1e-3 * max(1.0, abs(want)) for c in checksums)
         publisher.close()
         plain = plain_broadcast_seconds(urls, publisher.backend, nbytes, repeats, device)
+        call_s = engine_call_seconds(urls[0])
     finally:
         publisher.close()
         for proc in procs:
             stop_engine(proc)
     steady, per_tensor = statistics.median(times[1:]), statistics.median(per_tensor_times[1:])
+    received = statistics.median(sum(r for r, _ in buckets) for buckets in engine_side[1:])
+    loaded = statistics.median(sum(load for _, load in buckets) for buckets in engine_side[1:])
+    calls = FIXED_CALLS + len(engine_side[-1])
     return {"model": label, "bytes": nbytes, "tensors": len(weights), "bucket_bytes": bucket_bytes,
             "engines": engines, "backend": publisher.backend, "first_publish_s": times[0], "publish_s": steady,
             "publish_gbps": nbytes / steady / 1e9, "plain_broadcast_s": plain, "plain_gbps": nbytes / plain / 1e9,
             "ratio_vs_plain": plain / steady, "per_tensor_publish_s": per_tensor,
             "per_tensor_ratio_vs_plain": plain / per_tensor, "flattened_speedup": per_tensor / steady,
             "checksum_equal": equal, "all_publish_s": times,
+            # Where a flattened publish's time goes (engine 0, steady state): the engine's HTTP calls in
+            # turn (each timed alone: call_s), each bucket received off the wire, then loaded before its answer
+            # (as SGLang answers), and what is left: the trainer's own work not overlapped, and waits
+            "buckets": len(engine_side[-1]), "call_s": call_s, "engine_calls": calls,
+            "engine_receive_s": received, "engine_load_s": loaded,
+            "unexplained_s": steady - calls * call_s - received - loaded,
             "all_per_tensor_publish_s": per_tensor_times}
 
 

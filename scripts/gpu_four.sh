@@ -9,6 +9,10 @@
 #   STEP=4: the publish by reference into an engine on the trainer's GPU (bench/bench_tensor_publish.py,
 #           issue 31) and tests/gpu/test_gpu_tensor_publish.py; the async bench (issue 32): the trainer on
 #           GPU 0 against CPU engines with simulated decode, then against engines decoding on GPU 1
+#   STEP=5: a rerun after fixes, all at once: on GPUs 0-1 the publish benches (by reference; NCCL with where
+#           its time goes), then GPU_TRAINER_TESTS (default the GLM-4 trainer tests) with a GPU per rank;
+#           tests/gpu's expert-bias MoE with MTP on GPU 2; the GPU RL loop, ckpt verify and the tensor
+#           publish on GPU 3; SUITE_TESTS (default the tests that failed there last) on the CPUs
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -16,6 +20,7 @@ cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_four} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's KINDS.md
 mkdir -p "$OUT"
+COMMON="-p no:cacheprovider -p no:randomly -p no:benchmark -rfEs --tb=short"
 python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
 nvidia-smi -L
 case "${STEP:-1}" in
@@ -47,7 +52,26 @@ case "${STEP:-1}" in
     timeout -k 10 280 python -m bench.bench_async --engine-device cuda --hold-ms 0 2>&1 \
         | tee "$OUT/bench_async_gpu_engines.txt" | grep -E "x[0-9.]+ of sync"
     ;;
-*) echo "STEP must be 1, 2, 3 or 4, got $STEP" >&2; exit 2 ;;
+5)
+    ( export CUDA_VISIBLE_DEVICES=0,1
+      timeout -k 10 100 python -m bench.bench_tensor_publish > "$OUT/bench_tensor_publish.txt" 2>&1
+      timeout -k 10 150 python -m bench.bench_multi_gpu --parts weights --out /tmp/bench_weights \
+          > "$OUT/bench_weights.txt" 2>&1
+      timeout -k 10 180 python -m pytest -v $COMMON tests/trainer/test_megatron_glm4.py ${GPU_TRAINER_TESTS:-} \
+          > "$OUT/trainer_tests_on_gpus.txt" 2>&1 ) &
+    CUDA_VISIBLE_DEVICES=2 timeout -k 10 "${LIMIT:-450}" python -m pytest -v $COMMON tests/gpu/test_gpu_expert_bias_moe.py \
+        > "$OUT/gpu_expert_bias_mtp.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 timeout -k 10 "${LIMIT:-450}" python -m pytest -v $COMMON tests/gpu/test_gpu_rl_loop.py \
+        tests/gpu/test_gpu_ckpt_verify.py tests/gpu/test_gpu_tensor_publish.py > "$OUT/gpu_loop_verify.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=2 timeout -k 10 "${LIMIT:-450}" python -m pytest -q $COMMON -n 8 \
+        ${SUITE_TESTS:-tests/trainer/test_publish.py tests/trainer/test_config_boundary.py tests/jobs/test_slime_flags.py \
+        tests/trainer/test_slime_flag_values.py} > "$OUT/suite_part.txt" 2>&1 &
+    wait
+    grep -h "^qwen3\|^tiny" "$OUT/bench_tensor_publish.txt"; grep -h RESULT "$OUT/bench_weights.txt" | cut -c1-900
+    for f in trainer_tests_on_gpus gpu_expert_bias_mtp gpu_loop_verify suite_part; do
+        echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
+    ;;
+*) echo "STEP must be 1 to 5, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true
