@@ -41,8 +41,9 @@ CASES = {  # id: (arch, tied embeddings)
     "deepseek_v3_dense_first": ("deepseek_v3_dense_first", False),  # first_k_dense_replace 1 of 3 layers
     "glm4_moe": ("glm4_moe", False),  # first_k_dense_replace 1 of 3 layers, qkv bias, q/k norms, half RoPE
     "glm4_moe_lite": ("glm4_moe_lite", False),  # MLA, mlp_layer_types dense, sparse, sparse
-    "glm": ("glm", False),  # qkv bias, fused gate_up_proj, interleaved RoPE over half of each head
-    "glm4": ("glm4", False),  # and the attention's and the MLP's outputs normalised (GLM-4-0414)
+    # GLM-4-0414: qkv bias, fused gate_up_proj, interleaved RoPE over half of each head, and the attention's
+    # and the MLP's outputs normalised (GLM-4 without those norms: test_convert's round trip)
+    "glm4": ("glm4", False),
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
