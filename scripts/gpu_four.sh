@@ -12,7 +12,8 @@
 #   STEP=5: a rerun after fixes, all at once: on GPUs 0-1 the publish benches (by reference; NCCL with where
 #           its time goes), then GPU_TRAINER_TESTS (default the GLM-4 trainer tests) with a GPU per rank;
 #           tests/gpu's expert-bias MoE with MTP on GPU 2; the GPU RL loop, ckpt verify and the tensor
-#           publish on GPU 3; SUITE_TESTS (default the tests that failed there last) on the CPUs
+#           publish on GPU 3, then the async bench there (CPU engines, HOLD_MS per decode step); SUITE_TESTS
+#           (default the tests that failed there last) on the CPUs
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -61,13 +62,18 @@ case "${STEP:-1}" in
           > "$OUT/trainer_tests_on_gpus.txt" 2>&1 ) &
     CUDA_VISIBLE_DEVICES=2 timeout -k 10 "${LIMIT:-450}" python -m pytest -v $COMMON tests/gpu/test_gpu_expert_bias_moe.py \
         > "$OUT/gpu_expert_bias_mtp.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=3 timeout -k 10 "${LIMIT:-450}" python -m pytest -v $COMMON tests/gpu/test_gpu_rl_loop.py \
-        tests/gpu/test_gpu_ckpt_verify.py tests/gpu/test_gpu_tensor_publish.py > "$OUT/gpu_loop_verify.txt" 2>&1 &
+    ( export CUDA_VISIBLE_DEVICES=3
+      timeout -k 10 240 python -m pytest -v $COMMON tests/gpu/test_gpu_rl_loop.py tests/gpu/test_gpu_ckpt_verify.py \
+          tests/gpu/test_gpu_tensor_publish.py > "$OUT/gpu_loop_verify.txt" 2>&1
+      # the async bench with generation about half of a synchronous rollout, as in published RL runs
+      timeout -k 10 200 python -m bench.bench_async --hold-ms "${HOLD_MS:-8}" --rollouts 10 \
+          > "$OUT/bench_async_balanced.txt" 2>&1 ) &
     CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=2 timeout -k 10 "${LIMIT:-450}" python -m pytest -q $COMMON -n 8 \
         ${SUITE_TESTS:-tests/trainer/test_publish.py tests/trainer/test_config_boundary.py tests/jobs/test_slime_flags.py \
         tests/trainer/test_slime_flag_values.py} > "$OUT/suite_part.txt" 2>&1 &
     wait
     grep -h "^qwen3\|^tiny" "$OUT/bench_tensor_publish.txt"; grep -h RESULT "$OUT/bench_weights.txt" | cut -c1-900
+    grep -hE "x[0-9.]+ of sync" "$OUT/bench_async_balanced.txt"
     for f in trainer_tests_on_gpus gpu_expert_bias_mtp gpu_loop_verify suite_part; do
         echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
     ;;
