@@ -51,7 +51,8 @@ CPU_BATCH = {"samples": 8, "min_len": 16, "max_len": 48, "repeats": 2}
 def _layouts(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
     from bench import multigpu_layouts
 
-    return multigpu_layouts.run_layouts(model, ckpt, shape, batch, work, dtype, max_tokens, opts.torch_compile)
+    return multigpu_layouts.run_layouts(model, ckpt, shape, batch, work, dtype, max_tokens, opts.torch_compile,
+                                        opts.layouts.split(",") if opts.layouts else None, opts.profile)
 
 
 def _reshard(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
@@ -89,6 +90,9 @@ def main() -> None:
                         help="the colocated engines' share of each GPU (weights + KV cache)")
     parser.add_argument("--weight-repeats", type=int, default=3)
     parser.add_argument("--torch-compile", action="store_true", help="the layouts' trainer compiled, as users run it")
+    parser.add_argument("--layouts", help="comma-separated layouts to run (TP=1, the baseline, always runs), e.g. "
+                        "dp2_distopt; default: all")
+    parser.add_argument("--profile", action="store_true", help="print each layout's ops of one more step (torch.profiler)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
                         help="the layouts' pack size (default: 4096 on GPUs, 64 with --tiny)")
     parser.add_argument("--update-weight-buffer-size", type=int, default=DEFAULT_BUCKET_BYTES,

@@ -81,9 +81,26 @@ def _layout_step(backend, job: dict) -> dict:
         backend.train_step(samples, ids, loss, need_entropy=False)
         _sync()
         times.append(time.perf_counter() - began)
-    return {"logps": {i: lp[0].detach().float().cpu() for i, lp in logps.items()}, "metrics": first,
+    profile = _profiled_step(lambda: backend.train_step(samples, ids, loss, need_entropy=False)) \
+        if job.get("profile") else None
+    return {"logps": {i: lp[0].detach().float().cpu() for i, lp in logps.items()}, "metrics": first, "profile": profile,
             "step_s": statistics.median(times[1:]), "lengths": [s.tokens.numel() for s in samples],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+
+
+PROFILE_ROWS = 20  # the ops of a profiled step shown, by their own time on the device (else the CPU)
+
+
+def _profiled_step(step) -> str:
+    """One more step under torch.profiler: the ops that took most of it, as a table (rank 0's)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        _sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60)
 
 
 def _reshard_step(backend, job: dict) -> dict:
@@ -130,20 +147,22 @@ def _logp_diff(a: dict, b: dict) -> tuple[float, float]:
 
 
 def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, dtype: str,
-                max_tokens: int, torch_compile: bool = False) -> list[dict]:
-    """Every layout's step against TP=1's; figures per layout (MFU against the H200 bf16 peak).
-    torch_compile: every layout compiled (as users run the trainer), TP=1's the baseline of the same call."""
+                max_tokens: int, torch_compile: bool = False, names: list[str] | None = None,
+                profile: bool = False) -> list[dict]:
+    """Every layout's step (or those `names`, TP=1 first) against TP=1's; figures per layout (MFU against
+    the H200 bf16 peak). torch_compile: every layout compiled (as users run the trainer), TP=1's the
+    baseline of the same call. profile: each layout's table of the ops one more step spent its time in."""
     common = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--lr", "1e-6",
               "--attention-backend", "sdpa", "--adam-eps", "1"] + (["--bf16"] if dtype == "bf16" else [])
     common += ["--torch-compile"] if torch_compile else []
     tol, rows, base = TOLERANCE[dtype], [], None
     for name, (world, flags) in LAYOUTS.items():
-        if torch_compile and name.endswith("_compiled"):
-            continue  # every layout is compiled already
+        if (torch_compile and name.endswith("_compiled")) or (names and name != "tp1" and name not in names):
+            continue  # compiled already, or not asked for
         began = time.monotonic()
         try:
             got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt), "flags": common + flags,
-                                 "out": str(work / f"{name}.pt"), **batch})
+                                 "out": str(work / f"{name}.pt"), "profile": profile, **batch})
         except mp.ProcessRaisedException as err:  # one layout's failure is its row; the others still run
             rows.append({"layout": name, "gpus": world, "error": str(err).strip().splitlines()[-1]})
             print("RESULT " + json.dumps({"part": "layouts", **rows[-1]}), flush=True)
@@ -164,6 +183,8 @@ def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, d
                                and row["d_grad_norm_rel"] <= tol["grad_norm_rel"])
         rows.append(row)
         print("RESULT " + json.dumps({"part": "layouts", **row}), flush=True)
+        if got["profile"]:
+            print(f"PROFILE {name} (rank 0, one step):\n{got['profile']}", flush=True)
     return rows
 
 
