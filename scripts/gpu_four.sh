@@ -9,11 +9,12 @@
 #   STEP=4: the publish by reference into an engine on the trainer's GPU (bench/bench_tensor_publish.py,
 #           issue 31) and tests/gpu/test_gpu_tensor_publish.py; the async bench (issue 32): the trainer on
 #           GPU 0 against CPU engines with simulated decode, then against engines decoding on GPU 1
-#   STEP=5: a rerun after fixes, all at once: on GPUs 0-1 the publish benches (by reference; NCCL with where
-#           its time goes), then GPU_TRAINER_TESTS (default the GLM-4 trainer tests) with a GPU per rank;
-#           tests/gpu's expert-bias MoE with MTP on GPU 2; the GPU RL loop, ckpt verify and the tensor
-#           publish on GPU 3, then the async bench there (CPU engines, HOLD_MS per decode step); SUITE_TESTS
-#           (default the tests that failed there last) on the CPUs
+#   STEP=5: a rerun after fixes, at once: on GPUs 0-1 the publish benches (by reference; NCCL with where
+#           its time goes), then DP=2's step profiled against TP=1 (compiled, 8192-token packs); on GPUs
+#           2-3 the GLM-4 trainer tests (GPU_TRAINER_TESTS too) a GPU per rank, then tests/gpu's expert-bias
+#           MoE with MTP on GPU 2 beside the GPU RL loop, the tensor publish (GPU_TESTS too) and the async
+#           bench (CPU engines, HOLD_MS per decode step) on GPU 3; SUITE_TESTS (default the tests that
+#           failed there last) on the CPUs
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -58,23 +59,27 @@ case "${STEP:-1}" in
       timeout -k 10 100 python -m bench.bench_tensor_publish > "$OUT/bench_tensor_publish.txt" 2>&1
       timeout -k 10 150 python -m bench.bench_multi_gpu --parts weights --out /tmp/bench_weights \
           > "$OUT/bench_weights.txt" 2>&1
-      timeout -k 10 180 python -m pytest -v $COMMON tests/trainer/test_megatron_glm4.py ${GPU_TRAINER_TESTS:-} \
-          > "$OUT/trainer_tests_on_gpus.txt" 2>&1 ) &
-    CUDA_VISIBLE_DEVICES=2 timeout -k 10 "${LIMIT:-450}" python -m pytest -v $COMMON tests/gpu/test_gpu_expert_bias_moe.py \
-        > "$OUT/gpu_expert_bias_mtp.txt" 2>&1 &
-    ( export CUDA_VISIBLE_DEVICES=3
-      timeout -k 10 240 python -m pytest -v $COMMON tests/gpu/test_gpu_rl_loop.py tests/gpu/test_gpu_ckpt_verify.py \
-          tests/gpu/test_gpu_tensor_publish.py > "$OUT/gpu_loop_verify.txt" 2>&1
+      timeout -k 10 240 python -m bench.bench_multi_gpu --parts layouts --layouts dp2_distopt --torch-compile \
+          --max-tokens-per-gpu 8192 --profile --out /tmp/bench_layouts > "$OUT/bench_dp2_profile.txt" 2>&1 ) &
+    ( export CUDA_VISIBLE_DEVICES=2,3
+      timeout -k 10 150 python -m pytest -v $COMMON tests/trainer/test_megatron_glm4.py ${GPU_TRAINER_TESTS:-} \
+          > "$OUT/trainer_tests_on_gpus.txt" 2>&1
+      CUDA_VISIBLE_DEVICES=2 timeout -k 10 330 python -m pytest -v $COMMON tests/gpu/test_gpu_expert_bias_moe.py \
+          > "$OUT/gpu_expert_bias_mtp.txt" 2>&1 &
+      export CUDA_VISIBLE_DEVICES=3
+      timeout -k 10 150 python -m pytest -v $COMMON tests/gpu/test_gpu_rl_loop.py tests/gpu/test_gpu_tensor_publish.py \
+          ${GPU_TESTS:-} > "$OUT/gpu_loop.txt" 2>&1
       # the async bench with generation about half of a synchronous rollout, as in published RL runs
-      timeout -k 10 200 python -m bench.bench_async --hold-ms "${HOLD_MS:-8}" --rollouts 10 \
-          > "$OUT/bench_async_balanced.txt" 2>&1 ) &
-    CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=2 timeout -k 10 "${LIMIT:-450}" python -m pytest -q $COMMON -n 8 \
+      timeout -k 10 170 python -m bench.bench_async --hold-ms "${HOLD_MS:-8}" --rollouts 10 \
+          > "$OUT/bench_async_balanced.txt" 2>&1
+      wait ) &
+    CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=2 timeout -k 10 480 python -m pytest -q $COMMON -n 8 \
         ${SUITE_TESTS:-tests/trainer/test_publish.py tests/trainer/test_config_boundary.py tests/jobs/test_slime_flags.py \
         tests/trainer/test_slime_flag_values.py} > "$OUT/suite_part.txt" 2>&1 &
     wait
-    grep -h "^qwen3\|^tiny" "$OUT/bench_tensor_publish.txt"; grep -h RESULT "$OUT/bench_weights.txt" | cut -c1-900
-    grep -hE "x[0-9.]+ of sync" "$OUT/bench_async_balanced.txt"
-    for f in trainer_tests_on_gpus gpu_expert_bias_mtp gpu_loop_verify suite_part; do
+    grep -h "^qwen3\|^tiny" "$OUT/bench_tensor_publish.txt"; grep -h RESULT "$OUT"/bench_weights.txt | cut -c1-900
+    grep -h RESULT "$OUT/bench_dp2_profile.txt" | cut -c1-600; grep -hE "x[0-9.]+ of sync" "$OUT/bench_async_balanced.txt"
+    for f in trainer_tests_on_gpus gpu_expert_bias_mtp gpu_loop suite_part; do
         echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
     ;;
 *) echo "STEP must be 1 to 5, got $STEP" >&2; exit 2 ;;
