@@ -43,6 +43,7 @@ CASES = {  # id: (arch, tied embeddings)
     "glm4_moe_lite": ("glm4_moe_lite", False),  # MLA, mlp_layer_types dense, sparse, sparse
     "glm": ("glm", False),  # qkv bias, fused gate_up_proj, interleaved RoPE over half of each head
     "glm4": ("glm4", False),  # and the attention's and the MLP's outputs normalised (GLM-4-0414)
+    "minimax_m2": ("minimax_m2", False),  # q/k norms over all heads (summed over TP), expert-bias MoE, half RoPE
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
