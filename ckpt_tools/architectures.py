@@ -28,6 +28,8 @@ DENSE_GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 POST_NORM_ARCHITECTURES = ("Glm4ForCausalLM",)
 # Their config.json's attention_bias is a bias on q, k and v only (megatron's add_qkv_bias)
 QKV_BIAS_GLM_ARCHITECTURES = ("Glm4MoeForCausalLM", *DENSE_GLM_ARCHITECTURES)
+# q/k norms whatever config.json says (Qwen3's per head, MiniMax-M2's over all heads)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *MINIMAX_ARCHITECTURES)
 # Said in errors: the families whose models slurmrl builds from config.json
 BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), GLM-4.5/4.7, "
                   "GLM-4.7-Flash and MiniMax-M2")

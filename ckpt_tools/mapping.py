@@ -21,6 +21,7 @@ from ckpt_tools.architectures import (
     MOE_ARCHITECTURES,
     MTP_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
     QKV_BIAS_GLM_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     check_minimax_m2,
@@ -130,8 +131,7 @@ class ModelShape:
             padded_vocab_size=-(-vocab // multiple) * multiple,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or (glm and bool(config.get("attention_bias"))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or minimax
-            or (glm and bool(config.get("use_qk_norm"))),
+            qk_norm=arch in QK_NORM_ARCHITECTURES or (glm and bool(config.get("use_qk_norm"))),
             num_experts=experts if arch in MOE_ARCHITECTURES else 0,
             mla=MLAShape(config.get("q_lora_rank"), config["kv_lora_rank"], config["qk_nope_head_dim"],
                          config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
