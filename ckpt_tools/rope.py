@@ -34,7 +34,8 @@ def rotary_percent(config: dict[str, Any]) -> float:
     MiniMax-M2's own config.json gives rotary_dim instead (transformers reads it as this share)."""
     factor = rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if factor is None and config.get("rotary_dim"):
-        factor = config["rotary_dim"] / (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        factor = config["rotary_dim"] / head_dim
     return float(1.0 if factor is None else factor)
 
 

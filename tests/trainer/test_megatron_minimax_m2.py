@@ -13,15 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from ckpt_tools.convert import hf_to_torch_dist
 from ckpt_tools.mapping import ModelShape
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
-from tests.rank_devices import rank_devices
-from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
-from trainer.args import ArgsError, build_config, build_parser
-from trainer.config.model_checks import check_model_flags
+from tests.trainer.same_step import (
+    assert_every_name_published,
+    assert_log_probs_equal_hf,
+    run_layouts,
+    tiny_with_torch_dist,
+)
+from tests.trainer.test_megatron_backend import ATOL
+from tests.trainer.test_megatron_glm4 import _check
+from trainer.args import ArgsError
 
 # scripts/models/minimax-m2.sh at the tiny model's sizes, but for --moe-token-dispatcher-type alltoall (CUDA only)
 MINIMAX_FLAGS = [
@@ -42,29 +45,18 @@ LAYOUTS = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", []), "tp2_sp_e
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("minimax_m2")
-    model = make_tiny_hf("minimax_m2", root / "model", tied=False)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+def tiny(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The tiny model, and each layout's RL step from its torch_dist conversion."""
+    model_and_ckpt = tiny_with_torch_dist("minimax_m2", tmp_path_factory.mktemp("minimax_m2"))
+    return model_and_ckpt[0], run_layouts(model_and_ckpt, tmp_path_factory.mktemp("runs"), LAYOUTS, MINIMAX_FLAGS)
 
 
-@pytest.fixture(scope="module")
-def results(tiny, tmp_path_factory) -> dict[str, dict]:
-    with rank_devices(2):
-        return run_all(tiny, tmp_path_factory.mktemp("runs"), {
-            name: (tp, world, attention, [*MINIMAX_FLAGS, *extra])
-            for name, (tp, world, attention, extra) in LAYOUTS.items()})
+def test_log_probs_equal_hf(tiny) -> None:
+    assert_log_probs_equal_hf(*tiny)
 
 
-def test_log_probs_equal_hf(tiny, results) -> None:
-    model, _ = tiny
-    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
-    for name, result in results.items():
-        for i, want in enumerate(expected):
-            assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
-
-
-def test_one_step_is_the_same_at_tp2_sp_ep2(results) -> None:
+def test_one_step_is_the_same_at_tp2_sp_ep2(tiny) -> None:
+    _, results = tiny
     base = results["tp1"]
     assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
     for name in LAYOUTS:
@@ -73,27 +65,15 @@ def test_one_step_is_the_same_at_tp2_sp_ep2(results) -> None:
             assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), f"{name}: {key}"
         for hf_name, tensor in base["weights"].items():
             assert (other["weights"][hf_name] - tensor).abs().max() < ATOL, f"{name}: {hf_name} after the step"
+    moe = "model.layers.1.block_sparse_moe."
     for hf_name in ("model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight",
-                    "model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.0.w3.weight",
-                    "model.layers.1.block_sparse_moe.e_score_correction_bias"):
+                    moe + "gate.weight", moe + "experts.0.w3.weight", moe + "e_score_correction_bias"):
         assert not torch.equal(base["weights"][hf_name], base["before"][hf_name]), f"{hf_name} must train"
 
 
-def test_every_checkpoint_name_is_published(tiny, results) -> None:
+def test_every_checkpoint_name_is_published(tiny) -> None:
     """The publish path sends exactly the checkpoint's names (Mixtral's block_sparse_moe, w1/w2/w3)."""
-    model, _ = tiny
-    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())
-    assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in names
-    for name, result in results.items():
-        assert set(result["weights"]) == names, f"{name}: {set(result['weights']) ^ names}"
-
-
-def _check(model: Path, flags: list[str], config: dict | None = None) -> None:
-    argv = ["--hf-checkpoint", str(model), "--num-rollout", "1", "--debug-train-only", "--n-samples-per-prompt", "2",
-            "--load-debug-rollout-data", "x", *flags]
-    check_model_flags(build_config(build_parser().parse_args(argv)).shape, str(model),
-                      config or json.loads((model / "config.json").read_text()))
+    assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in assert_every_name_published(*tiny)
 
 
 def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch import Tensor
 
-from ckpt_tools.megatron_model import stage_layer_specs
 from ckpt_tools.full_qk_norm import FullKNorm, FullQNorm
+from ckpt_tools.megatron_model import stage_layer_specs
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.post_norm_layer import with_post_norms
 from trainer.context_parallel import cp_attention
