@@ -99,14 +99,20 @@ def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) ->
 
 @pytest.mark.parametrize("transport", ["nccl", "disk"])  # nccl: gloo on the CPU
 def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path, transport: str) -> None:
-    model = tiny_hf_with_tokenizer("glm4", tmp_path / "models", seed=0)
+    assert_rl_loop_on_policy("glm4", GLM4_FLAGS, tmp_path, transport)
+
+
+def assert_rl_loop_on_policy(arch: str, flags: list[str], tmp_path: Path, transport: str) -> None:
+    """Three rollouts of `python -m trainer` with `flags` on a tiny `arch`, served by a stand-in engine behind the
+    router: each published version reaches the engine intact (its log-probs the trainer's: on policy)."""
+    model = tiny_hf_with_tokenizer(arch, tmp_path / "models", seed=0)
     data = write_toy_data(tmp_path / "toy.jsonl", num_prompts=32)
     servers = tmp_path / "servers"
     servers.mkdir()
     with engines_behind_router(model, servers, count=1, deterministic=True) as (router, _):
         trainer((model, data), router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8",
                 "--lr", "1e-2", "--train-backend", "megatron", "--update-weight-transport", transport,
-                *GLM4_FLAGS,
+                *flags,
                 "--true-on-policy-mode", "--true-on-policy-tolerance", str(SAME_CPU))
     rows = metrics(tmp_path / "job")
     assert [m["rollout_id"] for m in rows] == [0, 1, 2]

@@ -3,7 +3,9 @@ flags at a tiny model's sizes (its --spec slime_plugins.models.minimax_m2 get_mi
 all heads, RoPE over half of each head, sigmoid expert-bias MoE in every layer; each flag checked against
 config.json): one RL step gives HF's log-probs and the same loss, grad norm and new weights at TP=1 and at TP=2 + SP
 with the experts over the two ranks (EP=2), with unfused and fused attention. The q/k norms' sum of squares spans
-both TP ranks, and their gradient is summed once. Flags and --spec that do not fit the checkpoint are named."""
+both TP ranks, and their gradient is summed once. Flags and --spec that do not fit the checkpoint are named.
+End to end (`python -m trainer`, a stand-in engine serving transformers' MiniMaxM2 behind the real router): every
+published version reaches the engine intact (on policy), over a weight-update group."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from tests.trainer.same_step import (
     tiny_with_torch_dist,
 )
 from tests.trainer.test_megatron_backend import ATOL
-from tests.trainer.test_megatron_glm4 import _check
+from tests.trainer.test_megatron_glm4 import _check, assert_rl_loop_on_policy
 from trainer.args import ArgsError
 
 # scripts/models/minimax-m2.sh at the tiny model's sizes, but for --moe-token-dispatcher-type alltoall (CUDA only)
@@ -101,3 +103,8 @@ def test_a_config_megatron_would_compute_otherwise_is_named(tiny, field: str, va
     config = {**json.loads((model / "config.json").read_text()), field: value}
     with pytest.raises(ValueError, match="^" + re.escape(f"config.json: {field} {value!r} is not supported")):
         ModelShape.from_hf_config(config)
+
+
+def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path) -> None:
+    """Published over a weight-update group (gloo on the CPU) under the checkpoint's names, each version serves."""
+    assert_rl_loop_on_policy("minimax_m2", MINIMAX_FLAGS, tmp_path, "nccl")
