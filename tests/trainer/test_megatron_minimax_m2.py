@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
+from ckpt_tools import rope
 from ckpt_tools.mapping import ModelShape
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.trainer.same_step import (
@@ -108,3 +110,18 @@ def test_a_config_megatron_would_compute_otherwise_is_named(tiny, field: str, va
 def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path) -> None:
     """Published over a weight-update group (gloo on the CPU) under the checkpoint's names, each version serves."""
     assert_rl_loop_on_policy("minimax_m2", MINIMAX_FLAGS, tmp_path, "nccl")
+
+
+def test_minimax_m2s_own_config_json_reads_as_transformers_reads_it(tiny) -> None:
+    """MiniMax-M2's released config.json gives rotary_dim and rope_theta (no rope_parameters), and its remote code's
+    fields at the values transformers' model computes: slime's flags pass against it."""
+    model, _ = tiny
+    config = {k: v for k, v in json.loads((model / "config.json").read_text()).items() if k != "rope_parameters"}
+    config |= {"rotary_dim": 8, "rope_theta": 5000000.0, "scoring_func": "sigmoid", "use_routing_bias": True,
+               "use_qk_norm": True, "qk_norm_type": "per_layer", "shared_intermediate_size": 0,
+               "attn_type_list": [1, 1]}
+    read = transformers.MiniMaxM2Config(**config).rope_parameters
+    assert rope.rotary_percent(config) == read["partial_rotary_factor"] == 0.5
+    assert rope.rope_theta(config) == read["rope_theta"]
+    _check(model, MINIMAX_FLAGS, config)
+    ModelShape.from_hf_config(config)

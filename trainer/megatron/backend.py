@@ -324,11 +324,11 @@ class MegatronBackend(Backend):
 
     def _reduce_gradients(self, model: GPTModel) -> None:
         """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
-        weights (each rank normalises only its own heads) and, under sequence parallelism, weights
+        weights (each rank normalises only its own heads; MiniMax-M2's full-width ones scale them by
+        its slice of the weight: ckpt_tools.full_qk_norm) and, under sequence parallelism, weights
         marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
         then every replica over data-parallel x context-parallel ranks (the loss is already scaled
-        for a sum; each CP rank holds the gradient of its own rows);
-        expert weights over the expert-DP group."""
+        for a sum; each CP rank holds the gradient of its own rows); expert weights over the expert-DP group."""
         megatron_pipeline.reduce_embedding_grads(model)
         named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
         # MLA's q/kv norms are over whole latents (HiddenStateNorm): partial only under SP, marked so.
