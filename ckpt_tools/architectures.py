@@ -84,7 +84,9 @@ _MINIMAX_FIXED = (
     ("use_qk_norm", True, "q and k are normalised"),
     ("qk_norm_type", "per_layer", "the q/k norms are over all heads at once"),
     ("shared_intermediate_size", 0, "there are no shared experts"),
-    ("router_jitter_noise", 0.0, "megatron-core's router has no multiplicative input jitter"),
+    # megatron's moe_input_jitter_eps would be the same noise, but a random forward (as dropout) makes the
+    # trainer's log-probs differ from those of the same weights
+    ("router_jitter_noise", 0.0, "RL training runs without the router's input jitter, as without dropout"),
     ("routed_scaling_factor", 1.0, "transformers' MiniMaxM2 does not scale the routing weights"),
 )
 
