@@ -7,16 +7,22 @@ input), and each rank scales its heads by its slice of the full, replicated weig
 gradient is then nonzero on this rank's slice only, so the sum over TP that the trainer takes of
 every q/k layernorm's gradient counts each element once; a gather-norm-scatter (slime's) would give
 every rank the full gradient, and that sum would count it TP times.
+
+They are the attention's q_norm and k_norm (megatron keys ...self_attention.q_norm.weight), as slime's
+MiniMaxM2SelfAttention names them, so that the two read each other's torch_dist checkpoints.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from torch import Tensor
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -55,17 +61,19 @@ class FullHeadsRMSNorm(torch.nn.Module):
         return (self.weight[start:start + width] * normed).reshape(x.shape)
 
 
-class FullQNorm:
-    """The q norm as a layer spec's q_layernorm (megatron passes one head's width: the norm takes all heads')."""
+class FullQKNormSelfAttention(SelfAttention):
+    """megatron's SelfAttention whose q and k are normalised over all heads (q_norm, k_norm), not per head."""
 
-    def __new__(  # type: ignore[misc]  # a factory class: megatron's build_module calls a class
-            cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> FullHeadsRMSNorm:
-        return FullHeadsRMSNorm(config, config.num_attention_heads, eps)
+    def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules, *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(config, replace(submodules, q_layernorm=None, k_layernorm=None), *args, **kwargs)
+        self.q_norm = FullHeadsRMSNorm(config, config.num_attention_heads, config.layernorm_epsilon)
+        self.k_norm = FullHeadsRMSNorm(config, config.num_query_groups or config.num_attention_heads,
+                                       config.layernorm_epsilon)
 
-
-class FullKNorm:
-    """The k norm as a layer spec's k_layernorm, over all key/value heads."""
-
-    def __new__(  # type: ignore[misc]
-            cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> FullHeadsRMSNorm:
-        return FullHeadsRMSNorm(config, config.num_query_groups or config.num_attention_heads, eps)
+    def get_query_key_value_tensors(self, hidden_states: Tensor, key_value_states: Tensor | None = None,
+                                    output_gate: bool = False, split_qkv: bool = True) -> Any:
+        if not split_qkv:  # megatron's fused q/k/v RoPE (TransformerEngine's) would skip the norms
+            raise ValueError("MiniMax-M2's q/k norms need q, k and v split (no fused_single_qkv_rope)")
+        query, key, *rest = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate)
+        return (self.q_norm(query), self.k_norm(key), *rest)

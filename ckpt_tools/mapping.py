@@ -265,9 +265,10 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
     if shape.qkv_bias:
         out.append(Rule("decoder.layers.self_attention.linear_qkv.bias",
                         (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV))
-    if shape.qk_norm:
-        out += [Rule("decoder.layers.self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
-                Rule("decoder.layers.self_attention.k_layernorm.weight", (attn + "k_norm.weight",))]
+    if shape.qk_norm:  # MiniMax-M2's over all heads: slime's q_norm and k_norm (ckpt_tools.full_qk_norm)
+        kind = "norm" if shape.full_qk_norm else "layernorm"
+        out += [Rule(f"decoder.layers.self_attention.q_{kind}.weight", (attn + "q_norm.weight",)),
+                Rule(f"decoder.layers.self_attention.k_{kind}.weight", (attn + "k_norm.weight",))]
     out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
     if shape.post_norms:  # slime's megatron names them as HF does
         out.append(Rule("decoder.layers.post_self_attn_layernorm.weight",

@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from ckpt_tools import megatron_compat
 from ckpt_tools.architectures import expert_ffn_size
-from ckpt_tools.full_qk_norm import FullKNorm, FullQNorm
+from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
 from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.mtp_model import MTPGPTModel
@@ -184,7 +184,7 @@ def build_gpt_model(
         if config.multi_latent_attention and attention.core_attention is DotProductAttention:
             attention.core_attention = MLADotProductAttention
         if shape.full_qk_norm and spec is None:
-            attention.q_layernorm, attention.k_layernorm = FullQNorm, FullKNorm
+            layer.submodules.self_attention.module = FullQKNormSelfAttention
         return with_post_norms(layer, LayerNormImpl) if shape.post_norms and spec is None else layer
 
     layers = stage_layer_specs(config, local_spec)

@@ -32,6 +32,7 @@ from ckpt_tools.megatron_model import (
     megatron_logits,
     transformer_config_from_hf,
 )
+from ckpt_tools.torch_dist import read_metadata
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
 
@@ -151,6 +152,18 @@ def test_full_qk_norms_at_tp2_match_hf(case: Case, tmp_path: Path) -> None:
                                                       tmp_path), nprocs=2, start_method="spawn")
     for rank in range(2):
         _assert_close(torch.load(tmp_path / f"logits_{rank}.pt"), case.hf_logits)
+
+
+def test_full_qk_norms_are_keyed_as_slimes(case: Case) -> None:
+    """slime's MiniMaxM2SelfAttention keeps its norms as q_norm and k_norm: torch_dist checkpoints of either read in
+    the other; they are full width (all heads), stacked over layers."""
+    if case.hf_config["architectures"][0] not in MINIMAX_ARCHITECTURES:
+        pytest.skip("MiniMax-M2 only")
+    stored = read_metadata(case.ckpt_dir).state_dict_metadata
+    layers, width = case.hf_config["num_hidden_layers"], case.hf_config["head_dim"]
+    for qk, heads in (("q", case.hf_config["num_attention_heads"]), ("k", case.hf_config["num_key_value_heads"])):
+        assert list(stored[f"decoder.layers.self_attention.{qk}_norm.weight"].size) == [layers, heads * width]
+    assert not any("layernorm" in key for key in stored if "self_attention" in key)
 
 
 def test_naive_qkv_layout_is_caught(case: Case) -> None:

@@ -3,9 +3,9 @@ flags at a tiny model's sizes (its --spec slime_plugins.models.minimax_m2 get_mi
 all heads, RoPE over half of each head, sigmoid expert-bias MoE in every layer; each flag checked against
 config.json): one RL step gives HF's log-probs and the same loss, grad norm and new weights at TP=1 and at TP=2 + SP
 with the experts over the two ranks (EP=2), with unfused and fused attention. The q/k norms' sum of squares spans
-both TP ranks, and their gradient is summed once. Flags and --spec that do not fit the checkpoint are named.
-End to end (`python -m trainer`, a stand-in engine serving transformers' MiniMaxM2 behind the real router): every
-published version reaches the engine intact (on policy), over a weight-update group."""
+both TP ranks, and their gradient (slime's q_norm and k_norm) is summed once. Flags and --spec that do not fit the
+checkpoint are named. End to end (`python -m trainer`, a stand-in engine serving transformers' MiniMaxM2 behind the
+real router): every published version reaches the engine intact (on policy), over a weight-update group."""
 
 from __future__ import annotations
 

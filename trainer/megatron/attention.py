@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch import Tensor
 
-from ckpt_tools.full_qk_norm import FullKNorm, FullQNorm
+from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
 from ckpt_tools.megatron_model import stage_layer_specs
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.post_norm_layer import with_post_norms
@@ -149,7 +149,7 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
         if multi_latent_attention:  # the latents are split along the sequence under SP, as hidden states
             attn.q_layernorm = attn.kv_layernorm = HiddenStateNorm
         elif full_qk_norm:
-            attn.q_layernorm, attn.k_layernorm = FullQNorm, FullKNorm
+            spec.submodules.self_attention.module = FullQKNormSelfAttention
         else:
             attn.q_layernorm = attn.k_layernorm = HeadNorm
     if attention == "sdpa":
