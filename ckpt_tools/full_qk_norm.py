@@ -5,8 +5,8 @@ Under tensor parallelism each rank holds some heads. The sum of squares is summe
 (an all-reduce whose backward is an all-reduce too: every rank's output depends on every rank's
 input), and each rank scales its heads by its slice of the full, replicated weight. That weight's
 gradient is then nonzero on this rank's slice only, so the sum over TP that the trainer takes of
-every q/k layernorm's gradient counts each element once; a gather-norm-scatter (slime's) would give
-every rank the full gradient, and that sum would count it TP times.
+every q/k norm's gradient (trainer.megatron.backend) counts each element once; a gather-norm-scatter
+(slime's) would give every rank the full gradient, and that sum would count it TP times.
 
 They are the attention's q_norm and k_norm (megatron keys ...self_attention.q_norm.weight), as slime's
 MiniMaxM2SelfAttention names them, so that the two read each other's torch_dist checkpoints.

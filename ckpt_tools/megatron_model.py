@@ -71,7 +71,7 @@ def _expert_bias_router_kwargs(hf_config: dict) -> dict[str, Any]:
     """transformers' DeepseekV3TopkRouter (Glm4Moe's too) as megatron-core's (mapping.check_expert_bias_moe
     made sure they agree); the bias starts at the checkpoint's e_score_correction_bias."""
     groups = hf_config.get("n_group") or 1
-    shared = hf_config.get("n_shared_experts") or 0  # (MiniMax-M2: none, nor groups)
+    shared = hf_config.get("n_shared_experts") or 0
     return {
         "moe_router_score_function": "sigmoid",
         "moe_router_enable_expert_bias": True,

@@ -83,6 +83,7 @@ def test_every_checkpoint_name_is_published(tiny) -> None:
 def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) -> None:
     model, _ = tiny
     _check(model, MINIMAX_FLAGS)  # slime's pass
+    _check(model, [*MINIMAX_FLAGS, "--model-name", "MiniMaxM2Config"])  # slime's default name for it
     wrong = {"--rotary-percent": "1.0", "--moe-ffn-hidden-size": "64", "--num-experts": "16"}
     with pytest.raises(ArgsError) as err:
         _check(model, [*MINIMAX_FLAGS, *(token for item in wrong.items() for token in item)])
