@@ -9,7 +9,7 @@ every q/k norm's gradient (trainer.megatron.backend) counts each element once; a
 (slime's) would give every rank the full gradient, and that sum would count it TP times.
 
 They are the attention's q_norm and k_norm (megatron keys ...self_attention.q_norm.weight), as slime's
-MiniMaxM2SelfAttention names them, so that the two read each other's torch_dist checkpoints.
+MiniMaxM2SelfAttention names them (no slime-written checkpoint has been read to confirm the rest of its keys).
 """
 
 from __future__ import annotations

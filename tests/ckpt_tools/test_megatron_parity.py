@@ -155,8 +155,8 @@ def test_full_qk_norms_at_tp2_match_hf(case: Case, tmp_path: Path) -> None:
 
 
 def test_full_qk_norms_are_keyed_as_slimes(case: Case) -> None:
-    """slime's MiniMaxM2SelfAttention keeps its norms as q_norm and k_norm: torch_dist checkpoints of either read in
-    the other; they are full width (all heads), stacked over layers."""
+    """slime's MiniMaxM2SelfAttention keeps its norms as q_norm and k_norm, full width (all heads); stacked over
+    layers here."""
     if case.hf_config["architectures"][0] not in MINIMAX_ARCHITECTURES:
         pytest.skip("MiniMax-M2 only")
     stored = read_metadata(case.ckpt_dir).state_dict_metadata
