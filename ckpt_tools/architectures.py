@@ -7,14 +7,20 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmForCausalLM",
-                           "Glm4ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+                           "Glm4ForCausalLM", "MiniMaxM2ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+                     "MiniMaxM2ForCausalLM")
+# MiniMax-M2: every layer's MLP is the experts' (Mixtral's checkpoint names: block_sparse_moe, w1/w3/w2), routed
+# by sigmoid scores with an expert bias, no shared experts; q/k norms over all heads at once, not per head
+MINIMAX_ARCHITECTURES = ("MiniMaxM2ForCausalLM",)
 # DeepSeek-V3's MoE: sigmoid expert-bias routing over groups, shared experts, dense first layers (GLM-4.5/4.7
-# has it under standard attention, GLM-4.7-Flash under DeepSeek's multi-latent attention)
-EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+# has it under standard attention, GLM-4.7-Flash under DeepSeek's multi-latent attention; MiniMax-M2 without
+# groups, shared experts or dense layers)
+EXPERT_BIAS_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+                             *MINIMAX_ARCHITECTURES)
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 # Their checkpoints keep num_nextn_predict_layers multi-token prediction (MTP) layers after the decoder's
-MTP_ARCHITECTURES = EXPERT_BIAS_ARCHITECTURES
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 # The dense GLM-4s (glm-4-9b-chat-hf; GLM-4-0414 and GLM-Z1): a q/k/v bias, one fused gate_up_proj, RoPE over
 # interleaved pairs of the first part of each head; GLM-4-0414 also normalises the attention's and the MLP's
 # outputs before each residual add (its post_self_attn_layernorm and post_mlp_layernorm)
@@ -22,11 +28,14 @@ DENSE_GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 POST_NORM_ARCHITECTURES = ("Glm4ForCausalLM",)
 # Their config.json's attention_bias is a bias on q, k and v only (megatron's add_qkv_bias)
 QKV_BIAS_GLM_ARCHITECTURES = ("Glm4MoeForCausalLM", *DENSE_GLM_ARCHITECTURES)
+# q/k norms whatever config.json says (Qwen3's per head, MiniMax-M2's over all heads)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *MINIMAX_ARCHITECTURES)
 # Said in errors: the families whose models slurmrl builds from config.json
-BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), GLM-4.5/4.7 and "
-                  "GLM-4.7-Flash")
+BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), GLM-4.5/4.7, "
+                  "GLM-4.7-Flash and MiniMax-M2")
 # slime's --spec layer specs (module, function) whose layers slurmrl builds itself, for these architectures
-BUILT_SPECS = {("slime_plugins.models.glm4", "get_glm_spec"): DENSE_GLM_ARCHITECTURES}
+BUILT_SPECS = {("slime_plugins.models.glm4", "get_glm_spec"): DENSE_GLM_ARCHITECTURES,
+               ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): MINIMAX_ARCHITECTURES}
 # Hybrids whose linear-attention layers are gated delta nets: why slurmrl cannot build them yet
 GATED_DELTA_NET_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_DELTA_NET_BLOCKER = (
@@ -39,6 +48,13 @@ def routed_experts(config: dict[str, Any]) -> int:
     """A config.json's routed experts under its family's key (Qwen's num_experts, Mixtral's
     num_local_experts, DeepSeek's n_routed_experts); 0 for a dense model."""
     return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
+
+
+def expert_ffn_size(config: dict[str, Any]) -> int | None:
+    """One expert's MLP width: moe_intermediate_size, or (Mixtral, MiniMax-M2) intermediate_size."""
+    if not routed_experts(config):
+        return None
+    return config.get("moe_intermediate_size") or config["intermediate_size"]
 
 
 def declared_mtp_layers(config: dict[str, Any]) -> int:
@@ -65,3 +81,29 @@ def dense_first_layers(config: dict[str, Any]) -> int:
         raise ValueError(f"config.json: mlp_layer_types {kinds} is not supported: megatron-core's --moe-layer-freq "
                          "here takes dense layers first, then MoE ones")
     return dense
+
+
+# MiniMax-M2 config.json fields (its remote code's) whose other values transformers' MiniMaxM2 would not
+# compute as the checkpoint means, or megatron-core could not: (field, the value taken, why)
+_MINIMAX_FIXED = (
+    ("scoring_func", "sigmoid", "the router scores experts by sigmoid"),
+    ("use_routing_bias", True, "the router adds e_score_correction_bias to choose experts"),
+    ("use_qk_norm", True, "q and k are normalised"),
+    ("qk_norm_type", "per_layer", "the q/k norms are over all heads at once"),
+    ("shared_intermediate_size", 0, "there are no shared experts"),
+    # megatron's moe_input_jitter_eps would be the same noise, but a random forward (as dropout) makes the
+    # trainer's log-probs differ from those of the same weights
+    ("router_jitter_noise", 0.0, "RL training runs without the router's input jitter, as without dropout"),
+    ("routed_scaling_factor", 1.0, "transformers' MiniMaxM2 does not scale the routing weights"),
+)
+
+
+def check_minimax_m2(config: dict) -> None:
+    """What megatron-core computes like transformers' MiniMaxM2 does, or ValueError naming the config.json field."""
+    for field, value, why in _MINIMAX_FIXED:
+        if config.get(field, value) != value:
+            raise ValueError(f"config.json: {field} {config[field]!r} is not supported: only {value!r} ({why})")
+    kinds = config.get("attn_type_list") or []
+    if any(kind != 1 for kind in kinds):
+        raise ValueError(f"config.json: attn_type_list {kinds} is not supported: every layer must be full "
+                         "attention (1); MiniMax-01's lightning attention (0) is not built")

@@ -16,12 +16,15 @@ from ckpt_tools.architectures import (
     EXPERT_BIAS_ARCHITECTURES,
     GATED_DELTA_NET_ARCHITECTURES,
     GATED_DELTA_NET_BLOCKER,
+    MINIMAX_ARCHITECTURES,
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MTP_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
     QKV_BIAS_GLM_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
+    check_minimax_m2,
     declared_mtp_layers,
     dense_first_layers,
     routed_experts,
@@ -68,6 +71,9 @@ class ModelShape:
     fused_gate_up: bool = False
     rotary_interleaved: bool = False
     post_norms: bool = False
+    # MiniMax-M2: q/k norms over all heads' dimensions at once, and Mixtral's checkpoint names for the MoE
+    full_qk_norm: bool = False
+    mixtral_names: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0) -> ModelShape:
@@ -101,6 +107,9 @@ class ModelShape:
             check_expert_bias_moe(config)
         if deepseek:
             check_deepseek_v3(config)
+        minimax = arch in MINIMAX_ARCHITECTURES
+        if minimax:
+            check_minimax_m2(config)
         (mla_rope_kwargs if deepseek else gpt_rope_kwargs)(config)  # a RoPE megatron-core computes as transformers
         if mtp_layers and arch not in MTP_ARCHITECTURES:
             raise ValueError(f"--mtp-num-layers {mtp_layers}: {arch} has no multi-token prediction layers; "
@@ -122,7 +131,7 @@ class ModelShape:
             padded_vocab_size=-(-vocab // multiple) * multiple,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or (glm and bool(config.get("attention_bias"))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (glm and bool(config.get("use_qk_norm"))),
+            qk_norm=arch in QK_NORM_ARCHITECTURES or (glm and bool(config.get("use_qk_norm"))),
             num_experts=experts if arch in MOE_ARCHITECTURES else 0,
             mla=MLAShape(config.get("q_lora_rank"), config["kv_lora_rank"], config["qk_nope_head_dim"],
                          config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
@@ -133,6 +142,8 @@ class ModelShape:
             fused_gate_up=arch in DENSE_GLM_ARCHITECTURES,
             rotary_interleaved=arch in DENSE_GLM_ARCHITECTURES,
             post_norms=arch in POST_NORM_ARCHITECTURES,
+            full_qk_norm=minimax,
+            mixtral_names=minimax,
         )
 
     def moe_layer_pattern(self) -> list[int]:
@@ -155,7 +166,9 @@ def check_expert_bias_moe(config: dict) -> None:
     if not 0 <= dense < layers:
         raise ValueError(f"config.json: first_k_dense_replace {dense} must be 0 or more and below "
                          f"num_hidden_layers ({layers}): at least one layer is MoE")
-    if config["num_experts_per_tok"] > 1 and not config.get("norm_topk_prob", False):
+    # MiniMax-M2's router always normalises them
+    minimax = config["architectures"][0] in MINIMAX_ARCHITECTURES
+    if config["num_experts_per_tok"] > 1 and not config.get("norm_topk_prob", minimax):
         raise ValueError("config.json: norm_topk_prob false is not supported: megatron-core's sigmoid router "
                          "always normalises the top-k scores")
     groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
@@ -236,6 +249,9 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
     experts' when `moe`)."""
     attn = "model.layers.{l}.self_attn."
     mlp = "model.layers.{l}.mlp."
+    # Mixtral's names (MiniMax-M2): the MoE under block_sparse_moe, each expert's gate, up and down as w1, w3, w2
+    sparse = "model.layers.{l}.block_sparse_moe." if shape.mixtral_names else mlp
+    gate, up, down = ("w1", "w3", "w2") if shape.mixtral_names else ("gate_proj", "up_proj", "down_proj")
     out = []
     if shape.mla:
         out += _mla_rules(shape.mla)
@@ -249,9 +265,10 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
     if shape.qkv_bias:
         out.append(Rule("decoder.layers.self_attention.linear_qkv.bias",
                         (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV))
-    if shape.qk_norm:
-        out += [Rule("decoder.layers.self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
-                Rule("decoder.layers.self_attention.k_layernorm.weight", (attn + "k_norm.weight",))]
+    if shape.qk_norm:  # MiniMax-M2's over all heads: slime's q_norm and k_norm (ckpt_tools.full_qk_norm)
+        kind = "norm" if shape.full_qk_norm else "layernorm"
+        out += [Rule(f"decoder.layers.self_attention.q_{kind}.weight", (attn + "q_norm.weight",)),
+                Rule(f"decoder.layers.self_attention.k_{kind}.weight", (attn + "k_norm.weight",))]
     out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
     if shape.post_norms:  # slime's megatron names them as HF does
         out.append(Rule("decoder.layers.post_self_attn_layernorm.weight",
@@ -261,10 +278,11 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
                 else "decoder.layers.mlp.linear_fc1.layer_norm_weight",
                 ("model.layers.{l}.post_attention_layernorm.weight",))
     if moe:
-        expert = mlp + "experts.{e}."
-        out += [norm, Rule("decoder.layers.mlp.router.weight", (mlp + "gate.weight",))]
-        if shape.expert_bias:
-            out.append(Rule("decoder.layers.mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",)))
+        expert = sparse + "experts.{e}."
+        out += [norm, Rule("decoder.layers.mlp.router.weight", (sparse + "gate.weight",))]
+        if shape.expert_bias:  # Mixtral's names keep the bias beside the gate, not in it
+            bias = sparse + ("" if shape.mixtral_names else "gate.") + "e_score_correction_bias"
+            out.append(Rule("decoder.layers.mlp.router.expert_bias", (bias,)))
         if shape.shared_experts:
             shared = mlp + "shared_experts."
             out += [
@@ -275,8 +293,8 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
             ]
         out += [
             Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
-                 (expert + "gate_proj.weight", expert + "up_proj.weight"), GATE_UP, per_expert=True, linear=True),
-            Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", (expert + "down_proj.weight",),
+                 (expert + f"{gate}.weight", expert + f"{up}.weight"), GATE_UP, per_expert=True, linear=True),
+            Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", (expert + f"{down}.weight",),
                  per_expert=True, linear=True),
         ]
     else:

@@ -33,6 +33,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from ckpt_tools import megatron_compat
+from ckpt_tools.architectures import expert_ffn_size
+from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
 from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.mtp_model import MTPGPTModel
@@ -45,7 +47,7 @@ megatron_compat.apply()
 def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
     common = {
         "num_moe_experts": shape.num_experts,
-        "moe_ffn_hidden_size": hf_config["moe_intermediate_size"],
+        "moe_ffn_hidden_size": expert_ffn_size(hf_config),
         "moe_router_topk": hf_config["num_experts_per_tok"],
         "moe_aux_loss_coeff": 0.0,
         "moe_router_load_balancing_type": "none",
@@ -171,7 +173,7 @@ def build_gpt_model(
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype,
                                                       mtp_layers=mtp_layers)
-    post_norms = ModelShape.from_hf_config(hf_config).post_norms
+    shape = ModelShape.from_hf_config(hf_config)
 
     def local_spec(num_experts: int | None) -> ModuleSpec:
         layer = spec or get_gpt_layer_local_spec(
@@ -181,7 +183,9 @@ def build_gpt_model(
         attention = layer.submodules.self_attention.submodules
         if config.multi_latent_attention and attention.core_attention is DotProductAttention:
             attention.core_attention = MLADotProductAttention
-        return with_post_norms(layer, LayerNormImpl) if post_norms and spec is None else layer
+        if shape.full_qk_norm and spec is None:
+            layer.submodules.self_attention.module = FullQKNormSelfAttention
+        return with_post_norms(layer, LayerNormImpl) if shape.post_norms and spec is None else layer
 
     layers = stage_layer_specs(config, local_spec)
     # One layer spec: megatron repeats it (and picks the final norm); dense and MoE layers: the block's list.

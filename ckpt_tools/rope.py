@@ -30,8 +30,13 @@ def rope_theta(config: dict[str, Any]) -> float:
 
 
 def rotary_percent(config: dict[str, Any]) -> float:
-    """The share of each head's dimensions that is rotated (GLM-4.5's 0.5: the first half, as megatron's)."""
-    return float(rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    """The share of each head's dimensions that is rotated (GLM-4.5's 0.5: the first half, as megatron's);
+    MiniMax-M2's own config.json gives rotary_dim instead (transformers reads it as this share)."""
+    factor = rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor is None and config.get("rotary_dim"):
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        factor = config["rotary_dim"] / head_dim
+    return float(1.0 if factor is None else factor)
 
 
 @dataclass(frozen=True)

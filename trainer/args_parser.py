@@ -14,8 +14,10 @@ from ckpt_tools.architectures import (
     EXPERT_BIAS_ARCHITECTURES,
     MLA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
     QKV_BIAS_GLM_ARCHITECTURES,
     dense_first_layers,
+    expert_ffn_size,
     routed_experts,
 )
 from trainer.args_actions import (
@@ -52,10 +54,6 @@ def _expert_bias(c: dict[str, Any]) -> bool:
     return c["architectures"][0] in EXPERT_BIAS_ARCHITECTURES
 
 
-def _moe_experts(c: dict[str, Any]) -> int | None:
-    return routed_experts(c) or None
-
-
 UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
 MTP_LOSS_SCALE = 0.2  # --mtp-loss-scaling-factor, slime's default
 # flag -> how to read the same quantity from an HF config
@@ -75,7 +73,7 @@ _MODEL_FLAGS: dict[str, Any] = {
     "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
     "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
     # DeepSeek: the norms of MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
-    "qk_layernorm": lambda c: (c["architectures"][0] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or _deepseek(c)
+    "qk_layernorm": lambda c: (c["architectures"][0] in QK_NORM_ARCHITECTURES or _deepseek(c)
                                or bool(c.get("use_qk_norm"))),
     "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
     "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
@@ -86,15 +84,15 @@ _MODEL_FLAGS: dict[str, Any] = {
     "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
         not c.get("attention_bias") or c["architectures"][0] in ("Qwen2ForCausalLM", *QKV_BIAS_GLM_ARCHITECTURES)),
     # MoE (Qwen3-MoE, DeepSeek-V3): every layer's MLP is the experts'
-    "num_experts": _moe_experts,
-    "moe_ffn_hidden_size": lambda c: c.get("moe_intermediate_size"),
+    "num_experts": lambda c: routed_experts(c) or None,
+    "moe_ffn_hidden_size": expert_ffn_size,
     "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
     "moe_router_score_function": lambda c: ("sigmoid" if _expert_bias(c)
                                             else "softmax" if c.get("num_experts") else None),
     # DeepSeek, GLM: slime's scripts give it; megatron's sigmoid router has no pre-softmax
     "moe_router_pre_softmax": lambda c: _expert_bias(c) or (bool(c.get("num_experts"))
                                                          and not c.get("norm_topk_prob", False)),
-    "moe_layer_freq": lambda c: _moe_layer_pattern(c) if _moe_experts(c) and not c.get("mlp_only_layers") else None,
+    "moe_layer_freq": lambda c: _moe_layer_pattern(c) if routed_experts(c) and not c.get("mlp_only_layers") else None,
     # DeepSeek-V3: multi-latent attention; it and GLM-4.5: shared experts, expert-bias grouped routing
     "multi_latent_attention": _deepseek,
     "q_lora_rank": lambda c: c["q_lora_rank"],
@@ -207,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="how tokens reach their experts (default allgather; alltoall, slime's, needs CUDA)")
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
     add("--spec", nargs=2, metavar=("MODULE", "FUNCTION"), help="slime's layer spec: accepted where slurmrl builds "
-        "the same layers from config.json (slime_plugins.models.glm4 get_glm_spec: GLM-4), refused otherwise")
+        "the same layers from config.json (slime_plugins.models.glm4 get_glm_spec: GLM-4; slime_plugins.models."
+        "minimax_m2 get_minimax_m2_layer_spec: MiniMax-M2), refused otherwise")
+    add("--model-name", help="slime's converter name: must name config.json's model_type (slurmrl converts by it)")
     # multi-token prediction (DeepSeek-V3, GLM-4.5/4.7: config.json's num_nextn_predict_layers), slime's flags
     add("--mtp-num-layers", type=int, help="keep this many MTP layers in the model (checkpoints, publishing); "
         "trained only with --enable-mtp-training")

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpt_tools.architectures import expert_ffn_size
+
 
 def fwd_flops(hf_config: dict[str, Any], seq_lens: list[int]) -> float:
     """Forward FLOPs of the model of HF config.json `hf_config` over sequences of `seq_lens` tokens.
-    MoE layers count their routed experts (topk) and shared expert as the MLP width."""
+    MoE layers count their routed experts (topk; Mixtral's and MiniMax-M2's width is intermediate_size) and shared
+    expert as the MLP width."""
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hidden // heads
     groups = hf_config.get("num_key_value_heads") or heads
     ffn = hf_config["intermediate_size"]
     if hf_config.get("num_experts") or hf_config.get("num_local_experts"):
-        ffn = (hf_config["moe_intermediate_size"] * hf_config["num_experts_per_tok"]
+        ffn = ((expert_ffn_size(hf_config) or 0) * hf_config["num_experts_per_tok"]
                + hf_config.get("shared_expert_intermediate_size", 0))
     total = 0.0
     for n in seq_lens:

@@ -42,7 +42,6 @@ REFUSED: tuple[Refusal, ...] = (
     # -- models slurmrl does not build
     Refusal("--qwen-gdn-backend", f"{GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
-    Refusal("--model-name", f"{_MODELS}; the HF architecture comes from config.json"),
     _switch("--apply-layernorm-1p", f"zero-centred norms (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     _switch("--attention-output-gate", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     _switch("--use-gated-attention", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),

@@ -28,7 +28,8 @@ def _roundtrip(hf: Path, tmp: Path, **kwargs) -> Path:
 @pytest.mark.parametrize(("arch", "tied"), [("qwen3", False), ("qwen3", True), ("qwen2", False),
                                             ("llama", False), ("llama", True), ("qwen3_moe", False),
                                             ("deepseek_v3", False), ("glm4_moe", False),
-                                            ("glm4_moe_lite", False), ("glm", False), ("glm4", False)])
+                                            ("glm4_moe_lite", False), ("glm", False), ("glm4", False),
+                                            ("minimax_m2", False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_roundtrip_is_bit_identical(tmp_path: Path, arch: str, tied: bool, dtype: torch.dtype) -> None:
     hf = make_tiny_hf(arch, tmp_path / "hf", tied, dtype=dtype)

@@ -17,8 +17,13 @@ import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file
 
+from ckpt_tools.architectures import (
+    EXPERT_BIAS_ARCHITECTURES,
+    MINIMAX_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    dense_first_layers,
+)
 from ckpt_tools.convert import hf_to_torch_dist
-from ckpt_tools.architectures import EXPERT_BIAS_ARCHITECTURES, MOE_ARCHITECTURES, dense_first_layers
 from ckpt_tools.megatron_model import (
     build_gpt_model,
     destroy_parallel,
@@ -27,6 +32,7 @@ from ckpt_tools.megatron_model import (
     megatron_logits,
     transformer_config_from_hf,
 )
+from ckpt_tools.torch_dist import read_metadata
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
 
@@ -44,6 +50,7 @@ CASES = {  # id: (arch, tied embeddings)
     # GLM-4-0414: qkv bias, fused gate_up_proj, interleaved RoPE over half of each head, and the attention's
     # and the MLP's outputs normalised (GLM-4 without those norms: test_convert's round trip)
     "glm4": ("glm4", False),
+    "minimax_m2": ("minimax_m2", False),  # q/k norms over all heads (summed over TP), expert-bias MoE, half RoPE
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -118,6 +125,46 @@ def test_parallel_load_matches_hf(case: Case, tmp_path: Path) -> None:
         )
     for rank in range(2):
         _assert_close(torch.load(tmp_path / f"logits_{rank}.pt"), case.hf_logits)
+
+
+def _tp2_sp_ep2_worker(rank: int, world: int, init_file: str, hf_config: dict, ckpt_dir: Path, out_dir: Path) -> None:
+    from megatron.core.models.gpt import GPTModel
+
+    from trainer.megatron.attention import gpt_block_spec
+
+    init_rank(rank, world, init_file)
+    init_parallel(tp=2, ep=2, etp=1)
+    config, model_kwargs = transformer_config_from_hf(hf_config, tp=2, ep=2, etp=1, sequence_parallel=True)
+    model = GPTModel(config=config, transformer_layer_spec=gpt_block_spec(config, "local", full_qk_norm=True),
+                     **model_kwargs)
+    model.hf_vocab_size = hf_config["vocab_size"]
+    load_torch_dist(model, ckpt_dir)
+    torch.save(megatron_logits(model, INPUT_IDS), out_dir / f"logits_{rank}.pt")
+    destroy_parallel()
+
+
+def test_full_qk_norms_at_tp2_match_hf(case: Case, tmp_path: Path) -> None:
+    """MiniMax-M2's q/k norms span the heads of both TP ranks (with SP, which MoE under TP needs, and EP=2:
+    the trainer's layer spec, whose norms take SP)."""
+    if case.hf_config["architectures"][0] not in MINIMAX_ARCHITECTURES:
+        pytest.skip("MiniMax-M2 only")
+    with rank_devices(2):
+        mp.start_processes(_tp2_sp_ep2_worker, args=(2, str(tmp_path / "rendezvous"), case.hf_config, case.ckpt_dir,
+                                                      tmp_path), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        _assert_close(torch.load(tmp_path / f"logits_{rank}.pt"), case.hf_logits)
+
+
+def test_full_qk_norms_are_keyed_as_slimes(case: Case) -> None:
+    """slime's MiniMaxM2SelfAttention keeps its norms as q_norm and k_norm, full width (all heads); stacked over
+    layers here."""
+    if case.hf_config["architectures"][0] not in MINIMAX_ARCHITECTURES:
+        pytest.skip("MiniMax-M2 only")
+    stored = read_metadata(case.ckpt_dir).state_dict_metadata
+    layers, width = case.hf_config["num_hidden_layers"], case.hf_config["head_dim"]
+    for qk, heads in (("q", case.hf_config["num_attention_heads"]), ("k", case.hf_config["num_key_value_heads"])):
+        assert list(stored[f"decoder.layers.self_attention.{qk}_norm.weight"].size) == [layers, heads * width]
+    assert not any("layernorm" in key for key in stored if "self_attention" in key)
 
 
 def test_naive_qkv_layout_is_caught(case: Case) -> None:

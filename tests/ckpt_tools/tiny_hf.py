@@ -64,6 +64,14 @@ _GLM_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_fact
 _GLM = dict(rope_parameters=_GLM_ROPE, attention_bias=True, pad_token_id=0, eos_token_id=1)  # ids within the tiny vocab
 _ARCHS["glm"] = (transformers.GlmConfig, transformers.GlmForCausalLM, _GLM)
 _ARCHS["glm4"] = (transformers.Glm4Config, transformers.Glm4ForCausalLM, _GLM)
+# MiniMax-M2: every layer MoE (sigmoid routing with an expert bias, no shared experts; intermediate_size is an
+# expert's), q/k norms over all heads at once, RoPE over half of each head; saved under Mixtral's names
+_ARCHS["minimax_m2"] = (
+    transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM,
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+         intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1,
+         bos_token_id=None),
+)
 # As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
 # next two are MoE.
 _ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],

@@ -1,10 +1,10 @@
 """The stand-in engine serves a tiny DeepSeek-V3 (MLA with YaRN), GLM-4.5 and GLM-4.7-Flash (all: shared
-experts, expert-bias routing, a dense first layer as first_k_dense_replace gives real checkpoints)
-through transformers: greedy outputs with
-transformers' log-probs, and an update to other weights from disk and over a weight-update group
-(experts under their per-expert checkpoint names, routing biases and the dense layer's MLP included)
-serves those. The checkpoints carry a multi-token prediction layer, whose tensors the engine passes
-over, as SGLang's main model does (its draft model would load them)."""
+experts, expert-bias routing, a dense first layer as first_k_dense_replace gives real checkpoints) and
+MiniMax-M2 (expert-bias routing in every layer, Mixtral's checkpoint names) through transformers: greedy
+outputs with transformers' log-probs, and an update to other weights from disk and over a weight-update
+group (experts under their per-expert checkpoint names, routing biases and the dense layer's MLP included)
+serves those. The DeepSeek and GLM checkpoints carry a multi-token prediction layer, whose tensors the
+engine passes over, as SGLang's main model does (its draft model would load them)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,31 @@ PROBE = {"input_ids": PROMPT, "return_logprob": True,
          "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3_dense_first", "glm4_moe", "glm4_moe_lite"])
-def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+_DENSE = {f"model.layers.0.mlp.{proj}.weight": None for proj in ("gate_proj", "up_proj", "down_proj")}
+# tiny_hf arch: (its MTP layers; {a checkpoint name: the engine's name (None: the same)} the update must fill,
+# besides the experts); the MiniMax-M2 ones are Mixtral's
+FAMILIES = {
+    "deepseek_v3_dense_first": (1, _DENSE), "glm4_moe": (1, _DENSE), "glm4_moe_lite": (1, _DENSE),
+    "minimax_m2": (0, {"model.layers.0.block_sparse_moe.gate.weight": "model.layers.0.mlp.gate.weight",
+                       "model.layers.1.block_sparse_moe.e_score_correction_bias":
+                           "model.layers.1.mlp.e_score_correction_bias"}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def arch(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def models(arch: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {seed: tiny_hf_with_tokenizer(request.param, root, seed, mtp_layers=1) for seed in (0, 1, 2)}
+    return {seed: tiny_hf_with_tokenizer(arch, root, seed, mtp_layers=FAMILIES[arch][0]) for seed in (0, 1, 2)}
+
+
+def _assert_served(engine: EngineProcess, arch: str, tensors: dict[str, torch.Tensor]) -> None:
+    for name, served in FAMILIES[arch][1].items():
+        assert torch.equal(_served(engine, served or name, tensors[name]), tensors[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +77,7 @@ def test_serves_with_transformers_log_probs(engine: EngineProcess, models: dict[
     assert logprobs == pytest.approx(_expected_logprobs(models[0], before["output_ids"]), abs=1e-4)
 
 
-def test_updates_from_disk(engine: EngineProcess, models: dict[int, Path]) -> None:
+def test_updates_from_disk(engine: EngineProcess, models: dict[int, Path], arch: str) -> None:
     """Per-expert checkpoint names fill transformers' fused expert parameters; the routing bias too."""
     before = engine.generate(PROBE)
     response = engine.post("/update_weights_from_disk", {"model_path": str(models[1]), "weight_version": "v1"})
@@ -65,9 +86,7 @@ def test_updates_from_disk(engine: EngineProcess, models: dict[int, Path]) -> No
     assert after["output_ids"] != before["output_ids"]
     logprobs = [p[0] for p in after["meta_info"]["output_token_logprobs"]]
     assert logprobs == pytest.approx(_expected_logprobs(models[1], after["output_ids"]), abs=1e-4)
-    dense = "model.layers.0.mlp.up_proj.weight"  # the dense first layer's MLP
-    expected = load_file(models[1] / "model.safetensors")[dense]
-    assert torch.equal(_served(engine, dense, expected), expected)
+    _assert_served(engine, arch, load_file(models[1] / "model.safetensors"))
 
 
 def _served(engine: EngineProcess, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -75,12 +94,15 @@ def _served(engine: EngineProcess, name: str, like: torch.Tensor) -> torch.Tenso
     return torch.tensor(got, dtype=like.dtype).reshape(like.shape)
 
 
-def test_updates_over_a_weight_update_group(engine: EngineProcess, models: dict[int, Path]) -> None:
-    """The trainer's HF names (tests/trainer/test_megatron_expert_bias_moe publishes exactly these), broadcast
-    one by one: the dense layer's MLP is filled, and the engine serves the new model."""
+def test_updates_over_a_weight_update_group(engine: EngineProcess, models: dict[int, Path], arch: str) -> None:
+    """The trainer's HF names (tests/trainer/test_megatron_expert_bias_moe and test_megatron_minimax_m2 publish
+    exactly these), broadcast one by one: the dense layer's MLP (MiniMax-M2: the router) is filled, and the
+    engine serves the new model."""
     tensors = load_file(models[2] / "model.safetensors")
-    assert "model.layers.0.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.experts.0.up_proj.weight" in tensors
-    assert "model.layers.3.eh_proj.weight" in tensors  # the MTP layer's, passed over
+    mtp, _ = FAMILIES[arch]
+    expert = "block_sparse_moe.experts.0.w3" if arch == "minimax_m2" else "mlp.experts.0.up_proj"
+    assert f"model.layers.1.{expert}.weight" in tensors
+    assert ("model.layers.3.eh_proj.weight" in tensors) == bool(mtp)  # the MTP layer's, passed over
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "ds", "backend": "gloo"}
@@ -99,8 +121,7 @@ def test_updates_over_a_weight_update_group(engine: EngineProcess, models: dict[
         thread.join(GROUP_JOIN_S)
         assert box["result"].status_code == 200, box["result"].text
         assert engine.post("/end_weight_update", {}).json()["success"] is True
-        for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"):
-            assert torch.equal(_served(engine, name, tensors[name]), tensors[name]), name
+        _assert_served(engine, arch, tensors)
         after = engine.generate(PROBE)
         logprobs = [p[0] for p in after["meta_info"]["output_token_logprobs"]]
         assert logprobs == pytest.approx(_expected_logprobs(models[2], after["output_ids"]), abs=1e-4)

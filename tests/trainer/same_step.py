@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import safe_open
 
-from tests.trainer.test_megatron_backend import ATOL
+from ckpt_tools.convert import hf_to_torch_dist
+from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import rank_devices
+from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
 
 
 def assert_same_step(base: dict, other: dict, name: str) -> None:
@@ -31,3 +38,34 @@ def assert_same_critic_step(base: dict, other: dict) -> None:
     for i, values in base["values"].items():
         assert values.abs().max() > 1e-3, "the critic step must move the values to be a test"
         assert (other["values"][i] - values).abs().max() < ATOL, f"sample {i}: values after the critic step"
+
+
+def assert_log_probs_equal_hf(model: Path, results: dict[str, dict]) -> None:
+    """Every layout's log-probs are transformers' own, on the model's samples."""
+    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
+    for name, result in results.items():
+        for i, want in enumerate(expected):
+            assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
+
+
+def assert_every_name_published(model: Path, results: dict[str, dict]) -> set[str]:
+    """Every layout published exactly the checkpoint's names; returns them."""
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    for name, result in results.items():
+        assert set(result["weights"]) == names, f"{name}: {set(result['weights']) ^ names}"
+    return names
+
+
+def tiny_with_torch_dist(arch: str, root: Path) -> tuple[Path, Path]:
+    """A tiny random `arch` (tests.ckpt_tools.tiny_hf) under root, and its conversion to torch_dist."""
+    model = make_tiny_hf(arch, root / "model", tied=False)
+    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+
+
+def run_layouts(tiny: tuple[Path, Path], tmp: Path, layouts: dict[str, tuple[int, int, str, list[str]]],
+                flags: list[str]) -> dict[str, dict]:
+    """run_all over layouts (name: TP, world, attention, extra flags), each with `flags` before its own."""
+    with rank_devices(2):
+        return run_all(tiny, tmp, {name: (tp, world, attention, [*flags, *extra])
+                                   for name, (tp, world, attention, extra) in layouts.items()})

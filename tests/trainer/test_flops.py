@@ -29,3 +29,11 @@ def test_a_tiny_shape_by_hand() -> None:
     output, mlp, head = 2 * 3 * 16, 6 * 3 * 4 * 8, 2 * 3 * 4 * 10
     assert fwd_flops(config, [3]) == qkv + attention + output + mlp + head
     assert fwd_flops(config, [3, 3]) == 2 * fwd_flops(config, [3])
+
+
+def test_an_experts_width_is_intermediate_size_without_moe_intermediate_size() -> None:
+    """Mixtral's and MiniMax-M2's config.json: intermediate_size is one expert's; top-k of them make the MLP."""
+    dense = {"hidden_size": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
+             "num_hidden_layers": 1, "vocab_size": 10}
+    minimax = {**dense, "intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2}
+    assert fwd_flops(minimax, [3]) == fwd_flops(dense, [3])

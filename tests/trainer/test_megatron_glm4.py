@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from ckpt_tools.convert import hf_to_torch_dist
 from rollout.toy_task import write_toy_data
 from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_hf_with_tokenizer
-from tests.rank_devices import rank_devices
 from tests.rollout.servers import engines_behind_router
-from tests.trainer.same_step import assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
+from tests.trainer.same_step import assert_same_step, run_layouts, tiny_with_torch_dist
+from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples
 from tests.trainer.test_megatron_mtp import SAME_CPU
 from tests.trainer.test_rl_loop import metrics, trainer
 from trainer.args import ArgsError, build_config, build_parser
@@ -45,17 +43,12 @@ LAYOUTS = {  # name: TP, world, attention, flags
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("glm4")
-    model = make_tiny_hf("glm4", root / "model", tied=False)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+    return tiny_with_torch_dist("glm4", tmp_path_factory.mktemp("glm4"))
 
 
 @pytest.fixture(scope="module")
 def results(tiny, tmp_path_factory) -> dict[str, dict]:
-    with rank_devices(2):
-        layouts = {name: (tp, world, attention, [*GLM4_FLAGS, *extra])
-                   for name, (tp, world, attention, extra) in LAYOUTS.items()}
-        return run_all(tiny, tmp_path_factory.mktemp("runs"), layouts)
+    return run_layouts(tiny, tmp_path_factory.mktemp("runs"), LAYOUTS, GLM4_FLAGS)
 
 
 def test_log_probs_equal_hf(tiny, results) -> None:
@@ -105,15 +98,22 @@ def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) ->
 
 
 def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path) -> None:
-    """Over a weight-update group (gloo on the CPU): every tensor by its HF name, the post norms too."""
-    model = tiny_hf_with_tokenizer("glm4", tmp_path / "models", seed=0)
+    """Over a weight-update group (gloo on the CPU): every tensor by its HF name, the post norms too (disk
+    publishing does not depend on the family)."""
+    assert_rl_loop_on_policy("glm4", GLM4_FLAGS, tmp_path, "nccl")
+
+
+def assert_rl_loop_on_policy(arch: str, flags: list[str], tmp_path: Path, transport: str) -> None:
+    """Three rollouts of `python -m trainer` with `flags` on a tiny `arch`, served by a stand-in engine behind the
+    router: each published version reaches the engine intact (its log-probs the trainer's: on policy)."""
+    model = tiny_hf_with_tokenizer(arch, tmp_path / "models", seed=0)
     data = write_toy_data(tmp_path / "toy.jsonl", num_prompts=32)
     servers = tmp_path / "servers"
     servers.mkdir()
     with engines_behind_router(model, servers, count=1, deterministic=True) as (router, _):
         trainer((model, data), router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8",
-                "--lr", "1e-2", "--train-backend", "megatron", "--update-weight-transport", "nccl",
-                *GLM4_FLAGS,
+                "--lr", "1e-2", "--train-backend", "megatron", "--update-weight-transport", transport,
+                *flags,
                 "--true-on-policy-mode", "--true-on-policy-tolerance", str(SAME_CPU))
     rows = metrics(tmp_path / "job")
     assert [m["rollout_id"] for m in rows] == [0, 1, 2]

@@ -57,8 +57,19 @@ def check_mtp(args: argparse.Namespace, config: dict[str, Any] | None, need: Nee
              "trained")
 
 
+def _squashed(name: str) -> str:
+    """A model name as slime compares --model-name (its default: the config class's name, lower case)."""
+    return name.lower().replace("_", "").replace("-", "").removesuffix("config")
+
+
 def check_spec(args: argparse.Namespace, config: dict[str, Any] | None, need: Need) -> None:
-    """slime's --spec MODULE FUNCTION: accepted where slurmrl builds those layers itself for config.json's model."""
+    """slime's --spec MODULE FUNCTION: accepted where slurmrl builds those layers itself for config.json's model;
+    slime's --model-name (which picks its megatron-to-HF converter): accepted where it names config.json's
+    model_type, whose converter slurmrl picks anyway."""
+    model_type = (config or {}).get("model_type")
+    need(args.model_name is None or config is None or _squashed(str(model_type)) == _squashed(args.model_name),
+         f"--model-name {args.model_name}: {args.hf_checkpoint}'s config.json has model_type {model_type}; slurmrl "
+         "converts weights as config.json says: drop --model-name")
     if args.spec is None:
         return
     spec = " ".join(args.spec)

@@ -68,6 +68,7 @@ class ModelOptions:
     use_rotary_position_embeddings: bool
     seq_length: int | None
     spec: list[str] | None  # slime's --spec: only one whose layers config.json builds too (model_checks.check_spec)
+    model_name: str | None  # slime's --model-name: only config.json's model_type (model_checks.check_spec)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch import Tensor
 
+from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
 from ckpt_tools.megatron_model import stage_layer_specs
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.post_norm_layer import with_post_norms
@@ -132,11 +133,12 @@ class SDPAttention(MegatronModule):
 
 
 def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: AttentionKind,
-                   multi_latent_attention: bool = False) -> ModuleSpec:
+                   multi_latent_attention: bool = False, full_qk_norm: bool = False) -> ModuleSpec:
     """The GPTModel layer spec (RMSNorm, local linears): megatron's local spec with norms that also
     run under sequence parallelism (trainer.megatron.norm), and its core attention replaced by
     SDPAttention when attention == "sdpa". With multi-latent attention (DeepSeek), the q/kv norms
-    are those of the latents and the local core attention is one that takes MLA's head widths."""
+    are those of the latents and the local core attention is one that takes MLA's head widths.
+    full_qk_norm: MiniMax-M2's q/k norms over all heads at once (ckpt_tools.full_qk_norm)."""
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
@@ -146,6 +148,8 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
     if qk_layernorm:
         if multi_latent_attention:  # the latents are split along the sequence under SP, as hidden states
             attn.q_layernorm = attn.kv_layernorm = HiddenStateNorm
+        elif full_qk_norm:
+            spec.submodules.self_attention.module = FullQKNormSelfAttention
         else:
             attn.q_layernorm = attn.k_layernorm = HeadNorm
     if attention == "sdpa":
@@ -155,15 +159,17 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
     return spec
 
 
-def gpt_block_spec(config: TransformerConfig, attention: AttentionKind, post_norms: bool = False) -> ModuleSpec:
+def gpt_block_spec(config: TransformerConfig, attention: AttentionKind, post_norms: bool = False,
+                   full_qk_norm: bool = False) -> ModuleSpec:
     """The whole decoder's spec: gpt_layer_spec for every layer (its dense variant for the dense
     layers of megatron's moe_layer_freq list, DeepSeek's first_k_dense_replace) and the final norm,
     which megatron would otherwise build as WrappedTorchNorm (it refuses sequence parallelism).
     Under pipeline parallelism, this stage's layers only. post_norms: GLM-4-0414's norms of the
-    attention's and the MLP's outputs (ckpt_tools.post_norm_layer)."""
+    attention's and the MLP's outputs (ckpt_tools.post_norm_layer); full_qk_norm: MiniMax-M2's q/k norms."""
 
     def layer_spec(num_experts: int | None) -> ModuleSpec:
-        layer = gpt_layer_spec(num_experts, config.qk_layernorm, attention, config.multi_latent_attention)
+        layer = gpt_layer_spec(num_experts, config.qk_layernorm, attention, config.multi_latent_attention,
+                               full_qk_norm)
         if config.multi_latent_attention and config.tensor_model_parallel_size > 1:
             # megatron-core 0.16.1's column-parallel q/kv down-projections give k_pos_emb (shared by all
             # heads) the gradient of this rank's heads only; replicated ones (TE's "duplicated" mode)

@@ -149,7 +149,7 @@ class MegatronBackend(Backend):
             config.moe_token_dispatcher_type = options.model.moe_token_dispatcher_type or "allgather"
             config.moe_router_dtype = options.model.moe_router_dtype
             config.moe_router_bias_update_rate = options.model.moe_router_bias_update_rate
-        spec = gpt_block_spec(config, options.model.attention_backend, self.shape.post_norms)
+        spec = gpt_block_spec(config, options.model.attention_backend, self.shape.post_norms, self.shape.full_qk_norm)
         last = spec.submodules.layer_specs[-1] if isinstance(spec.submodules, TransformerBlockSubmodules) else spec
         model = with_mtp_layers(config, spec, last, HiddenStateNorm, model_kwargs, self.shape.vocab_size,
                                 pre_process=ps.is_pipeline_first_stage(), post_process=self.last_stage).to(self.device)
@@ -321,16 +321,16 @@ class MegatronBackend(Backend):
 
     def _reduce_gradients(self, model: GPTModel) -> None:
         """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
-        weights (each rank normalises only its own heads) and, under sequence parallelism, weights
+        weights (each rank normalises only its own heads; MiniMax-M2's q_norm and k_norm scale them by
+        its slice of the weight: ckpt_tools.full_qk_norm) and, under sequence parallelism, weights
         marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
         then every replica over data-parallel x context-parallel ranks (the loss is already scaled
-        for a sum; each CP rank holds the gradient of its own rows);
-        expert weights over the expert-DP group."""
+        for a sum; each CP rank holds the gradient of its own rows); expert weights over the expert-DP group."""
         megatron_pipeline.reduce_embedding_grads(model)
         named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
-        # MLA's q/kv norms are over whole latents (HiddenStateNorm): partial only under SP, marked so.
-        head_norms = not model.config.multi_latent_attention
-        partial = [g for n, p, g in named if (head_norms and ("q_layernorm" in n or "k_layernorm" in n))
+        head_norms = () if model.config.multi_latent_attention else (  # MLA's: whole latents, partial only under SP
+            "q_layernorm.weight", "k_layernorm.weight", "q_norm.weight", "k_norm.weight")
+        partial = [g for n, p, g in named if n.endswith(head_norms)
                    or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
         main_grads.all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
         dense_group = ps.get_data_parallel_group(with_context_parallel=True)

@@ -6,7 +6,8 @@ its own slice of the sequence with the full (replicated) weight. Only the weight
 partial, so the hidden-state norms mark it `sequence_parallel=True`, as TransformerEngine's norms
 do, and the trainer sums such gradients over the TP group (megatron's finalize_model_grads does
 the same). q/k norms run after the sequence is gathered, on each rank's own heads: they are not
-marked (their gradients are summed over TP as q/k layernorms anyway).
+marked (their gradients are summed over TP as q/k layernorms anyway; MiniMax-M2's, over all heads,
+are ckpt_tools.full_qk_norm's).
 """
 
 from __future__ import annotations
