@@ -62,9 +62,9 @@ case "${STEP:-1}" in
       timeout -k 10 240 python -m bench.bench_multi_gpu --parts layouts --layouts dp2_distopt --torch-compile \
           --max-tokens-per-gpu 8192 --profile --out /tmp/bench_layouts > "$OUT/bench_dp2_profile.txt" 2>&1 ) &
     ( export CUDA_VISIBLE_DEVICES=2,3
-      timeout -k 10 150 python -m pytest -v $COMMON tests/trainer/test_megatron_glm4.py ${GPU_TRAINER_TESTS:-} \
+      timeout -k 10 200 python -m pytest -v $COMMON tests/trainer/test_megatron_glm4.py ${GPU_TRAINER_TESTS:-} \
           > "$OUT/trainer_tests_on_gpus.txt" 2>&1
-      CUDA_VISIBLE_DEVICES=2 timeout -k 10 330 python -m pytest -v $COMMON tests/gpu/test_gpu_expert_bias_moe.py \
+      CUDA_VISIBLE_DEVICES=2 timeout -k 10 300 python -m pytest -v $COMMON tests/gpu/test_gpu_expert_bias_moe.py \
           > "$OUT/gpu_expert_bias_mtp.txt" 2>&1 &
       export CUDA_VISIBLE_DEVICES=3
       timeout -k 10 150 python -m pytest -v $COMMON tests/gpu/test_gpu_rl_loop.py tests/gpu/test_gpu_tensor_publish.py \
