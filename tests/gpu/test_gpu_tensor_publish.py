@@ -6,6 +6,7 @@ UUID resolves. The CPU form: tests/trainer/test_publish.py and tests/rollout/tes
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import psutil
@@ -28,9 +29,11 @@ def test_the_engine_on_the_trainers_gpu_takes_the_weights_by_ipc_handle(tmp_path
 
     start, new = make_tiny_model(tmp_path / "seed0", seed=0), make_tiny_model(tmp_path / "seed1", seed=1)
     shared = torch.cuda.device_count() - 1  # the last GPU: index 1 here, index 0 in the engine, with 2 or more
+    # the engine's CUDA_VISIBLE_DEVICES names it as this process's own does (physical ids, where that is set)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     engine = EngineProcess(start, tmp_path / "engine.log", extra=["--device", "cuda", "--skip-server-warmup",
                                                                    "--mem-fraction-static", "0.2"],
-                           env={"CUDA_VISIBLE_DEVICES": str(shared)})
+                           env={"CUDA_VISIBLE_DEVICES": visible.split(",")[shared] if visible else str(shared)})
     publisher = WeightPublisher("tensor", tmp_path / "job", new, None, bucket_bytes=BUCKET, timeout_s=120)
     try:
         engine.wait_ready(ENGINE_START_S)
