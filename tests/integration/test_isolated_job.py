@@ -303,7 +303,11 @@ def test_cut_trainer_node_requeues_without_it_and_fences_the_old_run(isolated_de
     relaunched = [e for name in left_over for e in events(job_dir, "step_launched", name) if e["time"] > stopped]
     # (the new steps may get the old ids again: SLURM numbers a requeued job's steps from 0)
     assert len(relaunched) == 2 and all(state["steps"][e]["slurm_step"] for e in left_over), state["steps"]
-    resumed, replayed = resumed_at(job_dir)[0], replayed_after(job_dir, resume=0)
+    # Cut before the first save (--save-interval 5), the new run starts at rollout 0 and replays from the
+    # journal every rollout the old one did; cut after it, it resumes from the checkpoint and replays the rest.
+    resumes = resumed_at(job_dir)
+    resumed = resumes[0] if resumes else 0
+    replayed = replayed_after(job_dir, resume=0) if resumes else replayed_after(job_dir, resume=-1)
     assert replayed == list(range(resumed, resumed + len(replayed))) and resumed + len(replayed) >= done_before, \
         (resumed, replayed, done_before)
     new_run = events(job_dir, "supervisor_started")[1]["time"]

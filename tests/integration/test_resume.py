@@ -94,7 +94,8 @@ def resumed_at(job_dir: Path) -> list[int]:
 
 
 def replayed_after(job_dir: Path, resume: int) -> list[int]:
-    """The rollouts the trainer replayed from the rollout journal after its `resume`-th resume (0: the first)."""
+    """The rollouts the trainer replayed from the rollout journal after its `resume`-th resume (0: the first;
+    -1: the whole log, for a run that found no checkpoint and replays from its start)."""
     log = (job_dir / "logs" / "trainer.log").read_text()
     after = re.split(r"resumed from \S+: next rollout", log)[resume + 1]
     return [int(n) for n in re.findall(r"rollout (\d+): replayed from the rollout journal", after)]
