@@ -17,7 +17,8 @@ from safetensors import safe_open
 from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_config
 from tests.rank_devices import rank_devices
-from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
+from tests.trainer.same_step import assert_log_probs_equal_hf
+from tests.trainer.test_megatron_backend import ATOL, run_all
 
 BIAS_RATE = 1e-3
 # the MoE flags of slime's DeepSeek-V3 and GLM-4.5 model scripts, at the tiny models' sizes
@@ -81,11 +82,7 @@ def results(arch: str, tiny, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_log_probs_equal_hf(tiny, results) -> None:
-    model, _ = tiny
-    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
-    for name, result in results.items():
-        for i, want in enumerate(expected):
-            assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
+    assert_log_probs_equal_hf(tiny[0], results)
 
 
 def test_one_step_is_the_same_at_tp2_ep2_and_with_fused_attention(arch: str, results) -> None:

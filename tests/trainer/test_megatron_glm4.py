@@ -17,8 +17,7 @@ from safetensors import safe_open
 from rollout.toy_task import write_toy_data
 from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_hf_with_tokenizer
 from tests.rollout.servers import engines_behind_router
-from tests.trainer.same_step import assert_same_step, run_layouts, tiny_with_torch_dist
-from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples
+from tests.trainer.same_step import assert_log_probs_equal_hf, assert_same_step, run_layouts, tiny_with_torch_dist
 from tests.trainer.test_megatron_mtp import SAME_CPU
 from tests.trainer.test_rl_loop import metrics, trainer
 from trainer.args import ArgsError, build_config, build_parser
@@ -52,11 +51,7 @@ def results(tiny, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_log_probs_equal_hf(tiny, results) -> None:
-    model, _ = tiny
-    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
-    for name, result in results.items():
-        for i, want in enumerate(expected):
-            assert (result["logps"][i][0] - want).abs().max() < ATOL, f"{name}: sample {i} log-probs differ from HF's"
+    assert_log_probs_equal_hf(tiny[0], results)
 
 
 def test_one_step_is_the_same_in_every_layout(results) -> None:
