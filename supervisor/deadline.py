@@ -58,10 +58,13 @@ class StopCosts:
     train_s: float  # training and publishing one rollout: a save-now during them waits for their end
     boundary_s: float  # a rollout, its training and publish, and a save: to the next rollout boundary, saved
 
-    def lead(self, grace_s: float) -> float:
+    def lead(self, grace_s: float, check_every_s: float) -> float:
         """How long before the job's end it must begin to stop: the grace, or a save-now's worst
-        case (the training under way, then a save) and the requeue's margin, when that is longer."""
-        return max(grace_s, self.train_s + self.save_s + REQUEUE_MARGIN_S)
+        case (the training under way, then a save) and the requeue's margin, when that is longer.
+        The end is checked once every check_every_s (the monitor's cycle): the check that finds less
+        than that worst case left may come a cycle late, so the lead holds one cycle more (CI: a
+        check ~3 s past the lead found a periodic save just begun, and no time left to end it)."""
+        return max(grace_s, self.train_s + self.save_s + REQUEUE_MARGIN_S + check_every_s)
 
 
 def no_time_to_save(left_s: float, costs: StopCosts, beat: Heartbeat | None) -> str | None:

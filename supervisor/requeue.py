@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+from collections import deque
 
 from contract.job_dir import Heartbeat
 from slurm.client import SlurmClient
@@ -22,6 +23,7 @@ from supervisor.trainer_files import Pace, last_checkpoint
 
 REQUEUE = "preempted: saved, then requeued"  # the outcome of a job that requeues itself
 REQUEUE_UNSAVED = "preempted: requeued without a save"  # ... when no save could end in time (the why follows)
+RECENT_CYCLES = 10  # the monitor cycles whose longest the deadline's lead holds
 
 
 def requeues(outcome: str) -> bool:
@@ -47,6 +49,8 @@ class Requeue:
         self._excluding: set[str] = set()  # lost nodes the requeued job must not start on
         self.save_now_sent = False  # (monitor thread only)
         self.unsaved: str | None = None  # why the job requeues without a save, once it does (monitor thread)
+        self._checked_at: float | None = None  # the last check (monotonic; monitor thread)
+        self._cycles: deque[float] = deque(maxlen=RECENT_CYCLES)  # the time between recent checks
 
     def without_node(self, node: str, reason: str) -> None:
         """The supervisor's own reason to save and requeue: a lost node left too few engines."""
@@ -61,7 +65,7 @@ class Requeue:
         none runs). Returns, once, why the trainer must end now without a save: before the job's
         end, no save (the one under way, or one made now) would end in time."""
         costs = self.pace.costs(beat)
-        reason = self.preemption.check(costs.lead(self.job.ft.preempt_grace))
+        reason = self.preemption.check(costs.lead(self.job.ft.preempt_grace, self._check_every()))
         if reason is None or self.unsaved is not None:
             return None
         time_left = self.preemption.seconds_left()
@@ -78,6 +82,15 @@ class Requeue:
             self._tell_trainer_save_now(f"{time_left:.0f} s left, a rollout and a save take about "
                                         f"{costs.boundary_s:.0f} s")
         return None
+
+    def _check_every(self) -> float:
+        """How long the next check may be away: the monitor's interval, or its longest recent cycle (a
+        cycle's probes add to the interval, and take longer on a loaded machine)."""
+        now = time.monotonic()
+        if self._checked_at is not None:
+            self._cycles.append(now - self._checked_at)
+        self._checked_at = now
+        return max([self.job.ft.rollout_health_check_interval, *self._cycles])
 
     @property
     def outcome(self) -> str:

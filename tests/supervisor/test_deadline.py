@@ -83,8 +83,10 @@ def test_preemption_acts_on_the_current_end(every_ask_refreshes) -> None:
 
 
 def test_the_lead_is_the_grace_or_what_a_save_now_takes() -> None:
-    assert StopCosts(save_s=10, train_s=5, boundary_s=20).lead(grace_s=600) == 600
-    assert StopCosts(save_s=101, train_s=5, boundary_s=120).lead(grace_s=40) == 101 + 5 + REQUEUE_MARGIN_S
+    assert StopCosts(save_s=10, train_s=5, boundary_s=20).lead(grace_s=600, check_every_s=10) == 600
+    # the monitor's cycle on top: a check may come that late
+    assert StopCosts(save_s=101, train_s=5, boundary_s=120).lead(grace_s=40, check_every_s=10) == \
+        101 + 5 + REQUEUE_MARGIN_S + 10
 
 
 def _beat(phase: Phase, began_s_ago: float) -> Heartbeat:
@@ -179,6 +181,22 @@ def test_a_save_under_way_that_ends_in_time_is_waited_for(wired) -> None:
     wiring.trainer.check_deadline()
     assert wiring.launcher.current(TRAINER).returncode is None and wiring.trainer.requeue.unsaved is None
     assert "preemption" in _kinds(job) and "no_time_to_save" not in _kinds(job)
+
+
+def test_the_lead_holds_the_longest_recent_monitor_cycle(wired) -> None:
+    """A save of 12 s and 40 s left: no stop while the monitor checks often (12 + 15 + 10, the
+    interval, < 40), a stop once a check came 14 s after the one before (a slow probe cycle): the
+    next may come as late, with too little left to end a save begun meanwhile."""
+    job, wiring = wired
+    _metrics(job.dir, {Metric.ROLLOUT_SECONDS: 2.0, Metric.TRAIN_SECONDS: 0.0, Metric.SAVE_SECONDS: 12.0})
+    write_heartbeat(job.dir, Phase.ROLLOUT, 5)
+    requeue = wiring.trainer.requeue
+    for _ in range(3):
+        wiring.trainer.check_deadline()
+    assert "preemption" not in _kinds(job)
+    requeue._checked_at -= 14  # the last check, as long ago as a slow cycle
+    wiring.trainer.check_deadline()
+    assert "preemption" in _kinds(job) and requeue.unsaved is None
 
 
 @pytest.mark.parametrize("ended_by, kind", [(signal.SIGUSR1, "trainer_stopped"), (signal.SIGKILL, "trainer_failed")])
