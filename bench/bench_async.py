@@ -14,7 +14,8 @@ time from the end of rollout 0's training to the end of the last one's (trainer 
 first rollout, which nothing overlaps, left out). Prints each run's rate, its ratio to sync (the
 goal: >= 1.6x), its mean reward per trained sample, and where the time went.
 
-    PYTHONPATH=. python -m bench.bench_async [--rollouts 12] [--hold-ms 40] [--response-len 16]
+    PYTHONPATH=. python -m bench.bench_async [--rollouts 12] [--hold-ms 40] [--response-len 16] [--batch 16]
+                                             [--steps-per-rollout 1]
 
 On a GPU machine (2 GPUs or more) the trainer runs on GPU 0 and its cores are its own; with
 `--engine-device cuda --hold-ms 0` the engines decode for real on GPU 1 (no simulation).
@@ -48,6 +49,9 @@ def main() -> None:
     parser.add_argument("--hold-ms", type=float, default=40.0, help="each decode step of the engines (simulated GPU)")
     parser.add_argument("--response-len", type=int, default=16, help="--rollout-max-response-len")
     parser.add_argument("--batch", type=int, default=16, help="--rollout-batch-size (x 8 samples per prompt)")
+    parser.add_argument("--steps-per-rollout", type=int, default=1,
+                        help="--num-steps-per-rollout: optimizer steps a rollout, training that much longer "
+                             "(published runs train 32-38%% of a synchronous step)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: both engines on GPU 1 (real decode, give --hold-ms 0), the trainer on GPU 0")
@@ -65,7 +69,8 @@ def main() -> None:
     model = write_tiny_model(root / "model", seed=0)
     data = write_toy_data(root / "toy.jsonl", num_prompts=512)
     flags = ["--num-rollout", str(args.rollouts), "--rollout-batch-size", str(args.batch), "--lr", "1e-2",
-             "--rollout-max-response-len", str(args.response_len)]
+             "--rollout-max-response-len", str(args.response_len),
+             "--num-steps-per-rollout", str(args.steps_per_rollout)]
     rates: dict[str, float] = {}
     with engines_behind_router(model, root / "servers", flags=tuple(engine_flags)) as (router, _):
         for mode, extra in MODES.items():
