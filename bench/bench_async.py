@@ -52,10 +52,15 @@ def main() -> None:
     parser.add_argument("--steps-per-rollout", type=int, default=1,
                         help="--num-steps-per-rollout: optimizer steps a rollout, training that much longer "
                              "(published runs train 32-38%% of a synchronous step)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="the runs, in this order, sync first (the others' ratios are against it)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: both engines on GPU 1 (real decode, give --hold-ms 0), the trainer on GPU 0")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if modes[0] != "sync" or not set(modes) <= set(MODES):
+        parser.error(f"--modes must start with sync and name only {', '.join(MODES)}; got {args.modes!r}")
     engine_flags = ["--decode-step-hold-ms", str(args.hold_ms)]
     if args.engine_device == "cuda":
         import torch
@@ -73,7 +78,8 @@ def main() -> None:
              "--num-steps-per-rollout", str(args.steps_per_rollout)]
     rates: dict[str, float] = {}
     with engines_behind_router(model, root / "servers", flags=tuple(engine_flags)) as (router, _):
-        for mode, extra in MODES.items():
+        for mode in modes:
+            extra = MODES[mode]
             trainer((model, data), router, root / mode, *flags, *extra, timeout_s=1800)
             lines = metrics(root / mode)
             rates[mode] = steady_rate(lines)

@@ -12,11 +12,11 @@ export OUT=${OUT:-/tmp/gpu_async} PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THR
 mkdir -p "$OUT"
 python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
 nvidia-smi -L
-HOLD_MS=${HOLD_MS:-8} STEPS=${STEPS:-4} BATCH=${BATCH:-48} ROLLOUTS=${ROLLOUTS:-10} LIMIT=${LIMIT:-500}
+HOLD_MS=${HOLD_MS:-8} STEPS=${STEPS:-4} BATCH=${BATCH:-48} ROLLOUTS=${ROLLOUTS:-8} LIMIT=${LIMIT:-500}
 bench() {  # name, GPUs, cores, bench flags...
     local name=$1 gpus=$2 cores=$3; shift 3
     CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$LIMIT" taskset -c "$cores" \
-        python -m bench.bench_async --rollouts "$ROLLOUTS" "$@" > "$OUT/bench_async_$name.txt" 2>&1
+        python -m bench.bench_async --rollouts "$ROLLOUTS" --modes sync,fully_async,train_async "$@" > "$OUT/bench_async_$name.txt" 2>&1
     echo "$name rc=$?" >> "$OUT/bench_async_$name.txt"
 }
 bench sim_steps$STEPS 0 0-15 --hold-ms "$HOLD_MS" --steps-per-rollout "$STEPS" &
