@@ -51,12 +51,12 @@ class FullHeadsRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(heads * config.kv_channels, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(*x.shape[:-2], -1)
-        squares = flat.float().pow(2).sum(-1, keepdim=True)
+        flat = x.reshape(*x.shape[:-2], -1).float()  # one fp32 copy serves the squares and the scaling
+        squares = flat.pow(2).sum(-1, keepdim=True)
         width, tp = flat.shape[-1], parallel_state.get_tensor_model_parallel_world_size()
         if tp > 1:
             squares = _AllReduceSum.apply(squares, parallel_state.get_tensor_model_parallel_group())
-        normed = (flat.float() * torch.rsqrt(squares / self.weight.numel() + self.eps)).to(x.dtype)
+        normed = (flat * torch.rsqrt(squares / self.weight.numel() + self.eps)).to(x.dtype)
         start = parallel_state.get_tensor_model_parallel_rank() * width if tp > 1 else 0
         return (self.weight[start:start + width] * normed).reshape(x.shape)
 
