@@ -35,7 +35,8 @@ FSYNC_S = 1  # each fsync under the checkpoint folder: a save takes ~12 s
 # preempt_grace: far shorter than a save, and than a trainer's exit (~1.5 s): a supervisor that waits
 # for it ends TIMEOUT whatever the trainer is doing
 GRACE_S = 1
-SAVE_TIMEOUT_S = 4  # trainer_save_timeout: shorter than a save, longer than an fsync and a progress poll
+SAVE_TIMEOUT_S = 6  # trainer_save_timeout: shorter than a save, longer than an fsync and a progress poll
+# (4 s once ran out on a loaded machine: "in phase save for 6 s")
 START_S = 120  # the supervisor's start; then the first slow save
 SEEN_S = END_TIME_REFRESH_S + 10  # the supervisor seeing a new end
 LATE_S = 5  # past the moment the old end would have had today's supervisor stop (2 monitor cycles and more)

@@ -1,6 +1,9 @@
 """generate_rollout against two real CPU engines behind the real sglang-router: a round of 32
 prompts x 4 samples completes; with one engine SIGKILLed mid-round it still returns all 128
-samples, each exactly once, each with its weight version, and the requests sent again are counted."""
+samples, each exactly once, each with its weight version, and the requests sent again are counted.
+
+The tests that leave their engines serving share one pair (`engines`, made once for the module:
+starting a pair takes longer than a round); the one that kills an engine has a pair of its own."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import json
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,9 +24,16 @@ from rollout.generate import RolloutArgs, generate_rollout
 from rollout.router_client import RouterClient
 from rollout.sample import Status
 from slurm.devcluster.daemons import wait_for
-from tests.rollout.servers import API_KEY
+from tests.rollout.servers import API_KEY, Server, engines_behind_router
 
 PROMPTS, N = 32, 4
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, tmp_path_factory) -> Iterator[tuple[RouterClient, list[Server]]]:
+    """Two engines behind a router, shared by the tests that leave them serving."""
+    with engines_behind_router(model, tmp_path_factory.mktemp("engines")) as pair:
+        yield pair
 
 
 def _args(model: Path, router: RouterClient) -> RolloutArgs:
@@ -48,11 +59,12 @@ def _check_complete(groups) -> None:
         assert s.reward in (0.0, 1.0)
 
 
-def test_round_completes_over_two_engines(cluster, model: Path, tmp_path: Path) -> None:
-    router, engines = cluster
+def test_round_completes_over_two_engines(engines, model: Path, tmp_path: Path) -> None:
+    router, servers = engines
+    before = [e.served() for e in servers]
     groups = generate_rollout(_args(model, router), 0, _buffer(tmp_path))
     _check_complete(groups)
-    assert all(e.served() > 0 for e in engines), "the router did not spread the round over both engines"
+    assert all(e.served() > n for e, n in zip(servers, before)), "the router did not spread the round over both engines"
 
 
 def test_round_survives_an_engine_killed_mid_round(cluster, model: Path, tmp_path: Path) -> None:
@@ -78,8 +90,8 @@ def keep_even_groups(args, group) -> bool:
     return group[0].group_index % 2 == 0
 
 
-def test_dynamic_sampling_generates_until_enough_groups_pass(cluster, model: Path, tmp_path: Path) -> None:
-    router, _ = cluster
+def test_dynamic_sampling_generates_until_enough_groups_pass(engines, model: Path, tmp_path: Path) -> None:
+    router, _ = engines
     args = replace(_args(model, router), rollout_batch_size=6, over_sampling_batch_size=4,
                    dynamic_sampling_filter_path=f"{__name__}.keep_even_groups")
     groups = generate_rollout(args, 0, _buffer(tmp_path))
@@ -87,11 +99,12 @@ def test_dynamic_sampling_generates_until_enough_groups_pass(cluster, model: Pat
     assert [g[0].group_index for g in groups] == [0, 2, 4, 6, 8, 10]  # batches of 4 until 6 pass, in order
 
 
-def test_partial_rollout_keeps_unfinished_groups_for_the_next_round(cluster, model: Path, tmp_path: Path) -> None:
-    router, _ = cluster
+def test_partial_rollout_keeps_unfinished_groups_for_the_next_round(engines, model: Path, tmp_path: Path) -> None:
+    router, _ = engines
     # 12 groups start; the round needs 8, so 4 are still running (or just done) when it ends.
     args = replace(_args(model, router), rollout_batch_size=8, over_sampling_batch_size=12, partial_rollout=True,
-                   dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std", rollout_max_response_len=32,
+                   dynamic_sampling_filter_path="slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+                   rollout_max_response_len=32,
                    rm_type="toy", custom_rm_path=f"{__name__}.reward_by_index")
     buffer = _buffer(tmp_path)
     first = generate_rollout(args, 0, buffer)
@@ -110,8 +123,8 @@ def reward_by_index(args, sample) -> float:
     return float(sample.index % 2)
 
 
-def test_partial_rollout_continues_aborted_samples_where_they_stopped(cluster, model: Path, tmp_path: Path) -> None:
-    router, _ = cluster
+def test_partial_rollout_continues_aborted_samples_where_they_stopped(engines, model: Path, tmp_path: Path) -> None:
+    router, _ = engines
     # Few requests in flight and long responses: when 4 groups are done, others are mid-generation.
     args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=12, partial_rollout=True,
                    rollout_concurrency=8, rollout_max_response_len=48, rollout_temperature=1.0,
@@ -130,13 +143,13 @@ def test_partial_rollout_continues_aborted_samples_where_they_stopped(cluster, m
         assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
 
 
-def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(cluster, model: Path, tmp_path: Path,
+def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(engines, model: Path, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The seed doc's custom generate, verbatim (slime's `post` and `Sample` imported from slime's
     paths; it reads args.sglang_router_ip/port and sets sample.truncated and sample.aborted) and a
     filter returning DynamicFilterOutput(keep=False) for odd groups."""
     monkeypatch.setenv(API_KEY_ENV, API_KEY)  # as every step of a job has it
-    router, _ = cluster
+    router, _ = engines
     args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=8,
                    custom_generate_function_path="tests.rollout.slime_plugins.generate",
                    dynamic_sampling_filter_path="tests.rollout.slime_plugins.even_groups_only")
@@ -147,13 +160,13 @@ def test_slime_plugins_get_slimes_args_sample_flags_and_filter_verdicts(cluster,
         assert sample.truncated == (sample.status is Status.TRUNCATED) and not sample.aborted
 
 
-def test_slime_rollout_flags_reach_the_engines_and_the_round(cluster, model: Path, tmp_path: Path) -> None:
+def test_slime_rollout_flags_reach_the_engines_and_the_round(engines, model: Path, tmp_path: Path) -> None:
     """--rollout-stop-token-ids (every token stops: one-token responses, kept in the text as slime's
     no_stop_trim keeps them), --rollout-sample-hook-path (runs before the reward), and a filter's
     keep_when_insufficient (groups it drops fill the rollout rather than another round)."""
     from rollout.tiny_model import vocabulary
 
-    router, _ = cluster
+    router, _ = engines
     args = replace(_args(model, router), rollout_batch_size=4, over_sampling_batch_size=8,
                    rollout_stop_token_ids=sorted(vocabulary().values()),
                    rollout_sample_hook_path=["tests.rollout.slime_plugins.answer_with_label"],
