@@ -289,10 +289,7 @@ class Daemon:
             return self.trainer.on_exit(step)
         # Steps die with a job SLURM ends (scancel, requeue, time limit): relaunching them would only
         # race it, and the trainer may still be saving: its exit ends the job.
-        ending = self.requeue.slurm_job.ending_state()
-        if ending is not None:
-            self.job.events.emit("job_ending", name, slurm_state=ending)
-            self.ending.slurm_ends(ending)
+        if self.requeue.slurm_ending([name]):
             return None
         if name == ROUTER:
             self.job.events.emit("router_failed", ROUTER, reason=f"exited with code {step.returncode}")

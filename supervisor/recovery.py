@@ -126,8 +126,7 @@ class EngineRecovery:
                 tries.failed(retry, None)
                 job.events.emit("engine_restart_failed", engine.name, reason=retry, attempt=engine.restarts)
             recover_s = round(time.time() - detected, 3)
-            # in_router: whether this recovery saw it admitted (a publish may have left it behind since,
-            # until the next: CI once read it after such a publish and found it out)
+            # in_router: seen admitted (CI read the router's state after a publish had left it out)
             job.events.emit("engine_recovered", engine.name, restarts=engine.restarts, recover_s=recover_s,
                             weight_version=engine.version, in_router=admitted)
             total = sum(e.restarts for e in job.engines.values())
@@ -157,19 +156,16 @@ class EngineRecovery:
 
     def _await_admission(self, engine: Engine) -> tuple[str | None, bool]:
         """Until the router lists the engine (the next publish brings it in), for engine_admit_timeout
-        at most; a failure meanwhile (a publish dropped it, its probes failed) ends the wait: its
-        reason is returned, and the recovery tries again. Returns that reason (or None) and whether
-        the engine was seen in the router."""
+        at most; a failure meanwhile (a publish dropped it, its probes failed) ends the wait, and the
+        recovery tries again. Returns that failure's reason (or None), and whether it was admitted."""
         job = self.job
         job.engines.await_admission(engine)  # admitted already too: a failure from now on is this recovery's
         deadline = time.monotonic() + job.ft.engine_admit_timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not job.finished.wait(_ADMIT_POLL_S):
             if engine.in_router:
                 return None, True
             if (retry := job.engines.take_retry(engine)) is not None:
                 return retry, False
-            if job.finished.wait(_ADMIT_POLL_S):
-                break
         return None, False
 
     def _relaunch_until_up(self, engine: Engine, tries: Tries) -> bool:
@@ -335,6 +331,8 @@ class EngineRecovery:
         waits = {name: self.pool.submit(self._first_start, engine, cast(Step, self.launcher.current(name)))
                  for name, engine in job.engines.items() if engine.state != HEALTHY}
         problems = {name: str(w.exception()) for name, w in waits.items() if w.exception() is not None}
+        if problems and self.requeue.slurm_ending(problems):  # CI: an engine still starting at a scancel
+            return
         for name, problem in problems.items():
             job.events.emit("engine_start_failed", name, reason=problem)
             job.engines.give_up(job.engines[name], reason=problem)

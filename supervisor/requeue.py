@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from contract.job_dir import Heartbeat
 from slurm.client import SlurmClient
@@ -91,6 +92,18 @@ class Requeue:
             self._cycles.append(now - self._checked_at)
         self._checked_at = now
         return max([self.job.ft.rollout_health_check_interval, *self._cycles])
+
+    def slurm_ending(self, steps: Iterable[str]) -> bool:
+        """Whether SLURM is ending the job (scancel, a requeue, the time limit). Then the steps named,
+        which exited meanwhile, were cut short by it, not failed (job_ending each), and nothing is
+        relaunched any more (Ending.slurm_ends: the trainer's exit decides the outcome)."""
+        state = self.slurm_job.ending_state()
+        if state is None:
+            return False
+        for name in steps:
+            self.job.events.emit("job_ending", name, slurm_state=state)
+        self.ending.slurm_ends(state)
+        return True
 
     @property
     def outcome(self) -> str:
