@@ -7,9 +7,9 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmForCausalLM",
-                           "Glm4ForCausalLM", "MiniMaxM2ForCausalLM")
+                           "Glm4ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-                     "MiniMaxM2ForCausalLM")
+                     "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM")
 # MiniMax-M2: every layer's MLP is the experts' (Mixtral's checkpoint names: block_sparse_moe, w1/w3/w2), routed
 # by sigmoid scores with an expert bias, no shared experts; q/k norms over all heads at once, not per head
 MINIMAX_ARCHITECTURES = ("MiniMaxM2ForCausalLM",)
@@ -29,19 +29,24 @@ POST_NORM_ARCHITECTURES = ("Glm4ForCausalLM",)
 # Their config.json's attention_bias is a bias on q, k and v only (megatron's add_qkv_bias)
 QKV_BIAS_GLM_ARCHITECTURES = ("Glm4MoeForCausalLM", *DENSE_GLM_ARCHITECTURES)
 # q/k norms whatever config.json says (Qwen3's per head, MiniMax-M2's over all heads)
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *MINIMAX_ARCHITECTURES)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", *MINIMAX_ARCHITECTURES)
 # Said in errors: the families whose models slurmrl builds from config.json
-BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), GLM-4.5/4.7, "
-                  "GLM-4.7-Flash and MiniMax-M2")
+BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), "
+                  "GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2")
 # slime's --spec layer specs (module, function) whose layers slurmrl builds itself, for these architectures
+# Qwen3-Next: gated delta net (linear-attention) layers between full-attention ones whose output is gated
+# (megatron's attention_output_gate), zero-centred norms (--apply-layernorm-1p), a gated shared expert
+QWEN3_NEXT_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 BUILT_SPECS = {("slime_plugins.models.glm4", "get_glm_spec"): DENSE_GLM_ARCHITECTURES,
-               ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): MINIMAX_ARCHITECTURES}
-# Hybrids whose linear-attention layers are gated delta nets: why slurmrl cannot build them yet
-GATED_DELTA_NET_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-GATED_DELTA_NET_BLOCKER = (
-    "Qwen3-Next and Qwen3.5 interleave gated delta net layers, which megatron-core 0.16.1 builds only with "
-    "flash-linear-attention's Triton kernels (the fla package, absent from slurmrl's machines) and only "
-    "without packed sequences (every slurmrl micro-batch is packed)")
+               ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): MINIMAX_ARCHITECTURES,
+               ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): QWEN3_NEXT_ARCHITECTURES}
+# Qwen3.5's gated delta nets project q/k/v, z, b and a apart, and its checkpoints are multimodal
+QWEN3_5_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                         "Qwen3_5MoeForConditionalGeneration")
+QWEN3_5_BLOCKER = ("Qwen3.5's gated delta nets (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and its multimodal "
+                   "checkpoints are not built yet; Qwen3-Next's are")
+# slime's --spec layer specs of models slurmrl does not build, and why
+UNBUILT_SPECS = {("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): QWEN3_5_BLOCKER}
 
 
 def routed_experts(config: dict[str, Any]) -> int:
@@ -107,3 +112,58 @@ def check_minimax_m2(config: dict) -> None:
     if any(kind != 1 for kind in kinds):
         raise ValueError(f"config.json: attn_type_list {kinds} is not supported: every layer must be full "
                          "attention (1); MiniMax-01's lightning attention (0) is not built")
+
+
+def check_deepseek_v3(config: dict) -> None:
+    """What megatron-core's MLA computes like transformers' DeepseekV3 does, or ValueError naming the
+    config.json field."""
+    if not config.get("rope_interleave", True):
+        raise ValueError("config.json: rope_interleave false is not supported: megatron-core's MLA rotates "
+                         "interleaved pairs, as DeepSeek's checkpoints do")
+
+
+def check_expert_bias_moe(config: dict) -> None:
+    """What megatron-core's router and layer pattern compute like transformers' DeepseekV3 and Glm4Moe
+    (the same TopkRouter) do, or ValueError naming the config.json field."""
+    dense, layers = dense_first_layers(config), config["num_hidden_layers"]
+    if not 0 <= dense < layers:
+        raise ValueError(f"config.json: first_k_dense_replace {dense} must be 0 or more and below "
+                         f"num_hidden_layers ({layers}): at least one layer is MoE")
+    # MiniMax-M2's router always normalises them
+    minimax = config["architectures"][0] in MINIMAX_ARCHITECTURES
+    if config["num_experts_per_tok"] > 1 and not config.get("norm_topk_prob", minimax):
+        raise ValueError("config.json: norm_topk_prob false is not supported: megatron-core's sigmoid router "
+                         "always normalises the top-k scores")
+    groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+    if groups > 1 and config["num_experts_per_tok"] != 2 * group_topk:
+        raise ValueError(f"config.json: num_experts_per_tok {config['num_experts_per_tok']} must be twice "
+                         f"topk_group ({group_topk}): transformers scores a group by its top 2 experts, "
+                         "megatron-core by its top num_experts_per_tok / topk_group")
+
+
+def linear_attention_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """The layers whose token mixer is a gated delta net (Qwen3-Next's layer_types "linear_attention", or
+    all but every full_attention_interval-th); () for a model without."""
+    if config["architectures"][0] not in QWEN3_NEXT_ARCHITECTURES:
+        return ()
+    layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or ["full_attention" if (i + 1) % config.get("full_attention_interval", 4) == 0
+                                          else "linear_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types {kinds} must give each of the {layers} layers "
+                         "'linear_attention' or 'full_attention'")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+
+
+def check_qwen3_next(config: dict[str, Any]) -> None:
+    """What slurmrl's Qwen3-Next computes like transformers' does, or ValueError naming the config.json field."""
+    linear_attention_layers(config)
+    if not config.get("num_experts") or config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise ValueError("config.json: num_experts, decoder_sparse_step and mlp_only_layers must make every layer's "
+                         "MLP the experts' (num_experts > 0, decoder_sparse_step 1, no mlp_only_layers)")
+    if not config.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json: shared_expert_intermediate_size must be above 0: Qwen3-Next's MoE has a gated "
+                         "shared expert")
+    if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
+        raise ValueError(f"config.json: linear_num_value_heads ({config['linear_num_value_heads']}) must be a "
+                         f"multiple of linear_num_key_heads ({config['linear_num_key_heads']})")

@@ -74,7 +74,8 @@ class HFCheckpoint:
         s = self.shape
         expected = {
             "model.embed_tokens.weight": (s.vocab_size, s.hidden_size),
-            **_attention_shapes(s, "model.layers.0.self_attn."),
+            **_attention_shapes(s, f"model.layers.{s.first_full_attention_layer}.self_attn."),
+            **_linear_attention_shapes(self.config, s),
             "model.norm.weight": (s.hidden_size,),
         }
         needed = set()
@@ -119,8 +120,9 @@ class HFCheckpoint:
 
 def _attention_shapes(s: ModelShape, attn: str) -> dict[str, tuple[int, ...]]:
     """The attention projections' shapes the config implies."""
-    if s.mla is None:
-        return {attn + "q_proj.weight": (s.num_heads * s.head_dim, s.hidden_size),
+    if s.mla is None:  # a gated attention's q_proj gives each head's query, then its gate
+        gated = 2 if s.attention_output_gate else 1
+        return {attn + "q_proj.weight": (gated * s.num_heads * s.head_dim, s.hidden_size),
                 attn + "k_proj.weight": (s.num_kv_heads * s.head_dim, s.hidden_size),
                 attn + "o_proj.weight": (s.hidden_size, s.num_heads * s.head_dim)}
     m = s.mla
@@ -130,6 +132,19 @@ def _attention_shapes(s: ModelShape, attn: str) -> dict[str, tuple[int, ...]]:
     return {**q, attn + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, s.hidden_size),
             attn + "kv_b_proj.weight": (s.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
             attn + "o_proj.weight": (s.hidden_size, s.num_heads * m.v_head_dim)}
+
+
+def _linear_attention_shapes(config: dict, s: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The first gated delta net layer's projections' shapes the config implies (Qwen3-Next's)."""
+    if not s.linear_attention_layers:
+        return {}
+    gdn = f"model.layers.{s.linear_attention_layers[0]}.linear_attn."
+    key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    return {gdn + "in_proj_qkvz.weight": (2 * key + 2 * value, s.hidden_size),
+            gdn + "in_proj_ba.weight": (2 * config["linear_num_value_heads"], s.hidden_size),
+            gdn + "conv1d.weight": (2 * key + value, 1, config["linear_conv_kernel_dim"]),
+            gdn + "out_proj.weight": (s.hidden_size, value)}
 
 
 def _data_end(path: Path) -> int:

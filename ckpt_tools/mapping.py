@@ -14,8 +14,6 @@ import torch
 from ckpt_tools.architectures import (
     DENSE_GLM_ARCHITECTURES,
     EXPERT_BIAS_ARCHITECTURES,
-    GATED_DELTA_NET_ARCHITECTURES,
-    GATED_DELTA_NET_BLOCKER,
     MINIMAX_ARCHITECTURES,
     MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -23,10 +21,17 @@ from ckpt_tools.architectures import (
     POST_NORM_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     QKV_BIAS_GLM_ARCHITECTURES,
+    QWEN3_5_ARCHITECTURES,
+    QWEN3_5_BLOCKER,
+    QWEN3_NEXT_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
+    check_deepseek_v3,
+    check_expert_bias_moe,
     check_minimax_m2,
+    check_qwen3_next,
     declared_mtp_layers,
     dense_first_layers,
+    linear_attention_layers,
     routed_experts,
 )
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
@@ -74,13 +79,20 @@ class ModelShape:
     # MiniMax-M2: q/k norms over all heads' dimensions at once, and Mixtral's checkpoint names for the MoE
     full_qk_norm: bool = False
     mixtral_names: bool = False
+    # Qwen3-Next: these layers' token mixer is a gated delta net (ckpt_tools.gated_delta_net, copied by HF's
+    # names); the others' attention output is gated (HF's q_proj gives each head's query, then its gate);
+    # one shared expert (HF's shared_expert) scaled by a sigmoid gate; zero-centred norms
+    linear_attention_layers: tuple[int, ...] = ()
+    attention_output_gate: bool = False
+    shared_expert_gate: bool = False
+    zero_centered_norms: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0) -> ModelShape:
         archs = config.get("architectures") or []
         arch = archs[0] if archs else "(none)"
-        if arch in GATED_DELTA_NET_ARCHITECTURES:
-            raise ValueError(f"config.json architectures: {arch} is not supported: {GATED_DELTA_NET_BLOCKER}")
+        if arch in QWEN3_5_ARCHITECTURES:
+            raise ValueError(f"config.json architectures: {arch} is not supported: {QWEN3_5_BLOCKER}")
         if len(archs) > 1 or arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"config.json architectures: {', '.join(archs) or arch} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -110,6 +122,9 @@ class ModelShape:
         minimax = arch in MINIMAX_ARCHITECTURES
         if minimax:
             check_minimax_m2(config)
+        qwen3_next = arch in QWEN3_NEXT_ARCHITECTURES
+        if qwen3_next:
+            check_qwen3_next(config)
         (mla_rope_kwargs if deepseek else gpt_rope_kwargs)(config)  # a RoPE megatron-core computes as transformers
         if mtp_layers and arch not in MTP_ARCHITECTURES:
             raise ValueError(f"--mtp-num-layers {mtp_layers}: {arch} has no multi-token prediction layers; "
@@ -135,7 +150,7 @@ class ModelShape:
             num_experts=experts if arch in MOE_ARCHITECTURES else 0,
             mla=MLAShape(config.get("q_lora_rank"), config["kv_lora_rank"], config["qk_nope_head_dim"],
                          config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
-            shared_experts=expert_bias and bool(config.get("n_shared_experts")),
+            shared_experts=(expert_bias and bool(config.get("n_shared_experts"))) or qwen3_next,
             expert_bias=expert_bias,
             dense_layers=dense_first_layers(config) if expert_bias else 0,
             mtp_layers=mtp_layers,
@@ -144,38 +159,24 @@ class ModelShape:
             post_norms=arch in POST_NORM_ARCHITECTURES,
             full_qk_norm=minimax,
             mixtral_names=minimax,
+            linear_attention_layers=linear_attention_layers(config),
+            attention_output_gate=qwen3_next,
+            shared_expert_gate=qwen3_next,
+            zero_centered_norms=qwen3_next,
         )
+
+    @property
+    def layers_differ(self) -> bool:
+        """Whether megatron keys each layer apart (dense and MoE ones mixed, or linear and full attention)."""
+        return bool(self.dense_layers or self.linear_attention_layers)
+
+    @property
+    def first_full_attention_layer(self) -> int:
+        return next(i for i in range(self.num_layers) if i not in self.linear_attention_layers)
 
     def moe_layer_pattern(self) -> list[int]:
         """Megatron's --moe-layer-freq as a per-layer list: 1 for a MoE layer, 0 for a dense one."""
         return [0] * self.dense_layers + [1] * (self.num_layers - self.dense_layers)
-
-
-def check_deepseek_v3(config: dict) -> None:
-    """What megatron-core's MLA computes like transformers' DeepseekV3 does, or ValueError naming the
-    config.json field."""
-    if not config.get("rope_interleave", True):
-        raise ValueError("config.json: rope_interleave false is not supported: megatron-core's MLA rotates "
-                         "interleaved pairs, as DeepSeek's checkpoints do")
-
-
-def check_expert_bias_moe(config: dict) -> None:
-    """What megatron-core's router and layer pattern compute like transformers' DeepseekV3 and Glm4Moe
-    (the same TopkRouter) do, or ValueError naming the config.json field."""
-    dense, layers = dense_first_layers(config), config["num_hidden_layers"]
-    if not 0 <= dense < layers:
-        raise ValueError(f"config.json: first_k_dense_replace {dense} must be 0 or more and below "
-                         f"num_hidden_layers ({layers}): at least one layer is MoE")
-    # MiniMax-M2's router always normalises them
-    minimax = config["architectures"][0] in MINIMAX_ARCHITECTURES
-    if config["num_experts_per_tok"] > 1 and not config.get("norm_topk_prob", minimax):
-        raise ValueError("config.json: norm_topk_prob false is not supported: megatron-core's sigmoid router "
-                         "always normalises the top-k scores")
-    groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
-    if groups > 1 and config["num_experts_per_tok"] != 2 * group_topk:
-        raise ValueError(f"config.json: num_experts_per_tok {config['num_experts_per_tok']} must be twice "
-                         f"topk_group ({group_topk}): transformers scores a group by its top 2 experts, "
-                         "megatron-core by its top num_experts_per_tok / topk_group")
 
 
 # How one Megatron slice relates to its HF tensors.
@@ -209,11 +210,12 @@ def rules(shape: ModelShape) -> list[Rule]:
     tail = [Rule("decoder.final_layernorm.weight", ("model.norm.weight",), per_layer=False)]
     if not shape.tied_embeddings:
         tail.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
-    if not shape.dense_layers:
+    if not shape.layers_differ:
         return head + _layer_rules(shape, moe=bool(shape.num_experts)) + tail + _mtp_rules(shape)
-    kinds = {moe: _layer_rules(shape, moe=bool(moe)) for moe in (0, 1)}
+    kinds = {(moe, linear): _layer_rules(shape, moe=bool(moe), linear=linear) for moe in (0, 1)
+             for linear in (False, True)}
     return head + [_in_layer(rule, layer) for layer, moe in enumerate(shape.moe_layer_pattern())
-                   for rule in kinds[moe]] + tail + _mtp_rules(shape)
+                   for rule in kinds[moe, layer in shape.linear_attention_layers]] + tail + _mtp_rules(shape)
 
 
 def _mtp_rules(shape: ModelShape) -> list[Rule]:
@@ -244,16 +246,21 @@ def _in_layer(rule: Rule, layer: int) -> Rule:
                    hf=tuple(name.replace("{l}", str(layer)) for name in rule.hf), per_layer=False)
 
 
-def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
-    """One decoder layer's tensors (keys without the layer number): attention, then the MLP (the
-    experts' when `moe`)."""
+def _layer_rules(shape: ModelShape, moe: bool, linear: bool = False) -> list[Rule]:
+    """One decoder layer's tensors (keys without the layer number): attention (a gated delta net when
+    `linear`), then the MLP (the experts' when `moe`)."""
     attn = "model.layers.{l}.self_attn."
     mlp = "model.layers.{l}.mlp."
     # Mixtral's names (MiniMax-M2): the MoE under block_sparse_moe, each expert's gate, up and down as w1, w3, w2
     sparse = "model.layers.{l}.block_sparse_moe." if shape.mixtral_names else mlp
     gate, up, down = ("w1", "w3", "w2") if shape.mixtral_names else ("gate_proj", "up_proj", "down_proj")
     out = []
-    if shape.mla:
+    if linear:  # slime's names: the layer's input norm and transformers' module, under self_attention
+        out += [Rule(f"decoder.layers.self_attention.{name}", (f"model.layers.{{l}}.{name}",)) for name in (
+            "input_layernorm.weight", *(f"linear_attn.{p}" for p in (
+                "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                "out_proj.weight")))]
+    elif shape.mla:
         out += _mla_rules(shape.mla)
     else:
         out += [
@@ -265,11 +272,12 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
     if shape.qkv_bias:
         out.append(Rule("decoder.layers.self_attention.linear_qkv.bias",
                         (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV))
-    if shape.qk_norm:  # MiniMax-M2's over all heads: slime's q_norm and k_norm (ckpt_tools.full_qk_norm)
+    if shape.qk_norm and not linear:  # MiniMax-M2's over all heads: slime's q_norm and k_norm (ckpt_tools.full_qk_norm)
         kind = "norm" if shape.full_qk_norm else "layernorm"
         out += [Rule(f"decoder.layers.self_attention.q_{kind}.weight", (attn + "q_norm.weight",)),
                 Rule(f"decoder.layers.self_attention.k_{kind}.weight", (attn + "k_norm.weight",))]
-    out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
+    if not linear:
+        out.append(Rule("decoder.layers.self_attention.linear_proj.weight", (attn + "o_proj.weight",), linear=True))
     if shape.post_norms:  # slime's megatron names them as HF does
         out.append(Rule("decoder.layers.post_self_attn_layernorm.weight",
                         ("model.layers.{l}.post_self_attn_layernorm.weight",)))
@@ -284,13 +292,15 @@ def _layer_rules(shape: ModelShape, moe: bool) -> list[Rule]:
             bias = sparse + ("" if shape.mixtral_names else "gate.") + "e_score_correction_bias"
             out.append(Rule("decoder.layers.mlp.router.expert_bias", (bias,)))
         if shape.shared_experts:
-            shared = mlp + "shared_experts."
+            shared = mlp + ("shared_expert." if shape.shared_expert_gate else "shared_experts.")
             out += [
                 Rule("decoder.layers.mlp.shared_experts.linear_fc1.weight",
                      (shared + "gate_proj.weight", shared + "up_proj.weight"), GATE_UP, linear=True),
                 Rule("decoder.layers.mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",),
                      linear=True),
             ]
+        if shape.shared_expert_gate:
+            out.append(Rule("decoder.layers.mlp.shared_experts.gate_weight", (mlp + "shared_expert_gate.weight",)))
         out += [
             Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
                  (expert + f"{gate}.weight", expert + f"{up}.weight"), GATE_UP, per_expert=True, linear=True),
@@ -337,9 +347,12 @@ def to_megatron(rule: Rule, tensors: list[torch.Tensor], shape: ModelShape) -> t
         (table,) = tensors
         pad = shape.padded_vocab_size - table.shape[0]
         return torch.cat([table, table.new_zeros(pad, *table.shape[1:])]) if pad else table
-    q, k, v = tensors  # QKV: per KV group, that group's query heads, then its key, then its value
+    q, k, v = tensors  # QKV: per KV group, that group's query heads (then their gates), its key, its value
     groups, per_group, d = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads, shape.head_dim
     trailing = q.shape[1:]
+    if shape.attention_output_gate:  # HF: each head's query, then its gate
+        q = q.reshape(groups, per_group, 2, d, *trailing).transpose(1, 2)
+        per_group *= 2
     return torch.cat([
         q.reshape(groups, per_group * d, *trailing),
         k.reshape(groups, d, *trailing),
@@ -356,8 +369,11 @@ def to_hf(rule: Rule, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Ten
     if rule.kind == VOCAB:
         return [tensor[: shape.vocab_size]]
     groups, per_group, d = shape.num_kv_heads, shape.num_heads // shape.num_kv_heads, shape.head_dim
+    gated = 2 if shape.attention_output_gate else 1
     trailing = tensor.shape[1:]
-    q, k, v = tensor.reshape(groups, (per_group + 2) * d, *trailing).split([per_group * d, d, d], dim=1)
+    q, k, v = tensor.reshape(groups, (gated * per_group + 2) * d, *trailing).split([gated * per_group * d, d, d], dim=1)
+    if gated == 2:
+        q = q.reshape(groups, 2, per_group, d, *trailing).transpose(1, 2)
     return [q.reshape(-1, *trailing), k.reshape(-1, *trailing), v.reshape(-1, *trailing)]
 
 

@@ -35,10 +35,13 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ckpt_tools import megatron_compat
 from ckpt_tools.architectures import expert_ffn_size
 from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
+from ckpt_tools.gated_delta_net import gated_delta_net_layer
+from ckpt_tools.gated_delta_rule import GdnBackend
 from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.mtp_model import MTPGPTModel
 from ckpt_tools.post_norm_layer import with_post_norms
+from ckpt_tools.qwen3_next_norms import ZeroCenteredNorm
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
 
 megatron_compat.apply()
@@ -59,6 +62,9 @@ def _moe_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
     }
     if shape.expert_bias:  # DeepSeek-V3: sigmoid scores, bias-corrected grouped top-k, scaled weights
         return {**common, **_expert_bias_router_kwargs(hf_config)}
+    if shape.shared_expert_gate:  # Qwen3-Next: one shared expert, scaled by sigmoid(gate . x)
+        common.update(moe_shared_expert_intermediate_size=hf_config["shared_expert_intermediate_size"],
+                      moe_shared_expert_gate=True)
     return {
         **common,
         "moe_router_score_function": "softmax",
@@ -79,6 +85,18 @@ def _expert_bias_router_kwargs(hf_config: dict) -> dict[str, Any]:
         "moe_router_group_topk": hf_config.get("topk_group") if groups > 1 else None,
         "moe_router_topk_scaling_factor": hf_config.get("routed_scaling_factor", 1.0),
         "moe_shared_expert_intermediate_size": shared * hf_config["moe_intermediate_size"] if shared else None,
+    }
+
+
+def _gated_delta_net_kwargs(hf_config: dict, shape: ModelShape) -> dict[str, Any]:
+    """Qwen3-Next's linear-attention layers, in megatron-core's fields (linear_attention_freq: 1 for a gated
+    delta net layer); megatron-core's experimental_attention_variant stays off: ckpt_tools.gated_delta_net
+    builds them."""
+    return {
+        "linear_attention_freq": [int(i in shape.linear_attention_layers) for i in range(shape.num_layers)],
+        **{field: hf_config[field] for field in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                 "linear_value_head_dim", "linear_num_key_heads",
+                                                 "linear_num_value_heads")},
     }
 
 
@@ -144,7 +162,11 @@ def transformer_config_from_hf(
         "bf16": params_dtype == torch.bfloat16,
         "fp16": params_dtype == torch.float16,
         "mtp_num_layers": mtp_layers or None,
+        "attention_output_gate": shape.attention_output_gate,
+        "layernorm_zero_centered_gamma": shape.zero_centered_norms,
     }
+    if shape.linear_attention_layers:
+        config_kwargs.update(_gated_delta_net_kwargs(hf_config, shape))
     if shape.num_experts:
         config_kwargs.update(_moe_kwargs(hf_config, shape))
     config_class = TransformerConfig
@@ -174,6 +196,7 @@ def build_gpt_model(
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype,
                                                       mtp_layers=mtp_layers)
     shape = ModelShape.from_hf_config(hf_config)
+    norm = ZeroCenteredNorm if config.layernorm_zero_centered_gamma else LayerNormImpl
 
     def local_spec(num_experts: int | None) -> ModuleSpec:
         layer = spec or get_gpt_layer_local_spec(
@@ -185,13 +208,16 @@ def build_gpt_model(
             attention.core_attention = MLADotProductAttention
         if shape.full_qk_norm and spec is None:
             layer.submodules.self_attention.module = FullQKNormSelfAttention
+        if config.layernorm_zero_centered_gamma and spec is None:
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+            attention.q_layernorm = attention.k_layernorm = norm
         return with_post_norms(layer, LayerNormImpl) if shape.post_norms and spec is None else layer
 
     layers = stage_layer_specs(config, local_spec)
-    # One layer spec: megatron repeats it (and picks the final norm); dense and MoE layers: the block's list.
-    mixed = isinstance(config.moe_layer_freq, list)
-    block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl) if mixed else layers[0]
-    model = with_mtp_layers(config, block, local_spec(config.num_moe_experts), LayerNormImpl, model_kwargs,
+    # One layer spec: megatron repeats it (and picks the final norm); layers of several kinds: the block's list.
+    mixed = isinstance(config.moe_layer_freq, list) or isinstance(config.linear_attention_freq, list)
+    block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm) if mixed else layers[0]
+    model = with_mtp_layers(config, block, local_spec(config.num_moe_experts), norm, model_kwargs,
                             hf_config["vocab_size"])
     if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
@@ -213,15 +239,21 @@ def with_mtp_layers(config: TransformerConfig, block: ModuleSpec | TransformerBl
                        **model_kwargs, **kwargs)
 
 
-def stage_layer_specs(config: TransformerConfig, layer_spec: Callable[[int | None], ModuleSpec]) -> list[ModuleSpec]:
+def stage_layer_specs(config: TransformerConfig, layer_spec: Callable[[int | None], ModuleSpec],
+                      gdn_backend: GdnBackend = "torch") -> list[ModuleSpec]:
     """The spec of each of this pipeline stage's layers: layer_spec(config.num_moe_experts) for a
     MoE layer (or any layer of a model without a dense/MoE mix), layer_spec(None) for a dense one,
-    as megatron's moe_layer_freq list says (get_gpt_decoder_layer_specs, for local specs)."""
-    freq = config.moe_layer_freq
-    pattern = freq if isinstance(freq, list) else [1] * config.num_layers
-    specs = {moe: layer_spec(config.num_moe_experts if moe else None) for moe in sorted(set(pattern))}
+    as megatron's moe_layer_freq list says (get_gpt_decoder_layer_specs, for local specs); its token
+    mixer a gated delta net (with the `gdn_backend` kernel) where the linear_attention_freq list says 1."""
+    freq, linear = config.moe_layer_freq, config.linear_attention_freq
+    kinds = list(zip(freq if isinstance(freq, list) else [1] * config.num_layers,
+                     linear if isinstance(linear, list) else [0] * config.num_layers))
+    specs = {}
+    for moe, gdn in sorted(set(kinds)):
+        spec = layer_spec(config.num_moe_experts if moe else None)
+        specs[moe, gdn] = gated_delta_net_layer(spec, gdn_backend) if gdn else spec
     offset = get_transformer_layer_offset(config)
-    return [specs[moe] for moe in pattern[offset: offset + get_num_layers_to_build(config)]]
+    return [specs[kind] for kind in kinds[offset: offset + get_num_layers_to_build(config)]]
 
 
 # Megatron-LM keeps these non-model states in the same .distcp files; a model load skips them.

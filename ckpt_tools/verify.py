@@ -14,6 +14,7 @@ import torch
 
 from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
 from ckpt_tools.hf_checkpoint import HFCheckpoint
+from ckpt_tools.hf_cpu_kernels import use_torch_kernels
 from ckpt_tools.inspect import roundtrip_differences
 
 
@@ -46,6 +47,8 @@ def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: 
     )
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
+    if config.get("model_type") == "qwen3_next":  # the reference runs on the CPU, fla installed or not
+        use_torch_kernels()
     ids = torch.randint(0, config["vocab_size"], (prompts, seq_len), generator=torch.Generator().manual_seed(seed))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():

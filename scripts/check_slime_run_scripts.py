@@ -75,14 +75,18 @@ def captured_argv(tree: Path, stubs: Path, script: str) -> tuple[list[str] | Non
 def problems(argv: list[str]) -> list[str]:
     from contract.spec_loading import load_spec
     from trainer.args import ArgsError, build_parser
+    from trainer.config.checks import Checks
+    from trainer.config.model_checks import check_spec
 
     spec, found = load_spec(None, argv)
     parser = build_parser()
     try:
-        _, unknown = parser.parse_known_args(spec.trainer.train_args)
+        args, unknown = parser.parse_known_args(spec.trainer.train_args)
     except ArgsError as err:
         return found + [str(err)]
-    return found + [f"unknown flag {token}" for token in unknown if token.startswith("--")]
+    need = Checks()
+    check_spec(args, None, need)  # a --spec whose layers slurmrl does not build, whatever the checkpoint
+    return found + need.problems + [f"unknown flag {token}" for token in unknown if token.startswith("--")]
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ packages=(
     megatron-core==0.16.1 sglang-router==0.3.2 setproctitle orjson
     fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
     opentelemetry-api importlib-metadata uvicorn submitit
+    flash-linear-attention==0.6.0 fla-core==0.6.0 einops  # Qwen3-Next's gated delta rule (--qwen-gdn-backend fla)
 )
 platforms=()
 for n in 17 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done

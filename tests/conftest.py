@@ -14,6 +14,7 @@ each cluster counts from 1: the SLURM tests then run in one group, in one worker
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import string
@@ -35,6 +36,15 @@ SLURM_DIRS = ("integration", "slurm")  # test folders whose every test runs SLUR
 # below the default cluster's, clear of the clusters tests bring up themselves (18800 and up) and of
 # tests/ports.py's (20000 and up).
 WORKER_PORT_STRIDE = 100
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # transformers' Qwen3-Next takes fla's Triton kernels wherever fla is installed (a GPU machine's), CPU
+    # tensors or not: the tests' transformers references run on the CPU
+    if importlib.util.find_spec("fla") or importlib.util.find_spec("causal_conv1d"):
+        from ckpt_tools.hf_cpu_kernels import use_torch_kernels
+
+        use_torch_kernels()
 
 
 def _worker() -> int:

@@ -5,26 +5,15 @@ trainer.config.build_config validates a parse (model-shape flags against the HF 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from ckpt_tools import rope
 from ckpt_tools.architectures import (
     BUILT_FAMILIES,
-    DENSE_GLM_ARCHITECTURES,
-    EXPERT_BIAS_ARCHITECTURES,
-    MLA_ARCHITECTURES,
-    POST_NORM_ARCHITECTURES,
-    QK_NORM_ARCHITECTURES,
-    QKV_BIAS_GLM_ARCHITECTURES,
-    dense_first_layers,
-    expert_ffn_size,
-    routed_experts,
 )
+from ckpt_tools.gated_delta_rule import GDN_BACKENDS
 from trainer.args_actions import (
     ArgsError,
     Choice,
     HelpFormatter,
-    LayerPattern,
     Parser,
     RefusedFlag,
     moe_layer_freq,
@@ -44,93 +33,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local", "sdpa")
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 _SUPPORTED = f"slurmrl builds {BUILT_FAMILIES} models"
 
-def _deepseek(c: dict[str, Any]) -> bool:
-    """Multi-latent attention: DeepSeek-V3, Kimi-K2, GLM-4.7-Flash."""
-    return c["architectures"][0] in MLA_ARCHITECTURES
-
-
-def _expert_bias(c: dict[str, Any]) -> bool:
-    """DeepSeek-V3's MoE (GLM-4.5's too): sigmoid expert-bias routing, shared experts, dense first layers."""
-    return c["architectures"][0] in EXPERT_BIAS_ARCHITECTURES
-
-
-UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
 MTP_LOSS_SCALE = 0.2  # --mtp-loss-scaling-factor, slime's default
-# flag -> how to read the same quantity from an HF config
-_MODEL_FLAGS: dict[str, Any] = {
-    "num_layers": lambda c: c["num_hidden_layers"],
-    "hidden_size": lambda c: c["hidden_size"],
-    "ffn_hidden_size": lambda c: c["intermediate_size"],
-    "num_attention_heads": lambda c: c["num_attention_heads"],
-    "num_query_groups": lambda c: c.get("num_key_value_heads") or c["num_attention_heads"],
-    # DeepSeek: megatron's MLA never reads kv_channels (--qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim
-    # give its widths), and slime's scripts give any value (DeepSeek-V3 128, Kimi-K2 64)
-    "kv_channels": lambda c: UNCHECKED if _deepseek(c) else (
-        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
-    "vocab_size": lambda c: c["vocab_size"],
-    "rotary_base": rope.rope_theta,
-    "rotary_percent": rope.rotary_percent,
-    "norm_epsilon": lambda c: c.get("rms_norm_eps", 1e-6),
-    "max_position_embeddings": lambda c: c.get("max_position_embeddings"),
-    # DeepSeek: the norms of MLA's q and kv latents (q_a_layernorm, kv_a_layernorm)
-    "qk_layernorm": lambda c: (c["architectures"][0] in QK_NORM_ARCHITECTURES or _deepseek(c)
-                               or bool(c.get("use_qk_norm"))),
-    "untie_embeddings_and_output_weights": lambda c: not c.get("tie_word_embeddings", False),
-    "swiglu": lambda c: c.get("hidden_act", "silu") == "silu",
-    # MLA has no q/k/v projections (megatron's ignores it; slime's GLM-4.7-Flash script gives it)
-    "add_qkv_bias": lambda c: UNCHECKED if _deepseek(c) else (
-        c["architectures"][0] == "Qwen2ForCausalLM" or bool(c.get("attention_bias"))),
-    # no bias on any linear but (Qwen2's, GLM's) q/k/v, which --add-qkv-bias covers
-    "disable_bias_linear": lambda c: not c.get("mlp_bias") and (
-        not c.get("attention_bias") or c["architectures"][0] in ("Qwen2ForCausalLM", *QKV_BIAS_GLM_ARCHITECTURES)),
-    # MoE (Qwen3-MoE, DeepSeek-V3): every layer's MLP is the experts'
-    "num_experts": lambda c: routed_experts(c) or None,
-    "moe_ffn_hidden_size": expert_ffn_size,
-    "moe_router_topk": lambda c: c.get("num_experts_per_tok"),
-    "moe_router_score_function": lambda c: ("sigmoid" if _expert_bias(c)
-                                            else "softmax" if c.get("num_experts") else None),
-    # DeepSeek, GLM: slime's scripts give it; megatron's sigmoid router has no pre-softmax
-    "moe_router_pre_softmax": lambda c: _expert_bias(c) or (bool(c.get("num_experts"))
-                                                         and not c.get("norm_topk_prob", False)),
-    "moe_layer_freq": lambda c: _moe_layer_pattern(c) if routed_experts(c) and not c.get("mlp_only_layers") else None,
-    # DeepSeek-V3: multi-latent attention; it and GLM-4.5: shared experts, expert-bias grouped routing
-    "multi_latent_attention": _deepseek,
-    "q_lora_rank": lambda c: c["q_lora_rank"],
-    "kv_lora_rank": lambda c: c["kv_lora_rank"],
-    "qk_head_dim": lambda c: c["qk_nope_head_dim"],
-    "qk_pos_emb_head_dim": lambda c: c["qk_rope_head_dim"],
-    "v_head_dim": lambda c: c["v_head_dim"],
-    "moe_shared_expert_intermediate_size": lambda c: c["n_shared_experts"] * c["moe_intermediate_size"],
-    "moe_router_enable_expert_bias": _expert_bias,
-    "moe_router_num_groups": lambda c: c["n_group"],
-    "moe_router_group_topk": lambda c: c["topk_group"],
-    "moe_router_topk_scaling_factor": lambda c: c["routed_scaling_factor"],
-    # the dense GLM-4s: RoPE over interleaved pairs (MLA's own, whatever the flag); GLM-4-0414's post norms
-    "rotary_interleaved": lambda c: UNCHECKED if _deepseek(c) else c["architectures"][0] in DENSE_GLM_ARCHITECTURES,
-    "post_self_attn_layernorm": lambda c: c["architectures"][0] in POST_NORM_ARCHITECTURES,
-    "post_mlp_layernorm": lambda c: c["architectures"][0] in POST_NORM_ARCHITECTURES,
-    # RoPE scaling (ckpt_tools.rope builds it from config.json): Llama 3.1's, or YaRN under MLA (DeepSeek-V3,
-    # Kimi-K2); no scaling is factor 1, where YaRN's mscales have no effect (Moonlight's scripts give 1.0)
-    "use_rope_scaling": lambda c: rope.rope_type(c) == "llama3",
-    "rotary_scaling_factor": lambda c: (float(rope.rope_parameters(c)["factor"]) if rope.rope_type(c) == "llama3"
-                                        else _yarn(c).factor if rope.rope_type(c) == "yarn" else 1.0),
-    "mscale": lambda c: _yarn(c).mscale if _yarn_scales(c) else UNCHECKED,
-    "mscale_all_dim": lambda c: _yarn(c).mscale_all_dim if _yarn_scales(c) else UNCHECKED,
-}
-
-
-def _yarn(c: dict[str, Any]) -> rope.Yarn:
-    return rope.Yarn.from_hf_config(c)
-
-
-def _yarn_scales(c: dict[str, Any]) -> bool:
-    return rope.rope_type(c) == "yarn" and _yarn(c).scales
-
-
-def _moe_layer_pattern(c: dict[str, Any]) -> int | LayerPattern:
-    """1 (every layer MoE), or DeepSeek's first_k_dense_replace dense layers then MoE ones."""
-    dense = dense_first_layers(c) if _expert_bias(c) else 0
-    return LayerPattern([0] * dense + [1] * (c["num_hidden_layers"] - dense)) if dense else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
             "rope_scaling where its factor is above 1 (without scaling it has no effect)")
     for flag in ("qk_layernorm", "untie_embeddings_and_output_weights", "swiglu", "add_qkv_bias",
                  "disable_bias_linear", "moe_router_pre_softmax", "use_rope_scaling", "rotary_interleaved",
-                 "post_self_attn_layernorm", "post_mlp_layernorm"):
+                 "post_self_attn_layernorm", "post_mlp_layernorm", "apply_layernorm_1p", "attention_output_gate",
+                 "use_gated_attention", "moe_shared_expert_gate"):
         add("--" + flag.replace("_", "-"), action="store_true", default=None, help="must agree with config.json")
     for flag in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
         add("--" + flag.replace("_", "-"), type=int, help="must equal config.json's (MoE)")
@@ -206,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-router-dtype", choices=("fp32", "fp64"), help="compute the router's logits and softmax in this dtype")
     add("--spec", nargs=2, metavar=("MODULE", "FUNCTION"), help="slime's layer spec: accepted where slurmrl builds "
         "the same layers from config.json (slime_plugins.models.glm4 get_glm_spec: GLM-4; slime_plugins.models."
-        "minimax_m2 get_minimax_m2_layer_spec: MiniMax-M2), refused otherwise")
+        "minimax_m2 get_minimax_m2_layer_spec: MiniMax-M2; slime_plugins.models.qwen3_next get_qwen3_next_spec: "
+        "Qwen3-Next), refused otherwise")
     add("--model-name", help="slime's converter name: must name config.json's model_type (slurmrl converts by it)")
     # multi-token prediction (DeepSeek-V3, GLM-4.5/4.7: config.json's num_nextn_predict_layers), slime's flags
     add("--mtp-num-layers", type=int, help="keep this many MTP layers in the model (checkpoints, publishing); "
@@ -386,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
             "reduces them in fp32", switch=True, allowed=True)
     refused(p, "--attention-softmax-in-fp32", "accepted: the softmax always runs in fp32 (fp32 on CPU; bf16 "
             "autocast computes softmax in fp32; SDPA kernels accumulate in fp32)", switch=True, allowed=True)
+    gdn_backends = Choice(GDN_BACKENDS, {"flashqla": "FlashQLA's kernels are not shipped or tested with slurmrl; use "
+                                                     "fla (its Triton kernels) or torch"})
+    add("--qwen-gdn-backend", type=gdn_backends, metavar=gdn_backends.metavar, default="fla",
+        help="the kernel of Qwen3-Next's gated delta nets: fla (flash-linear-attention's Triton kernels, CUDA; "
+             "the trainer stops at start where fla is not installed) or torch (slurmrl's, any device, slower)")
     add("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
         help="auto/sdpa: torch's scaled_dot_product_attention; flash: its flash kernel only (CUDA); fused: its "
              "cuDNN/memory-efficient kernels (CUDA); unfused/local: the unfused attention")

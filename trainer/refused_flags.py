@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.architectures import BUILT_FAMILIES, GATED_DELTA_NET_BLOCKER
+from ckpt_tools.architectures import BUILT_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,8 @@ def _accepted(flag: str, what_slurmrl_does: str) -> Refusal:
 
 REFUSED: tuple[Refusal, ...] = (
     # -- models slurmrl does not build
-    Refusal("--qwen-gdn-backend", f"{GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
     Refusal("--custom-model-provider-path", f"{_MODELS}; a custom model provider is not supported"),
-    _switch("--apply-layernorm-1p", f"zero-centred norms (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
-    _switch("--attention-output-gate", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
-    _switch("--use-gated-attention", f"gated attention (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; {_MODELS}"),
-    # -- MoE features beyond Qwen3-MoE's and DeepSeek-V3's (gated shared experts, DeepEP)
-    _switch("--moe-shared-expert-gate", f"gated shared experts (Qwen3-Next, Qwen3.5): {GATED_DELTA_NET_BLOCKER}; "
-                                        f"{_MODELS}"),
+    # -- MoE features slurmrl does not build (DeepEP)
     _switch("--moe-enable-deepep", "DeepEP's dispatcher needs the deep_ep package and CUDA; slurmrl uses "
                                    "megatron's alltoall (GPU) or allgather (CPU) dispatcher"),
     Refusal("--moe-aux-loss-coeff", "load-balancing losses are not used in RL fine-tuning (the router trains on "

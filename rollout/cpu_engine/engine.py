@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ckpt_tools.hf_cpu_kernels import use_torch_kernels
 from rollout.cpu_engine.args import ServerArgs
 from rollout.cpu_engine.codec import Codec
 from rollout.cpu_engine.device import EngineDevice, open_device
@@ -72,9 +73,13 @@ def load_engine(args: ServerArgs) -> Engine:
     except (OSError, ValueError, KeyError) as err:
         raise EngineLoadError(f"cannot load {folder}: {err}") from err
     model.requires_grad_(False)
-    # The batched forward keeps every past token per sequence: sliding windows are not honoured.
-    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
+    # The batched forward keeps every past token per sequence: sliding windows are not honoured (a hybrid's gated
+    # delta nets run each sequence in its own cache: rollout.cpu_engine.kv_batch.recurrent_step).
+    kinds = getattr(model.config, "layer_types", None) or []
+    if any(kind not in ("full_attention", "linear_attention") for kind in kinds):
         raise EngineLoadError(f"{folder} uses sliding-window attention, which the stand-in engine does not support")
+    if device.torch_device.type == "cpu" and model.config.model_type == "qwen3_next":
+        use_torch_kernels()  # not fla's (Triton, CUDA only), where installed
     codec = Codec(tokenizer, model.config, args.model_path)
     model = device.place(model)
     return Engine(

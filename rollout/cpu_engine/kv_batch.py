@@ -9,10 +9,67 @@ between any two steps, and a step that mixes prompts with decoding still is one 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import cast
+
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [kv_heads, tokens, head_dim]
+
+
+@dataclass
+class RecurrentCache:
+    """A hybrid model's (Qwen3-Next's) own transformers cache for one sequence: its gated delta net layers keep
+    a convolution and a recurrent state, not keys and values per token, which cannot be padded into a batch."""
+
+    cache: Cache
+    length: int
+
+
+SequenceCache = list[LayerKV] | RecurrentCache
+
+
+def cached_length(cache: SequenceCache | None) -> int:
+    if cache is None:
+        return 0
+    return cache.length if isinstance(cache, RecurrentCache) else cache[0][0].shape[1]
+
+
+def has_recurrent_layers(config: object) -> bool:
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+
+
+def recurrent_step(model: torch.nn.Module, new_tokens: list[list[int]],
+                   pasts: list[RecurrentCache | None]) -> tuple[torch.Tensor, list[RecurrentCache]]:
+    """forward_step for a hybrid model: each sequence alone, through its own transformers cache."""
+    device = next(model.parameters()).device
+    logits, grown = [], []
+    for tokens, past in zip(new_tokens, pasts):
+        start = 0 if past is None else past.length
+        positions = torch.arange(start, start + len(tokens), device=device)[None]
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([tokens], device=device), position_ids=positions,
+                        past_key_values=None if past is None else past.cache, use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[:, -1, :].float().cpu())
+        grown.append(RecurrentCache(out.past_key_values, start + len(tokens)))
+    return torch.cat(logits), grown
+
+
+def step(model: torch.nn.Module, new_tokens: list[list[int]], pasts: list[SequenceCache | None],
+         alone: bool) -> tuple[torch.Tensor, list[SequenceCache]]:
+    """Next-token logits and grown caches. A batched pass pads every sequence to the batch's shape, which moves
+    its logits in the last bits with the company it keeps (about 1e-6 on the tiny model); `alone` (SGLang's
+    --enable-deterministic-inference), and always for a hybrid model, each sequence runs by itself."""
+    if has_recurrent_layers(getattr(model, "config", None)):
+        logits, grown = recurrent_step(model, new_tokens, cast(list[RecurrentCache | None], pasts))
+        return logits, list(grown)
+    kv = cast(list[list[LayerKV] | None], pasts)
+    if not alone:
+        logits, batched = forward_step(model, new_tokens, kv)
+        return logits, list(batched)
+    each = [forward_step(model, [tokens], [past]) for tokens, past in zip(new_tokens, kv)]
+    return torch.cat([logits for logits, _ in each]), [grown[0] for _, grown in each]
 
 
 def forward_step(model: torch.nn.Module, new_tokens: list[list[int]],

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rollout.cpu_engine.codec import Codec
-from rollout.cpu_engine.kv_batch import LayerKV, forward_step
+from rollout.cpu_engine.kv_batch import SequenceCache, step
 from rollout.cpu_engine.sampling import sample_next
 from rollout.cpu_engine.sequence import Sequence
 
@@ -229,16 +229,10 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step()
 
-    def _forward(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[list[LayerKV]]]:
-        """Next-token logits and grown caches of `batch`. A batched pass pads every sequence to the
-        batch's shape, which moves its logits in the last bits with the company it keeps (about
-        1e-6 on the tiny model); batch-invariant, each sequence runs alone (SGLang's
-        --enable-deterministic-inference)."""
-        tokens, caches = [seq.pending_tokens() for seq in batch], [seq.kv for seq in batch]
-        if not self._batch_invariant:
-            return forward_step(self.model, tokens, caches)
-        alone = [forward_step(self.model, [t], [kv]) for t, kv in zip(tokens, caches)]
-        return torch.cat([logits for logits, _ in alone]), [grown[0] for _, grown in alone]
+    def _forward(self, batch: list[Sequence]) -> tuple[torch.Tensor, list[SequenceCache]]:
+        """Next-token logits and grown caches of `batch` (rollout.cpu_engine.kv_batch.step)."""
+        return step(self.model, [seq.pending_tokens() for seq in batch], [seq.kv for seq in batch],
+                    alone=self._batch_invariant)
 
     def _abort(self, rid: str | None, message: str) -> None:
         def hit(seq: Sequence) -> bool:

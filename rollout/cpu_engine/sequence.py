@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rollout.cpu_engine.codec import Codec
-from rollout.cpu_engine.kv_batch import LayerKV
+from rollout.cpu_engine.kv_batch import SequenceCache, cached_length
 from rollout.cpu_engine.sampling import Draw, SamplingParams
 
 
@@ -27,7 +27,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    kv: list[LayerKV] | None = None  # per layer, covering the first `cached_len` tokens
+    kv: SequenceCache | None = None  # per layer (or a hybrid model's own cache), the first `cached_len` tokens
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     finished_at: float = 0.0
@@ -35,7 +35,7 @@ class Sequence:
 
     @property
     def cached_len(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[1]
+        return cached_length(self.kv)
 
     def pending_tokens(self) -> list[int]:
         """Tokens not yet in the KV cache: the prompt at first, then the last sampled token."""

@@ -29,7 +29,7 @@ def _roundtrip(hf: Path, tmp: Path, **kwargs) -> Path:
                                             ("llama", False), ("llama", True), ("qwen3_moe", False),
                                             ("deepseek_v3", False), ("glm4_moe", False),
                                             ("glm4_moe_lite", False), ("glm", False), ("glm4", False),
-                                            ("minimax_m2", False)])
+                                            ("minimax_m2", False), ("qwen3_next", False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_roundtrip_is_bit_identical(tmp_path: Path, arch: str, tied: bool, dtype: torch.dtype) -> None:
     hf = make_tiny_hf(arch, tmp_path / "hf", tied, dtype=dtype)
@@ -101,7 +101,7 @@ def test_missing_shard_is_refused(tmp_path: Path) -> None:
     ("num_hidden_layers", 3, "weights lack model.layers.2"),
     ("num_hidden_layers", 1, "tensors config.json does not describe"),
     ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel is not supported"),
-    ("architectures", ["Qwen3NextForCausalLM"], "Qwen3NextForCausalLM is not supported: .*gated delta net.*fla package"),
+    ("architectures", ["Qwen3_5ForCausalLM"], "Qwen3_5ForCausalLM is not supported: Qwen3.5.s gated delta nets"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ("use_sliding_window", True, "use_sliding_window=true is not supported"),
 ])

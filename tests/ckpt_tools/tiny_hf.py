@@ -72,6 +72,15 @@ _ARCHS["minimax_m2"] = (
          intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1,
          bos_token_id=None),
 )
+# Qwen3-Next: three gated delta net layers, then one of full attention (its output gated, RoPE over a quarter of
+# each head); every layer MoE with a gated shared expert; zero-centred norms
+_ARCHS["qwen3_next"] = (
+    transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+         num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+         linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+         moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True),
+)
 # As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
 # next two are MoE.
 _ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],
@@ -101,8 +110,9 @@ def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
     model = _ARCHS[arch][1](config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            if "norm" in name:  # Qwen3-Next's zero-centred norms scale by 1 + weight (its gated one by weight)
+                centre = 0.0 if arch == "qwen3_next" and "linear_attn.norm" not in name else 1.0
+                param.copy_(centre + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
         for name, buffer in model.named_buffers():

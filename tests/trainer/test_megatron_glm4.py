@@ -87,9 +87,15 @@ def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) ->
     with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.glm4 get_glm_spec builds GlmForCausalLM, "
                                         r"Glm4ForCausalLM layers, but .* is a Qwen3ForCausalLM: drop --spec"):
         _check(qwen3, ["--spec", "slime_plugins.models.glm4", "get_glm_spec"])
-    with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.qwen3_next get_qwen3_next_spec: custom layer "
-                                        r"specs are not supported; slurmrl builds .*GLM-4 \(and GLM-4-0414\)"):
+    with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.qwen3_next get_qwen3_next_spec builds "
+                                        r"Qwen3NextForCausalLM layers, but .* is a Glm4ForCausalLM: drop --spec"):
         _check(model, ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"])
+    with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec: Qwen3.5's gated "
+                                        r"delta nets .* not built yet; Qwen3-Next's are; slurmrl builds .*GLM-4 "):
+        _check(model, ["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"])
+    with pytest.raises(ArgsError, match=r"--spec my_plugins.layers get_spec: custom layer specs are not supported; "
+                                        r"slurmrl builds .*GLM-4 \(and GLM-4-0414\)"):
+        _check(model, ["--spec", "my_plugins.layers", "get_spec"])
 
 
 def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_tools.architectures import BUILT_FAMILIES
 from rollout.tiny_model import write_tiny_model
 from trainer import rl_step
 from trainer.args import ArgsError, build_parser, check_model_flags, parse_args
@@ -52,9 +53,7 @@ def test_the_no_op_switches_are_accepted(model: Path) -> None:
 @pytest.mark.parametrize("flag, value, reason", [
     ("--moe-token-dispatcher-type", "flex", "flex: megatron's flex dispatcher runs on DeepEP or HybridEP"),
     ("--lr-decay-style", "WSD", "WSD: megatron's inverse-square-root and WSD schedules are not implemented"),
-    ("--normalization", "LayerNorm", "LayerNorm: slurmrl builds Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3, "
-                                     "Kimi-K2, GLM-4 (and GLM-4-0414), GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2 "
-                                     "models, all with RMSNorm"),
+    ("--normalization", "LayerNorm", f"LayerNorm: slurmrl builds {BUILT_FAMILIES} models, all with RMSNorm"),
     ("--profile-target", "train_actor", "profile the trainer with `slurmrl profile JOB --train --steps N`"),
     ("--freeze-indexer", None, "the DSA indexer (DeepSeek sparse attention) is not in the models slurmrl builds"),
     ("--async-save", None, "checkpoints are written synchronously"),

@@ -14,11 +14,13 @@ from ckpt_tools.architectures import (
     BUILT_FAMILIES,
     BUILT_SPECS,
     MTP_ARCHITECTURES,
+    UNBUILT_SPECS,
     declared_mtp_layers,
     routed_experts,
 )
-from trainer.args_parser import _MODEL_FLAGS, MTP_LOSS_SCALE, UNCHECKED, ArgsError
+from trainer.args_parser import MTP_LOSS_SCALE, ArgsError
 from trainer.config.sections import ShapeFlags
+from trainer.model_flags import MODEL_FLAGS, UNCHECKED
 
 Need = Callable[[bool, str], object]  # records or raises a failed check
 # config.json fields a flag's expected value is computed from, named in a disagreement
@@ -74,8 +76,9 @@ def check_spec(args: argparse.Namespace, config: dict[str, Any] | None, need: Ne
         return
     spec = " ".join(args.spec)
     archs = BUILT_SPECS.get(tuple(args.spec))
-    if not need(archs is not None, f"--spec {spec}: custom layer specs are not supported; slurmrl builds "
-                                   f"{BUILT_FAMILIES} models from --hf-checkpoint's config.json"):
+    unbuilt = UNBUILT_SPECS.get(tuple(args.spec), "custom layer specs are not supported")
+    if not need(archs is not None, f"--spec {spec}: {unbuilt}; slurmrl builds {BUILT_FAMILIES} models from "
+                                   "--hf-checkpoint's config.json"):
         return
     assert archs is not None
     arch = (config.get("architectures") or ["(none)"])[0] if config else None
@@ -131,7 +134,7 @@ def model_flag_problems(given_flags: dict[str, Any], hf_checkpoint: str, hf_conf
     if dropout:
         problems.append(f"{hf_checkpoint}/config.json has attention_dropout {dropout}: dropout is not supported "
                         "in RL training; set it to 0.0")
-    for flag, read in _MODEL_FLAGS.items():
+    for flag, read in MODEL_FLAGS.items():
         given = given_flags[flag]
         if given is None:
             continue

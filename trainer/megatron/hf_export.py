@@ -79,8 +79,8 @@ class HFExport:
             layer, (prefix, rest) = None, mtp.groups()
         elif match:
             layer, rest = int(match.group(1)) + offset, match.group(2)
-            # Dense and MoE layers mixed: each layer keyed apart, as ckpt_tools.mapping.rules says.
-            prefix = f"decoder.layers.{layer}." if self.shape.dense_layers else "decoder.layers."
+            # Layers of different kinds: each keyed apart, as ckpt_tools.mapping.rules says.
+            prefix = f"decoder.layers.{layer}." if self.shape.layers_differ else "decoder.layers."
         else:
             return name, None, None
         expert = _EXPERT.fullmatch(rest)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Everything GPU that one 2-GPU device machine can run in two calls of the device's 10 minutes. Carry .whl and
+# .debs (scripts/fetch_device_wheels.sh brings flash-linear-attention for Qwen3-Next's kernel), e.g.
+#   run(kind="nvidia-h100-x2", command="STEP=1 bash scripts/gpu_two.sh", carry=[".whl", ".debs"])
+#   STEP=1: at once, the suite on the CPUs and tests/gpu's one-GPU tests in two shards (GPU 0, GPU 1)
+#   STEP=2: at once, the GPU demo job (scripts/gpu_job.sh: a devcluster over both GPUs) and Qwen3-Next's trainer
+#           tests a GPU per rank; then tests/gpu's two-GPU tests
+#   STEP=3: a rerun after fixes of STEP 1 and 2's GPU parts, all at once (but the two-GPU tests), and SUITE_TESTS
+# Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the device's KINDS.md
+mkdir -p "$OUT"
+COMMON="-p no:cacheprovider -p no:randomly -p no:benchmark -rfEs --tb=short"
+python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+nvidia-smi -L
+g=tests/gpu
+case "${STEP:-1}" in
+1)
+    SHARDS="0=$g/test_gpu_qwen3_next.py $g/test_gpu_ckpt_verify.py $g/test_gpu_fsdp.py $g/test_memory_history.py"
+    SHARDS+=" $g/test_trainer_offload.py $g/test_gpu_rl_loop.py"
+    SHARDS+=";1=$g/test_gpu_megatron.py $g/test_megatron_moe.py $g/test_megatron_optimizer_offload.py"
+    SHARDS+=" $g/test_gpu_expert_bias_moe.py $g/test_gpu_engine.py $g/test_gpu_tensor_publish.py"
+    SHARDS=$SHARDS GPU_LIMIT=${LIMIT:-520} SUITE_LIMIT=${LIMIT:-520} WORKERS=${WORKERS:-20} bash scripts/gpu_suite.sh
+    ;;
+2)
+    ( timeout -k 10 330 bash scripts/gpu_job.sh > "$OUT/gpu_job.txt" 2>&1; echo "gpu_job.sh rc=$?" >> "$OUT/gpu_job.txt"
+      python -m jobs.cli cluster down --dir /tmp/slurmrl-devcluster >> "$OUT/gpu_job.txt" 2>&1 ) &
+    timeout -k 10 330 python -m pytest -v $COMMON tests/trainer/test_megatron_qwen3_next.py \
+        > "$OUT/trainer_qwen3_next_on_gpus.txt" 2>&1
+    wait
+    timeout -k 10 "${LIMIT:-200}" python -m pytest -v $COMMON -m "not gpu_job" $g/test_multi_gpu.py \
+        $g/test_gpu_flattened_publish.py > "$OUT/gpu_two_gpu_tests.txt" 2>&1
+    grep -E "reward:|rc=|did not|completed" "$OUT/gpu_job.txt" | tail -8
+    for f in trainer_qwen3_next_on_gpus gpu_two_gpu_tests; do
+        echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
+    ;;
+3)
+    # at once: GPU 0 and GPU 1 each a chain of tests/gpu, the demo job over both, Qwen3-Next's trainer tests a GPU per
+    # rank, and SUITE_TESTS (default: those that failed here last) on the CPUs
+    ( export CUDA_VISIBLE_DEVICES=0
+      timeout -k 10 ${LIMIT:-500} python -m pytest -v $COMMON -m "not gpu_job" $g/test_gpu_qwen3_next.py \
+          $g/test_gpu_ckpt_verify.py $g/test_gpu_rl_loop.py $g/test_gpu_fsdp.py $g/test_memory_history.py \
+          $g/test_trainer_offload.py > "$OUT/gpu0.txt" 2>&1 ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      timeout -k 10 ${LIMIT:-500} python -m pytest -v $COMMON -m "not gpu_job" $g/test_gpu_expert_bias_moe.py \
+          $g/test_gpu_engine.py $g/test_gpu_tensor_publish.py $g/test_megatron_optimizer_offload.py \
+          > "$OUT/gpu1.txt" 2>&1 ) &
+    ( timeout -k 10 330 bash scripts/gpu_job.sh > "$OUT/gpu_job.txt" 2>&1; echo "gpu_job.sh rc=$?" >> "$OUT/gpu_job.txt"
+      python -m jobs.cli cluster down --dir /tmp/slurmrl-devcluster >> "$OUT/gpu_job.txt" 2>&1 ) &
+    timeout -k 10 400 python -m pytest -v $COMMON tests/trainer/test_megatron_qwen3_next.py \
+        > "$OUT/trainer_qwen3_next_on_gpus.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=2 timeout -k 10 ${LIMIT:-500} python -m pytest -q $COMMON -n 6 \
+        ${SUITE_TESTS:-tests/ckpt_tools/test_gated_delta_net.py tests/ckpt_tools/test_megatron_parity.py \
+        tests/trainer/test_megatron_glm4.py tests/trainer/test_slime_flag_values.py \
+        tests/trainer/test_megatron_minimax_m2.py} > "$OUT/suite_part.txt" 2>&1 &
+    wait
+    grep -E "reward:|rc=|did not|completed" "$OUT/gpu_job.txt" | tail -8
+    for f in gpu0 gpu1 trainer_qwen3_next_on_gpus suite_part; do
+        echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
+    ;;
+*) echo "STEP must be 1 to 3, got $STEP" >&2; exit 2 ;;
+esac
+rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
+true
