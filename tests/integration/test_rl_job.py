@@ -1,15 +1,18 @@
 """The toy RL job through `slurmrl submit` on the devcluster: the supervisor, the real router, two CPU
-engines and the real trainer as steps of one heterogeneous job, no mocks.
+engines and the real trainer as steps of one heterogeneous job, no mocks. One job serves both sets
+of checks (independent: the failures come after the profiles are written, and each recovery is
+waited for before the next failure):
 
-- It runs to completion: one hetjob in sacct, every step in `slurmrl status`, rewards rising.
-  On the way, `slurmrl profile --rollout` and `--train` leave Chrome traces of exactly the asked
-  steps (each engine's forward steps, the trainer's optimizer steps) under JOB_DIR/profiles/, every
-  metrics line has each phase's time, and `slurmrl report` plots the finished job.
-- While one runs: report a healthy engine as failed (one probe keeps it in), SIGKILL an engine, SIGSTOP one (a hang), make one answer 503, kill the router,
-  `slurmrl restart` an engine. Each time the engine (or router) comes back at the current weight
-  version, events.jsonl shows detection and recovery with their times, and no engine ever served
-  a rollout with stale weights (the engines' own logs: rollout R must be served at version R).
-  Another uid cannot steer the job; `slurmrl stop` saves and ends it.
+- The plain run: one hetjob in sacct, every step in `slurmrl status`, rewards rising.
+  `slurmrl profile --rollout` and `--train` leave Chrome traces of exactly the asked steps (each
+  engine's forward steps, the trainer's optimizer steps) under JOB_DIR/profiles/, every metrics
+  line has each phase's time, and `slurmrl report` plots the ended job.
+- Then: report a healthy engine as failed (one probe keeps it in), SIGKILL an engine, SIGSTOP one
+  (a hang), make one answer 503, kill the router, `slurmrl restart` an engine. Each time the engine
+  (or router) comes back at the current weight version, events.jsonl shows detection and recovery
+  with their times, and no engine ever served a rollout with stale weights (the engines' own logs:
+  rollout R must be served at version R). Another uid cannot steer the job; `slurmrl stop` saves
+  the last rollout trained and ends it.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from pathlib import Path
 import psutil
 import requests
 
-from slurm.devcluster.daemons import wait_for
-from contract.job_dir import PHASE_TIMES, JobDir
+from ckpt_tools.tracker import iteration_dirname
 from contract.control_protocol import Call, ControlClient, ControlError
+from contract.job_dir import PHASE_TIMES, JobDir
 from rollout.cpu_engine.scheduler import FORWARD_STEP
+from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key
-from trainer.profiling import TRAIN_STEP
 from tests.slurm_helpers import listening_pid, sacct_rows, wait_job_gone, wait_sacct_states
+from trainer.profiling import TRAIN_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = re.compile(r"cpu_engine served rid=r(\d+)-\S+ weight_version=(\S+)")
@@ -109,48 +113,32 @@ def another_uid_is_refused(job_dir: Path) -> bool:
 def traced_steps(trace: Path, name: str) -> int:
     """How many `name` ranges a Chrome trace (.json.gz) holds."""
     with gzip.open(trace, "rt") as f:
-        return sum(1 for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith(name) and e.get("ph") == "X")
+        return sum(1 for e in json.load(f)["traceEvents"]
+                   if str(e.get("name", "")).startswith(name) and e.get("ph") == "X")
 
 
-def test_toy_job_runs_to_completion(devcluster, toy, tmp_path: Path) -> None:
-    job_dir = tmp_path / "job"
-    job_id = submit(toy, job_dir, "--num-rollout", "12")
-    wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
-    # Profiling reaches the engines that are healthy now: wait until both are (one may be restarting).
-    wait_for(lambda: all(status(job_dir)["steps"][f"engine-{k}"]["state"] == "healthy" for k in (0, 1)), 120,
-             "both engines healthy")
-    rollout = slurmrl("profile", str(job_dir), "--rollout", "--steps", "3").stdout
-    train = slurmrl("profile", job_id, "--train", "--steps", "1").stdout
-    wait_job_gone(job_id, timeout_s=600)
-    [rollout_dir] = (job_dir / "profiles").glob("rollout-*")
-    [train_dir] = (job_dir / "profiles").glob("train-*")
-    assert str(rollout_dir) in rollout and "engine-0, engine-1" in rollout and str(train_dir) in train
-    for engine in ("engine-0", "engine-1"):  # SGLang's num_steps: the engine stopped by itself
-        [trace] = (rollout_dir / engine).glob(f"{engine}-*-TP-0.trace.json.gz")
-        assert traced_steps(trace, FORWARD_STEP) == 3
-    assert traced_steps(train_dir / "rank0.trace.json.gz", TRAIN_STEP) == 1
-    assert events(job_dir, "profile_started")[0]["engines"] == ["engine-0", "engine-1"]
-    wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
-    assert len(sacct_rows(job_id, "JobID")) == 2, "one heterogeneous job of two components"
-    state = status(job_dir)
-    assert state["stop_reason"] == "completed"
-    assert set(state["steps"]) == {"router", "trainer", "engine-0", "engine-1"}
-    assert all(s["slurm_step"] for s in state["steps"].values()), state["steps"]
-    assert state["weight_version"] == 12 and state["last_checkpoint"].endswith("iter_0000011")
-    rewards = [json.loads(line)["reward_mean"] for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rewards) == 12 and rewards[0] < 0.2 and max(rewards[-4:]) > 0.5, rewards
-    assert_never_stale(job_dir)
-    table = slurmrl("status", job_id).stdout  # by SLURM job id too, as a table
-    assert "engine-0" in table and "trainer" in table and "stopped: completed" in table
-    lines = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(m[key] >= 0 for m in lines for key in PHASE_TIMES.values())
-    assert all(m["perf/rollout_time"] > 0 and m["perf/actor_train_time"] > 0 for m in lines)
-    plots = slurmrl("report", job_id).stdout.split()
-    assert [Path(p).name for p in plots] == ["reward.png", "phases.png", "events.png"]
-    assert all(Path(p).parent == job_dir / "report" and Path(p).stat().st_size > 5000 for p in plots)
+def wait_profiles_written(job_dir: Path) -> None:
+    """Until each engine and the trainer wrote its trace (each logs a line once the file is whole)."""
+    def written() -> bool:
+        logs = {name: job_dir / "logs" / f"{name}.log" for name in ("engine-0", "engine-1", "trainer")}
+        texts = {name: path.read_text() if path.exists() else "" for name, path in logs.items()}
+        return all("cpu_engine: profile trace written to" in texts[e] for e in ("engine-0", "engine-1")) \
+            and "training profile written to" in texts["trainer"]
+    wait_for(written, 120, "the profiles written")
 
 
-def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path: Path) -> None:
+ROLLOUTS = 12  # the rollouts whose rewards must rise (the job runs on until the failures are dealt with)
+
+
+def test_toy_job_is_profiled_recovers_from_failures_and_stops(devcluster, toy, tmp_path: Path) -> None:
+    """One job for two sets of checks (a job's start is much of each one's time):
+    - the plain run: profiled (rollout and train) before any failure, a heterogeneous job in sacct,
+      every step in `slurmrl status`, rewards rising, each phase's time in every metrics line,
+      `slurmrl report` plots;
+    - failures, each recovered in turn: a dismissed report, a crash, a hang, 503s, the router
+      killed, `slurmrl restart`; another uid cannot steer the job; `slurmrl stop` saves and ends
+      it (so it ends stopped by user, not completed as a job of a fixed length does: that end is
+      test_resume's and test_isolated_job's)."""
     job_dir = tmp_path / "job"
     # Engines answer 503 within 1 s when they cannot generate (the probe waits 2 s).
     os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"] = "1"
@@ -159,7 +147,14 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
     finally:
         del os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"]
     try:
-        wait_for(lambda: rollouts_done(job_dir) >= 2, 300, "the first rollouts")
+        wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
+        # Profiling reaches the engines that are healthy now: wait until both are (one may be restarting).
+        wait_for(lambda: all(status(job_dir)["steps"][f"engine-{k}"]["state"] == "healthy" for k in (0, 1)), 120,
+                 "both engines healthy")
+        rollout = slurmrl("profile", str(job_dir), "--rollout", "--steps", "3").stdout
+        train = slurmrl("profile", job_id, "--train", "--steps", "1").stdout
+        wait_profiles_written(job_dir)  # before any failure: a killed engine writes no trace
+
         urls = {name: s["url"] for name, s in status(job_dir)["steps"].items() if s["url"]}
         key = load_key(JobDir(job_dir))
 
@@ -187,6 +182,7 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
         wait_for(lambda: events(job_dir, "router_relaunched"), 120, "the router relaunched")
         slurmrl("restart", str(job_dir), "engine-1")
         recovered("engine-1", 2)
+        wait_for(lambda: rollouts_done(job_dir) >= ROLLOUTS, 300, f"{ROLLOUTS} rollouts")
 
         assert another_uid_is_refused(job_dir) and status(job_dir)["stop_reason"] is None
         slurmrl("stop", job_id)
@@ -196,8 +192,39 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
         if "stopped" in locals() and psutil.pid_exists(stopped):
             os.kill(stopped, signal.SIGKILL)
     wait_sacct_states(job_id, {f"{job_id}+0": "COMPLETED", f"{job_id}+1": "COMPLETED"})
+    assert len(sacct_rows(job_id, "JobID")) == 2, "one heterogeneous job of two components"
+
+    # The profiles, taken before the failures.
+    [rollout_dir] = (job_dir / "profiles").glob("rollout-*")
+    [train_dir] = (job_dir / "profiles").glob("train-*")
+    assert str(rollout_dir) in rollout and "engine-0, engine-1" in rollout and str(train_dir) in train
+    for engine in ("engine-0", "engine-1"):  # SGLang's num_steps: the engine stopped by itself
+        [trace] = (rollout_dir / engine).glob(f"{engine}-*-TP-0.trace.json.gz")
+        assert traced_steps(trace, FORWARD_STEP) == 3
+    assert traced_steps(train_dir / "rank0.trace.json.gz", TRAIN_STEP) == 1
+    assert events(job_dir, "profile_started")[0]["engines"] == ["engine-0", "engine-1"]
+
+    # The job's end: stopped by user, which saved the last rollout trained; its steps, metrics, report.
     state = status(job_dir)
-    assert state["stop_reason"] == "stopped by user" and state["last_checkpoint"]
+    lines = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout_id"] for m in lines] == list(range(len(lines))), "a rollout id was skipped or repeated"
+    assert state["stop_reason"] == "stopped by user", state
+    assert state["weight_version"] == len(lines), state
+    assert state["last_checkpoint"].endswith(iteration_dirname(len(lines) - 1)), state
+    assert set(state["steps"]) == {"router", "trainer", "engine-0", "engine-1"}
+    assert all(s["slurm_step"] for s in state["steps"].values()), state["steps"]
+    rewards = [m["reward_mean"] for m in lines[:ROLLOUTS]]
+    assert rewards[0] < 0.2 and max(rewards[-4:]) > 0.5, rewards
+    assert_never_stale(job_dir)
+    table = slurmrl("status", job_id).stdout  # by SLURM job id too, as a table
+    assert "engine-0" in table and "trainer" in table and "stopped: stopped by user" in table
+    assert all(m[key] >= 0 for m in lines for key in PHASE_TIMES.values())
+    assert all(m["perf/rollout_time"] > 0 and m["perf/actor_train_time"] > 0 for m in lines)
+    plots = slurmrl("report", job_id).stdout.split()
+    assert [Path(p).name for p in plots] == ["reward.png", "phases.png", "events.png"]
+    assert all(Path(p).parent == job_dir / "report" and Path(p).stat().st_size > 5000 for p in plots)
+
+    # The failures: each detected with its reason, each engine back in the router at a weight version.
     for failure in events(job_dir, "engine_failed"):
         assert failure["reason"], failure
     recoveries = events(job_dir, "engine_recovered")
@@ -208,4 +235,3 @@ def test_failures_are_recovered_and_the_job_completes(devcluster, toy, tmp_path:
     # A crash is seen by whichever comes first: the step's exit, or the trainer's failed request.
     assert "exited" in reasons or "reported by the trainer" in reasons
     assert "(timeout after" in reasons and "(HTTP 503)" in reasons and "slurmrl restart" in reasons
-    assert_never_stale(job_dir)
