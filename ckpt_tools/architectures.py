@@ -70,7 +70,10 @@ def declared_mtp_layers(config: dict[str, Any]) -> int:
 
 def mtp_layer_prefixes(config: dict[str, Any], kept: int = 0) -> tuple[str, ...]:
     """The HF name prefixes of the MTP layers config.json declares, after the first `kept`: HF keeps MTP
-    layer k as decoder layer num_hidden_layers + k."""
+    layer k as decoder layer num_hidden_layers + k. Qwen3-Next's released checkpoints keep theirs under mtp.
+    (mtp.fc, mtp.layers.K, ...), which slurmrl does not build: always left out."""
+    if (config.get("architectures") or [None])[0] in QWEN3_NEXT_ARCHITECTURES:
+        return ("mtp.",)
     first = int(config.get("num_hidden_layers") or 0)
     return tuple(f"model.layers.{layer}." for layer in range(first + kept, first + declared_mtp_layers(config)))
 

@@ -5,7 +5,9 @@ checkpoints load: the layer's own input norm and transformers' module, by transf
 self_attention (`self_attention.input_layernorm.weight`, `self_attention.linear_attn.in_proj_qkvz.weight`,
 ...), and the layer's input_layernorm left empty. As slime's, the layer is not split over tensor-parallel
 ranks: every rank computes it whole (under sequence parallelism on the gathered sequence, scattering
-the output again), so its gradients are the same on every rank and need no sum over TP.
+the output again), so its gradients are the same on every rank and need no sum over TP. Under context
+parallelism every CP rank computes the whole samples too (the recurrence runs through them) and keeps its
+own rows' output; each rank's gradient then covers its rows, and the trainer sums them over CP.
 
 megatron-core 0.16.1's own GatedDeltaNet needs fla at construction, CUDA, and unpacked sequences: this
 one runs packed micro-batches on any device, with the kernel `--qwen-gdn-backend` names.
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from ckpt_tools.gated_delta_rule import GdnBackend, causal_conv1d, gated_delta_rule
 from ckpt_tools.qwen3_next_norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from ckpt_tools.zigzag import whole_samples, zigzag_rows
 
 
 class LinearAttention(torch.nn.Module):
@@ -92,9 +95,6 @@ class GatedDeltaNetAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, backend: GdnBackend = "torch",
                  **_: Any) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("--context-parallel-size > 1 is not supported for gated delta net layers "
-                             "(Qwen3-Next): their recurrent state runs through the whole sequence")
         self.layer_number = layer_number
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
         self.linear_attn = LinearAttention(config, backend)
@@ -105,13 +105,20 @@ class GatedDeltaNetAttention(MegatronModule):
         if sp_group is not None:  # the whole sequence on every rank; the backward keeps this rank's slice
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=sp_group)
-        seq, batch, hidden = hidden_states.shape
+        cp_group = parallel_state.get_context_parallel_group() if self.config.context_parallel_size > 1 else None
         if packed_seq_params is not None:
             cu_seqlens = packed_seq_params.cu_seqlens_q.cpu()
         else:
-            cu_seqlens = sequence_bounds(attention_mask, batch, seq)
+            cu_seqlens = sequence_bounds(attention_mask, hidden_states.shape[1], hidden_states.shape[0])
+        if cp_group is not None:  # the recurrence runs through whole samples: every CP rank computes them all
+            assert packed_seq_params is not None, "context parallelism packs its rows (thd)"
+            hidden_states = whole_samples(hidden_states, cu_seqlens, cp_group)
+        seq, batch, hidden = hidden_states.shape
         rows = self.input_layernorm(hidden_states).transpose(0, 1).reshape(batch * seq, hidden)
         out = self.linear_attn(rows, cu_seqlens).reshape(batch, seq, hidden).transpose(0, 1).contiguous()
+        if cp_group is not None:  # this rank's rows again (the backward of whole_samples sums the others')
+            rank, size = torch.distributed.get_rank(cp_group), torch.distributed.get_world_size(cp_group)
+            out = out[zigzag_rows(cu_seqlens, size, rank).to(out.device)]
         if sp_group is not None:
             out = tensor_parallel.scatter_to_sequence_parallel_region(out, group=sp_group)
         return out, None

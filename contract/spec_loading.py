@@ -246,6 +246,11 @@ def load_spec(yaml_path: Path | None, argv: list[str]) -> tuple[JobSpec, list[st
             problems.append(f"spec file {yaml_path}: {err}")
     spec, more = spec_from_dict(data)
     problems += more + apply_flags(spec, argv)
+    given = {_ALIASES.get(flag_name(group[0]), flag_name(group[0])) for group in group_flags(argv)}
+    if spec.rollout.colocate and "--rollout-num-gpus" not in given and "rollout_num_gpus" not in (
+            data.get("rollout") or {} if isinstance(data, dict) else {}):
+        # slime's: colocated engines given no --rollout-num-gpus take every GPU of the trainer's
+        spec.rollout.rollout_num_gpus = spec.trainer.actor_num_nodes * spec.trainer.actor_num_gpus_per_node
     # ${VAR} in train_args and passthrough lists; an unset variable is left as is and reported
     for section, name in (("trainer", "train_args"), ("rollout", "sglang_args"), ("rollout", "router_args"),
                           ("steps", "container_mounts"), *(("steps", f"{role}_srun_args") for role in ROLES)):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ckpt_tools.zigzag import whole_samples, zigzag_rows
 from trainer.batch import Pack, TrainSample, response_slices
 
 
@@ -80,7 +81,7 @@ def layout(pack: Pack, samples: list[TrainSample], multiple: int, group: dist.Pr
         tokens[start:start + b - a] = pack.tokens[a:b]
         targets[start:start + b - a - 1] = pack.tokens[a + 1:b]
         response[start + slices[k].start - a:start + slices[k].stop - a] = True
-    held = [_zigzag_rows(cu, cp, r) for r in range(cp)]
+    held = [zigzag_rows(cu, cp, r) for r in range(cp)]
     mine = held[me]
     local_rows = response[mine].nonzero().squeeze(-1)
     gathered = torch.cat([h[response[h]] for h in held])
@@ -89,29 +90,16 @@ def layout(pack: Pack, samples: list[TrainSample], multiple: int, group: dist.Pr
                      [int(response[h].sum()) for h in held], gathered.argsort())
 
 
-def _zigzag_rows(cu: Tensor, cp: int, rank: int) -> Tensor:
-    """The padded pack's rows CP rank `rank` holds: chunks rank and 2 * cp - 1 - rank of each sample."""
-    parts = []
-    for start, end in itertools.pairwise(cu.tolist()):
-        seg = (end - start) // (2 * cp)
-        parts += [torch.arange(start + rank * seg, start + (rank + 1) * seg),
-                  torch.arange(start + (2 * cp - 1 - rank) * seg, start + (2 * cp - rank) * seg)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
-
 def cp_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
                  group: dist.ProcessGroup) -> Tensor:
     """Causal attention of this CP rank's rows (q [t, np, hn], k/v [t, ng, hn], the zigzag layout
     of padded samples `cu_seqlens`) over every rank's keys and values -> [t, np * hn]."""
     cp, me = dist.get_world_size(group), dist.get_rank(group)
-    kv = _gather_kv(torch.stack([key, value], dim=1), group)  # [cp, t, 2, ng, hn]
+    kv = whole_samples(torch.stack([key, value], dim=1), cu_seqlens, group)  # [T, 2, ng, hn]
     out = []
     for start, end in itertools.pairwise(cu_seqlens.tolist()):
         seg, local = (end - start) // (2 * cp), start // cp
-        # Chunk j of the sample: on rank j (its first half) for j < cp, else on rank 2cp-1-j (second half).
-        chunks = [kv[j, local:local + seg] if j < cp else kv[2 * cp - 1 - j, local + seg:local + 2 * seg]
-                  for j in range(2 * cp)]
-        k, v = torch.cat(chunks).unbind(1)
+        k, v = kv[start:end].unbind(1)
         q_pos = torch.cat([torch.arange(me * seg, (me + 1) * seg),
                            torch.arange((2 * cp - 1 - me) * seg, (2 * cp - me) * seg)])
         visible = (q_pos[:, None] >= torch.arange(end - start)[None]).to(query.device)  # True = attend
@@ -120,33 +108,6 @@ def cp_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, 
                                                   attn_mask=visible, scale=scale, enable_gqa=True).transpose(0, 1))
     result = torch.cat(out)
     return result.reshape(result.shape[0], -1)
-
-
-class _GatherKV(torch.autograd.Function):
-    """[t, ...] on each rank -> [cp, t, ...] everywhere; backward: the sum of every rank's gradient
-    of this rank's part (a reduce-scatter; gloo has none, so an all-reduce there)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            out = torch.empty_like(grad[0])
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-            return out, None
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[dist.get_rank(ctx.group)], None
-
-
-# Eager under --torch-compile: a traced collective inside an autograd.Function loses the gradient's
-# path on a GPU (trainer/megatron/compile.py says how it was found).
-_gather_kv = torch.compiler.disable(_GatherKV.apply)
 
 
 class _GatherRows(torch.autograd.Function):

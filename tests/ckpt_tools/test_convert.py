@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
@@ -183,3 +184,22 @@ def test_bad_max_shard_size_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1 and result.stderr.count("\n") == 1
     assert "--max-shard-size '5 gigs' is not a size" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_qwen3_next_mtp_module_is_left_out(tmp_path: Path) -> None:
+    """Qwen3-Next's released checkpoints keep a multi-token prediction module under mtp. (which slurmrl does not
+    build): it converts without it, and back to HF without it; another stray tensor is still refused."""
+    hf = make_tiny_hf("qwen3_next", tmp_path / "hf", tied=False)
+    weights = safetensors.torch.load_file(hf / "model.safetensors")
+    hidden = weights["model.norm.weight"].shape[0]
+    mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden),
+           "mtp.layers.0.input_layernorm.weight": torch.randn(hidden)}
+    safetensors.torch.save_file({**weights, **mtp}, hf / "model.safetensors", metadata={"format": "pt"})
+    stored = read_metadata(hf_to_torch_dist(hf, tmp_path / "td", progress=False)).state_dict_metadata
+    assert not [key for key in stored if key.startswith("mtp.")]
+    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False)
+    assert roundtrip_differences(hf, back) == [f"{name} only in {hf}" for name in sorted(mtp)]
+    safetensors.torch.save_file({**weights, "model.stray.weight": torch.randn(hidden)}, hf / "model.safetensors",
+                                metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.stray.weight"):
+        hf_to_torch_dist(hf, tmp_path / "td2", progress=False)

@@ -54,6 +54,16 @@ CONFIGS |= {
                                           "beta_fast": 1.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}},
 }
 
+CONFIGS["Qwen3-Next-80B-A3B-Thinking"] = {  # Qwen/Qwen3-Next-80B-A3B-Thinking's config.json, shape fields
+    "architectures": ["Qwen3NextForCausalLM"], "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 5120,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+    "max_position_embeddings": 262144, "attention_bias": False, "tie_word_embeddings": False,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+
 
 def _recipe_argv(name: str, root: Path, num_gpus: int = 8) -> list[str]:
     """The recipe's train.py arguments, expanded by bash exactly as slime's script expands them."""
@@ -187,3 +197,26 @@ def test_deepseek_and_kimi_recipes_model_flags_agree_with_config_json(root: Path
     assert problem.startswith(f"--moe-layer-freq [0]*{dense}+[1]*{61 - dense} disagrees with {root / model}/config.json "
                               f"([0]*{dense + 1}+[1]*{60 - dense}, first_k_dense_replace {dense + 1}, "
                               "num_hidden_layers 61)"), problem
+
+
+def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """slime's Qwen3-Next-80B-A3B model flags (its --spec, gated attention, zero-centred norms, a quarter of each
+    head rotated, 512 experts with a gated shared expert) agree with the real model's config.json; the recipe
+    itself is refused at submission for DeepEP alone; a flag that disagrees is named."""
+    from trainer.config.model_checks import model_flag_problems
+    from trainer.config.sections import ShapeFlags
+
+    argv = _recipe_argv("run-qwen3-next-80B-A3B", root)
+    assert submit_cli.main(argv + ["--dry-run"]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert "flex: megatron's flex dispatcher runs on DeepEP" in err, err
+    spec, _ = load_spec(None, argv)
+    train_args = list(spec.trainer.train_args)
+    for refused in _OTHER_REFUSALS:
+        train_args = _without(train_args, *refused)
+    args = build_parser().parse_args(train_args)
+    given = {name: getattr(args, name) for name in ShapeFlags.__dataclass_fields__}
+    model = "Qwen3-Next-80B-A3B-Thinking"
+    assert model_flag_problems(given, str(root / model), CONFIGS[model]) == []
+    (problem,) = model_flag_problems(given, str(root / model), {**CONFIGS[model], "partial_rotary_factor": 0.5})
+    assert problem.startswith("--rotary-percent 0.25 disagrees with"), problem

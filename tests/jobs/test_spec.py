@@ -69,6 +69,18 @@ def test_yaml_then_flags_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert spec.trainer.num_rollout == 20
 
 
+def test_colocated_engines_without_rollout_num_gpus_take_every_trainer_gpu(tmp_path: Path) -> None:
+    """slime's rule: --colocate with no --rollout-num-gpus sizes the engines to the trainer's GPUs (nodes x GPUs
+    per node); a count given as a flag, or in the spec file, stays."""
+    trainer = ["--actor-num-nodes", "4", "--actor-num-gpus-per-node", "8"]
+    assert load_spec(None, [*trainer, "--colocate"])[0].rollout.rollout_num_gpus == 32
+    assert load_spec(None, [*trainer, "--colocate", "--rollout-num-gpus", "16"])[0].rollout.rollout_num_gpus == 16
+    assert load_spec(None, trainer)[0].rollout.rollout_num_gpus == 8  # not colocated: the default
+    (tmp_path / "job.yaml").write_text("rollout:\n  colocate: true\n  rollout_num_gpus: 16\n")
+    spec, problems = load_spec(tmp_path / "job.yaml", trainer)
+    assert problems == [] and spec.rollout.rollout_num_gpus == 16
+
+
 def test_yaml_round_trip_and_finalize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURMRL_TEST_MODEL", str(tmp_path / "model"))
     monkeypatch.chdir(tmp_path)

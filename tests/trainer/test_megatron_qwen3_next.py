@@ -3,10 +3,10 @@ model flags at a tiny model's sizes (its --spec slime_plugins.models.qwen3_next 
 delta net layers then one of gated full attention, zero-centred norms, every layer MoE with a gated shared expert;
 each flag checked against config.json), with the torch gated-delta-rule kernel: one RL step gives HF's log-probs
 and the same loss, grad norm and new weights at TP=1 (unfused and fused attention), at TP=2 + SP with the experts
-over the two ranks (EP=2), and at DP=2 (PP=2 of a MoE needs the alltoall dispatcher: CUDA only). Flags that do
-not fit the checkpoint are named. End to end (`python -m trainer`, a stand-in engine serving transformers'
-Qwen3Next behind the real router): every published version reaches the engine intact (on policy), over a
-weight-update group."""
+over the two ranks (EP=2), at DP=2 and at CP=2 (every CP rank runs the gated delta nets over whole samples);
+PP=2 of a MoE needs the alltoall dispatcher (CUDA only). Flags that do not fit the checkpoint are named. End to
+end (`python -m trainer`, a stand-in engine serving transformers' Qwen3Next behind the real router): every
+published version reaches the engine intact (on policy), over a weight-update group."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ QWEN3_NEXT_FLAGS = [
 ATOL = 1e-4
 EP2 = ["--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
 LAYOUTS = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", []), "tp2_sp_ep2": (2, 2, "local", EP2),
-           "tp2_sp_ep2_sdpa": (2, 2, "sdpa", EP2), "dp2": (1, 2, "sdpa", [])}
+           "tp2_sp_ep2_sdpa": (2, 2, "sdpa", EP2), "dp2": (1, 2, "sdpa", []),
+           "cp2": (1, 2, "sdpa", ["--context-parallel-size", "2"])}
 
 
 @pytest.fixture(scope="module")
