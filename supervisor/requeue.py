@@ -66,7 +66,7 @@ class Requeue:
         none runs). Returns, once, why the trainer must end now without a save: before the job's
         end, no save (the one under way, or one made now) would end in time."""
         costs = self.pace.costs(beat)
-        reason = self.preemption.check(costs.lead(self.job.ft.preempt_grace, self._check_every()))
+        reason = self.preemption.check(costs.lead(self.job.ft.preempt_grace, self._record_check()))
         if reason is None or self.unsaved is not None:
             return None
         time_left = self.preemption.seconds_left()
@@ -84,9 +84,9 @@ class Requeue:
                                         f"{costs.boundary_s:.0f} s")
         return None
 
-    def _check_every(self) -> float:
-        """How long the next check may be away: the monitor's interval, or its longest recent cycle (a
-        cycle's probes add to the interval, and take longer on a loaded machine)."""
+    def _record_check(self) -> float:
+        """Records this check's time; returns how long the next one may be away: the monitor's interval, or
+        its longest recent cycle (a cycle's probes add to the interval, and take longer on a loaded machine)."""
         now = time.monotonic()
         if self._checked_at is not None:
             self._cycles.append(now - self._checked_at)
