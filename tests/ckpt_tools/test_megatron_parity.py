@@ -2,7 +2,9 @@
 
 The checkpoint is the converter's output (ckpt_tools.convert, plain DCP, no megatron involved
 in writing), read back at TP=1 in this process and at TP=2 (EP=2 for MoE) in two spawned
-processes (one GPU each where there are two, else gloo on CPU).
+processes (one GPU each where there are two, else gloo on CPU). The spawned ranks load every
+selected case's checkpoint in turn (megatron's groups made again for each), once for the module:
+a spawn and megatron's import are most of a load's time on CPU.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_se
 
 @dataclass
 class Case:
+    id: str
     hf_config: dict
     hf_state: dict[str, torch.Tensor]
     hf_logits: torch.Tensor
@@ -84,19 +87,40 @@ def lone_process_group():
     destroy_parallel()
 
 
+class Cases:
+    """Each case's HF model, its logits and its converted checkpoint, made on first use."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp_path_factory = tmp_path_factory
+        self._built: dict[str, Case] = {}
+
+    def get(self, case_id: str) -> Case:
+        if case_id not in self._built:
+            self._built[case_id] = self._build(case_id)
+        return self._built[case_id]
+
+    def _build(self, case_id: str) -> Case:
+        arch, tied = CASES[case_id]
+        root = self._tmp_path_factory.mktemp(case_id)
+        hf_dir = make_tiny_hf(arch, root / "hf", tied=tied)
+        hf_config = json.loads((hf_dir / "config.json").read_text())
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            hf_logits = hf_model(INPUT_IDS).logits
+        hf_state = load_file(hf_dir / "model.safetensors")
+        # What is checked is the converter's own output (plain DCP, no megatron involved in writing).
+        ckpt_dir = hf_to_torch_dist(hf_dir, root / "converted", make_vocab_size_divisible_by=128, progress=False)
+        return Case(case_id, hf_config, hf_state, hf_logits, ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> Cases:
+    return Cases(tmp_path_factory)
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory, lone_process_group) -> Case:
-    arch, tied = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    hf_dir = make_tiny_hf(arch, root / "hf", tied=tied)
-    hf_config = json.loads((hf_dir / "config.json").read_text())
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        hf_logits = hf_model(INPUT_IDS).logits
-    hf_state = load_file(hf_dir / "model.safetensors")
-    # What is checked is the converter's own output (plain DCP, no megatron involved in writing).
-    ckpt_dir = hf_to_torch_dist(hf_dir, root / "converted", make_vocab_size_divisible_by=128, progress=False)
-    return Case(hf_config, hf_state, hf_logits, ckpt_dir)
+def case(request, cases: Cases, lone_process_group) -> Case:
+    return cases.get(request.param)
 
 
 def test_tp1_load_matches_hf(case: Case) -> None:
@@ -112,35 +136,27 @@ def test_tied_untied_mismatch_is_reported(case: Case) -> None:
         load_torch_dist(build_gpt_model(flipped), case.ckpt_dir)
 
 
-def _parallel_worker(rank: int, world: int, init_file: str, tp: int, ep: int, hf_config: dict,
-                     ckpt_dir: Path, out_dir: Path) -> None:
-    init_rank(rank, world, init_file)
-    init_parallel(tp, ep)
-    model = build_gpt_model(hf_config, tp, ep)
-    load_torch_dist(model, ckpt_dir)
-    torch.save(megatron_logits(model, INPUT_IDS), out_dir / f"logits_{rank}.pt")
-    destroy_parallel()
+# The two spawned ranks' runs: "parallel" loads at TP=2 (EP=2 for MoE), "tp2_sp_ep2" at TP=2 with SP and EP=2 in the
+# trainer's layer spec. Each test of them names its run.
+PARALLEL_TESTS = {"test_parallel_load_matches_hf": "parallel", "test_tp2_sp_ep2_matches_hf": "tp2_sp_ep2"}
 
 
-def test_parallel_load_matches_hf(case: Case, tmp_path: Path) -> None:
+def _runs_tp2_sp_ep2(hf_config: dict) -> bool:
+    return hf_config["architectures"][0] in (*MINIMAX_ARCHITECTURES, *QWEN3_NEXT_ARCHITECTURES)
+
+
+def _parallel_model(hf_config: dict) -> torch.nn.Module:
     # MoE with TP > 1 needs sequence parallel, which the torch norm refuses: split experts instead.
-    tp, ep = (1, 2) if case.hf_config["architectures"][0] in MOE_ARCHITECTURES else (2, 1)
-    # start_processes uses mp.get_context("spawn") and stops the other rank if one fails.
-    with rank_devices(2):
-        mp.start_processes(
-            _parallel_worker, args=(2, str(tmp_path / "rendezvous"), tp, ep, case.hf_config, case.ckpt_dir, tmp_path),
-            nprocs=2, start_method="spawn",
-        )
-    for rank in range(2):
-        _assert_close(torch.load(tmp_path / f"logits_{rank}.pt"), case.hf_logits, case.hf_config)
+    tp, ep = (1, 2) if hf_config["architectures"][0] in MOE_ARCHITECTURES else (2, 1)
+    init_parallel(tp, ep)
+    return build_gpt_model(hf_config, tp, ep)
 
 
-def _tp2_sp_ep2_worker(rank: int, world: int, init_file: str, hf_config: dict, ckpt_dir: Path, out_dir: Path) -> None:
+def _tp2_sp_ep2_model(hf_config: dict) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
 
     from trainer.megatron.attention import gpt_block_spec
 
-    init_rank(rank, world, init_file)
     init_parallel(tp=2, ep=2, etp=1)
     config, model_kwargs = transformer_config_from_hf(hf_config, tp=2, ep=2, etp=1, sequence_parallel=True)
     full_qk_norm = hf_config["architectures"][0] in MINIMAX_ARCHITECTURES
@@ -149,22 +165,76 @@ def _tp2_sp_ep2_worker(rank: int, world: int, init_file: str, hf_config: dict, c
     if torch.cuda.is_available():  # the torch norms are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
-    load_torch_dist(model, ckpt_dir)
-    torch.save(megatron_logits(model, INPUT_IDS), out_dir / f"logits_{rank}.pt")
+    return model
+
+
+ParallelRun = tuple[str, str, dict, Path]  # case id, run ("parallel" or "tp2_sp_ep2"), HF config, checkpoint
+
+
+def _parallel_worker(rank: int, world: int, init_file: str, runs: list[ParallelRun], out_dir: Path) -> None:
+    from megatron.core import parallel_state
+
+    init_rank(rank, world, init_file)
+    for case_id, run, hf_config, ckpt_dir in runs:
+        try:
+            model = (_parallel_model if run == "parallel" else _tp2_sp_ep2_model)(hf_config)
+            load_torch_dist(model, ckpt_dir)
+            torch.save(megatron_logits(model, INPUT_IDS), out_dir / f"{case_id}-{run}-{rank}.pt")
+        except Exception as err:  # start_processes stops the other rank and raises this in the test process
+            raise RuntimeError(f"{case_id} ({run}) failed on rank {rank}") from err
+        parallel_state.destroy_model_parallel()
     destroy_parallel()
 
 
-def test_tp2_sp_ep2_matches_hf(case: Case, tmp_path: Path) -> None:
+@dataclass
+class ParallelLogits:
+    out_dir: Path
+    error: str | None  # why the spawn stopped before its last run, if it did
+
+    def ranks(self, case_id: str, run: str) -> list[torch.Tensor]:
+        paths = [self.out_dir / f"{case_id}-{run}-{rank}.pt" for rank in range(2)]
+        if not all(path.exists() for path in paths):
+            pytest.fail(f"{case_id} ({run}): no logits; the ranks stopped at this run or before it: {self.error}")
+        return [torch.load(path) for path in paths]
+
+
+@pytest.fixture(scope="module")
+def parallel_logits(request, cases: Cases, tmp_path_factory) -> ParallelLogits:
+    """The logits of every selected parallel test's case, by both ranks of one spawn."""
+    runs: list[ParallelRun] = []
+    for item in request.session.items:
+        run = PARALLEL_TESTS.get(getattr(item, "originalname", ""))
+        if run and getattr(item, "module", None) is request.module:
+            case_id = item.callspec.params["case"]
+            case = cases.get(case_id)
+            if run == "parallel" or _runs_tp2_sp_ep2(case.hf_config):
+                runs.append((case_id, run, case.hf_config, case.ckpt_dir))
+    out_dir = tmp_path_factory.mktemp("parallel_logits")
+    error = None
+    # start_processes uses mp.get_context("spawn") and stops the other rank if one fails.
+    with rank_devices(2):
+        try:
+            mp.start_processes(_parallel_worker, args=(2, str(out_dir / "rendezvous"), runs, out_dir), nprocs=2,
+                               start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # the runs left undone fail with it
+            error = str(err)
+    return ParallelLogits(out_dir, error)
+
+
+def test_parallel_load_matches_hf(case: Case, parallel_logits: ParallelLogits) -> None:
+    for logits in parallel_logits.ranks(case.id, "parallel"):
+        _assert_close(logits, case.hf_logits, case.hf_config)
+
+
+def test_tp2_sp_ep2_matches_hf(request, case: Case) -> None:
     """With SP (which MoE under TP needs) and EP=2, in the trainer's layer spec (whose norms take SP): MiniMax-M2's
     q/k norms span the heads of both TP ranks; Qwen3-Next's gated delta nets run whole on each rank over the
     gathered sequence, its gated attention's query and gate split by head."""
-    if case.hf_config["architectures"][0] not in (*MINIMAX_ARCHITECTURES, *QWEN3_NEXT_ARCHITECTURES):
+    if not _runs_tp2_sp_ep2(case.hf_config):
         pytest.skip("MiniMax-M2 and Qwen3-Next only")
-    with rank_devices(2):
-        mp.start_processes(_tp2_sp_ep2_worker, args=(2, str(tmp_path / "rendezvous"), case.hf_config, case.ckpt_dir,
-                                                      tmp_path), nprocs=2, start_method="spawn")
-    for rank in range(2):
-        _assert_close(torch.load(tmp_path / f"logits_{rank}.pt"), case.hf_logits, case.hf_config)
+    parallel_logits: ParallelLogits = request.getfixturevalue("parallel_logits")  # after the skip: spawns none for it
+    for logits in parallel_logits.ranks(case.id, "tp2_sp_ep2"):
+        _assert_close(logits, case.hf_logits, case.hf_config)
 
 
 def test_full_qk_norms_are_keyed_as_slimes(case: Case) -> None:

@@ -47,18 +47,19 @@ BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"], (2,
 
 
 Layout = tuple[str, int, str, list[str]]  # name, TP, attention backend, more flags
+ModelAndCkpt = tuple[Path, Path]  # an HF model and its torch_dist checkpoint
 
 
-def _worker(rank: int, world: int, port: int, layouts: list[Layout], model: Path, ckpt: Path, out: Path) -> None:
-    """Each layout in turn, in the same processes (megatron's groups made again for each): a spawn
-    and megatron's import are most of a layout's time on CPU."""
+def _worker(rank: int, world: int, port: int, layouts: list[tuple[Layout, ModelAndCkpt]], out: Path) -> None:
+    """Each layout (of its own model) in turn, in the same processes (megatron's groups made again
+    for each): a spawn and megatron's import are most of a layout's time on CPU."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from megatron.core import parallel_state  # megatron: only in the workers
 
     from trainer import dist_env
 
-    for name, tp, attention, extra in layouts:
+    for (name, tp, attention, extra), (model, ckpt) in layouts:
         _layout(rank, world, name, tp, attention, extra, model, ckpt, out)
         parallel_state.destroy_model_parallel()
     dist_env.shutdown()
@@ -117,26 +118,31 @@ def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
     return {"metrics": metrics, "values": backend.values(samples, ids)}
 
 
-def _run_layouts(tiny_megatron: tuple[Path, Path], tmp_path: Path, world: int, layouts: list[Layout]) -> dict:
-    """Run `layouts` (of `world` ranks each) one after another in one spawn; their results by name."""
-    model, ckpt = tiny_megatron
-    mp.start_processes(_worker, args=(world, free_port(), layouts, model, ckpt, tmp_path), nprocs=world,
-                       start_method="spawn")
-    return {name: torch.load(tmp_path / f"result_{name}.pt", map_location="cpu") for name, *_ in layouts}
+def _run_layouts(tmp_path: Path, world: int, layouts: list[tuple[Layout, ModelAndCkpt]]) -> dict:
+    """Run `layouts` (of `world` ranks each, each of its model) one after another in one spawn; their
+    results by name."""
+    mp.start_processes(_worker, args=(world, free_port(), layouts, tmp_path), nprocs=world, start_method="spawn")
+    return {name: torch.load(tmp_path / f"result_{name}.pt", map_location="cpu") for (name, *_), _ in layouts}
 
 
 def _run(tiny_megatron: tuple[Path, Path], tmp_path: Path, name: str, tp: int, world: int, attention: str,
          extra: list[str]) -> dict:
-    return _run_layouts(tiny_megatron, tmp_path, world, [(name, tp, attention, extra)])[name]
+    return _run_layouts(tmp_path, world, [((name, tp, attention, extra), tiny_megatron)])[name]
 
 
-def run_all(model_and_ckpt: tuple[Path, Path], tmp_path: Path,
+def run_all(model_and_ckpt: ModelAndCkpt, tmp_path: Path,
             layouts: dict[str, tuple[int, int, str, list[str]]]) -> dict[str, dict]:
     """Each layout (name: TP, world, attention, flags) run, those of one world size in one spawn."""
-    worlds = sorted({world for _, world, *_ in layouts.values()})
-    return {name: result for world in worlds for name, result in _run_layouts(
-        model_and_ckpt, tmp_path, world, [(n, tp, att, extra) for n, (tp, w, att, extra) in layouts.items() if w == world]
-    ).items()}
+    return run_all_models(tmp_path, {name: (model_and_ckpt, *layout) for name, layout in layouts.items()})
+
+
+def run_all_models(tmp_path: Path,
+                   layouts: dict[str, tuple[ModelAndCkpt, int, int, str, list[str]]]) -> dict[str, dict]:
+    """Each layout (name: model, TP, world, attention, flags) run, those of one world size in one
+    spawn whatever their models."""
+    worlds = sorted({world for _, _, world, *_ in layouts.values()})
+    return {name: result for world in worlds for name, result in _run_layouts(tmp_path, world, [
+        ((n, tp, att, extra), model) for n, (model, tp, w, att, extra) in layouts.items() if w == world]).items()}
 
 
 def _hf_logps(model_dir: Path, samples: list[TrainSample]) -> list[torch.Tensor]:

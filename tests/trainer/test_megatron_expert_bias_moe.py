@@ -1,9 +1,10 @@
 """DeepSeek-V3's MoE (a shared expert, sigmoid expert-bias grouped routing, dense first layers) in the
 trainer, under its multi-latent attention with YaRN, under GLM-4.5's standard attention (q/k/v bias,
-q/k norms, RoPE over half of each head) and under GLM-4.7-Flash's MLA, from slime's model flags (each checked against config.json):
-on a tiny model of each, one RL step gives HF's log-probs and the same loss, grad norm, new weights and
-new routing biases at TP=1, at TP=1 with the fused attention path (packed rows), and at TP=2 + SP with
-the experts spread over the two ranks (EP=2); the bias moves as megatron moves it."""
+q/k norms, RoPE over half of each head) and under GLM-4.7-Flash's MLA, from slime's model flags (each
+checked against config.json): on a tiny model of each, one RL step gives HF's log-probs and the same
+loss, grad norm, new weights and new routing biases at TP=1, at TP=1 with the fused attention path
+(packed rows), and at TP=2 + SP with the experts spread over the two ranks (EP=2); the bias moves as
+megatron moves it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf, tiny_config
 from tests.rank_devices import rank_devices
 from tests.trainer.same_step import assert_log_probs_equal_hf
-from tests.trainer.test_megatron_backend import ATOL, run_all
+from tests.trainer.test_megatron_backend import ATOL, run_all_models
 
 BIAS_RATE = 1e-3
 # the MoE flags of slime's DeepSeek-V3 and GLM-4.5 model scripts, at the tiny models' sizes
@@ -65,20 +66,43 @@ def arch(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(arch: str, tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp(arch)
-    model = make_tiny_hf(arch, root / "model", tied=False)
-    return model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Each family's tiny HF model and its torch_dist checkpoint, by _tiny_model on first use."""
+    return {}
+
+
+def _tiny_model(arch: str, tiny_models: dict[str, tuple[Path, Path]], tmp_path_factory) -> tuple[Path, Path]:
+    if arch not in tiny_models:
+        root = tmp_path_factory.mktemp(arch)
+        model = make_tiny_hf(arch, root / "model", tied=False)
+        tiny_models[arch] = model, hf_to_torch_dist(model, root / "torch_dist", iteration=None, progress=False)
+    return tiny_models[arch]
 
 
 @pytest.fixture(scope="module")
-def results(arch: str, tiny, tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("runs")
+def tiny(arch: str, tiny_models, tmp_path_factory) -> tuple[Path, Path]:
+    return _tiny_model(arch, tiny_models, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def every_family_results(request: pytest.FixtureRequest, tiny_models, tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """The runs of every family a selected test needs, all in one spawn per world size (a spawn and
+    megatron's import are most of a run's time on CPU): by family, then by layout."""
+    archs = sorted({item.callspec.params["arch"] for item in request.session.items
+                    if getattr(item, "module", None) is request.module and "results" in item.fixturenames})
     # tp1_sdpa: the fused attention path a GPU takes by default (--attention-backend auto), packed rows
     runs = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", [])} | LAYOUTS
     with rank_devices(2):
-        return run_all(tiny, tmp, {name: (tp, world, attention, [*FAMILIES[arch], *MOE_FLAGS, *extra])
-                                   for name, (tp, world, attention, extra) in runs.items()})
+        done = run_all_models(tmp_path_factory.mktemp("runs"), {
+            f"{arch}-{name}": (_tiny_model(arch, tiny_models, tmp_path_factory), tp, world, attention,
+                               [*FAMILIES[arch], *MOE_FLAGS, *extra])
+            for arch in archs for name, (tp, world, attention, extra) in runs.items()})
+    return {arch: {name: done[f"{arch}-{name}"] for name in runs} for arch in archs}
+
+
+@pytest.fixture(scope="module")
+def results(arch: str, every_family_results) -> dict[str, dict]:
+    return every_family_results[arch]
 
 
 def test_log_probs_equal_hf(tiny, results) -> None:

@@ -9,6 +9,7 @@ resumes at PP=1 and one saved at PP=1 at PP=2, each with the step the uninterrup
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _run, run_all
+from tests.trainer.test_megatron_backend import ATOL, _run, run_all_models
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_config, build_parser
 
@@ -33,9 +34,14 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("pp_runs")
     ppo = ["--advantage-estimator", "ppo"]
-    layouts = {"pp1": (1, 1, "sdpa", ppo), "pp2": (1, 2, "sdpa", PP2 + ppo), "pp2_local": (1, 2, "local", PP2)}
-    with rank_devices(2):  # every layout on the same device
-        return run_all(tiny_megatron, tmp, layouts)
+    # 3 layers over 2 stages, the last with one (--decoder-last-pipeline-num-layers, as slime's recipes)
+    model3 = make_tiny_hf("qwen3", tmp / "model3", tied=True, layers=3)
+    tiny3 = (model3, hf_to_torch_dist(model3, tmp / "torch_dist3", iteration=None, progress=False))
+    layouts = {"pp1": (tiny_megatron, 1, 1, "sdpa", ppo), "pp2": (tiny_megatron, 1, 2, "sdpa", PP2 + ppo),
+               "pp2_local": (tiny_megatron, 1, 2, "local", PP2), "pp1_3": (tiny3, 1, 1, "sdpa", []),
+               "pp2_2_1": (tiny3, 1, 2, "sdpa", [*PP2, "--decoder-last-pipeline-num-layers", "1"])}
+    with rank_devices(2):  # every layout on the same device; those of one world size in one spawn
+        return run_all_models(tmp, layouts)
 
 
 def test_one_step_at_pp2_equals_pp1(results) -> None:
@@ -49,14 +55,9 @@ def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny_megatron, results, tmp_path: Pat
     assert_same_step(results["pp1"], tp2_sp_pp2, "tp2_sp_pp2")
 
 
-def test_uneven_stages_equal_one_stage(tmp_path: Path) -> None:
+def test_uneven_stages_equal_one_stage(results) -> None:
     """3 layers over 2 stages, the last with one (--decoder-last-pipeline-num-layers, as slime's recipes)."""
-    model = make_tiny_hf("qwen3", tmp_path / "model", tied=True, layers=3)
-    tiny3 = (model, hf_to_torch_dist(model, tmp_path / "torch_dist", iteration=None, progress=False))
-    with rank_devices(2):
-        one = _run(tiny3, tmp_path, "pp1_3", 1, 1, "sdpa", [])
-        two = _run(tiny3, tmp_path, "pp2_2_1", 1, 2, "sdpa", [*PP2, "--decoder-last-pipeline-num-layers", "1"])
-    assert_same_step(one, two, "pp2_2_1")
+    assert_same_step(results["pp1_3"], results["pp2_2_1"], "pp2_2_1")
 
 
 def test_the_critic_at_pp2_equals_pp1(results) -> None:
@@ -104,23 +105,23 @@ def test_a_checkpoint_resumes_at_another_pipeline_size(tiny_megatron, tmp_path: 
         assert (resumed["weights"][name] - tensor).abs().max() < ATOL, f"{name} after the resumed step"
 
 
+def _train_only_args(model: Path, *flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt",
+                                      "2", "--debug-train-only", "--load-debug-rollout-data", "x", *flags])
+
+
 def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused(tiny_megatron) -> None:
     model, _ = tiny_megatron
-    args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
-                                      "--debug-train-only", "--load-debug-rollout-data", "x",
-                                      "--pipeline-model-parallel-size", "3"])
+    args = _train_only_args(model, "--pipeline-model-parallel-size", "3")
     with pytest.raises(ArgsError, match="--pipeline-model-parallel-size 3 cannot split the model's 2 layers"):
         build_config(args)
-    args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
-                                      "--debug-train-only", "--load-debug-rollout-data", "x",
-                                      "--decoder-last-pipeline-num-layers", "1"])
+    args = _train_only_args(model, "--decoder-last-pipeline-num-layers", "1")
     with pytest.raises(ArgsError, match="--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size > 1"):
         build_config(args)
 
 
 def test_pipeline_parallel_moe_with_the_allgather_dispatcher_is_refused(tmp_path: Path) -> None:
     model = make_tiny_hf("qwen3_moe", tmp_path / "model", tied=False)
-    args = build_parser().parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--n-samples-per-prompt", "2",
-                                      "--debug-train-only", "--load-debug-rollout-data", "x", *PP2])
+    args = _train_only_args(model, *PP2)
     with pytest.raises(ArgsError, match="needs --moe-token-dispatcher-type alltoall"):
         build_config(args)
