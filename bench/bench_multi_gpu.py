@@ -11,10 +11,12 @@
    --steps steps (bench/multigpu_colocate.py).
 
     python -m bench.bench_multi_gpu [--tiny] [--parts layouts,reshard,weights,colocate] [--out DIR]
-        [--torch-compile] [--max-tokens-per-gpu N] [--update-weight-buffer-size BYTES] [--weight-engines N]
+        [--torch-compile] [--max-tokens-per-gpu N] [--samples N] [--update-weight-buffer-size BYTES]
+        [--weight-engines N]
 
 --torch-compile and --max-tokens-per-gpu set the layouts' (and colocate's) trainer as a user runs it
-(issue 31 measured users' figures with --torch-compile --max-tokens-per-gpu 8192);
+(issue 31 measured users' figures with --torch-compile --max-tokens-per-gpu 8192); --samples sizes
+the layouts' batch (32 samples of 256-768 tokens by default);
 --update-weight-buffer-size is the publisher's bucket (slime's flag and default), --weight-engines
 how many engine processes one update reaches at once.
 
@@ -98,10 +100,13 @@ def main() -> None:
     parser.add_argument("--update-weight-buffer-size", type=int, default=DEFAULT_BUCKET_BYTES,
                         help="the weight update's bucket in bytes (slime's default: 512 MiB)")
     parser.add_argument("--weight-engines", type=int, default=1, help="engine processes one weight update reaches")
+    parser.add_argument("--samples", type=int, default=None,
+                        help=f"the layouts' batch in samples (default {GPU_BATCH['samples']}, ~16k tokens; a user's "
+                             "step holds more)")
     opts = parser.parse_args()
     for flag, value in (("--max-tokens-per-gpu", opts.max_tokens_per_gpu),
                         ("--update-weight-buffer-size", opts.update_weight_buffer_size),
-                        ("--weight-engines", opts.weight_engines)):
+                        ("--weight-engines", opts.weight_engines), ("--samples", opts.samples)):
         if value is not None and value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
     os.environ.update(NO_MULTICAST)  # inherited by every process this one starts
@@ -112,6 +117,7 @@ def main() -> None:
         raise SystemExit(f"bench_multi_gpu needs 2 GPUs ({gpus} visible); use --tiny for the CPU dry run")
     shape = SHAPES["small"] if opts.tiny else SHAPES["qwen3-0.6b"]
     batch, dtype = (CPU_BATCH, "fp32") if opts.tiny else (GPU_BATCH, "bf16")
+    batch = {**batch, "samples": opts.samples or batch["samples"]}
     max_tokens = opts.max_tokens_per_gpu or (64 if opts.tiny else 4096)
     parts = opts.parts.split(",")
     results: dict = {"machine": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus,

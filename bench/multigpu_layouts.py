@@ -2,7 +2,7 @@
 CPU), each in its own spawned processes, one rank a GPU:
 
 - equivalence and speed: TP=1 (one GPU), TP=2 + sequence parallelism (compiled or not), PP=2, and
-  DP=2 with the distributed optimizer take one RL step on the same batch from the same converted checkpoint;
+  DP=2 with the distributed optimizer (its gradient reduce after the backward, or overlapped with it) take one RL step on the same batch from the same converted checkpoint;
   log-probs, loss and grad norm against TP=1's, then the step time over more steps and MFU;
 - resharding: a checkpoint saved at TP=2 (torch_dist) resumes at TP=1 and at PP=2, and the resumed
   step equals the step the uninterrupted TP=2 run takes (tiny model, fp32; the CPU tests' helpers).
@@ -31,6 +31,8 @@ LAYOUTS = {  # name -> (ranks, flags)
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
+    # the gradient reduce bucket by bucket under the backward (megatron's flag, off by default as in slime)
+    "dp2_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
     "tp2_sp_compiled": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--torch-compile"]),
 }
 RESHARD = {"resume_tp1": (1, []), "resume_pp2": (2, ["--pipeline-model-parallel-size", "2"])}
@@ -88,7 +90,7 @@ def _layout_step(backend, job: dict) -> dict:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
 
 
-PROFILE_ROWS = 20  # the ops of a profiled step shown, by their own time on the device (else the CPU)
+PROFILE_ROWS = 20  # the ops of a profiled step shown, by their own time on the device and on the host
 
 
 def _profiled_step(step) -> str:
@@ -99,8 +101,13 @@ def _profiled_step(step) -> str:
     with torch.profiler.profile(activities=activities) as prof:
         step()
         _sync()
-    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60)
+    tables = prof.key_averages()
+    host = tables.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
+    if not torch.cuda.is_available():
+        return host
+    # the host's table shows where it waits on the GPU (cudaStreamSynchronize, copies) and what it spends launching
+    device = tables.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
+    return f"by device time:\n{device}\nby host time:\n{host}"
 
 
 def _reshard_step(backend, job: dict) -> dict:

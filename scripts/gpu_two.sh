@@ -6,6 +6,11 @@
 #   STEP=2: at once, the GPU demo job (scripts/gpu_job.sh: a devcluster over both GPUs) and Qwen3-Next's trainer
 #           tests a GPU per rank; then tests/gpu's two-GPU tests
 #   STEP=3: a rerun after fixes of STEP 1 and 2's GPU parts, all at once (but the two-GPU tests), and SUITE_TESTS
+#   STEP=4: issue 31's benches (the layouts, compiled, 8192-token packs; the NCCL publish), run by the tree at BASE
+#           (an earlier commit's files, e.g. `git archive SHA | tar -x -C base`: the baseline) and then by this one;
+#           PROFILE=1: each layout's ops of one more step; WEIGHTS=0: the layouts only; SAMPLES: the batch
+#   STEP=5: the one-GPU step (TP=1, compiled) of the tree at BASE and of this one at once, each on a GPU of its own,
+#           then again with the GPUs swapped; then STEP 4's layouts on SAMPLES (default 128) samples
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -59,7 +64,33 @@ case "${STEP:-1}" in
     for f in gpu0 gpu1 trainer_qwen3_next_on_gpus suite_part; do
         echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
     ;;
-*) echo "STEP must be 1 to 3, got $STEP" >&2; exit 2 ;;
+4)
+    for tree in ${BASE:-} .; do
+        name=$([ "$tree" = . ] && echo new || echo base)
+        ( cd "$tree" && export PYTHONPATH=$PWD
+          timeout -k 10 "${LIMIT:-200}" python -m bench.bench_multi_gpu --parts layouts --torch-compile \
+              --layouts "${LAYOUTS:-dp2_distopt,dp2_overlap}" --max-tokens-per-gpu 8192 --out "/tmp/layouts_$name" \
+              ${PROFILE:+--profile} ${SAMPLES:+--samples $SAMPLES}
+          [ "${WEIGHTS:-1}" = 0 ] || timeout -k 10 120 python -m bench.bench_multi_gpu --parts weights \
+              --out "/tmp/weights_$name" ) > "$OUT/bench31_$name.txt" 2>&1
+        echo "== $name"; grep -h RESULT "$OUT/bench31_$name.txt" | cut -c1-500
+    done
+    ;;
+5)
+    for order in 0,1 1,0; do
+        for tree in "$BASE" .; do
+            name=$([ "$tree" = . ] && echo new || echo base)
+            [ "$tree" = . ] && gpus=$order || gpus=$(echo "$order" | rev)  # the other GPU first
+            ( cd "$tree" && PYTHONPATH=$PWD CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 150 python -m bench.bench_multi_gpu \
+                --parts layouts --torch-compile --layouts none --max-tokens-per-gpu 8192 --out "/tmp/tp1_$name" \
+                > "$OUT/tp1_${name}_gpu${gpus%%,*}.txt" 2>&1 ) &
+        done
+        wait
+    done
+    grep -H RESULT "$OUT"/tp1_*.txt | cut -c1-330
+    STEP=4 BASE= WEIGHTS=0 SAMPLES=${SAMPLES:-128} LIMIT=${LIMIT:-300} bash "$0"
+    ;;
+*) echo "STEP must be 1 to 5, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true

@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="split every packed sample over this many ranks (megatron's zigzag chunks; attention gathers K/V); "
              "needs a fused --attention-backend; --max-tokens-per-gpu is per rank, as slime's")
     add("--expert-model-parallel-size", type=int, default=1)
+    # megatron's DDP (trainer.grad_buckets)
+    add("--overlap-grad-reduce", action="store_true",
+        help="launch the data-parallel gradient reduce bucket by bucket during the last micro-batch's backward")
+    add("--ddp-bucket-size", type=int, help="elements per gradient-reduce bucket (megatron's default: "
+                                            "max(40M, 1M x the data-parallel size))")
     add("--recompute-granularity", choices=("full", "selective"))
     add("--recompute-method", choices=("uniform", "block"))
     add("--recompute-num-layers", type=int)

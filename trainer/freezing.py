@@ -34,10 +34,17 @@ def freeze_parameters(model: nn.Module, only_train: list[str] | None, freeze: li
     return frozen
 
 
+# megatron's multi-token prediction block: kept, but trained only with --enable-mtp-training
+MTP_BLOCK = r"^mtp\."
+
+
 def frozen(model: Model, options: Any) -> Model:
-    """The model with the model options' patterns applied (ArgsError when nothing would train)."""
+    """The model with the model options' patterns applied (ArgsError when nothing would train); an
+    MTP block without --enable-mtp-training is frozen too, so it stays exactly as loaded (with a
+    zero gradient, weight decay would still move it)."""
+    freeze = [*(options.freeze_params_name_list or []), *([] if options.enable_mtp_training else [MTP_BLOCK])]
     try:
-        names = freeze_parameters(model, options.only_train_params_name_list, options.freeze_params_name_list)
+        names = freeze_parameters(model, options.only_train_params_name_list, freeze)
     except ValueError as err:
         raise ArgsError(str(err)) from None
     if names:

@@ -42,20 +42,26 @@ def grad_of(p: Parameter) -> Tensor | None:
 
 
 def zero_grads(params: Iterable[Parameter]) -> None:
-    """Start a step: every main_grad a zero fp32 view into one flat buffer per device (one
-    allocation and one fill, not one per parameter; every rank then reduces the same tensors,
-    sampled or not); plain grads zeroed in place."""
-    hooked: dict[torch.device, list[Parameter]] = {}
+    """Start a step: every gradient a zero fp32 view into one flat buffer per device, in the order
+    given (one allocation and one fill, not one per parameter; every rank then reduces the same
+    tensors, sampled or not, each bucket of trainer.grad_buckets one run of the buffer): the
+    main_grad of a low-precision parameter, the .grad of an fp32 one (autograd adds into an existing
+    .grad in place). Other gradients are zeroed in place."""
+    flat_grads: dict[torch.device, list[Parameter]] = {}
     for p in params:
-        if hasattr(p, _MAIN_GRAD):
-            hooked.setdefault(p.device, []).append(p)
+        if hasattr(p, _MAIN_GRAD) or p.dtype == torch.float32:
+            flat_grads.setdefault(p.device, []).append(p)
         elif p.grad is not None:
             p.grad.zero_()
-    for device, group in hooked.items():
+    for device, group in flat_grads.items():
         flat = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=device)
         offset = 0
         for p in group:
-            setattr(p, _MAIN_GRAD, flat[offset:offset + p.numel()].view_as(p))
+            view = flat[offset:offset + p.numel()].view_as(p)
+            if hasattr(p, _MAIN_GRAD):
+                setattr(p, _MAIN_GRAD, view)
+            else:
+                p.grad = view
             offset += p.numel()
 
 

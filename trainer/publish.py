@@ -157,8 +157,9 @@ class WeightPublisher:
         return PublishResult(version, updated, dropped, time.monotonic() - start, nbytes)
 
     def close(self) -> None:
-        """Destroy the update group on the engines and here."""
+        """Destroy the update group on the engines and here; close the engine connections."""
         self._drop_group()
+        self._engines.close()
 
     def _drop_engines(self, failed: dict[str, str], dropped: dict[str, str]) -> None:
         for url, reason in failed.items():

@@ -17,6 +17,7 @@ from trainer import advantages as adv
 from trainer.backend import PackLoss
 from trainer.batch import Pack, TrainSample
 from trainer.config import LossOptions
+from trainer.host_to_device import to_device
 from trainer.losses import LossConfig, sft_loss, total_loss, value_loss
 
 
@@ -107,9 +108,9 @@ def scaled(samples: list[TrainSample], batch_ids: list[int], per_token: bool,
 
     def loss(pack: Pack, outputs: list[Tensor], entropies: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         group = [samples[i] for i in pack.sample_ids]
-        mask = padded([s.loss_mask for s in group]).to(outputs[0].device)
-        value, metrics = pack_loss(group, mask, outputs, entropies)
-        scale = float(mask.sum()) / max(num_tokens, 1.0) if per_token else len(group) / num_samples
+        host_mask = padded([s.loss_mask for s in group])  # its sum read on the host: no wait for the GPU
+        scale = float(host_mask.sum()) / max(num_tokens, 1.0) if per_token else len(group) / num_samples
+        value, metrics = pack_loss(group, to_device(host_mask, outputs[0].device), outputs, entropies)
         return value * scale, {k: v * scale for k, v in metrics.items()}
 
     return loss
@@ -117,7 +118,7 @@ def scaled(samples: list[TrainSample], batch_ids: list[int], per_token: bool,
 
 def _column(group: list[TrainSample], name: str, device: torch.device) -> Tensor | None:
     values = [getattr(s, name) for s in group]
-    return None if any(v is None for v in values) else padded(values).to(device)
+    return None if any(v is None for v in values) else to_device(padded(values), device)
 
 
 def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[int]) -> PackLoss:
@@ -130,8 +131,8 @@ def make_pack_loss(cfg: LossConfig, samples: list[TrainSample], batch_ids: list[
             metrics["loss"] = value.detach()
             return value, metrics
         value, metrics = total_loss(
-            cfg, pad_sequence(logps, batch_first=True), padded_field(group, "old_log_probs").to(device),
-            padded_field(group, "advantages").to(device), mask,
+            cfg, pad_sequence(logps, batch_first=True), to_device(padded_field(group, "old_log_probs"), device),
+            to_device(padded_field(group, "advantages"), device), mask,
             entropy=pad_sequence(entropies, batch_first=True) if entropies is not None else None,
             ref_logp=_column(group, "ref_log_probs", device), rollout_logp=_column(group, "rollout_log_probs", device))
         metrics["loss"] = value.detach()
@@ -146,8 +147,8 @@ def make_value_pack_loss(value_clip: float, per_token: bool, samples: list[Train
     def critic(group: list[TrainSample], mask: Tensor, values: list[Tensor],
                _: list[Tensor] | None) -> tuple[Tensor, dict[str, Tensor]]:
         device = mask.device
-        loss, metrics = value_loss(pad_sequence(values, batch_first=True), padded_field(group, "values").to(device),
-                                   padded_field(group, "returns").to(device), mask, value_clip, per_token)
+        old, returns = (to_device(padded_field(group, name), device) for name in ("values", "returns"))
+        loss, metrics = value_loss(pad_sequence(values, batch_first=True), old, returns, mask, value_clip, per_token)
         return loss, {**metrics, "value_loss": loss.detach()}
 
     return scaled(samples, batch_ids, per_token, critic)

@@ -4,6 +4,7 @@ calls (weight version, loads from disk, errors that name the url and route but n
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -118,3 +119,47 @@ def test_weight_versions_are_ints_here_and_strings_on_sglangs_wire() -> None:
     assert version_to_wire(12) == "12" and version_from_wire("12") == 12
     # SGLang's initial "default", an answer without one, and what slurmrl never publishes: no version.
     assert [version_from_wire(v) for v in ("default", None, "", "v3", "-1", True)] == [None] * 6
+
+
+# An engine as its own process: HTTP/1.1 (connections kept open), each answer naming the client's
+# port, so a test sees which of its calls shared a connection.
+_KEEP_ALIVE_ENGINE = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Engine(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        data = json.dumps({"client_port": self.client_address[1], "generation": sys.argv[2]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Engine).serve_forever()
+"""
+
+
+def test_calls_keep_their_connection_and_an_engine_restarted_on_its_port_is_reached_anew(tmp_path: Path) -> None:
+    from tests.rollout.servers import start
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def engine(generation: str):
+        return start([sys.executable, "-c", _KEEP_ALIVE_ENGINE, str(port), generation], url,
+                     tmp_path / f"engine_{generation}.log", "/health")
+
+    first = engine("first")
+    with EngineClient(KEY, timeout_s=5) as client:
+        try:
+            answers = [client.call(url, "/model_info") for _ in range(5)]
+        finally:
+            first.stop()  # by its PID: its kernel closes the client's kept connection
+        assert {a["generation"] for a in answers} == {"first"}
+        assert len({a["client_port"] for a in answers}) == 1, f"one connection for every call: {answers}"
+        second = engine("second")
+        try:
+            assert client.call(url, "/model_info")["generation"] == "second"
+        finally:
+            second.stop()

@@ -162,6 +162,8 @@ def results(tiny_megatron, tmp_path_factory) -> dict[str, dict]:
     sp = ["--sequence-parallel"]
     ppo = ["--advantage-estimator", "ppo"]  # adds the critic
     layouts = {"tp1": (1, 1, "local", ppo), "tp2": (2, 2, "local", []), "dp2": (1, 2, "local", []),
+               # the gradient sum in buckets launched during the backward (trainer.grad_buckets), with the critic's
+               "dp2_overlap": (1, 2, "local", [*ppo, "--overlap-grad-reduce", "--ddp-bucket-size", "3000"]),
                "tp2_sdpa": (2, 2, "sdpa", []), "tp2_sp": (2, 2, "local", sp), "tp2_sp_sdpa": (2, 2, "sdpa", sp + ppo),
                "tp1_sp": (1, 1, "local", sp),  # SP at TP 1 is accepted and does nothing, as in Megatron-LM
                "tp2_sp_compiled": (2, 2, "sdpa", [*sp, "--torch-compile"]),
@@ -200,7 +202,7 @@ def test_keep_old_actor_takes_the_published_weights_in_every_layout(results) -> 
 def test_one_step_is_the_same_in_every_layout(results) -> None:
     base = results["tp1"]
     assert base["metrics"]["clipfrac"] > 0 and base["metrics"]["grad_norm"] > 0.5, "the step must clip to be a test"
-    for name in ("tp2", "dp2", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp", "tp2_sp_compiled", "tp2_chunked"):
+    for name in ("tp2", "dp2", "dp2_overlap", "tp2_sdpa", "tp2_sp", "tp2_sp_sdpa", "tp1_sp", "tp2_sp_compiled", "tp2_chunked"):
         other = results[name]
         for key in ("loss", "pg_loss", "clipfrac", "grad_norm"):
             # relative as well: grad_norm is ~10 (on a GPU, compiled, 1e-6 relative apart)
@@ -226,8 +228,9 @@ def test_hf_weights_have_hf_names_and_changed(tiny_megatron, results) -> None:
     assert len(changed) == len(initial), f"a step should move every tensor; unchanged: {set(initial) - set(changed)}"
 
 
-def test_the_critic_under_sequence_parallelism_equals_tp1(results) -> None:
-    base, other = results["tp1"]["critic"], results["tp2_sp_sdpa"]["critic"]
+@pytest.mark.parametrize("layout", ["tp2_sp_sdpa", "dp2_overlap"])
+def test_the_critic_under_sequence_parallelism_and_data_parallelism_equals_tp1(results, layout: str) -> None:
+    base, other = results["tp1"]["critic"], results[layout]["critic"]
     assert base["metrics"]["value_loss"] > 0
     for key in ("value_loss", "grad_norm"):
         assert other["metrics"][key] == pytest.approx(base["metrics"][key], abs=ATOL), key

@@ -47,7 +47,9 @@ QWEN3_NEXT_FLAGS = [
 ATOL = 1e-4
 EP2 = ["--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
 LAYOUTS = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", []), "tp2_sp_ep2": (2, 2, "local", EP2),
-           "tp2_sp_ep2_sdpa": (2, 2, "sdpa", EP2), "dp2": (1, 2, "sdpa", []),
+           "tp2_sp_ep2_sdpa": (2, 2, "sdpa", EP2),
+           # the dense and expert gradients summed in small buckets during the backward (trainer.grad_buckets)
+           "dp2": (1, 2, "sdpa", ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
            "cp2": (1, 2, "sdpa", ["--context-parallel-size", "2"])}
 
 

@@ -257,6 +257,8 @@ def _check_training(args: argparse.Namespace, need: Checks) -> None:
         _check_fsdp(args, need)
     need(args.recompute_granularity != "full" or args.recompute_method is not None,
          "--recompute-granularity full needs --recompute-method uniform or block and --recompute-num-layers")
+    need(args.ddp_bucket_size is None or args.ddp_bucket_size >= 1,
+         f"--ddp-bucket-size must be 1 or more elements, got {args.ddp_bucket_size}")
     need(args.micro_batch_size >= 1, f"--micro-batch-size must be 1 or more, got {args.micro_batch_size}")
     if args.use_dynamic_batch_size:
         need(args.max_tokens_per_gpu is not None and args.max_tokens_per_gpu >= 1,
@@ -285,6 +287,8 @@ def _check_fsdp(args: argparse.Namespace, need: Checks) -> None:
                      "--context-parallel-size": args.context_parallel_size != 1,
                      "--pipeline-model-parallel-size": args.pipeline_model_parallel_size != 1,
                      "--expert-model-parallel-size": args.expert_model_parallel_size != 1,
+                     "--overlap-grad-reduce": args.overlap_grad_reduce,
+                     "--ddp-bucket-size": args.ddp_bucket_size is not None,
                      "--recompute-granularity": args.recompute_granularity is not None,
                      "--recompute-method": args.recompute_method is not None,
                      "--recompute-num-layers": args.recompute_num_layers is not None,

@@ -138,6 +138,8 @@ class ParallelOptions:
     decoder_last_pipeline_num_layers: int | None
     context_parallel_size: int
     expert_model_parallel_size: int
+    overlap_grad_reduce: bool
+    ddp_bucket_size: int | None
     recompute_granularity: str | None
     recompute_method: str | None
     recompute_num_layers: int | None

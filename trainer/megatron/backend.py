@@ -21,7 +21,6 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ckpt_tools import mapping
@@ -32,11 +31,12 @@ from trainer.args import ArgsError
 from trainer.backend import Backend, PackLoss, built, steps_on
 from trainer.batch import Batching, Pack, TrainSample, rank_packs, schedule
 from trainer.config import TrainerConfig
+from trainer.host_to_device import to_device
 from trainer.lr_schedule import lr_lambda
+from trainer.megatron import grad_sync, trainee_state
 from trainer.megatron import mtp as megatron_mtp
 from trainer.megatron import pipeline as megatron_pipeline
 from trainer.megatron import state as megatron_state
-from trainer.megatron import trainee_state
 from trainer.megatron.attention import gpt_block_spec
 from trainer.megatron.compile import compile_layers
 from trainer.megatron.expert_bias import update_expert_bias
@@ -170,15 +170,14 @@ class MegatronBackend(Backend):
         return critic
 
     def _trainee(self, model: GPTModel, lr: float) -> Trainee:
-        def data_parallel_group(expert: bool) -> dist.ProcessGroup:
-            return (ps.get_expert_data_parallel_group() if expert
-                    else ps.get_data_parallel_group(with_context_parallel=True))
-
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        main_grads.accumulate_in_fp32(p for _, p in named)
-        optimizer = ShardedOptimizer(named, self.config.optimizer, lr, data_parallel_group, _is_expert)
+        main_grads.accumulate_in_fp32(p for _, p in named)  # before the overlap's hooks: they read main_grad
+        optimizer = ShardedOptimizer(named, self.config.optimizer, lr, grad_sync.data_parallel_group,
+                                     grad_sync.is_expert)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lr_lambda(self.config.optimizer))
-        return Trainee(model, optimizer, schedule)
+        parallel = self.config.parallel
+        return Trainee(model, optimizer, schedule,
+                       grad_sync.data_parallel_grads(named, parallel.ddp_bucket_size, parallel.overlap_grad_reduce))
 
     def _layout(self, pack: Pack, samples: list[TrainSample], mtp: bool = False) -> context_parallel.RowLayout:
         """This rank's rows of `pack`; with `mtp`, what the MTP loss weighs each token by too."""
@@ -189,11 +188,12 @@ class MegatronBackend(Backend):
     def _run_model(self, model: GPTModel, rows: context_parallel.RowLayout) -> torch.Tensor:
         """The model's output for this rank's rows: on the last stage its vocab slice of the logits,
         [1, t, V / tp]; on other pipeline stages the hidden states for the next."""
-        tokens, positions, cu = rows.tokens.to(self.device)[None], rows.positions.to(self.device)[None], rows.cu_seqlens
+        tokens, positions = to_device(rows.tokens, self.device)[None], to_device(rows.positions, self.device)[None]
+        cu = rows.cu_seqlens
         inputs: dict[str, Any] = {}
         if self.config.model.attention_backend == "local":
             # Block-diagonal causal mask (True = masked): no sample sees another.
-            seq = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()).to(self.device)
+            seq = to_device(torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long()), self.device)
             causal = torch.ones(seq.numel(), seq.numel(), dtype=torch.bool, device=self.device).triu(1)
             inputs["attention_mask"] = (causal | (seq[:, None] != seq[None, :]))[None, None]
         else:  # the fused path takes the sample boundaries themselves (THD layout)
@@ -203,8 +203,8 @@ class MegatronBackend(Backend):
             inputs["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                                           max_seqlen_q=longest, max_seqlen_kv=longest)
         if rows.token_weights is not None:
-            inputs["mtp_targets"] = [(t.to(self.device), w.to(self.device)) for t, w in megatron_mtp.targets(
-                rows.tokens, rows.token_weights, cu, self.mtp_layers)]
+            targets = megatron_mtp.targets(rows.tokens, rows.token_weights, cu, self.mtp_layers)
+            inputs["mtp_targets"] = [(to_device(t, self.device), to_device(w, self.device)) for t, w in targets]
         rope: PackedRope | None = getattr(model, "packed_rope", None)
         if rope is not None:
             rope.positions = positions[0]
@@ -224,15 +224,19 @@ class MegatronBackend(Backend):
         start = self.tp_rank * vocab_local
         valid = max(0, min(vocab_local, self.shape.vocab_size - start))
         group = ps.get_tensor_model_parallel_group() if self.tp_size > 1 else None
-        logp, ent = self._token_stats(logits[rows.rows.to(self.device)], rows.targets.to(self.device), start, valid,
-                                      group, with_entropy)
+        logp, ent = self._token_stats(logits[to_device(rows.rows, self.device)], to_device(rows.targets, self.device),
+                                      start, valid, group, with_entropy)
         return rows.per_sample(logp), (rows.per_sample(ent) if ent is not None else None)
 
     def _each_pack(self, model: GPTModel, samples: list[TrainSample], ids: list[int],
-                   step: megatron_pipeline.PackStep, train: bool) -> list[dict[str, torch.Tensor]]:
+                   step: megatron_pipeline.PackStep, trainee: Trainee | None = None) -> list[dict[str, torch.Tensor]]:
+        """Forward only, or the forward and backward of `trainee`'s model."""
+        train = trainee is not None
         mtp = train and model is self.model and self.config.model.enable_mtp_training
         packs = [(pack, self._layout(pack, samples, mtp)) for pack in self._my_packs(samples, ids, not train)]
-        return megatron_pipeline.each_pack(model, packs, self._run_model, step, train)
+        if trainee is None:
+            return megatron_pipeline.each_pack(model, packs, self._run_model, step, train=False)
+        return megatron_pipeline.each_pack(model, packs, self._run_model, step, True, trainee.grads.no_sync)
 
     def _my_packs(self, samples: list[TrainSample], ids: list[int], for_log_probs: bool) -> list[Pack]:
         """The packs of this data-parallel rank."""
@@ -241,7 +245,7 @@ class MegatronBackend(Backend):
 
     # ---------------------------------------------------------------- Backend
     def _values_of(self, output: torch.Tensor, rows: context_parallel.RowLayout) -> list[torch.Tensor]:
-        return rows.per_sample(output[0, ..., 0].float()[rows.rows.to(self.device)])
+        return rows.per_sample(output[0, ..., 0].float()[to_device(rows.rows, self.device)])
 
     def _gather_per_sample(self, mine: dict[int, Any]) -> dict[int, Any]:
         gathered: list[dict] = [{} for _ in range(self.world_size)]
@@ -261,12 +265,13 @@ class MegatronBackend(Backend):
 
         def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
             logps, ents = self._stats(output[0], rows, with_entropy)
-            for k, i in enumerate(pack.sample_ids):
-                mine[i] = (logps[k].cpu(), ents[k].cpu() if ents is not None else None)
+            for k, i in enumerate(pack.sample_ids):  # kept on the device: a copy per pack would drain the GPU
+                mine[i] = (logps[k], ents[k] if ents is not None else None)
             return output.new_zeros(()), {}
 
-        self._each_pack(net, samples, ids, collect, train=False)
-        return self._gather_per_sample(mine)
+        self._each_pack(net, samples, ids, collect)
+        return self._gather_per_sample({i: (logp.cpu(), ent.cpu() if ent is not None else None)
+                                        for i, (logp, ent) in mine.items()})
 
     @torch.no_grad()
     def values(self, samples: list[TrainSample], ids: list[int]) -> dict[int, torch.Tensor]:
@@ -275,11 +280,11 @@ class MegatronBackend(Backend):
         mine: dict[int, torch.Tensor] = {}
 
         def collect(pack: Pack, rows: context_parallel.RowLayout, output: torch.Tensor):
-            mine.update((i, v.cpu()) for i, v in zip(pack.sample_ids, self._values_of(output, rows)))
+            mine.update(zip(pack.sample_ids, self._values_of(output, rows)))
             return output.new_zeros(()), {}
 
-        self._each_pack(critic.model, samples, ids, collect, train=False)
-        return self._gather_per_sample(mine)
+        self._each_pack(critic.model, samples, ids, collect)
+        return self._gather_per_sample({i: v.cpu() for i, v in mine.items()})
 
     def train_step(self, samples: list[TrainSample], ids: list[int], loss: PackLoss,
                    need_entropy: bool, role: str = "actor", rollout_id: int = 0, step_id: int = 0) -> dict[str, float]:
@@ -289,6 +294,7 @@ class MegatronBackend(Backend):
                                       self.actor.scheduler)
         trainee.model.train()
         trainee.optimizer.zero_grad()
+        trainee.grads.start()
         totals: dict[str, torch.Tensor] = {}
         mtp = role == "actor" and self.config.model.enable_mtp_training
         if mtp:
@@ -304,12 +310,12 @@ class MegatronBackend(Backend):
                 metrics = {**metrics, **megatron_mtp.metrics(trainee.model, packs)}
             return value, metrics
 
-        for metrics in self._each_pack(trainee.model, samples, ids, step, train=True):
-            for name, m in metrics.items():
-                totals[name] = totals.get(name, 0.0) + m.detach().float().cpu()
-        self._reduce_gradients(trainee.model)
+        for metrics in self._each_pack(trainee.model, samples, ids, step, trainee):
+            for name, m in metrics.items():  # summed on the device: a copy to the host per pack would drain the GPU
+                totals[name] = totals.get(name, 0.0) + m.detach().float()
+        grad_sync.reduce_gradients(trainee.model, trainee.grads, self.sequence_parallel)
         update_expert_bias(trainee.model)
-        grad_norm = self._grad_norm(trainee.model)
+        grad_norm = grad_sync.grad_norm(trainee.model, self.tp_rank, self.device)
         opt = self.config.optimizer
         lr = trainee.scheduler.get_last_lr()[0]
         if steps_on(grad_norm, role, opt.check_for_nan_in_loss_and_grad):  # (the next step zeroes the grads)
@@ -318,42 +324,8 @@ class MegatronBackend(Backend):
                 torch._foreach_mul_(grads, opt.clip_grad / (grad_norm + 1e-6))
             trainee.optimizer.step()
             trainee.scheduler.step()
-        return {**self._sum_over_data_parallel(totals), "grad_norm": float(grad_norm), "lr": float(lr)}
-
-    def _reduce_gradients(self, model: GPTModel) -> None:
-        """Sum gradients where several ranks hold parts of one: over the TP group, q/k layernorm
-        weights (each rank normalises only its own heads; MiniMax-M2's q_norm and k_norm scale them by
-        its slice of the weight: ckpt_tools.full_qk_norm) and, under sequence parallelism, weights
-        marked sequence_parallel (norms, router: each rank sees its own slice of the sequence);
-        then every replica over data-parallel x context-parallel ranks (the loss is already scaled
-        for a sum; each CP rank holds the gradient of its own rows); expert weights over the expert-DP group."""
-        megatron_pipeline.reduce_embedding_grads(model)
-        named = [(n, p, g) for n, p in model.named_parameters() if (g := main_grads.grad_of(p)) is not None]
-        head_norms = () if model.config.multi_latent_attention else (  # MLA's: whole latents, partial only under SP
-            "q_layernorm.weight", "k_layernorm.weight", "q_norm.weight", "k_norm.weight")
-        partial = [g for n, p, g in named if n.endswith(head_norms)
-                   or (self.sequence_parallel and getattr(p, "sequence_parallel", False))]
-        main_grads.all_reduce_sum(partial, ps.get_tensor_model_parallel_group())
-        dense_group = ps.get_data_parallel_group(with_context_parallel=True)
-        main_grads.all_reduce_sum([g for n, _, g in named if not _is_expert(n)], dense_group)
-        main_grads.all_reduce_sum([g for n, _, g in named if _is_expert(n)], ps.get_expert_data_parallel_group())
-
-    def _grad_norm(self, model: GPTModel) -> float:
-        """The global L2 norm: each TP shard once, replicated weights (norms) once per TP group,
-        expert weights summed over the expert-parallel ranks that hold different experts."""
-        squares = []
-        for expert, group in ((False, ps.get_model_parallel_group()),
-                              (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
-            grads = [g for n, p in model.named_parameters()
-                     if (g := main_grads.grad_of(p)) is not None and param_is_not_shared(p) and _is_expert(n) == expert
-                     and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0 or expert)]
-            sq = torch.zeros((), dtype=torch.float32, device=self.device)
-            if grads:  # one kernel for all the per-tensor norms, not three per tensor
-                sq += torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(sq, group=group)
-            squares.append(sq)
-        return float(torch.stack(squares).sum().sqrt())
+        host_totals = {name: total.cpu() for name, total in totals.items()}
+        return {**self._sum_over_data_parallel(host_totals), "grad_norm": float(grad_norm), "lr": float(lr)}
 
     def _sum_over_data_parallel(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         # Ranks with no samples, and pipeline stages before the last, still join.
@@ -389,10 +361,3 @@ class MegatronBackend(Backend):
         reference = built(self.ref_model, "the reference model (--ref-load, needed by the loss)")
         megatron_state.load_megatron(ckpt_dir, reference, None)
         reference.requires_grad_(False)
-
-
-def _is_expert(name: str) -> bool:
-    """An expert weight, held by the expert grid (EP x expert-TP): megatron marks these
-    allreduce=False only when EP > 1, but with --expert-tensor-parallel-size != TP their
-    data-parallel group differs from the dense weights' at EP 1 too."""
-    return ".mlp.experts." in name

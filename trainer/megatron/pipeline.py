@@ -9,12 +9,16 @@ micro-batch. Only the last stage sees logits: the loss, log-probs and metrics ar
 and the backend's all-gathers over every rank hand them to the whole trainer. Weights for
 publishing come from every stage, passed to global rank 0 over its pipeline group.
 
-Without pipeline parallelism `each_pack` runs the same callbacks in a plain loop.
+Without pipeline parallelism `each_pack` runs the same callbacks in a plain loop. Either way the
+backward of every micro-batch but the last runs inside `no_sync` (megatron's config.no_sync_func),
+where the data-parallel gradient reduce is not launched (trainer.grad_buckets).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -30,18 +34,20 @@ from trainer.context_parallel import RowLayout
 
 # (pack, its rows, the model's output on the last stage) -> (loss to backpropagate, metrics)
 PackStep = Callable[[Pack, RowLayout, Tensor], tuple[Tensor, dict[str, Tensor]]]
+NoSync = Callable[[], AbstractContextManager[Any]]
 
 
 def each_pack(model: GPTModel, packs: list[tuple[Pack, RowLayout]], run_model: Callable[[GPTModel, RowLayout], Tensor],
-              step: PackStep, train: bool) -> list[dict[str, Tensor]]:
+              step: PackStep, train: bool, no_sync: NoSync = contextlib.nullcontext) -> list[dict[str, Tensor]]:
     """Run every pack through `model` and `step` (and, when training, the backward of its loss);
     returns the metrics of each pack where they were computed (the last stage), else []."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         out = []
-        for pack, rows in packs:
+        for k, (pack, rows) in enumerate(packs):
             loss, metrics = step(pack, rows, run_model(model, rows))
             if train:
-                loss.backward()
+                with no_sync() if k < len(packs) - 1 else contextlib.nullcontext():
+                    loss.backward()
             out.append(metrics)
         return out
     if not packs:  # every stage of this pipeline has the same (no) packs
@@ -51,6 +57,7 @@ def each_pack(model: GPTModel, packs: list[tuple[Pack, RowLayout]], run_model: C
     # Packs differ in length: stages send each activation's shape first. (Set here, not in the
     # config's constructor, which refuses it with MoE's allgather dispatcher: trainer.config refuses that.)
     model.config.variable_seq_lengths = True
+    model.config.no_sync_func = no_sync  # the schedule leaves it before the last micro-batch's backward
     data = iter(packs)
 
     def forward_step(data_iterator: Iterator[tuple[Pack, RowLayout]], chunk: GPTModel):

@@ -14,6 +14,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from trainer.backend import OPTIMIZER_SAVED
+from trainer.grad_buckets import DataParallelGrads
 from trainer.megatron import state as megatron_state
 from trainer.megatron.optimizer import ShardedOptimizer
 
@@ -29,6 +30,7 @@ class Trainee:
     model: GPTModel
     optimizer: ShardedOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    grads: DataParallelGrads  # the data-parallel sum of its gradients
 
 
 
