@@ -63,13 +63,22 @@ def _without_mtp_layers(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     return {name: t for name, t in tensors.items() if not name.startswith(skipped)} if skipped else tensors
 
 
+def _text_model_names(tensors: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's language model (Qwen3.5's model.language_model.) under the names of the text
+    model transformers loads from it (model.), as transformers renames them on loading; its vision tower passed
+    over, as transformers' text model does."""
+    prefix = "model.language_model."
+    return {"model." + name.removeprefix(prefix) if name.startswith(prefix) and name not in targets else name: t
+            for name, t in tensors.items() if name in targets or not name.startswith("model.visual.")}
+
+
 def plan_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> Plan:
     """Check `tensors` against the model (WeightError if they do not fit) and pair each with its parameter.
 
     complete=True (a whole checkpoint) requires every parameter; tied parameters (an lm_head
     sharing the embedding) count as one and may come under either name."""
     targets = model.state_dict(keep_vars=True)
-    tensors, expert_plan = expert_views(_without_mtp_layers(model, tensors), targets)
+    tensors, expert_plan = expert_views(_text_model_names(_without_mtp_layers(model, tensors), targets), targets)
     unknown = sorted(set(tensors) - set(targets))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
