@@ -84,6 +84,7 @@ class HFCheckpoint:
             s.hf_prefix + "embed_tokens.weight": (s.vocab_size, s.hidden_size),
             **_attention_shapes(s, f"{s.hf_prefix}layers.{s.first_full_attention_layer}.self_attn."),
             **_linear_attention_shapes(self.config, s),
+            **_fused_expert_shapes(self.config, s),
             s.hf_prefix + "norm.weight": (s.hidden_size,),
         }
         needed = set()
@@ -157,6 +158,15 @@ def _linear_attention_shapes(config: dict, s: ModelShape) -> dict[str, tuple[int
     return {**{f"{gdn}{name}.weight": (rows, s.hidden_size) for name, rows in projections.items()},
             gdn + "conv1d.weight": (2 * key + value, 1, config["linear_conv_kernel_dim"]),
             gdn + "out_proj.weight": (s.hidden_size, value)}
+
+
+def _fused_expert_shapes(config: dict, s: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The first MoE layer's fused experts' shapes the config implies (each expert's gate and up rows, its down)."""
+    if not s.fused_experts:
+        return {}
+    experts, width = f"{s.hf_prefix}layers.{s.dense_layers}.mlp.experts.", config["moe_intermediate_size"]
+    return {experts + "gate_up_proj": (s.num_experts, 2 * width, s.hidden_size),
+            experts + "down_proj": (s.num_experts, s.hidden_size, width)}
 
 
 def _data_end(path: Path) -> int:

@@ -219,6 +219,15 @@ def test_qwen3_5_multimodal_keeps_its_vision_tower_and_fused_experts(tmp_path: P
     stored = read_metadata(hf_to_torch_dist(hf, tmp_path / "td", progress=False)).state_dict_metadata
     assert list(stored["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].size) == [4, 64, 64]
     assert not [key for key in stored if "visual" in key]
+    config = json.loads((hf / "config.json").read_text())
+    (tmp_path / "more_experts").mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / "more_experts" / name).write_bytes((hf / name).read_bytes())
+    config["text_config"]["num_experts"] = 8
+    (tmp_path / "more_experts" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"layers.0.mlp.experts.gate_up_proj is \[4, 64, 64\], the config "
+                                              r"implies \[8, 64, 64\]"):
+        hf_to_torch_dist(tmp_path / "more_experts", tmp_path / "td2", progress=False)
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     (config_only / "config.json").write_text((hf / "config.json").read_text())

@@ -86,6 +86,11 @@ CONFIGS["Qwen3.5-27B"] = _qwen3_5(hidden_size=5120, intermediate_size=17408, num
                                   num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
 CONFIGS["models/Qwen3.5-9B"] = _qwen3_5(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                                         num_attention_heads=16, num_key_value_heads=4)
+CONFIGS["Qwen3.5-35B-A3B"] = {**_qwen3_5(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                          num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                          moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                          model_type="qwen3_5_moe_text"),
+                               "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"}
 
 
 def _recipe_argv(name: str, root: Path, num_gpus: int = 8) -> list[str]:
@@ -223,14 +228,18 @@ def test_deepseek_and_kimi_recipes_model_flags_agree_with_config_json(root: Path
                               "num_hidden_layers 61)"), problem
 
 
-def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """slime's Qwen3-Next-80B-A3B model flags (its --spec, gated attention, zero-centred norms, a quarter of each
-    head rotated, 512 experts with a gated shared expert) agree with the real model's config.json; the recipe
-    itself is refused at submission for DeepEP alone; a flag that disagrees is named."""
-    from trainer.config.model_checks import model_flag_problems
+@pytest.mark.parametrize("recipe, model", [("run-qwen3-next-80B-A3B", "Qwen3-Next-80B-A3B-Thinking"),
+                                           ("run-qwen3.5-35B-A3B-sft", "Qwen3.5-35B-A3B")])
+def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, recipe: str, model: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """slime's Qwen3-Next-80B-A3B and Qwen3.5-35B-A3B model flags (their --spec, gated attention, zero-centred
+    norms, a quarter of each head rotated, 512 or 256 experts with a gated shared expert) agree with the model's
+    config.json (Qwen3.5's text_config); the recipe itself is refused at submission for DeepEP alone; a flag that
+    disagrees is named."""
+    from trainer.config.model_checks import model_flag_problems, read_hf_config
     from trainer.config.sections import ShapeFlags
 
-    argv = _recipe_argv("run-qwen3-next-80B-A3B", root)
+    argv = _recipe_argv(recipe, root)
     assert submit_cli.main(argv + ["--dry-run"]) == 2
     (err,) = capsys.readouterr().err.splitlines()
     assert "flex: megatron's flex dispatcher runs on DeepEP" in err, err
@@ -240,10 +249,10 @@ def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, c
         train_args = _without(train_args, *refused)
     args = build_parser().parse_args(train_args)
     given = {name: getattr(args, name) for name in ShapeFlags.__dataclass_fields__}
-    model = "Qwen3-Next-80B-A3B-Thinking"
-    assert model_flag_problems(given, str(root / model), CONFIGS[model]) == []
-    (problem,) = model_flag_problems(given, str(root / model), {**CONFIGS[model], "partial_rotary_factor": 0.5})
-    assert problem.startswith("--rotary-percent 0.25 disagrees with"), problem
+    config = read_hf_config(str(root / model))
+    assert model_flag_problems(given, str(root / model), config) == []
+    (problem,) = model_flag_problems(given, str(root / model), {**config, "num_experts": 64})
+    assert problem.startswith(f"--num-experts {config['num_experts']} disagrees with") and "(64)" in problem, problem
 
 
 def test_the_qwen3_5_recipes_pass_dry_run(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,18 +63,25 @@ QWEN3_5_FLAGS = [
     *QWEN3_NEXT_FLAGS[QWEN3_NEXT_FLAGS.index("get_qwen3_next_spec") + 1:]]
 QWEN3_5_FLAGS[QWEN3_5_FLAGS.index("--ffn-hidden-size") + 1] = "32"
 QWEN3_5_LAYOUTS = {"tp1": (1, 1, "local", []), "tp2_sp_ep2": (2, 2, "local", EP2)}
+# scripts/models/qwen3.5-9B.sh (dense) at the tiny model's sizes; its 27B sibling's recipe splits the layers over
+# two pipeline stages
+QWEN3_5_DENSE_FLAGS = [*QWEN3_5_FLAGS[:QWEN3_5_FLAGS.index("--moe-ffn-hidden-size")], "--attention-output-gate",
+                       "--qwen-gdn-backend", "torch"]
+QWEN3_5_DENSE_FLAGS[QWEN3_5_DENSE_FLAGS.index("--ffn-hidden-size") + 1] = "128"
+QWEN3_5_DENSE_LAYOUTS = {"tp1": (1, 1, "sdpa", []), "tp2_sp": (2, 2, "local", ["--sequence-parallel"]),
+                         "pp2": (1, 2, "sdpa", ["--pipeline-model-parallel-size", "2"])}
 Runs = tuple[Path, dict[str, dict]]  # the tiny model, each layout's RL step
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Runs]:
-    """Both tiny models (Qwen3.5-MoE's a multimodal checkpoint with fused experts), and each layout's RL step from
+    """The tiny models (Qwen3.5-MoE's a multimodal checkpoint with fused experts), and each layout's RL step from
     its torch_dist conversion: the layouts of one world size in one spawn."""
-    models = {arch: tiny_with_torch_dist(arch, tmp_path_factory.mktemp(arch)) for arch in ("qwen3_next", "qwen3_5_moe_vl")}
+    tables = {"qwen3_next": (QWEN3_NEXT_FLAGS, LAYOUTS), "qwen3_5_moe_vl": (QWEN3_5_FLAGS, QWEN3_5_LAYOUTS),
+              "qwen3_5": (QWEN3_5_DENSE_FLAGS, QWEN3_5_DENSE_LAYOUTS)}
+    models = {arch: tiny_with_torch_dist(arch, tmp_path_factory.mktemp(arch)) for arch in tables}
     layouts = {f"{arch}-{name}": (models[arch], tp, world, attention, [*flags, *extra])
-               for arch, flags, table in (("qwen3_next", QWEN3_NEXT_FLAGS, LAYOUTS),
-                                          ("qwen3_5_moe_vl", QWEN3_5_FLAGS, QWEN3_5_LAYOUTS))
-               for name, (tp, world, attention, extra) in table.items()}
+               for arch, (flags, table) in tables.items() for name, (tp, world, attention, extra) in table.items()}
     with rank_devices(2):
         results = run_all_models(tmp_path_factory.mktemp("runs"), layouts)
     return {arch: (model, {name.split("-", 1)[1]: r for name, r in results.items() if name.startswith(f"{arch}-")})
@@ -89,6 +96,11 @@ def tiny(runs: dict[str, Runs]) -> Runs:
 @pytest.fixture(scope="module")
 def qwen3_5(runs: dict[str, Runs]) -> Runs:
     return runs["qwen3_5_moe_vl"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dense(runs: dict[str, Runs]) -> Runs:
+    return runs["qwen3_5"]
 
 
 def test_log_probs_equal_hf(tiny) -> None:
@@ -137,6 +149,14 @@ def test_qwen3_5_one_step_equals_hf_and_is_the_same_at_tp2_sp_ep2(qwen3_5: Runs)
     """Every weight moves (the split gated delta net projections' among them) the same way at both layouts."""
     assert_log_probs_equal_hf(*qwen3_5, atol=ATOL)
     assert_same_step(qwen3_5[1]["tp1"], qwen3_5[1]["tp2_sp_ep2"], "tp2_sp_ep2", ATOL)
+
+
+def test_qwen3_5_dense_one_step_is_the_same_at_tp2_sp_and_pp2(qwen3_5_dense: Runs) -> None:
+    """Qwen3.5's dense MLP beside the gated delta nets; over two pipeline stages (two of them on each)."""
+    assert_log_probs_equal_hf(*qwen3_5_dense, atol=ATOL)
+    for name in ("tp2_sp", "pp2"):
+        assert_same_step(qwen3_5_dense[1]["tp1"], qwen3_5_dense[1][name], name, ATOL)
+    assert_every_name_published(*qwen3_5_dense)
 
 
 def test_qwen3_5_publishes_its_language_models_names(qwen3_5: Runs) -> None:
