@@ -169,7 +169,7 @@ def check_qwen3_next(config: dict[str, Any]) -> None:
     if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
         raise ValueError(f"config.json: linear_num_value_heads ({config['linear_num_value_heads']}) must be a "
                          f"multiple of linear_num_key_heads ({config['linear_num_key_heads']})")
-    if config["architectures"][0] in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+    if config["architectures"][0] not in MOE_ARCHITECTURES:  # Qwen3.5's dense models
         if routed_experts(config):
             raise ValueError(f"config.json: num_experts {routed_experts(config)} is not supported for "
                              f"{config['architectures'][0]}, whose MLP is dense (Qwen3.5's MoE is "
