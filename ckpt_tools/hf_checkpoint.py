@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ckpt_tools.architectures import mtp_layer_prefixes
+from ckpt_tools.architectures import GATED_DELTA_NET_ARCHITECTURES, mtp_layer_prefixes
 from ckpt_tools.mapping import Rule, rules
 from ckpt_tools.model_shape import ModelShape
 from ckpt_tools.qwen3_5_config import language_model_config
@@ -19,7 +19,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Weights HF checkpoints may carry that the model does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# A multimodal checkpoint's vision tower: not converted (slurmrl trains the language model), carried on export
+# A multimodal checkpoint's vision tower: not converted (slurmrl trains the language model)
 VISION_PREFIX = "model.visual."
 FUSED_EXPERTS_SUFFIX = ".mlp.experts.gate_up_proj"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -98,9 +98,9 @@ class HFCheckpoint:
             if self.shapes[name] != want:
                 raise CheckpointError(f"config.json and weights disagree: {name} is {list(self.shapes[name])}, "
                                       f"the config implies {list(want)}")
-        # The MTP layers config.json declares beyond those kept are described, and left out; so is a vision tower.
-        left_out = (*mtp_layer_prefixes(self.config, kept=s.mtp_layers),
-                    *((VISION_PREFIX,) if s.hf_prefix != "model." else ()))
+        # The MTP layers config.json declares beyond those kept are described, and left out; so are the tensors
+        # slurmrl never converts.
+        left_out = (*mtp_layer_prefixes(self.config, kept=s.mtp_layers), *unconverted_prefixes(s))
         extra = sorted(n for n in self.shapes if n not in needed and not n.endswith(IGNORED_SUFFIXES)
                        and not (s.tied_embeddings and n == "lm_head.weight")
                        and not (left_out and n.startswith(left_out)))
@@ -126,6 +126,13 @@ class HFCheckpoint:
             with safe_open(str(self.dir / self.weight_map[name]), framework="pt") as f:
                 out.append(f.get_tensor(name))
         return out
+
+
+def unconverted_prefixes(shape: ModelShape) -> tuple[str, ...]:
+    """The HF names of what slurmrl never converts (torch_dist -> HF writes them back from the original checkpoint,
+    ckpt_tools.original_checkpoint): a multimodal checkpoint's vision tower, Qwen3-Next's and Qwen3.5's mtp. module."""
+    return (*((VISION_PREFIX,) if shape.hf_prefix != "model." else ()),
+            *(("mtp.",) if shape.architecture in GATED_DELTA_NET_ARCHITECTURES else ()))
 
 
 def _attention_shapes(s: ModelShape, attn: str) -> dict[str, tuple[int, ...]]:

@@ -1,6 +1,7 @@
 """What torch_dist -> HF takes from the original checkpoint (the --hf-config folder, where it holds weights) besides
-its config: how it keeps its experts (fused or apart), and a multimodal checkpoint's vision tower, which slurmrl
-does not train and writes back unchanged, as slime's converter does (its --origin-hf-dir)."""
+its config: how it keeps its experts (fused or apart), and the tensors slurmrl never converts (a multimodal
+checkpoint's vision tower, Qwen3-Next's and Qwen3.5's mtp. module), written back unchanged, as slime's converter
+does (its --origin-hf-dir)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt_tools.hf_checkpoint import INDEX, SINGLE, VISION_PREFIX, CheckpointError, HFCheckpoint
+from ckpt_tools.hf_checkpoint import INDEX, SINGLE, VISION_PREFIX, CheckpointError, HFCheckpoint, unconverted_prefixes
 from ckpt_tools.model_shape import ModelShape
 
 
@@ -28,14 +29,13 @@ def read_original(hf_config_dir: Path, shape: ModelShape) -> Original:
     """The layout of the checkpoint in `hf_config_dir`; a folder without weights: experts apart, nothing carried
     (CheckpointError for a multimodal model, whose vision tower is only there)."""
     folder = Path(hf_config_dir)
-    multimodal = shape.hf_prefix != "model."
     if not (folder / SINGLE).is_file() and not (folder / INDEX).is_file():
-        if multimodal:
+        if shape.hf_prefix != "model.":  # multimodal
             raise CheckpointError(f"{folder} holds no weights: {shape.architecture} is multimodal, and its vision "
                                   f"tower ({VISION_PREFIX}, not trained) is copied from the original checkpoint: "
                                   "give its folder as --hf-config")
         return Original()
     original = HFCheckpoint(folder)
     carried = [(name, original.shapes[name], original.dtypes[name]) for name in sorted(original.shapes)
-               if multimodal and name.startswith(VISION_PREFIX)]
+               if name.startswith(unconverted_prefixes(shape))]
     return Original(original.shape.fused_experts, carried, original)

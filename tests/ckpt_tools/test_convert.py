@@ -189,8 +189,8 @@ def test_bad_max_shard_size_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_qwen3_next_mtp_module_is_left_out(tmp_path: Path, arch: str) -> None:
     """Qwen3-Next's (and Qwen3.5's) released checkpoints keep a multi-token prediction module under mtp. (which
-    slurmrl does not build): it converts without it, and back to HF without it; another stray tensor is still
-    refused."""
+    slurmrl does not build): it converts without it, and back to HF with it copied from --hf-config's weights (a
+    --hf-config without weights: without it); another stray tensor is still refused."""
     hf = make_tiny_hf(arch, tmp_path / "hf", tied=False)
     weights = safetensors.torch.load_file(hf / "model.safetensors")
     hidden = weights["model.norm.weight"].shape[0]
@@ -199,7 +199,10 @@ def test_qwen3_next_mtp_module_is_left_out(tmp_path: Path, arch: str) -> None:
     safetensors.torch.save_file({**weights, **mtp}, hf / "model.safetensors", metadata={"format": "pt"})
     stored = read_metadata(hf_to_torch_dist(hf, tmp_path / "td", progress=False)).state_dict_metadata
     assert not [key for key in stored if key.startswith("mtp.")]
-    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False)
+    assert roundtrip_differences(hf, torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False)) == []
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text((hf / "config.json").read_text())
+    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back2", tmp_path / "config_only", progress=False)
     assert roundtrip_differences(hf, back) == [f"{name} only in {hf}" for name in sorted(mtp)]
     safetensors.torch.save_file({**weights, "model.stray.weight": torch.randn(hidden)}, hf / "model.safetensors",
                                 metadata={"format": "pt"})
