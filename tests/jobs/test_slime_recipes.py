@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import validate, submit_cli
 from ckpt_tools.qwen3_5_config import language_model_config
 from contract.spec_loading import load_spec
+from jobs import submit_cli, validate
 from trainer.args import build_parser
 
 RECIPES = Path(__file__).parent / "slime_recipes"

@@ -18,7 +18,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from safetensors import safe_open
 
 from ckpt_tools.mapping import ModelShape
