@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
+# Qwen3.5: Qwen3-Next's layers (its MLP dense or MoE), the gated delta nets projecting q/k/v, z, b and a apart;
+# its released checkpoints are multimodal (the language model under model.language_model., a vision tower)
+QWEN3_5_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+QWEN3_5_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", *QWEN3_5_MOE_ARCHITECTURES)
+MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmForCausalLM",
-                           "Glm4ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM")
+                           "Glm4ForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", *QWEN3_5_ARCHITECTURES)
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-                     "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM")
+                     "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", *QWEN3_5_MOE_ARCHITECTURES)
 # MiniMax-M2: every layer's MLP is the experts' (Mixtral's checkpoint names: block_sparse_moe, w1/w3/w2), routed
 # by sigmoid scores with an expert bias, no shared experts; q/k norms over all heads at once, not per head
 MINIMAX_ARCHITECTURES = ("MiniMaxM2ForCausalLM",)
@@ -29,24 +34,20 @@ POST_NORM_ARCHITECTURES = ("Glm4ForCausalLM",)
 # Their config.json's attention_bias is a bias on q, k and v only (megatron's add_qkv_bias)
 QKV_BIAS_GLM_ARCHITECTURES = ("Glm4MoeForCausalLM", *DENSE_GLM_ARCHITECTURES)
 # q/k norms whatever config.json says (Qwen3's per head, MiniMax-M2's over all heads)
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", *MINIMAX_ARCHITECTURES)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", *QWEN3_5_ARCHITECTURES,
+                         *MINIMAX_ARCHITECTURES)
 # Said in errors: the families whose models slurmrl builds from config.json
-BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, Qwen3-Next, DeepSeek-V3, Kimi-K2, GLM-4 (and GLM-4-0414), "
-                  "GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2")
+BUILT_FAMILIES = ("Qwen2, Qwen3, Llama, Qwen3-MoE, Qwen3-Next, Qwen3.5 (dense and MoE), DeepSeek-V3, Kimi-K2, "
+                  "GLM-4 (and GLM-4-0414), GLM-4.5/4.7, GLM-4.7-Flash and MiniMax-M2")
 # slime's --spec layer specs (module, function) whose layers slurmrl builds itself, for these architectures
 # Qwen3-Next: gated delta net (linear-attention) layers between full-attention ones whose output is gated
 # (megatron's attention_output_gate), zero-centred norms (--apply-layernorm-1p), a gated shared expert
 QWEN3_NEXT_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+GATED_DELTA_NET_ARCHITECTURES = (*QWEN3_NEXT_ARCHITECTURES, *QWEN3_5_ARCHITECTURES)
 BUILT_SPECS = {("slime_plugins.models.glm4", "get_glm_spec"): DENSE_GLM_ARCHITECTURES,
                ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): MINIMAX_ARCHITECTURES,
-               ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): QWEN3_NEXT_ARCHITECTURES}
-# Qwen3.5's gated delta nets project q/k/v, z, b and a apart, and its checkpoints are multimodal
-QWEN3_5_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                         "Qwen3_5MoeForConditionalGeneration")
-QWEN3_5_BLOCKER = ("Qwen3.5's gated delta nets (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and its multimodal "
-                   "checkpoints are not built yet; Qwen3-Next's are")
-# slime's --spec layer specs of models slurmrl does not build, and why
-UNBUILT_SPECS = {("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): QWEN3_5_BLOCKER}
+               ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): QWEN3_NEXT_ARCHITECTURES,
+               ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): QWEN3_5_ARCHITECTURES}
 
 
 def routed_experts(config: dict[str, Any]) -> int:
@@ -70,9 +71,9 @@ def declared_mtp_layers(config: dict[str, Any]) -> int:
 
 def mtp_layer_prefixes(config: dict[str, Any], kept: int = 0) -> tuple[str, ...]:
     """The HF name prefixes of the MTP layers config.json declares, after the first `kept`: HF keeps MTP
-    layer k as decoder layer num_hidden_layers + k. Qwen3-Next's released checkpoints keep theirs under mtp.
-    (mtp.fc, mtp.layers.K, ...), which slurmrl does not build: always left out."""
-    if (config.get("architectures") or [None])[0] in QWEN3_NEXT_ARCHITECTURES:
+    layer k as decoder layer num_hidden_layers + k. Qwen3-Next's and Qwen3.5's released checkpoints keep
+    theirs under mtp. (mtp.fc, mtp.layers.K, ...), which slurmrl does not build: always left out."""
+    if (config.get("architectures") or [None])[0] in GATED_DELTA_NET_ARCHITECTURES:
         return ("mtp.",)
     first = int(config.get("num_hidden_layers") or 0)
     return tuple(f"model.layers.{layer}." for layer in range(first + kept, first + declared_mtp_layers(config)))
@@ -145,9 +146,9 @@ def check_expert_bias_moe(config: dict) -> None:
 
 
 def linear_attention_layers(config: dict[str, Any]) -> tuple[int, ...]:
-    """The layers whose token mixer is a gated delta net (Qwen3-Next's layer_types "linear_attention", or
-    all but every full_attention_interval-th); () for a model without."""
-    if config["architectures"][0] not in QWEN3_NEXT_ARCHITECTURES:
+    """The layers whose token mixer is a gated delta net (Qwen3-Next's and Qwen3.5's layer_types
+    "linear_attention", or all but every full_attention_interval-th); () for a model without."""
+    if config["architectures"][0] not in GATED_DELTA_NET_ARCHITECTURES:
         return ()
     layers = config["num_hidden_layers"]
     kinds = config.get("layer_types") or ["full_attention" if (i + 1) % config.get("full_attention_interval", 4) == 0
@@ -159,14 +160,24 @@ def linear_attention_layers(config: dict[str, Any]) -> tuple[int, ...]:
 
 
 def check_qwen3_next(config: dict[str, Any]) -> None:
-    """What slurmrl's Qwen3-Next computes like transformers' does, or ValueError naming the config.json field."""
+    """What slurmrl's Qwen3-Next (and Qwen3.5) computes like transformers' does, or ValueError naming the
+    config.json field."""
     linear_attention_layers(config)
+    if not config.get("attn_output_gate", True):
+        raise ValueError("config.json: attn_output_gate false is not supported: the full-attention layers' output "
+                         "is gated (q_proj gives each head's query, then its gate)")
+    if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
+        raise ValueError(f"config.json: linear_num_value_heads ({config['linear_num_value_heads']}) must be a "
+                         f"multiple of linear_num_key_heads ({config['linear_num_key_heads']})")
+    if config["architectures"][0] not in MOE_ARCHITECTURES:  # Qwen3.5's dense models
+        if routed_experts(config):
+            raise ValueError(f"config.json: num_experts {routed_experts(config)} is not supported for "
+                             f"{config['architectures'][0]}, whose MLP is dense (Qwen3.5's MoE is "
+                             "Qwen3_5MoeForCausalLM)")
+        return
     if not config.get("num_experts") or config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
         raise ValueError("config.json: num_experts, decoder_sparse_step and mlp_only_layers must make every layer's "
                          "MLP the experts' (num_experts > 0, decoder_sparse_step 1, no mlp_only_layers)")
     if not config.get("shared_expert_intermediate_size"):
         raise ValueError("config.json: shared_expert_intermediate_size must be above 0: Qwen3-Next's MoE has a gated "
                          "shared expert")
-    if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
-        raise ValueError(f"config.json: linear_num_value_heads ({config['linear_num_value_heads']}) must be a "
-                         f"multiple of linear_num_key_heads ({config['linear_num_key_heads']})")

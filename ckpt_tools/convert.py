@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from ckpt_tools.hf_checkpoint import CheckpointError, HFCheckpoint
 from ckpt_tools.mapping import (
-    ModelShape,
     Rule,
     hf_slice_shapes,
     rules,
@@ -29,6 +28,9 @@ from ckpt_tools.mapping import (
     to_hf,
     to_megatron,
 )
+from ckpt_tools.model_shape import ModelShape
+from ckpt_tools.original_checkpoint import read_original
+from ckpt_tools.qwen3_5_config import language_model_config
 from ckpt_tools.safetensors_stream import StreamingSafetensorsWriter
 from ckpt_tools.shard_size import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 from ckpt_tools.torch_dist import (
@@ -56,6 +58,14 @@ def _extra_state_payload() -> bytes:
 def _indices(rule: Rule, shape: ModelShape) -> list[tuple[int, ...]]:
     """The stacking index of every slice of a rule: (), (l,), (e,) or (l, e)."""
     return list(itertools.product(*(range(n) for n in stacking(rule, shape))))
+
+
+def _extra_state_shards(rule: Rule, shape: ModelShape, index: tuple[int, ...], stack: tuple[int, ...]
+                        ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, stacking) of each linear module's extra state in a slice: one, or each expert's of fused ones."""
+    if not rule.all_experts:
+        return [(index, stack)]
+    return [((*index, e), (*stack, shape.num_experts)) for e in range(shape.num_experts)]
 
 
 def _hf_names(rule: Rule, index: tuple[int, ...]) -> list[str]:
@@ -106,9 +116,10 @@ def hf_to_torch_dist(hf_dir: Path, out_dir: Path, *, iteration: int | None = 0, 
             ))
             if rule.linear:
                 module = rule.megatron.rsplit(".", 1)[0]
-                # megatron names an unstacked module's extra state as one of shape (1,)
-                offsets, sizes = ".".join(map(str, index or (0,))), ".".join(map(str, stack or (1,)))
-                extra[f"{module}.{EXTRA_STATE}/shard_{offsets}_{sizes}"] = payload
+                for where, over in _extra_state_shards(rule, shape, index, stack):
+                    # megatron names an unstacked module's extra state as one of shape (1,)
+                    offsets, sizes = ".".join(map(str, where or (0,))), ".".join(map(str, over or (1,)))
+                    extra[f"{module}.{EXTRA_STATE}/shard_{offsets}_{sizes}"] = payload
     tmp = _prepare_out(out_dir)
     try:
         folder = tmp / iteration_dirname(iteration)
@@ -143,16 +154,18 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
     config_path = Path(hf_config_dir) / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} not found: --hf-config must be a folder with the model's config.json")
-    config = json.loads(config_path.read_text())
     try:
         folder = resolve_checkpoint(Path(ckpt), step)
     except FileNotFoundError as err:
         raise CheckpointError(str(err)) from None
     stored = tensor_entries(read_metadata(folder))
     try:
+        config = language_model_config(json.loads(config_path.read_text()))
         shape = ModelShape.from_hf_config(config, _stored_vocab_multiple(stored, config), _stored_mtp_layers(stored))
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from None
+    original = read_original(Path(hf_config_dir), shape)
+    shape = replace(shape, fused_experts=original.fused_experts)
     slices = _plan_slices(stored, shape, folder, config_path, dtype)
 
     def load(item: _Slice) -> list[torch.Tensor]:
@@ -165,19 +178,23 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
 
     tmp = _prepare_out(out_dir)
     try:
-        writer = StreamingSafetensorsWriter(tmp, [o for item in slices for o in item.outputs], shard_bytes)
+        writer = StreamingSafetensorsWriter(tmp, [o for item in slices for o in item.outputs] + original.carried,
+                                            shard_bytes)
         with tqdm(total=writer.total_bytes, unit="B", unit_scale=True, desc="torch_dist -> hf",
                   disable=not progress) as bar, ThreadPoolExecutor(threads) as pool:
             lock = threading.Lock()
 
-            def convert(item: _Slice) -> None:
-                # Each thread reads, converts and writes its slice at its place: one slice in memory per thread.
-                for (name, _, _), tensor in zip(item.outputs, load(item)):
+            def convert(item: _Slice | str) -> None:
+                # Each thread reads, converts and writes its slice (or a carried tensor) at its place: one slice in
+                # memory per thread.
+                pairs = ([(item, original.read(item))] if isinstance(item, str)
+                         else zip([name for name, _, _ in item.outputs], load(item)))
+                for name, tensor in pairs:
                     writer.write(name, tensor)
                     with lock:
                         bar.update(tensor.numel() * tensor.element_size())
 
-            for _ in pool.map(convert, slices):
+            for _ in pool.map(convert, [*slices, *(name for name, _, _ in original.carried)]):
                 pass
         writer.close()
         for side in MODEL_FILES:

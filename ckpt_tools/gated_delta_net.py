@@ -34,9 +34,10 @@ from ckpt_tools.zigzag import whole_samples, zigzag_rows
 
 
 class LinearAttention(torch.nn.Module):
-    """transformers' Qwen3NextGatedDeltaNet over packed rows [t, hidden] (same parameters and names)."""
+    """transformers' Qwen3NextGatedDeltaNet (`split`: Qwen3_5GatedDeltaNet, whose q/k/v, z, b and a projections
+    are apart) over packed rows [t, hidden] (same parameters and names)."""
 
-    def __init__(self, config: TransformerConfig, backend: GdnBackend) -> None:
+    def __init__(self, config: TransformerConfig, backend: GdnBackend, split: bool = False) -> None:
         super().__init__()
         assert config.linear_num_key_heads and config.linear_num_value_heads
         assert config.linear_key_head_dim and config.linear_value_head_dim and config.linear_conv_kernel_dim
@@ -45,26 +46,41 @@ class LinearAttention(torch.nn.Module):
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key, value, hidden, dtype = self.k_heads * self.k_dim, self.v_heads * self.v_dim, config.hidden_size, \
             config.params_dtype
-        self.in_proj_qkvz = torch.nn.Linear(hidden, 2 * key + 2 * value, bias=False, dtype=dtype)
-        self.in_proj_ba = torch.nn.Linear(hidden, 2 * self.v_heads, bias=False, dtype=dtype)
+        widths = ({"in_proj_qkv": 2 * key + value, "in_proj_z": value, "in_proj_b": self.v_heads,
+                   "in_proj_a": self.v_heads} if split else {"in_proj_qkvz": 2 * key + 2 * value,
+                                                             "in_proj_ba": 2 * self.v_heads})
+        self.projections = list(widths)
+        for name, width in widths.items():
+            self.add_module(name, torch.nn.Linear(hidden, width, bias=False, dtype=dtype))
         self.conv1d = torch.nn.Conv1d(2 * key + value, 2 * key + value, config.linear_conv_kernel_dim,
                                       groups=2 * key + value, bias=False, dtype=dtype)
         self.dt_bias = torch.nn.Parameter(torch.ones(self.v_heads, dtype=dtype))
         self.A_log = torch.nn.Parameter(torch.empty(self.v_heads, dtype=dtype).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.v_dim, config.layernorm_epsilon, dtype)
         self.out_proj = torch.nn.Linear(value, hidden, bias=False, dtype=dtype)
-        for linear in (self.in_proj_qkvz, self.in_proj_ba):
-            config.init_method(linear.weight)
+        for name in self.projections:
+            config.init_method(getattr(self, name).weight)
         config.output_layer_init_method(self.out_proj.weight)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(q, k, v of every head, flat [t, 2 key + value]; z, b, a of each value head)."""
+        tokens = x.shape[0]
+        projected = [getattr(self, name)(x) for name in self.projections]
+        if len(projected) == 4:  # Qwen3.5's: q, k, v of all heads, then z, b, a apart
+            qkv, z, b, a = projected
+            return qkv, z, b, a
+        per_group = self.v_heads // self.k_heads
+        # Qwen3-Next's: per key head, its q, k, then its value heads' v and z; b, a likewise
+        qkvz, ba = projected
+        q, k, v, z = qkvz.view(tokens, self.k_heads, -1).split(
+            [self.k_dim, self.k_dim, per_group * self.v_dim, per_group * self.v_dim], dim=-1)
+        b, a = ba.view(tokens, self.k_heads, 2 * per_group).split([per_group, per_group], dim=-1)
+        return torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1), z, b, a
 
     def forward(self, x: Tensor, cu_seqlens: Tensor) -> Tensor:
         tokens = x.shape[0]
         per_group = self.v_heads // self.k_heads
-        # transformers' layout: per key head, its q, k, then its value heads' v and z; b, a likewise
-        qkvz = self.in_proj_qkvz(x).view(tokens, self.k_heads, -1)
-        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, per_group * self.v_dim, per_group * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(tokens, self.k_heads, 2 * per_group).split([per_group, per_group], dim=-1)
-        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+        mixed, z, b, a = self._project(x)
         mixed = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), cu_seqlens)
         q, k, v = mixed.split([self.k_heads * self.k_dim, self.k_heads * self.k_dim, self.v_heads * self.v_dim], -1)
         q, k = (t.reshape(tokens, self.k_heads, self.k_dim).repeat_interleave(per_group, dim=1) for t in (q, k))
@@ -93,11 +109,11 @@ class GatedDeltaNetAttention(MegatronModule):
     under SP), (output, None) out."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, backend: GdnBackend = "torch",
-                 **_: Any) -> None:
+                 split: bool = False, **_: Any) -> None:
         super().__init__(config=config)
         self.layer_number = layer_number
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
-        self.linear_attn = LinearAttention(config, backend)
+        self.linear_attn = LinearAttention(config, backend, split)
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None, **_: Any) -> tuple[Tensor, None]:
@@ -124,9 +140,11 @@ class GatedDeltaNetAttention(MegatronModule):
         return out, None
 
 
-def gated_delta_net_layer(layer: ModuleSpec, backend: GdnBackend) -> ModuleSpec:
-    """`layer`'s spec with a gated delta net for its token mixer (which holds the layer's input norm)."""
+def gated_delta_net_layer(layer: ModuleSpec, backend: GdnBackend, split: bool) -> ModuleSpec:
+    """`layer`'s spec with a gated delta net (`split`: Qwen3.5's projections) for its token mixer (which holds
+    the layer's input norm)."""
     layer = copy.deepcopy(layer)
     layer.submodules.input_layernorm = IdentityOp
-    layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNetAttention, params={"backend": backend})
+    layer.submodules.self_attention = ModuleSpec(module=GatedDeltaNetAttention,
+                                                 params={"backend": backend, "split": split})
     return layer

@@ -4,18 +4,24 @@ check that its config and weights agree before anything is converted."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ckpt_tools.architectures import mtp_layer_prefixes
-from ckpt_tools.mapping import ModelShape, Rule, rules
+from ckpt_tools.architectures import GATED_DELTA_NET_ARCHITECTURES, mtp_layer_prefixes
+from ckpt_tools.mapping import Rule, rules
+from ckpt_tools.model_shape import ModelShape
+from ckpt_tools.qwen3_5_config import language_model_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Weights HF checkpoints may carry that the model does not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint's vision tower: not converted (slurmrl trains the language model)
+VISION_PREFIX = "model.visual."
+FUSED_EXPERTS_SUFFIX = ".mlp.experts.gate_up_proj"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -32,7 +38,7 @@ class HFCheckpoint:
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} not found: --hf must be a Hugging Face model folder")
         try:
-            self.config = json.loads(config_path.read_text())
+            self.config = language_model_config(json.loads(config_path.read_text()))
             self.shape = ModelShape.from_hf_config(self.config, make_vocab_size_divisible_by, mtp_layers)
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{config_path}: cannot read {err}") from None
@@ -43,6 +49,8 @@ class HFCheckpoint:
         self.dtypes: dict[str, torch.dtype] = {}
         for file in sorted(set(self.weight_map.values())) or [SINGLE]:
             self._read_header(file)
+        if any(name.endswith(FUSED_EXPERTS_SUFFIX) for name in self.shapes):
+            self.shape = replace(self.shape, fused_experts=True)
         self._check_against_config()
 
     def _weight_map(self) -> dict[str, str]:
@@ -73,10 +81,11 @@ class HFCheckpoint:
     def _check_against_config(self) -> None:
         s = self.shape
         expected = {
-            "model.embed_tokens.weight": (s.vocab_size, s.hidden_size),
-            **_attention_shapes(s, f"model.layers.{s.first_full_attention_layer}.self_attn."),
+            s.hf_prefix + "embed_tokens.weight": (s.vocab_size, s.hidden_size),
+            **_attention_shapes(s, f"{s.hf_prefix}layers.{s.first_full_attention_layer}.self_attn."),
             **_linear_attention_shapes(self.config, s),
-            "model.norm.weight": (s.hidden_size,),
+            **_fused_expert_shapes(self.config, s),
+            s.hf_prefix + "norm.weight": (s.hidden_size,),
         }
         needed = set()
         for rule in rules(s):
@@ -89,8 +98,9 @@ class HFCheckpoint:
             if self.shapes[name] != want:
                 raise CheckpointError(f"config.json and weights disagree: {name} is {list(self.shapes[name])}, "
                                       f"the config implies {list(want)}")
-        # The MTP layers config.json declares beyond those kept are described, and left out.
-        left_out = mtp_layer_prefixes(self.config, kept=s.mtp_layers)
+        # The MTP layers config.json declares beyond those kept are described, and left out; so are the tensors
+        # slurmrl never converts.
+        left_out = (*mtp_layer_prefixes(self.config, kept=s.mtp_layers), *unconverted_prefixes(s))
         extra = sorted(n for n in self.shapes if n not in needed and not n.endswith(IGNORED_SUFFIXES)
                        and not (s.tied_embeddings and n == "lm_head.weight")
                        and not (left_out and n.startswith(left_out)))
@@ -118,6 +128,13 @@ class HFCheckpoint:
         return out
 
 
+def unconverted_prefixes(shape: ModelShape) -> tuple[str, ...]:
+    """The HF names of what slurmrl never converts (torch_dist -> HF writes them back from the original checkpoint,
+    ckpt_tools.original_checkpoint): a multimodal checkpoint's vision tower, Qwen3-Next's and Qwen3.5's mtp. module."""
+    return (*((VISION_PREFIX,) if shape.hf_prefix != "model." else ()),
+            *(("mtp.",) if shape.architecture in GATED_DELTA_NET_ARCHITECTURES else ()))
+
+
 def _attention_shapes(s: ModelShape, attn: str) -> dict[str, tuple[int, ...]]:
     """The attention projections' shapes the config implies."""
     if s.mla is None:  # a gated attention's q_proj gives each head's query, then its gate
@@ -135,16 +152,28 @@ def _attention_shapes(s: ModelShape, attn: str) -> dict[str, tuple[int, ...]]:
 
 
 def _linear_attention_shapes(config: dict, s: ModelShape) -> dict[str, tuple[int, ...]]:
-    """The first gated delta net layer's projections' shapes the config implies (Qwen3-Next's)."""
+    """The first gated delta net layer's projections' shapes the config implies (Qwen3-Next's fused, or
+    Qwen3.5's apart)."""
     if not s.linear_attention_layers:
         return {}
-    gdn = f"model.layers.{s.linear_attention_layers[0]}.linear_attn."
+    gdn = f"{s.hf_prefix}layers.{s.linear_attention_layers[0]}.linear_attn."
     key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
     value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
-    return {gdn + "in_proj_qkvz.weight": (2 * key + 2 * value, s.hidden_size),
-            gdn + "in_proj_ba.weight": (2 * config["linear_num_value_heads"], s.hidden_size),
+    heads = config["linear_num_value_heads"]
+    projections = ({"in_proj_qkv": 2 * key + value, "in_proj_z": value, "in_proj_b": heads, "in_proj_a": heads}
+                   if s.split_gdn_projections else {"in_proj_qkvz": 2 * key + 2 * value, "in_proj_ba": 2 * heads})
+    return {**{f"{gdn}{name}.weight": (rows, s.hidden_size) for name, rows in projections.items()},
             gdn + "conv1d.weight": (2 * key + value, 1, config["linear_conv_kernel_dim"]),
             gdn + "out_proj.weight": (s.hidden_size, value)}
+
+
+def _fused_expert_shapes(config: dict, s: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The first MoE layer's fused experts' shapes the config implies (each expert's gate and up rows, its down)."""
+    if not s.fused_experts:
+        return {}
+    experts, width = f"{s.hf_prefix}layers.{s.dense_layers}.mlp.experts.", config["moe_intermediate_size"]
+    return {experts + "gate_up_proj": (s.num_experts, 2 * width, s.hidden_size),
+            experts + "down_proj": (s.num_experts, s.hidden_size, width)}
 
 
 def _data_end(path: Path) -> int:

@@ -11,173 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ckpt_tools.architectures import (
-    DENSE_GLM_ARCHITECTURES,
-    EXPERT_BIAS_ARCHITECTURES,
-    MINIMAX_ARCHITECTURES,
-    MLA_ARCHITECTURES,
-    MOE_ARCHITECTURES,
-    MTP_ARCHITECTURES,
-    POST_NORM_ARCHITECTURES,
-    QK_NORM_ARCHITECTURES,
-    QKV_BIAS_GLM_ARCHITECTURES,
-    QWEN3_5_ARCHITECTURES,
-    QWEN3_5_BLOCKER,
-    QWEN3_NEXT_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
-    check_deepseek_v3,
-    check_expert_bias_moe,
-    check_minimax_m2,
-    check_qwen3_next,
-    declared_mtp_layers,
-    dense_first_layers,
-    linear_attention_layers,
-    routed_experts,
-)
-from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """DeepSeek's multi-latent attention (config.json names); q_lora_rank None: a plain q_proj."""
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the mapping needs to know of an HF config."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    padded_vocab_size: int
-    tied_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    num_experts: int  # 0 for dense models
-    mla: MLAShape | None = None
-    shared_experts: bool = False
-    expert_bias: bool = False  # the router's e_score_correction_bias (DeepSeek-V3's aux-loss-free balancing)
-    dense_layers: int = 0  # DeepSeek's first_k_dense_replace: the first layers' MLP is dense (intermediate_size)
-    # Multi-token prediction layers kept (--mtp-num-layers): megatron's mtp.layers.K, HF's decoder layer
-    # num_layers + K (a MoE layer with its own norms and input projection)
-    mtp_layers: int = 0
-    # The dense GLM-4s: HF fuses gate_proj and up_proj into mlp.gate_up_proj (megatron's linear_fc1 layout),
-    # rotates interleaved pairs, and (GLM-4-0414) normalises the attention's and the MLP's outputs
-    fused_gate_up: bool = False
-    rotary_interleaved: bool = False
-    post_norms: bool = False
-    # MiniMax-M2: q/k norms over all heads' dimensions at once, and Mixtral's checkpoint names for the MoE
-    full_qk_norm: bool = False
-    mixtral_names: bool = False
-    # Qwen3-Next: these layers' token mixer is a gated delta net (ckpt_tools.gated_delta_net, copied by HF's
-    # names); the others' attention output is gated (HF's q_proj gives each head's query, then its gate);
-    # one shared expert (HF's shared_expert) scaled by a sigmoid gate; zero-centred norms
-    linear_attention_layers: tuple[int, ...] = ()
-    attention_output_gate: bool = False
-    shared_expert_gate: bool = False
-    zero_centered_norms: bool = False
-
-    @classmethod
-    def from_hf_config(cls, config: dict, make_vocab_size_divisible_by: int = 1, mtp_layers: int = 0) -> ModelShape:
-        archs = config.get("architectures") or []
-        arch = archs[0] if archs else "(none)"
-        if arch in QWEN3_5_ARCHITECTURES:
-            raise ValueError(f"config.json architectures: {arch} is not supported: {QWEN3_5_BLOCKER}")
-        if len(archs) > 1 or arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"config.json architectures: {', '.join(archs) or arch} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        glm = arch in QKV_BIAS_GLM_ARCHITECTURES
-        # GLM's attention_bias is on q, k and v only (Qwen2's qkv bias)
-        for flag in ("mlp_bias", "use_sliding_window") if glm else ("attention_bias", "mlp_bias", "use_sliding_window"):
-            if config.get(flag):
-                raise ValueError(f"config.json: {flag}=true is not supported for {arch}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ValueError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
-        experts = routed_experts(config)
-        mixed = config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1
-        if arch == "Qwen3MoeForCausalLM" and mixed:
-            raise ValueError("config.json: mlp_only_layers / decoder_sparse_step mix dense and MoE layers, "
-                             "which is not supported; every layer must be MoE")
-        deepseek = arch in MLA_ARCHITECTURES
-        expert_bias = arch in EXPERT_BIAS_ARCHITECTURES
-        if expert_bias:
-            check_expert_bias_moe(config)
-        if deepseek:
-            check_deepseek_v3(config)
-        minimax = arch in MINIMAX_ARCHITECTURES
-        if minimax:
-            check_minimax_m2(config)
-        qwen3_next = arch in QWEN3_NEXT_ARCHITECTURES
-        if qwen3_next:
-            check_qwen3_next(config)
-        (mla_rope_kwargs if deepseek else gpt_rope_kwargs)(config)  # a RoPE megatron-core computes as transformers
-        if mtp_layers and arch not in MTP_ARCHITECTURES:
-            raise ValueError(f"--mtp-num-layers {mtp_layers}: {arch} has no multi-token prediction layers; "
-                             f"those that do: {', '.join(MTP_ARCHITECTURES)}")
-        if mtp_layers > declared_mtp_layers(config):
-            raise ValueError(f"num_nextn_predict_layers is {declared_mtp_layers(config)}, below --mtp-num-layers "
-                             f"{mtp_layers}: the checkpoint must hold every MTP layer trained")
-        vocab = config["vocab_size"]
-        multiple = max(1, make_vocab_size_divisible_by)
-        return cls(
-            architecture=arch,
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if deepseek
-            else config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=vocab,
-            padded_vocab_size=-(-vocab // multiple) * multiple,
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or (glm and bool(config.get("attention_bias"))),
-            qk_norm=arch in QK_NORM_ARCHITECTURES or (glm and bool(config.get("use_qk_norm"))),
-            num_experts=experts if arch in MOE_ARCHITECTURES else 0,
-            mla=MLAShape(config.get("q_lora_rank"), config["kv_lora_rank"], config["qk_nope_head_dim"],
-                         config["qk_rope_head_dim"], config["v_head_dim"]) if deepseek else None,
-            shared_experts=(expert_bias and bool(config.get("n_shared_experts"))) or qwen3_next,
-            expert_bias=expert_bias,
-            dense_layers=dense_first_layers(config) if expert_bias else 0,
-            mtp_layers=mtp_layers,
-            fused_gate_up=arch in DENSE_GLM_ARCHITECTURES,
-            rotary_interleaved=arch in DENSE_GLM_ARCHITECTURES,
-            post_norms=arch in POST_NORM_ARCHITECTURES,
-            full_qk_norm=minimax,
-            mixtral_names=minimax,
-            linear_attention_layers=linear_attention_layers(config),
-            attention_output_gate=qwen3_next,
-            shared_expert_gate=qwen3_next,
-            zero_centered_norms=qwen3_next,
-        )
-
-    @property
-    def layers_differ(self) -> bool:
-        """Whether megatron keys each layer apart (dense and MoE ones mixed, or linear and full attention)."""
-        return bool(self.dense_layers or self.linear_attention_layers)
-
-    @property
-    def first_full_attention_layer(self) -> int:
-        return next(i for i in range(self.num_layers) if i not in self.linear_attention_layers)
-
-    def moe_layer_pattern(self) -> list[int]:
-        """Megatron's --moe-layer-freq as a per-layer list: 1 for a MoE layer, 0 for a dense one."""
-        return [0] * self.dense_layers + [1] * (self.num_layers - self.dense_layers)
-
+from ckpt_tools.model_shape import MLAShape, ModelShape
 
 # How one Megatron slice relates to its HF tensors.
 COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
@@ -196,6 +30,9 @@ class Rule:
     # An HF tensor that repeats the Megatron one another rule reads (an MTP layer's own copy of the
     # embedding and of the output head): written to HF from it, never read from HF
     repeat: bool = False
+    # One HF tensor holds every expert of the layer along its first axis (fused experts): one slice of the
+    # megatron key stacked over experts, whose linear modules' extra state is still each expert's
+    all_experts: bool = False
 
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [name.format(l=layer, e=expert) for name in self.hf]
@@ -211,11 +48,22 @@ def rules(shape: ModelShape) -> list[Rule]:
     if not shape.tied_embeddings:
         tail.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, per_layer=False))
     if not shape.layers_differ:
-        return head + _layer_rules(shape, moe=bool(shape.num_experts)) + tail + _mtp_rules(shape)
-    kinds = {(moe, linear): _layer_rules(shape, moe=bool(moe), linear=linear) for moe in (0, 1)
-             for linear in (False, True)}
-    return head + [_in_layer(rule, layer) for layer, moe in enumerate(shape.moe_layer_pattern())
-                   for rule in kinds[moe, layer in shape.linear_attention_layers]] + tail + _mtp_rules(shape)
+        every = head + _layer_rules(shape, moe=bool(shape.num_experts)) + tail + _mtp_rules(shape)
+    else:
+        kinds = {(moe, linear): _layer_rules(shape, moe=bool(moe), linear=linear) for moe in (0, 1)
+                 for linear in (False, True)}
+        every = head + [_in_layer(rule, layer) for layer, moe in enumerate(_mlp_kinds(shape))
+                        for rule in kinds[moe, layer in shape.linear_attention_layers]] + tail + _mtp_rules(shape)
+    if shape.hf_prefix == "model.":
+        return every
+    # a multimodal checkpoint's language model: model.language_model.layers..., its lm_head where it was
+    return [replace(rule, hf=tuple(shape.hf_prefix + name.removeprefix("model.") if name.startswith("model.") else name
+                                   for name in rule.hf)) for rule in every]
+
+
+def _mlp_kinds(shape: ModelShape) -> list[int]:
+    """Each layer's MLP: 1 for the experts', 0 for a dense one."""
+    return shape.moe_layer_pattern() if shape.num_experts else [0] * shape.num_layers
 
 
 def _mtp_rules(shape: ModelShape) -> list[Rule]:
@@ -256,10 +104,11 @@ def _layer_rules(shape: ModelShape, moe: bool, linear: bool = False) -> list[Rul
     gate, up, down = ("w1", "w3", "w2") if shape.mixtral_names else ("gate_proj", "up_proj", "down_proj")
     out = []
     if linear:  # slime's names: the layer's input norm and transformers' module, under self_attention
+        projections = (("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+                       if shape.split_gdn_projections else ("in_proj_qkvz.weight", "in_proj_ba.weight"))
         out += [Rule(f"decoder.layers.self_attention.{name}", (f"model.layers.{{l}}.{name}",)) for name in (
             "input_layernorm.weight", *(f"linear_attn.{p}" for p in (
-                "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-                "out_proj.weight")))]
+                *projections, "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")))]
     elif shape.mla:
         out += _mla_rules(shape.mla)
     else:
@@ -301,12 +150,16 @@ def _layer_rules(shape: ModelShape, moe: bool, linear: bool = False) -> list[Rul
             ]
         if shape.shared_expert_gate:
             out.append(Rule("decoder.layers.mlp.shared_experts.gate_weight", (mlp + "shared_expert_gate.weight",)))
-        out += [
-            Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
-                 (expert + f"{gate}.weight", expert + f"{up}.weight"), GATE_UP, per_expert=True, linear=True),
-            Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", (expert + f"{down}.weight",),
-                 per_expert=True, linear=True),
-        ]
+        if shape.fused_experts:  # an expert's gate_up_proj rows are its linear_fc1 (gate rows, then up rows)
+            out += [Rule(f"decoder.layers.mlp.experts.experts.linear_fc{i}.weight", (mlp + f"experts.{name}",),
+                         linear=True, all_experts=True) for i, name in ((1, "gate_up_proj"), (2, "down_proj"))]
+        else:
+            out += [
+                Rule("decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                     (expert + f"{gate}.weight", expert + f"{up}.weight"), GATE_UP, per_expert=True, linear=True),
+                Rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", (expert + f"{down}.weight",),
+                     per_expert=True, linear=True),
+            ]
     else:
         out += [
             norm,

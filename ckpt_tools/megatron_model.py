@@ -37,10 +37,11 @@ from ckpt_tools.architectures import expert_ffn_size
 from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
 from ckpt_tools.gated_delta_net import gated_delta_net_layer
 from ckpt_tools.gated_delta_rule import GdnBackend
-from ckpt_tools.mapping import ModelShape
 from ckpt_tools.mla_attention import MLADotProductAttention
+from ckpt_tools.model_shape import ModelShape
 from ckpt_tools.mtp_model import MTPGPTModel
 from ckpt_tools.post_norm_layer import with_post_norms
+from ckpt_tools.qwen3_5_config import language_model_config
 from ckpt_tools.qwen3_next_norms import ZeroCenteredNorm
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
 
@@ -128,6 +129,7 @@ def transformer_config_from_hf(
     is padded as Megatron-LM does, to a multiple of make_vocab_size_divisible_by * tp.
     sequence_parallel needs tp > 1 and SP-capable norms (trainer.megatron.norm); etp (expert
     tensor parallel size) defaults to tp, as in megatron."""
+    hf_config = language_model_config(hf_config)
     shape = ModelShape.from_hf_config(hf_config, make_vocab_size_divisible_by * tp, mtp_layers)
     config_kwargs: dict[str, Any] = {
         "num_layers": shape.num_layers,
@@ -193,6 +195,7 @@ def build_gpt_model(
     `mtp_layers` MTP layers (ckpt_tools.mtp_model).
 
     The HF vocab size is kept as `model.hf_vocab_size` so logits can drop the padding."""
+    hf_config = language_model_config(hf_config)
     config, model_kwargs = transformer_config_from_hf(hf_config, tp, ep, make_vocab_size_divisible_by, params_dtype,
                                                       mtp_layers=mtp_layers)
     shape = ModelShape.from_hf_config(hf_config)
@@ -213,7 +216,7 @@ def build_gpt_model(
             attention.q_layernorm = attention.k_layernorm = norm
         return with_post_norms(layer, LayerNormImpl) if shape.post_norms and spec is None else layer
 
-    layers = stage_layer_specs(config, local_spec)
+    layers = stage_layer_specs(config, local_spec, split_gdn=shape.split_gdn_projections)
     # One layer spec: megatron repeats it (and picks the final norm); layers of several kinds: the block's list.
     mixed = isinstance(config.moe_layer_freq, list) or isinstance(config.linear_attention_freq, list)
     block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm) if mixed else layers[0]
@@ -240,18 +243,19 @@ def with_mtp_layers(config: TransformerConfig, block: ModuleSpec | TransformerBl
 
 
 def stage_layer_specs(config: TransformerConfig, layer_spec: Callable[[int | None], ModuleSpec],
-                      gdn_backend: GdnBackend = "torch") -> list[ModuleSpec]:
+                      gdn_backend: GdnBackend = "torch", split_gdn: bool = False) -> list[ModuleSpec]:
     """The spec of each of this pipeline stage's layers: layer_spec(config.num_moe_experts) for a
     MoE layer (or any layer of a model without a dense/MoE mix), layer_spec(None) for a dense one,
     as megatron's moe_layer_freq list says (get_gpt_decoder_layer_specs, for local specs); its token
-    mixer a gated delta net (with the `gdn_backend` kernel) where the linear_attention_freq list says 1."""
+    mixer a gated delta net (with the `gdn_backend` kernel; `split_gdn`: Qwen3.5's projections) where the
+    linear_attention_freq list says 1."""
     freq, linear = config.moe_layer_freq, config.linear_attention_freq
     kinds = list(zip(freq if isinstance(freq, list) else [1] * config.num_layers,
                      linear if isinstance(linear, list) else [0] * config.num_layers))
     specs = {}
     for moe, gdn in sorted(set(kinds)):
         spec = layer_spec(config.num_moe_experts if moe else None)
-        specs[moe, gdn] = gated_delta_net_layer(spec, gdn_backend) if gdn else spec
+        specs[moe, gdn] = gated_delta_net_layer(spec, gdn_backend, split_gdn) if gdn else spec
     offset = get_transformer_layer_offset(config)
     return [specs[kind] for kind in kinds[offset: offset + get_num_layers_to_build(config)]]
 

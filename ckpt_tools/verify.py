@@ -12,10 +12,12 @@ from pathlib import Path
 import psutil
 import torch
 
+from ckpt_tools.architectures import GATED_DELTA_NET_ARCHITECTURES
 from ckpt_tools.convert import hf_to_torch_dist, torch_dist_to_hf
 from ckpt_tools.hf_checkpoint import HFCheckpoint
 from ckpt_tools.hf_cpu_kernels import use_torch_kernels
 from ckpt_tools.inspect import roundtrip_differences
+from ckpt_tools.qwen3_5_config import language_model_config
 
 
 @dataclass
@@ -46,8 +48,8 @@ def logits_max_diff(hf_dir: Path, ckpt_folder: Path, prompts: int = 4, seq_len: 
         megatron_logits,
     )
 
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    if config.get("model_type") == "qwen3_next":  # the reference runs on the CPU, fla installed or not
+    config = language_model_config(json.loads((Path(hf_dir) / "config.json").read_text()))
+    if config["architectures"][0] in GATED_DELTA_NET_ARCHITECTURES:  # the reference runs on the CPU, fla or not
         use_torch_kernels()
     ids = torch.randint(0, config["vocab_size"], (prompts, seq_len), generator=torch.Generator().manual_seed(seed))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

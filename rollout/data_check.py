@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools.qwen3_5_config import language_model_config
 from rollout.data import DataError, read_prompt_rows
 
 CHECK_MAX_ROWS = 200_000  # rows read at submit; the rest is checked when the trainer reads the file
@@ -70,7 +71,7 @@ class _PromptLengths:
     def __init__(self, hf_checkpoint: str) -> None:
         self.hf_checkpoint = hf_checkpoint
         try:
-            config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+            config = language_model_config(json.loads((Path(hf_checkpoint) / "config.json").read_text()))
             self.context: int | None = config.get("max_position_embeddings")
         except (OSError, ValueError):
             self.context = None

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--spec", nargs=2, metavar=("MODULE", "FUNCTION"), help="slime's layer spec: accepted where slurmrl builds "
         "the same layers from config.json (slime_plugins.models.glm4 get_glm_spec: GLM-4; slime_plugins.models."
         "minimax_m2 get_minimax_m2_layer_spec: MiniMax-M2; slime_plugins.models.qwen3_next get_qwen3_next_spec: "
-        "Qwen3-Next), refused otherwise")
+        "Qwen3-Next; slime_plugins.models.qwen3_5 get_qwen3_5_spec: Qwen3.5, dense or MoE, its multimodal "
+        "checkpoints' language model), refused otherwise")
     add("--model-name", help="slime's converter name: must name config.json's model_type (slurmrl converts by it)")
     # multi-token prediction (DeepSeek-V3, GLM-4.5/4.7: config.json's num_nextn_predict_layers), slime's flags
     add("--mtp-num-layers", type=int, help="keep this many MTP layers in the model (checkpoints, publishing); "
@@ -299,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     gdn_backends = Choice(GDN_BACKENDS, {"flashqla": "FlashQLA's kernels are not shipped or tested with slurmrl; use "
                                                      "fla (its Triton kernels) or torch"})
     add("--qwen-gdn-backend", type=gdn_backends, metavar=gdn_backends.metavar, default="fla",
-        help="the kernel of Qwen3-Next's gated delta nets: fla (flash-linear-attention's Triton kernels, CUDA; "
-             "the trainer stops at start where fla is not installed) or torch (slurmrl's, any device, slower)")
+        help="the kernel of Qwen3-Next's and Qwen3.5's gated delta nets: fla (flash-linear-attention's Triton "
+             "kernels, CUDA; the trainer stops at start where fla is not installed) or torch (slurmrl's, any device, "
+             "slower)")
     add("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
         help="auto/sdpa: torch's scaled_dot_product_attention; flash: its flash kernel only (CUDA); fused: its "
              "cuDNN/memory-efficient kernels (CUDA); unfused/local: the unfused attention")

@@ -10,11 +10,11 @@ from ckpt_tools import rope
 from ckpt_tools.architectures import (
     DENSE_GLM_ARCHITECTURES,
     EXPERT_BIAS_ARCHITECTURES,
+    GATED_DELTA_NET_ARCHITECTURES,
     MLA_ARCHITECTURES,
     POST_NORM_ARCHITECTURES,
     QK_NORM_ARCHITECTURES,
     QKV_BIAS_GLM_ARCHITECTURES,
-    QWEN3_NEXT_ARCHITECTURES,
     dense_first_layers,
     expert_ffn_size,
     routed_experts,
@@ -33,7 +33,13 @@ def _expert_bias(c: dict[str, Any]) -> bool:
 
 
 def _qwen3_next(c: dict[str, Any]) -> bool:
-    return c["architectures"][0] in QWEN3_NEXT_ARCHITECTURES
+    """Qwen3-Next's layers (Qwen3.5's too): gated delta nets, gated attention, zero-centred norms."""
+    return c["architectures"][0] in GATED_DELTA_NET_ARCHITECTURES
+
+
+def _gated_shared_expert(c: dict[str, Any]) -> bool:
+    """Qwen3-Next's MoE (Qwen3.5-MoE's): a shared expert scaled by a sigmoid gate."""
+    return _qwen3_next(c) and bool(routed_experts(c))
 
 
 UNCHECKED = object()  # a model flag without effect for this model: any value is accepted
@@ -91,12 +97,13 @@ MODEL_FLAGS: dict[str, Any] = {
     "rotary_interleaved": lambda c: UNCHECKED if _deepseek(c) else c["architectures"][0] in DENSE_GLM_ARCHITECTURES,
     "post_self_attn_layernorm": lambda c: c["architectures"][0] in POST_NORM_ARCHITECTURES,
     "post_mlp_layernorm": lambda c: c["architectures"][0] in POST_NORM_ARCHITECTURES,
-    # Qwen3-Next: zero-centred norms, gated attention (slime's fork names it --use-gated-attention, megatron-core
-    # --attention-output-gate: one layout, HF's q_proj split into query and gate per head), a gated shared expert
+    # Qwen3-Next, Qwen3.5: zero-centred norms, gated attention (slime's fork names it --use-gated-attention,
+    # megatron-core --attention-output-gate: one layout, HF's q_proj split into query and gate per head), and in
+    # their MoE a gated shared expert
     "apply_layernorm_1p": _qwen3_next,
     "attention_output_gate": _qwen3_next,
     "use_gated_attention": _qwen3_next,
-    "moe_shared_expert_gate": _qwen3_next,
+    "moe_shared_expert_gate": _gated_shared_expert,
     # RoPE scaling (ckpt_tools.rope builds it from config.json): Llama 3.1's, or YaRN under MLA (DeepSeek-V3,
     # Kimi-K2); no scaling is factor 1, where YaRN's mscales have no effect (Moonlight's scripts give 1.0)
     "use_rope_scaling": lambda c: rope.rope_type(c) == "llama3",

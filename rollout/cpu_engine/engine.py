@@ -14,6 +14,7 @@ from ckpt_tools.hf_cpu_kernels import use_torch_kernels
 from rollout.cpu_engine.args import ServerArgs
 from rollout.cpu_engine.codec import Codec
 from rollout.cpu_engine.device import EngineDevice, open_device
+from rollout.cpu_engine.kv_batch import has_recurrent_layers
 from rollout.cpu_engine.scheduler import Scheduler
 from rollout.weight_group import UpdateGroup
 
@@ -78,7 +79,7 @@ def load_engine(args: ServerArgs) -> Engine:
     kinds = getattr(model.config, "layer_types", None) or []
     if any(kind not in ("full_attention", "linear_attention") for kind in kinds):
         raise EngineLoadError(f"{folder} uses sliding-window attention, which the stand-in engine does not support")
-    if device.torch_device.type == "cpu" and model.config.model_type == "qwen3_next":
+    if device.torch_device.type == "cpu" and has_recurrent_layers(model.config):
         use_torch_kernels()  # not fla's (Triton, CUDA only), where installed
     codec = Codec(tokenizer, model.config, args.model_path)
     model = device.place(model)

@@ -20,8 +20,9 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [kv_heads, tokens, 
 
 @dataclass
 class RecurrentCache:
-    """A hybrid model's (Qwen3-Next's) own transformers cache for one sequence: its gated delta net layers keep
-    a convolution and a recurrent state, not keys and values per token, which cannot be padded into a batch."""
+    """A hybrid model's (Qwen3-Next's, Qwen3.5's) own transformers cache for one sequence: its gated delta net
+    layers keep a convolution and a recurrent state, not keys and values per token, which cannot be padded into a
+    batch."""
 
     cache: Cache
     length: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -63,13 +64,29 @@ def _without_mtp_layers(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     return {name: t for name, t in tensors.items() if not name.startswith(skipped)} if skipped else tensors
 
 
+def _text_model_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                      targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """As transformers loads a checkpoint: a multimodal one's language model (Qwen3.5's model.language_model.)
+    under the names of the text model (model.), and what the model's class ignores on loading passed over (the
+    text Qwen3.5's: a vision tower, the mtp. module)."""
+    prefix = "model.language_model."
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    out = {}
+    for name, tensor in tensors.items():
+        if name not in targets and name.startswith(prefix):
+            name = "model." + name.removeprefix(prefix)
+        if name in targets or not any(p.search(name) for p in ignored):
+            out[name] = tensor
+    return out
+
+
 def plan_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor], complete: bool) -> Plan:
     """Check `tensors` against the model (WeightError if they do not fit) and pair each with its parameter.
 
     complete=True (a whole checkpoint) requires every parameter; tied parameters (an lm_head
     sharing the embedding) count as one and may come under either name."""
     targets = model.state_dict(keep_vars=True)
-    tensors, expert_plan = expert_views(_without_mtp_layers(model, tensors), targets)
+    tensors, expert_plan = expert_views(_text_model_names(model, _without_mtp_layers(model, tensors), targets), targets)
     unknown = sorted(set(tensors) - set(targets))
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""

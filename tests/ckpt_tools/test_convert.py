@@ -30,7 +30,8 @@ def _roundtrip(hf: Path, tmp: Path, **kwargs) -> Path:
                                             ("llama", False), ("llama", True), ("qwen3_moe", False),
                                             ("deepseek_v3", False), ("glm4_moe", False),
                                             ("glm4_moe_lite", False), ("glm", False), ("glm4", False),
-                                            ("minimax_m2", False), ("qwen3_next", False)])
+                                            ("minimax_m2", False), ("qwen3_next", False), ("qwen3_5", False),
+                                            ("qwen3_5", True), ("qwen3_5_moe", False), ("qwen3_5_moe_vl", False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_roundtrip_is_bit_identical(tmp_path: Path, arch: str, tied: bool, dtype: torch.dtype) -> None:
     hf = make_tiny_hf(arch, tmp_path / "hf", tied, dtype=dtype)
@@ -102,7 +103,6 @@ def test_missing_shard_is_refused(tmp_path: Path) -> None:
     ("num_hidden_layers", 3, "weights lack model.layers.2"),
     ("num_hidden_layers", 1, "tensors config.json does not describe"),
     ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel is not supported"),
-    ("architectures", ["Qwen3_5ForCausalLM"], "Qwen3_5ForCausalLM is not supported: Qwen3.5.s gated delta nets"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ("use_sliding_window", True, "use_sliding_window=true is not supported"),
 ])
@@ -186,10 +186,12 @@ def test_bad_max_shard_size_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def test_qwen3_next_mtp_module_is_left_out(tmp_path: Path) -> None:
-    """Qwen3-Next's released checkpoints keep a multi-token prediction module under mtp. (which slurmrl does not
-    build): it converts without it, and back to HF without it; another stray tensor is still refused."""
-    hf = make_tiny_hf("qwen3_next", tmp_path / "hf", tied=False)
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_qwen3_next_mtp_module_is_left_out(tmp_path: Path, arch: str) -> None:
+    """Qwen3-Next's (and Qwen3.5's) released checkpoints keep a multi-token prediction module under mtp. (which
+    slurmrl does not build): it converts without it, and back to HF with it copied from --hf-config's weights (a
+    --hf-config without weights: without it); another stray tensor is still refused."""
+    hf = make_tiny_hf(arch, tmp_path / "hf", tied=False)
     weights = safetensors.torch.load_file(hf / "model.safetensors")
     hidden = weights["model.norm.weight"].shape[0]
     mtp = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden), "mtp.norm.weight": torch.randn(hidden),
@@ -197,9 +199,40 @@ def test_qwen3_next_mtp_module_is_left_out(tmp_path: Path) -> None:
     safetensors.torch.save_file({**weights, **mtp}, hf / "model.safetensors", metadata={"format": "pt"})
     stored = read_metadata(hf_to_torch_dist(hf, tmp_path / "td", progress=False)).state_dict_metadata
     assert not [key for key in stored if key.startswith("mtp.")]
-    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False)
+    assert roundtrip_differences(hf, torch_dist_to_hf(tmp_path / "td", tmp_path / "back", hf, progress=False)) == []
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text((hf / "config.json").read_text())
+    back = torch_dist_to_hf(tmp_path / "td", tmp_path / "back2", tmp_path / "config_only", progress=False)
     assert roundtrip_differences(hf, back) == [f"{name} only in {hf}" for name in sorted(mtp)]
     safetensors.torch.save_file({**weights, "model.stray.weight": torch.randn(hidden)}, hf / "model.safetensors",
                                 metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="model.stray.weight"):
         hf_to_torch_dist(hf, tmp_path / "td2", progress=False)
+
+
+def test_qwen3_5_multimodal_keeps_its_vision_tower_and_fused_experts(tmp_path: Path) -> None:
+    """A released Qwen3.5-MoE checkpoint's layout: its language model converts (each layer's fused experts split
+    into megatron's per-expert slices, as transformers' per-expert save would be); the vision tower is not
+    converted but written back from --hf-config's weights, and the experts fused again (the round trip above);
+    a --hf-config without weights is refused, naming the vision tower."""
+    hf = make_tiny_hf("qwen3_5_moe_vl", tmp_path / "hf", tied=False)
+    names = set(safetensors.torch.load_file(hf / "model.safetensors"))
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names
+    assert any(name.startswith("model.visual.") for name in names)
+    stored = read_metadata(hf_to_torch_dist(hf, tmp_path / "td", progress=False)).state_dict_metadata
+    assert list(stored["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"].size) == [4, 64, 64]
+    assert not [key for key in stored if "visual" in key]
+    config = json.loads((hf / "config.json").read_text())
+    (tmp_path / "more_experts").mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / "more_experts" / name).write_bytes((hf / name).read_bytes())
+    config["text_config"]["num_experts"] = 8
+    (tmp_path / "more_experts" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"layers.0.mlp.experts.gate_up_proj is \[4, 64, 64\], the config "
+                                              r"implies \[8, 64, 64\]"):
+        hf_to_torch_dist(tmp_path / "more_experts", tmp_path / "td2", progress=False)
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((hf / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"holds no weights: .*vision tower \(model.visual."):
+        torch_dist_to_hf(tmp_path / "td", tmp_path / "back", config_only, progress=False)

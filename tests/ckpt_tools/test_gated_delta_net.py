@@ -1,6 +1,7 @@
 """Qwen3-Next's gated delta net over packed rows (ckpt_tools.gated_delta_net) computes transformers'
-Qwen3NextGatedDeltaNet on each sequence alone: forward and parameter gradients, sequences longer and shorter
-than the kernel's 64-token chunks, with no state crossing from one sequence to the next."""
+Qwen3NextGatedDeltaNet (and, its projections apart, Qwen3_5GatedDeltaNet) on each sequence alone: forward and
+parameter gradients, sequences longer and shorter than the kernel's 64-token chunks, with no state crossing from
+one sequence to the next."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers
 from megatron.core.transformer import TransformerConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from ckpt_tools.gated_delta_net import LinearAttention, sequence_bounds
@@ -21,23 +23,26 @@ LENGTHS = [70, 5, 130]  # over, under and over two chunks
 ATOL = 1e-5  # float32; the chunked solves sum in another order than transformers'
 
 
-def _pair() -> tuple[Qwen3NextGatedDeltaNet, LinearAttention]:
+def _pair(split: bool = False) -> tuple[Qwen3NextGatedDeltaNet, LinearAttention]:
+    """transformers' module (Qwen3.5's where `split`) and ours with its weights."""
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3NextConfig(**SHAPE, num_hidden_layers=4, num_attention_heads=4,
-                                             num_key_value_heads=2)
-    hf = Qwen3NextGatedDeltaNet(hf_config, layer_idx=0).float()
+    config_class, module = ((transformers.Qwen3_5TextConfig, Qwen3_5GatedDeltaNet) if split
+                            else (transformers.Qwen3NextConfig, Qwen3NextGatedDeltaNet))
+    hf_config = config_class(**SHAPE, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    hf = module(hf_config, layer_idx=0).float()
     with torch.no_grad():  # away from their initial values, so that a misread one shows
         hf.dt_bias.uniform_(-1, 1)
         hf.norm.weight.uniform_(0.5, 1.5)
     config = TransformerConfig(num_layers=1, num_attention_heads=4, layernorm_epsilon=1e-6,
                                use_cpu_initialization=True, **SHAPE)
-    ours = LinearAttention(config, "torch")
+    ours = LinearAttention(config, "torch", split)
     ours.load_state_dict(hf.state_dict())
     return hf, ours
 
 
-def test_packed_rows_are_transformers_sequences() -> None:
-    hf, ours = _pair()
+@pytest.mark.parametrize("split", [False, True], ids=["qwen3_next", "qwen3_5"])
+def test_packed_rows_are_transformers_sequences(split: bool) -> None:
+    hf, ours = _pair(split)
     rows = [torch.randn(n, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
     want = torch.cat([hf(row[None])[0] for row in rows])
     want.square().sum().backward()

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from ckpt_tools.architectures import (
     EXPERT_BIAS_ARCHITECTURES,
+    GATED_DELTA_NET_ARCHITECTURES,
     MINIMAX_ARCHITECTURES,
     MOE_ARCHITECTURES,
-    QWEN3_NEXT_ARCHITECTURES,
     dense_first_layers,
 )
 from ckpt_tools.convert import hf_to_torch_dist
@@ -35,6 +35,8 @@ from ckpt_tools.megatron_model import (
     megatron_logits,
     transformer_config_from_hf,
 )
+from ckpt_tools.model_shape import ModelShape
+from ckpt_tools.qwen3_5_config import language_model_config
 from ckpt_tools.torch_dist import read_metadata
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import init_rank, rank_devices
@@ -43,7 +45,7 @@ ATOL = 1e-5  # float32 end to end; TP only reorders sums
 # Qwen3-Next: float32 rounding of the gated delta rule (chunked triangular solves, exponentials of cumulative
 # decays): transformers' own float32 logits are 3.3e-5 from its float64 ones on such a model (40 tokens; a Qwen3's,
 # ~1e-6); a misplaced tensor is off by far more (test_naive_qkv_layout_is_caught)
-ARCH_ATOL = {"Qwen3NextForCausalLM": 1e-4}
+ARCH_ATOL = {arch: 1e-4 for arch in GATED_DELTA_NET_ARCHITECTURES}
 CASES = {  # id: (arch, tied embeddings)
     "qwen3": ("qwen3", False),
     "qwen2": ("qwen2", False),
@@ -60,6 +62,11 @@ CASES = {  # id: (arch, tied embeddings)
     "minimax_m2": ("minimax_m2", False),  # q/k norms over all heads (summed over TP), expert-bias MoE, half RoPE
     # gated delta nets (packed or not: each row a sequence) then gated attention; gated shared expert; 1p norms
     "qwen3_next": ("qwen3_next", False),
+    # Qwen3.5: the gated delta nets' projections apart; a dense MLP, or MoE; a multimodal checkpoint (its language
+    # model under model.language_model., a vision tower left aside) whose experts are fused, as released ones
+    "qwen3_5": ("qwen3_5", False),
+    "qwen3_5_moe": ("qwen3_5_moe", False),
+    "qwen3_5_moe_vl": ("qwen3_5_moe_vl", False),
 }
 INPUT_IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -103,7 +110,7 @@ class Cases:
         arch, tied = CASES[case_id]
         root = self._tmp_path_factory.mktemp(case_id)
         hf_dir = make_tiny_hf(arch, root / "hf", tied=tied)
-        hf_config = json.loads((hf_dir / "config.json").read_text())
+        hf_config = language_model_config(json.loads((hf_dir / "config.json").read_text()))
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             hf_logits = hf_model(INPUT_IDS).logits
@@ -142,7 +149,7 @@ PARALLEL_TESTS = {"test_parallel_load_matches_hf": "parallel", "test_tp2_sp_ep2_
 
 
 def _runs_tp2_sp_ep2(hf_config: dict) -> bool:
-    return hf_config["architectures"][0] in (*MINIMAX_ARCHITECTURES, *QWEN3_NEXT_ARCHITECTURES)
+    return hf_config["architectures"][0] in (*MINIMAX_ARCHITECTURES, *GATED_DELTA_NET_ARCHITECTURES)
 
 
 def _parallel_model(hf_config: dict) -> torch.nn.Module:
@@ -157,11 +164,13 @@ def _tp2_sp_ep2_model(hf_config: dict) -> torch.nn.Module:
 
     from trainer.megatron.attention import gpt_block_spec
 
-    init_parallel(tp=2, ep=2, etp=1)
-    config, model_kwargs = transformer_config_from_hf(hf_config, tp=2, ep=2, etp=1, sequence_parallel=True)
-    full_qk_norm = hf_config["architectures"][0] in MINIMAX_ARCHITECTURES
-    model = GPTModel(config=config, transformer_layer_spec=gpt_block_spec(config, "local", full_qk_norm=full_qk_norm),
-                     **model_kwargs)
+    moe = hf_config["architectures"][0] in MOE_ARCHITECTURES
+    init_parallel(tp=2, ep=2 if moe else 1, etp=1)
+    config, model_kwargs = transformer_config_from_hf(hf_config, tp=2, ep=2 if moe else 1, etp=1,
+                                                      sequence_parallel=True)
+    shape = ModelShape.from_hf_config(hf_config)
+    spec = gpt_block_spec(config, "local", full_qk_norm=shape.full_qk_norm, split_gdn=shape.split_gdn_projections)
+    model = GPTModel(config=config, transformer_layer_spec=spec, **model_kwargs)
     if torch.cuda.is_available():  # the torch norms are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
@@ -231,7 +240,7 @@ def test_tp2_sp_ep2_matches_hf(request, case: Case) -> None:
     q/k norms span the heads of both TP ranks; Qwen3-Next's gated delta nets run whole on each rank over the
     gathered sequence, its gated attention's query and gate split by head."""
     if not _runs_tp2_sp_ep2(case.hf_config):
-        pytest.skip("MiniMax-M2 and Qwen3-Next only")
+        pytest.skip("MiniMax-M2, Qwen3-Next and Qwen3.5 only")
     parallel_logits: ParallelLogits = request.getfixturevalue("parallel_logits")  # after the skip: spawns none for it
     for logits in parallel_logits.ranks(case.id, "tp2_sp_ep2"):
         _assert_close(logits, case.hf_logits, case.hf_config)
@@ -255,10 +264,11 @@ def test_naive_qkv_layout_is_caught(case: Case) -> None:
         pytest.skip("MLA has no fused q|k|v (test_mla_layout_and_routing_bias_are_checked covers it)")
     model = build_gpt_model(case.hf_config)
     load_torch_dist(model, case.ckpt_dir)
+    prefix = ModelShape.from_hf_config(case.hf_config).hf_prefix
     with torch.no_grad():
         for i, layer in enumerate(model.decoder.layers):
             if hasattr(layer.self_attention, "linear_qkv"):  # not a gated delta net (Qwen3-Next)
-                naive = torch.cat([case.hf_state[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+                naive = torch.cat([case.hf_state[f"{prefix}layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
                 layer.self_attention.linear_qkv.weight.copy_(naive)
     assert (megatron_logits(model, INPUT_IDS) - case.hf_logits).abs().max().item() > 100 * ATOL
 

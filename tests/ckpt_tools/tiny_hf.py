@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -81,6 +83,36 @@ _ARCHS["qwen3_next"] = (
          linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
          moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True),
 )
+# Qwen3.5: Qwen3-Next's layers with the gated delta nets' q/k/v, z, b and a projected apart; its MLP dense, or
+# (Qwen3.5-MoE) the experts' with a gated shared expert; RoPE over a quarter of each head by transformers' default
+_QWEN3_5 = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000000.0}, num_hidden_layers=4,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4)
+_QWEN3_5_MOE = dict(_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)
+_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    num_position_embeddings=16, patch_size=4)
+
+
+def _qwen3_5_moe_text_config(intermediate_size: int, **text: Any) -> transformers.PretrainedConfig:
+    """Qwen3.5-MoE's text config, which has no dense intermediate_size (every layer is MoE)."""
+    return transformers.Qwen3_5MoeTextConfig(**text)
+
+
+def _qwen3_5_moe_vl_config(tie_word_embeddings: bool, **text: Any) -> transformers.PretrainedConfig:
+    """Qwen3.5-MoE's released layout: the language model's fields under text_config, a vision tower's beside."""
+    return transformers.Qwen3_5MoeConfig(
+        text_config=_qwen3_5_moe_text_config(**text, tie_word_embeddings=tie_word_embeddings).to_dict(),
+        vision_config=_TINY_VISION, tie_word_embeddings=tie_word_embeddings)
+
+
+_ARCHS["qwen3_5"] = (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, _QWEN3_5)
+_ARCHS["qwen3_5_moe"] = (_qwen3_5_moe_text_config, transformers.Qwen3_5MoeForCausalLM, _QWEN3_5_MOE)
+
+
+# saved as the released checkpoints keep it: each layer's experts fused (mlp.experts.gate_up_proj, down_proj)
+_ARCHS["qwen3_5_moe_vl"] = (_qwen3_5_moe_vl_config, transformers.Qwen3_5MoeForConditionalGeneration, _QWEN3_5_MOE)
+ZERO_CENTRED_NORMS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_vl")
 # As real DeepSeek-V3 (3) and Kimi-K2 (1) checkpoints: the first layer's MLP is dense (intermediate_size), the
 # next two are MoE.
 _ARCHS["deepseek_v3_dense_first"] = (*_ARCHS["deepseek_v3"][:2],
@@ -111,7 +143,7 @@ def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # Qwen3-Next's zero-centred norms scale by 1 + weight (its gated one by weight)
-                centre = 0.0 if arch == "qwen3_next" and "linear_attn.norm" not in name else 1.0
+                centre = 0.0 if arch in ZERO_CENTRED_NORMS and "linear_attn.norm" not in name else 1.0
                 param.copy_(centre + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
@@ -122,7 +154,26 @@ def make_tiny_hf(arch: str, out_dir: str | Path, tied: bool, seed: int = 0,
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     if mtp_layers:
         _add_mtp_layers(out_dir, mtp_layers, config.num_hidden_layers)
+    if arch == "qwen3_5_moe_vl":
+        fuse_experts(out_dir)
     return out_dir
+
+
+def fuse_experts(hf_dir: Path) -> None:
+    """Rewrite a single-file checkpoint's per-expert tensors (transformers' save) as each layer's two fused ones:
+    mlp.experts.gate_up_proj [E, 2I, H] (an expert's gate rows, then its up rows) and down_proj [E, H, I]."""
+    weights = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    layers = sorted({name.split(".experts.")[0] for name in weights if ".mlp.experts.0.gate_proj" in name})
+    for layer in layers:
+        down = re.compile(rf"{re.escape(layer)}\.experts\.\d+\.down_proj\.weight")
+        count = sum(1 for name in weights if down.fullmatch(name))
+        projections = ("gate_proj", "up_proj", "down_proj")
+        experts = [{proj: weights.pop(f"{layer}.experts.{e}.{proj}.weight") for proj in projections}
+                   for e in range(count)]
+        weights[f"{layer}.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]])
+                                                                for x in experts])
+        weights[f"{layer}.experts.down_proj"] = torch.stack([x["down_proj"] for x in experts])
+    safetensors.torch.save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 def _add_mtp_layers(hf_dir: Path, count: int, layers: int) -> None:

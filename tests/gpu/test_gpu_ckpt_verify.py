@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm4",
-                                  "minimax_m2", "qwen3_next"])
+                                  "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_moe_vl"])
 def test_verify_passes_on_the_gpu(arch: str, tmp_path: Path) -> None:
     hf = make_tiny_hf(arch, tmp_path / "hf", tied=False)
     done = subprocess.run([sys.executable, "-m", "ckpt_tools", "verify", "--hf", str(hf)], capture_output=True,

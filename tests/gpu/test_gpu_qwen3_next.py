@@ -3,7 +3,9 @@ gated delta rule over packed rows computes what slurmrl's torch kernel computes 
 trains); and a tiny Qwen3-Next trains in the RL loop on one GPU (`python -m trainer` from slime's model flags, the
 torch kernel) with one stand-in engine on the same GPU (transformers' Qwen3Next, which decodes with fla's kernels
 where installed) behind the real sglang-router, new weights through disk each rollout, each version on policy.
-The CPU twins: tests/ckpt_tools/test_gated_delta_net.py and tests/trainer/test_megatron_qwen3_next.py."""
+Qwen3.5 likewise: its gated delta nets' separate projections under fla, and its multimodal MoE checkpoint in the RL
+loop (the engine serving its language model). The CPU twins: tests/ckpt_tools/test_gated_delta_net.py and
+tests/trainer/test_megatron_qwen3_next.py."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from tests.ckpt_tools.test_gated_delta_net import LENGTHS, SHAPE
 from tests.ckpt_tools.tiny_hf import tiny_hf_with_tokenizer
 from tests.gpu.gpu_cluster import needs_gpus
 from tests.rollout.servers import engines_behind_router
-from tests.trainer.test_megatron_qwen3_next import QWEN3_NEXT_FLAGS
+from tests.trainer.test_megatron_qwen3_next import QWEN3_5_FLAGS, QWEN3_NEXT_FLAGS
 from tests.trainer.test_rl_loop import metrics, trainer
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1),
@@ -34,21 +36,24 @@ pytestmark = [pytest.mark.gpu, needs_gpus(1),
 SAME_GPU = 2e-2
 
 
-def _kernels(dtype: torch.dtype) -> tuple[LinearAttention, LinearAttention, torch.Tensor, torch.Tensor]:
-    """The torch and the fla kernel's layers, the same weights; packed rows and their bounds."""
+def _kernels(dtype: torch.dtype, split: bool = False
+             ) -> tuple[LinearAttention, LinearAttention, torch.Tensor, torch.Tensor]:
+    """The torch and the fla kernel's layers (`split`: Qwen3.5's projections), the same weights; packed rows and
+    their bounds."""
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=1, num_attention_heads=4, layernorm_epsilon=1e-6, params_dtype=dtype,
                                **SHAPE)
-    torch_kernel = LinearAttention(config, "torch").cuda()
-    fla = LinearAttention(config, "fla").cuda()
+    torch_kernel = LinearAttention(config, "torch", split).cuda()
+    fla = LinearAttention(config, "fla", split).cuda()
     fla.load_state_dict(torch_kernel.state_dict())
     rows = torch.randn(sum(LENGTHS), SHAPE["hidden_size"], device="cuda", dtype=dtype)
     return torch_kernel, fla, rows, torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
-def test_fla_computes_the_torch_kernel_over_packed_rows(dtype: torch.dtype, atol: float) -> None:
-    torch_kernel, fla, rows, cu = _kernels(dtype)
+def test_fla_computes_the_torch_kernel_over_packed_rows(dtype: torch.dtype, atol: float, split: bool) -> None:
+    torch_kernel, fla, rows, cu = _kernels(dtype, split)
     with torch.no_grad():
         want, got = torch_kernel(rows, cu).float(), fla(rows, cu).float()
     assert (got - want).abs().max() < atol * want.abs().max(), f"max |fla - torch| {(got - want).abs().max():.3g}"
@@ -73,15 +78,16 @@ def test_fla_trains_as_the_torch_kernel_or_the_trainer_says_why_not() -> None:
         assert diff < 2e-2 * ours.abs().max(), f"{name}: gradients {diff:.3g} apart"
 
 
-def test_a_qwen3_next_trains_on_policy_with_its_engine_on_the_gpu(tmp_path: Path) -> None:
-    model = tiny_hf_with_tokenizer("qwen3_next", tmp_path / "models", seed=0)
+@pytest.mark.parametrize(("arch", "flags"), [("qwen3_next", QWEN3_NEXT_FLAGS), ("qwen3_5_moe_vl", QWEN3_5_FLAGS)])
+def test_a_qwen3_next_trains_on_policy_with_its_engine_on_the_gpu(tmp_path: Path, arch: str, flags: list[str]) -> None:
+    model = tiny_hf_with_tokenizer(arch, tmp_path / "models", seed=0)
     data = write_toy_data(tmp_path / "toy.jsonl", num_prompts=64)
     servers = tmp_path / "servers"
     servers.mkdir()
     engine_flags = ("--device", "cuda", "--mem-fraction-static", "0.2", "--skip-server-warmup")
     with engines_behind_router(model, servers, count=1, deterministic=True, flags=engine_flags) as (router, _):
         trainer((model, data), router, tmp_path / "job", "--num-rollout", "3", "--rollout-batch-size", "8",
-                "--lr", "5e-2", "--train-backend", "megatron", "--update-weight-transport", "disk", *QWEN3_NEXT_FLAGS,
+                "--lr", "5e-2", "--train-backend", "megatron", "--update-weight-transport", "disk", *flags,
                 "--true-on-policy-mode", "--true-on-policy-tolerance", str(SAME_GPU))
     rows = metrics(tmp_path / "job")
     assert [m["rollout_id"] for m in rows] == [0, 1, 2]

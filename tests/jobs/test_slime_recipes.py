@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import validate, submit_cli
+from ckpt_tools.qwen3_5_config import language_model_config
 from contract.spec_loading import load_spec
+from jobs import submit_cli, validate
 from trainer.args import build_parser
 
 RECIPES = Path(__file__).parent / "slime_recipes"
@@ -64,6 +65,33 @@ CONFIGS["Qwen3-Next-80B-A3B-Thinking"] = {  # Qwen/Qwen3-Next-80B-A3B-Thinking's
     "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 
+# Qwen3.5's checkpoints are multimodal: the language model's fields under text_config (what slime's flags give, and
+# Qwen3.5's rotary); the gated delta nets' widths (no flag gives them) are Qwen3_5TextConfig's defaults
+_QWEN3_5_TEXT = {"hidden_act": "silu", "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": 248320,
+                 "max_position_embeddings": 262144, "attention_bias": False, "tie_word_embeddings": False,
+                 "attn_output_gate": True, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                 "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                 "linear_num_value_heads": 32, "model_type": "qwen3_5_text",
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                     "mrope_interleaved": True, "mrope_section": [11, 11, 10]}}
+
+
+def _qwen3_5(**text: object) -> dict:
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "tie_word_embeddings": False, "text_config": {**_QWEN3_5_TEXT, **text},
+            "vision_config": {"model_type": "qwen3_5_vision", "depth": 27, "hidden_size": 1152}}
+
+
+CONFIGS["Qwen3.5-27B"] = _qwen3_5(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                                  num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48)
+CONFIGS["models/Qwen3.5-9B"] = _qwen3_5(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                                        num_attention_heads=16, num_key_value_heads=4)
+CONFIGS["Qwen3.5-35B-A3B"] = {**_qwen3_5(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                          num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                          moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                          model_type="qwen3_5_moe_text"),
+                               "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe"}
+
 
 def _recipe_argv(name: str, root: Path, num_gpus: int = 8) -> list[str]:
     """The recipe's train.py arguments, expanded by bash exactly as slime's script expands them."""
@@ -81,7 +109,8 @@ def _files(root: Path) -> None:
         (root / f"{model}_torch_dist").mkdir()
     (root / "Kimi-K2_torch_dist").mkdir()  # run-kimi-k2-Instruct's --ref-load
     row = {"prompt": [{"role": "user", "content": "1 + 1?"}], "label": "2"}
-    for path in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl", "rl_data/aime-2024.jsonl"):
+    for path in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl", "rl_data/aime-2024.jsonl",
+                 "datasets/dapo-math-17k/dapo-math-17k.jsonl"):
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(json.dumps(row) + "\n")
     import pyarrow
@@ -199,14 +228,18 @@ def test_deepseek_and_kimi_recipes_model_flags_agree_with_config_json(root: Path
                               "num_hidden_layers 61)"), problem
 
 
-def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """slime's Qwen3-Next-80B-A3B model flags (its --spec, gated attention, zero-centred norms, a quarter of each
-    head rotated, 512 experts with a gated shared expert) agree with the real model's config.json; the recipe
-    itself is refused at submission for DeepEP alone; a flag that disagrees is named."""
-    from trainer.config.model_checks import model_flag_problems
+@pytest.mark.parametrize("recipe, model", [("run-qwen3-next-80B-A3B", "Qwen3-Next-80B-A3B-Thinking"),
+                                           ("run-qwen3.5-35B-A3B-sft", "Qwen3.5-35B-A3B")])
+def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, recipe: str, model: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """slime's Qwen3-Next-80B-A3B and Qwen3.5-35B-A3B model flags (their --spec, gated attention, zero-centred
+    norms, a quarter of each head rotated, 512 or 256 experts with a gated shared expert) agree with the model's
+    config.json (Qwen3.5's text_config); the recipe itself is refused at submission for DeepEP alone; a flag that
+    disagrees is named."""
+    from trainer.config.model_checks import model_flag_problems, read_hf_config
     from trainer.config.sections import ShapeFlags
 
-    argv = _recipe_argv("run-qwen3-next-80B-A3B", root)
+    argv = _recipe_argv(recipe, root)
     assert submit_cli.main(argv + ["--dry-run"]) == 2
     (err,) = capsys.readouterr().err.splitlines()
     assert "flex: megatron's flex dispatcher runs on DeepEP" in err, err
@@ -216,7 +249,40 @@ def test_the_qwen3_next_recipes_model_flags_agree_with_config_json(root: Path, c
         train_args = _without(train_args, *refused)
     args = build_parser().parse_args(train_args)
     given = {name: getattr(args, name) for name in ShapeFlags.__dataclass_fields__}
-    model = "Qwen3-Next-80B-A3B-Thinking"
-    assert model_flag_problems(given, str(root / model), CONFIGS[model]) == []
-    (problem,) = model_flag_problems(given, str(root / model), {**CONFIGS[model], "partial_rotary_factor": 0.5})
+    config = read_hf_config(str(root / model))
+    assert model_flag_problems(given, str(root / model), config) == []
+    (problem,) = model_flag_problems(given, str(root / model), {**config, "num_experts": 64})
+    assert problem.startswith(f"--num-experts {config['num_experts']} disagrees with") and "(64)" in problem, problem
+
+
+def test_the_qwen3_5_recipes_pass_dry_run(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/fully_async's Qwen3.5-9B passes as slime's Qwen3 recipes do, and so does slime's Qwen3.5-27B recipe
+    (its --spec slime_plugins.models.qwen3_5 get_qwen3_5_spec, TP4 + SP, PP2 with 30 layers in the last stage,
+    CP4, colocated on 4 nodes) but for its --attention-backend flash, which slurmrl's context-parallel attention
+    lacks (refused alone); every model flag is checked against the multimodal config.json's text_config, and one
+    that disagrees is named."""
+    from trainer.config.model_checks import model_flag_problems
+    from trainer.config.sections import ShapeFlags
+
+    async_argv = _recipe_argv("run-qwen3.5-9B-fully_async", root)
+    assert submit_cli.main(["train_async.py", *async_argv, "--dry-run"]) == 0, capsys.readouterr().err
+    assert "#SBATCH hetjob" in capsys.readouterr().out, "the engines have GPUs of their own (no --colocate)"
+
+    argv = _recipe_argv("run-qwen3.5-27B", root)
+    assert submit_cli.main(argv + ["--dry-run"]) == 2
+    (err,) = capsys.readouterr().err.splitlines()
+    assert "--attention-backend flash: the megatron backend's context-parallel attention has no flash kernel" in err
+    argv[argv.index("--attention-backend") + 1] = "auto"
+    assert submit_cli.main(argv + ["--dry-run"]) == 0, capsys.readouterr().err
+    assert "#SBATCH --nodes=4" in capsys.readouterr().out
+    spec, problems = load_spec(None, argv)
+    assert problems == []
+    args = build_parser().parse_args(spec.trainer.train_args)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+            args.decoder_last_pipeline_num_layers) == (4, 2, 4, 30)
+    given = {name: getattr(args, name) for name in ShapeFlags.__dataclass_fields__}
+    text = CONFIGS["Qwen3.5-27B"]["text_config"]
+    wrong = {**CONFIGS["Qwen3.5-27B"], "text_config": {**text, "rope_parameters": {
+        **text["rope_parameters"], "partial_rotary_factor": 0.5}}}
+    (problem,) = model_flag_problems(given, str(root / "Qwen3.5-27B"), language_model_config(wrong))
     assert problem.startswith("--rotary-percent 0.25 disagrees with"), problem

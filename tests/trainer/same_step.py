@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tools.convert import hf_to_torch_dist
+from ckpt_tools.qwen3_5_config import language_model_config
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
 from tests.trainer.test_megatron_backend import ATOL, _hf_logps, _samples, run_all
@@ -42,7 +43,8 @@ def assert_same_critic_step(base: dict, other: dict) -> None:
 
 def assert_log_probs_equal_hf(model: Path, results: dict[str, dict], atol: float = ATOL) -> None:
     """Every layout's log-probs are transformers' own, on the model's samples."""
-    expected = _hf_logps(model, _samples(json.loads((model / "config.json").read_text())["vocab_size"]))
+    config = language_model_config(json.loads((model / "config.json").read_text()))
+    expected = _hf_logps(model, _samples(config["vocab_size"]))
     for name, result in results.items():
         for i, want in enumerate(expected):
             diff = (result["logps"][i][0] - want).abs().max()

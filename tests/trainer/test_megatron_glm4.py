@@ -90,8 +90,8 @@ def test_flags_that_do_not_fit_the_checkpoint_are_named(tiny, tmp_path: Path) ->
     with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.qwen3_next get_qwen3_next_spec builds "
                                         r"Qwen3NextForCausalLM layers, but .* is a Glm4ForCausalLM: drop --spec"):
         _check(model, ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"])
-    with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec: Qwen3.5's gated "
-                                        r"delta nets .* not built yet; Qwen3-Next's are; slurmrl builds .*GLM-4 "):
+    with pytest.raises(ArgsError, match=r"--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec builds "
+                                        r"Qwen3_5ForCausalLM, .* layers, but .* is a Glm4ForCausalLM: drop --spec"):
         _check(model, ["--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec"])
     with pytest.raises(ArgsError, match=r"--spec my_plugins.layers get_spec: custom layer specs are not supported; "
                                         r"slurmrl builds .*GLM-4 \(and GLM-4-0414\)"):

@@ -6,7 +6,11 @@ and the same loss, grad norm and new weights at TP=1 (unfused and fused attentio
 over the two ranks (EP=2), at DP=2 and at CP=2 (every CP rank runs the gated delta nets over whole samples);
 PP=2 of a MoE needs the alltoall dispatcher (CUDA only). Flags that do not fit the checkpoint are named. End to
 end (`python -m trainer`, a stand-in engine serving transformers' Qwen3Next behind the real router): every
-published version reaches the engine intact (on policy), over a weight-update group."""
+published version reaches the engine intact (on policy), over a weight-update group.
+
+Qwen3.5-MoE likewise (slime's scripts/models/qwen3.5-35B-A3B.sh flags, its --spec slime_plugins.models.qwen3_5
+get_qwen3_5_spec), from a released checkpoint's layout (multimodal, experts fused): one RL step at TP=1 and at
+TP=2 + SP + EP=2, in the same spawns as Qwen3-Next's."""
 
 from __future__ import annotations
 
@@ -14,18 +18,20 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from ckpt_tools.mapping import ModelShape
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import rank_devices
 from tests.trainer.same_step import (
     assert_every_name_published,
     assert_log_probs_equal_hf,
     assert_same_step,
-    run_layouts,
     tiny_with_torch_dist,
 )
+from tests.trainer.test_megatron_backend import run_all_models
 from tests.trainer.test_megatron_glm4 import _check, assert_rl_loop_on_policy
-from trainer.args import ArgsError
+from trainer.args import ArgsError, read_hf_config
 
 # scripts/models/qwen3-next-80B-A3B.sh at the tiny model's sizes, but for --moe-token-dispatcher-type alltoall (CUDA
 # only) and the gated delta rule's kernel (fla's is CUDA only)
@@ -51,13 +57,51 @@ LAYOUTS = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", []), "tp2_sp_e
            # the dense and expert gradients summed in small buckets during the backward (trainer.grad_buckets)
            "dp2": (1, 2, "sdpa", ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
            "cp2": (1, 2, "sdpa", ["--context-parallel-size", "2"])}
+# scripts/models/qwen3.5-35B-A3B.sh at the tiny model's sizes, as QWEN3_NEXT_FLAGS; --ffn-hidden-size is an expert's
+# width there (the config has no dense one)
+QWEN3_5_FLAGS = [
+    "--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec",
+    *QWEN3_NEXT_FLAGS[QWEN3_NEXT_FLAGS.index("get_qwen3_next_spec") + 1:]]
+QWEN3_5_FLAGS[QWEN3_5_FLAGS.index("--ffn-hidden-size") + 1] = "32"
+QWEN3_5_LAYOUTS = {"tp1": (1, 1, "local", []), "tp2_sp_ep2": (2, 2, "local", EP2)}
+# scripts/models/qwen3.5-9B.sh (dense) at the tiny model's sizes; its 27B sibling's recipe splits the layers over
+# two pipeline stages
+QWEN3_5_DENSE_FLAGS = [*QWEN3_5_FLAGS[:QWEN3_5_FLAGS.index("--moe-ffn-hidden-size")], "--attention-output-gate",
+                       "--qwen-gdn-backend", "torch"]
+QWEN3_5_DENSE_FLAGS[QWEN3_5_DENSE_FLAGS.index("--ffn-hidden-size") + 1] = "128"
+QWEN3_5_DENSE_LAYOUTS = {"tp1": (1, 1, "sdpa", []), "tp2_sp": (2, 2, "local", ["--sequence-parallel"]),
+                         "pp2": (1, 2, "sdpa", ["--pipeline-model-parallel-size", "2"])}
+Runs = tuple[Path, dict[str, dict]]  # the tiny model, each layout's RL step
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
-    """The tiny model, and each layout's RL step from its torch_dist conversion."""
-    model_and_ckpt = tiny_with_torch_dist("qwen3_next", tmp_path_factory.mktemp("qwen3_next"))
-    return model_and_ckpt[0], run_layouts(model_and_ckpt, tmp_path_factory.mktemp("runs"), LAYOUTS, QWEN3_NEXT_FLAGS)
+def runs(tmp_path_factory) -> dict[str, Runs]:
+    """The tiny models (Qwen3.5-MoE's a multimodal checkpoint with fused experts), and each layout's RL step from
+    its torch_dist conversion: the layouts of one world size in one spawn."""
+    tables = {"qwen3_next": (QWEN3_NEXT_FLAGS, LAYOUTS), "qwen3_5_moe_vl": (QWEN3_5_FLAGS, QWEN3_5_LAYOUTS),
+              "qwen3_5": (QWEN3_5_DENSE_FLAGS, QWEN3_5_DENSE_LAYOUTS)}
+    models = {arch: tiny_with_torch_dist(arch, tmp_path_factory.mktemp(arch)) for arch in tables}
+    layouts = {f"{arch}-{name}": (models[arch], tp, world, attention, [*flags, *extra])
+               for arch, (flags, table) in tables.items() for name, (tp, world, attention, extra) in table.items()}
+    with rank_devices(2):
+        results = run_all_models(tmp_path_factory.mktemp("runs"), layouts)
+    return {arch: (model, {name.split("-", 1)[1]: r for name, r in results.items() if name.startswith(f"{arch}-")})
+            for arch, (model, _) in models.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(runs: dict[str, Runs]) -> Runs:
+    return runs["qwen3_next"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(runs: dict[str, Runs]) -> Runs:
+    return runs["qwen3_5_moe_vl"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dense(runs: dict[str, Runs]) -> Runs:
+    return runs["qwen3_5"]
 
 
 def test_log_probs_equal_hf(tiny) -> None:
@@ -102,6 +146,46 @@ def test_a_config_slurmrl_would_compute_otherwise_is_named(tiny, field: str, val
         ModelShape.from_hf_config(config)
 
 
-def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path) -> None:
-    """Published over a weight-update group (gloo on the CPU) under the checkpoint's names, each version serves."""
-    assert_rl_loop_on_policy("qwen3_next", QWEN3_NEXT_FLAGS, tmp_path, "nccl")
+def test_qwen3_5_one_step_equals_hf_and_is_the_same_at_tp2_sp_ep2(qwen3_5: Runs) -> None:
+    """Every weight moves (the split gated delta net projections' among them) the same way at both layouts."""
+    assert_log_probs_equal_hf(*qwen3_5, atol=ATOL)
+    assert_same_step(qwen3_5[1]["tp1"], qwen3_5[1]["tp2_sp_ep2"], "tp2_sp_ep2", ATOL)
+
+
+def test_qwen3_5_dense_one_step_is_the_same_at_tp2_sp_and_pp2(qwen3_5_dense: Runs) -> None:
+    """Qwen3.5's dense MLP beside the gated delta nets; over two pipeline stages (two of them on each)."""
+    assert_log_probs_equal_hf(*qwen3_5_dense, atol=ATOL)
+    for name in ("tp2_sp", "pp2"):
+        assert_same_step(qwen3_5_dense[1]["tp1"], qwen3_5_dense[1][name], name, ATOL)
+    assert_every_name_published(*qwen3_5_dense)
+
+
+def test_qwen3_5_publishes_its_language_models_names(qwen3_5: Runs) -> None:
+    """The multimodal checkpoint's language-model names (model.language_model.), each expert's projections apart
+    (as slime sends SGLang), the vision tower not (it is not trained)."""
+    model, results = qwen3_5
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        names = {name for name in f.keys() if not name.startswith("model.visual.")}
+    fused = {name for name in names if name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    apart = {f"{name.rsplit('.', 1)[0]}.{e}.{proj}.weight" for name in fused for e in range(4)
+             for proj in (("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",))}
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names and len(fused) == 8
+    for name, result in results.items():
+        assert set(result["weights"]) == (names - fused) | apart, name
+
+
+def test_qwen3_5_flags_are_checked_against_text_config(qwen3_5: Runs) -> None:
+    """slime's flags pass against the multimodal config.json's text_config; one that disagrees is named."""
+    model, _ = qwen3_5
+    config = read_hf_config(str(model))
+    _check(model, QWEN3_5_FLAGS, config)
+    with pytest.raises(ArgsError) as err:
+        _check(model, [*QWEN3_5_FLAGS, "--num-experts", "8"], config)
+    assert [line.split(" disagrees with")[0] for line in err.value.problems] == ["--num-experts 8"]
+
+
+@pytest.mark.parametrize(("arch", "flags"), [("qwen3_next", QWEN3_NEXT_FLAGS), ("qwen3_5_moe_vl", QWEN3_5_FLAGS)])
+def test_every_version_reaches_the_engine_in_the_rl_loop(tmp_path: Path, arch: str, flags: list[str]) -> None:
+    """Published over a weight-update group (gloo on the CPU) under the checkpoint's names, each version serves
+    (Qwen3.5's multimodal checkpoint: the engine serves its language model, as transformers loads it)."""
+    assert_rl_loop_on_policy(arch, flags, tmp_path, "nccl")

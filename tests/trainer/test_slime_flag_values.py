@@ -169,6 +169,14 @@ def test_save_hf_writes_an_hf_checkpoint_with_each_save(model: Path, tmp_path: P
     assert json.loads((folder / "config.json").read_text()) == json.loads((model / "config.json").read_text())
     with pytest.raises(ArgsError, match="--save-hf writes an HF checkpoint with each save: give --save too"):
         parse_args(_argv(model, "--save-hf", str(tmp_path / "x_{rollout_id}")))
+    # a multimodal checkpoint (Qwen3.5's): the trainer holds no vision tower to write
+    multimodal = tmp_path / "Qwen3.5-stand-in"
+    multimodal.mkdir()
+    (multimodal / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                        "text_config": json.loads((model / "config.json").read_text())}))
+    with pytest.raises(ArgsError, match=r"--save-hf: .* is a Qwen3_5ForConditionalGeneration, whose vision tower "
+                                        r"slurmrl does not train or save: convert a --save checkpoint with"):
+        parse_args(_argv(multimodal, "--save", str(tmp_path / "s"), "--save-hf", str(tmp_path / "x_{rollout_id}")))
 
 
 def test_quantized_rollout_weights_are_refused(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

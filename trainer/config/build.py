@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckpt_tools.architectures import MULTIMODAL_ARCHITECTURES
 from contract.job_dir import API_KEY_ENV, JobDir, model_files_dir
 from rollout.data import PROMPT_SUFFIXES
 from rollout.ifbench import missing_evaluation_lib
@@ -171,6 +172,10 @@ def _check_save_hf(args: argparse.Namespace, hf_config: dict[str, Any] | None, n
         need(False, f"--save-hf {args.save_hf}: only {{rollout_id}} may be formatted in ({type(err).__name__}: {err})")
     need(not (hf_config or {}).get("quantization_config"), f"--save-hf: {args.hf_checkpoint} is a quantized "
          "checkpoint (quantization_config in config.json); slurmrl writes unquantized weights only")
+    arch = ((hf_config or {}).get("architectures") or [None])[0]
+    need(arch not in MULTIMODAL_ARCHITECTURES, f"--save-hf: {args.hf_checkpoint} is a {arch}, whose vision tower "
+         "slurmrl does not train or save: convert a --save checkpoint with `slurmrl ckpt torch-dist-to-hf --hf-config "
+         f"{args.hf_checkpoint}`, which writes it back")
 
 
 def _check_parallel(args: argparse.Namespace, hf_config: dict[str, Any] | None, need: Checks) -> None:

@@ -14,10 +14,10 @@ from ckpt_tools.architectures import (
     BUILT_FAMILIES,
     BUILT_SPECS,
     MTP_ARCHITECTURES,
-    UNBUILT_SPECS,
     declared_mtp_layers,
     routed_experts,
 )
+from ckpt_tools.qwen3_5_config import language_model_config
 from trainer.args_parser import MTP_LOSS_SCALE, ArgsError
 from trainer.config.sections import ShapeFlags
 from trainer.model_flags import MODEL_FLAGS, UNCHECKED
@@ -28,9 +28,12 @@ _DERIVED_FROM = {"moe_layer_freq": ("first_k_dense_replace", "num_hidden_layers"
 
 
 def read_hf_config(hf_checkpoint: str) -> dict[str, Any]:
-    """--hf-checkpoint's config.json (build_config checked that there is one)."""
-    result: dict[str, Any] = json.loads((Path(hf_checkpoint) / "config.json").read_text())
-    return result
+    """--hf-checkpoint's config.json (build_config checked that there is one), a multimodal one's language model
+    read as its own (ckpt_tools.qwen3_5_config; ArgsError naming a field it cannot read so)."""
+    try:
+        return language_model_config(json.loads((Path(hf_checkpoint) / "config.json").read_text()))
+    except ValueError as err:
+        raise ArgsError(f"--hf-checkpoint {hf_checkpoint}/{err}") from None
 
 
 def check_mtp(args: argparse.Namespace, config: dict[str, Any] | None, need: Need) -> None:
@@ -76,9 +79,8 @@ def check_spec(args: argparse.Namespace, config: dict[str, Any] | None, need: Ne
         return
     spec = " ".join(args.spec)
     archs = BUILT_SPECS.get(tuple(args.spec))
-    unbuilt = UNBUILT_SPECS.get(tuple(args.spec), "custom layer specs are not supported")
-    if not need(archs is not None, f"--spec {spec}: {unbuilt}; slurmrl builds {BUILT_FAMILIES} models from "
-                                   "--hf-checkpoint's config.json"):
+    if not need(archs is not None, f"--spec {spec}: custom layer specs are not supported; slurmrl builds "
+                                   f"{BUILT_FAMILIES} models from --hf-checkpoint's config.json"):
         return
     assert archs is not None
     arch = (config.get("architectures") or ["(none)"])[0] if config else None

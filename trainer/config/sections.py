@@ -46,7 +46,7 @@ class ModelOptions:
     log_probs_chunk_size: int  # <= 0: log-probs over a micro-batch's rows at once (trainer.token_stats)
     attention_backend: Literal["local", "sdpa"]  # derived: the layer spec's implementation (local: unfused)
     attention_kernels: str  # the --attention-backend flag as given: which SDPA kernels may run
-    qwen_gdn_backend: Literal["fla", "torch"]  # Qwen3-Next's gated delta nets' kernel (ckpt_tools.gated_delta_rule)
+    qwen_gdn_backend: Literal["fla", "torch"]  # Qwen3-Next's (Qwen3.5's) gated delta nets' kernel (gated_delta_rule)
     deterministic_mode: bool
     make_vocab_size_divisible_by: int
     padded_vocab_size: int | None  # checked: what make_vocab_size_divisible_by x TP gives
@@ -119,7 +119,7 @@ class ShapeFlags:
     rotary_interleaved: bool | None
     post_self_attn_layernorm: bool | None
     post_mlp_layernorm: bool | None
-    # Qwen3-Next
+    # Qwen3-Next, Qwen3.5
     apply_layernorm_1p: bool | None
     attention_output_gate: bool | None
     use_gated_attention: bool | None

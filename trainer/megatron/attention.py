@@ -161,13 +161,15 @@ def gpt_layer_spec(num_experts: int | None, qk_layernorm: bool, attention: Atten
 
 
 def gpt_block_spec(config: TransformerConfig, attention: AttentionKind, post_norms: bool = False,
-                   full_qk_norm: bool = False, gdn_backend: GdnBackend = "torch") -> ModuleSpec:
+                   full_qk_norm: bool = False, gdn_backend: GdnBackend = "torch",
+                   split_gdn: bool = False) -> ModuleSpec:
     """The whole decoder's spec: gpt_layer_spec for every layer (its dense variant for the dense
     layers of megatron's moe_layer_freq list, DeepSeek's first_k_dense_replace) and the final norm,
     which megatron would otherwise build as WrappedTorchNorm (it refuses sequence parallelism).
     Under pipeline parallelism, this stage's layers only. post_norms: GLM-4-0414's norms of the
     attention's and the MLP's outputs (ckpt_tools.post_norm_layer); full_qk_norm: MiniMax-M2's q/k norms;
-    gdn_backend: the kernel of Qwen3-Next's gated delta net layers (ckpt_tools.gated_delta_net)."""
+    gdn_backend: the kernel of Qwen3-Next's gated delta net layers (ckpt_tools.gated_delta_net); split_gdn:
+    their projections Qwen3.5's."""
 
     if isinstance(config.linear_attention_freq, list) and gdn_backend == "fla":
         check_fla_trains()  # stops here, naming the flag, where fla is not installed or cannot train
@@ -185,4 +187,4 @@ def gpt_block_spec(config: TransformerConfig, attention: AttentionKind, post_nor
         return with_post_norms(layer, HiddenStateNorm) if post_norms else layer
 
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=stage_layer_specs(config, layer_spec, gdn_backend), layer_norm=HiddenStateNorm))
+        layer_specs=stage_layer_specs(config, layer_spec, gdn_backend, split_gdn), layer_norm=HiddenStateNorm))

@@ -150,7 +150,7 @@ class MegatronBackend(Backend):
             config.moe_router_dtype = options.model.moe_router_dtype
             config.moe_router_bias_update_rate = options.model.moe_router_bias_update_rate
         spec = gpt_block_spec(config, options.model.attention_backend, self.shape.post_norms, self.shape.full_qk_norm,
-                              options.model.qwen_gdn_backend)
+                              options.model.qwen_gdn_backend, self.shape.split_gdn_projections)
         last = spec.submodules.layer_specs[-1] if isinstance(spec.submodules, TransformerBlockSubmodules) else spec
         model = with_mtp_layers(config, spec, last, HiddenStateNorm, model_kwargs, self.shape.vocab_size,
                                 pre_process=ps.is_pipeline_first_stage(), post_process=self.last_stage).to(self.device)
