@@ -11,6 +11,8 @@
 #           PROFILE=1: each layout's ops of one more step; WEIGHTS=0: the layouts only; SAMPLES: the batch
 #   STEP=5: the one-GPU step (TP=1, compiled) of the tree at BASE and of this one at once, each on a GPU of its own,
 #           then again with the GPUs swapped; then STEP 4's layouts on SAMPLES (default 128) samples
+#   STEP=6: after a trainer change, all at once: a chain of tests/gpu on each GPU, the demo job over both, and the
+#           megatron layout tests a GPU per rank (the gradient buckets, Qwen3-Next and Qwen3.5)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -90,7 +92,24 @@ case "${STEP:-1}" in
     grep -H RESULT "$OUT"/tp1_*.txt | cut -c1-330
     STEP=4 BASE= WEIGHTS=0 SAMPLES=${SAMPLES:-128} LIMIT=${LIMIT:-300} bash "$0"
     ;;
-*) echo "STEP must be 1 to 5, got $STEP" >&2; exit 2 ;;
+6)
+    ( export CUDA_VISIBLE_DEVICES=0
+      timeout -k 10 "${LIMIT:-420}" python -m pytest -v $COMMON -m "not gpu_job" $g/test_gpu_qwen3_next.py \
+          $g/test_gpu_rl_loop.py $g/test_gpu_ckpt_verify.py > "$OUT/gpu0.txt" 2>&1 ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      timeout -k 10 "${LIMIT:-420}" python -m pytest -v $COMMON -m "not gpu_job" $g/test_gpu_megatron.py \
+          $g/test_gpu_expert_bias_moe.py $g/test_megatron_moe.py > "$OUT/gpu1.txt" 2>&1 ) &
+    ( timeout -k 10 330 bash scripts/gpu_job.sh > "$OUT/gpu_job.txt" 2>&1; echo "gpu_job.sh rc=$?" >> "$OUT/gpu_job.txt"
+      python -m jobs.cli cluster down --dir /tmp/slurmrl-devcluster >> "$OUT/gpu_job.txt" 2>&1 ) &
+    timeout -k 10 "${LIMIT:-420}" python -m pytest -v $COMMON tests/trainer/test_grad_buckets.py \
+        tests/trainer/test_megatron_backend.py tests/trainer/test_megatron_qwen3_next.py \
+        > "$OUT/trainer_layouts_on_gpus.txt" 2>&1 &
+    wait
+    grep -E "reward:|rc=|did not|completed" "$OUT/gpu_job.txt" | tail -8
+    for f in gpu0 gpu1 trainer_layouts_on_gpus; do
+        echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
+    ;;
+*) echo "STEP must be 1 to 6, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true
