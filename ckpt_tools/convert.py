@@ -23,6 +23,7 @@ from ckpt_tools.hf_checkpoint import CheckpointError, HFCheckpoint
 from ckpt_tools.mapping import (
     Rule,
     hf_slice_shapes,
+    legacy_norm_key,
     rules,
     stacking,
     to_hf,
@@ -169,10 +170,11 @@ def torch_dist_to_hf(ckpt: Path, out_dir: Path, hf_config_dir: Path, *, step: in
     slices = _plan_slices(stored, shape, folder, config_path, dtype)
 
     def load(item: _Slice) -> list[torch.Tensor]:
-        md = stored[item.rule.megatron]
+        key = _stored_key(stored, item.rule.megatron)
+        md = stored[key]
         lead = len(item.index)
         region = ((*item.index, *[0] * (len(md.size) - lead)), (*[1] * lead, *md.size[lead:]))
-        data = read_regions(folder, {item.rule.megatron: region})[item.rule.megatron]
+        data = read_regions(folder, {key: region})[key]
         parts = to_hf(item.rule, data.reshape(tuple(md.size[lead:])), shape)
         return [p.to(d).contiguous() for p, (_, _, d) in zip(parts, item.outputs)]
 
@@ -212,7 +214,7 @@ def _plan_slices(stored: dict, shape: ModelShape, folder: Path, config_path: Pat
     """Every stored slice in HF write order, checked against the config before anything is read."""
     slices = []
     for rule in rules(shape):
-        md = stored.get(rule.megatron)
+        md = stored.get(_stored_key(stored, rule.megatron))
         if md is None:
             raise CheckpointError(f"{folder} lacks {rule.megatron}, which {config_path} ({shape.architecture}) needs: "
                                   "the checkpoint and --hf-config describe different models")
@@ -226,6 +228,13 @@ def _plan_slices(stored: dict, shape: ModelShape, folder: Path, config_path: Pat
             outputs = [(name, tuple(t.shape), out_dtype) for name, t in zip(_hf_names(rule, index), probe)]
             slices.append(_Slice(rule, index, outputs))
     return slices
+
+
+def _stored_key(stored: dict, key: str) -> str:
+    """The key `key`'s tensor is stored under: itself, or in a checkpoint slurmrl wrote before it keyed
+    a MoE layer's pre-MLP norm as slime does, the key it wrote it under (mapping.legacy_norm_key)."""
+    legacy = legacy_norm_key(key)
+    return legacy if key not in stored and legacy is not None and legacy in stored else key
 
 
 def _stored_mtp_layers(stored: dict) -> int:

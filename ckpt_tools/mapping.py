@@ -15,6 +15,17 @@ from ckpt_tools.model_shape import MLAShape, ModelShape
 
 # How one Megatron slice relates to its HF tensors.
 COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
+# The pre-MLP norm's key: a dense layer's (fused into its first linear) and a MoE or MLA layer's.
+# slurmrl wrote a MoE layer's under the dense key before 2026-11-27: loads still read it (legacy_norm_key).
+DENSE_NORM_KEY = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+MOE_NORM_KEY = "decoder.layers.pre_mlp_layernorm.weight"
+
+
+def legacy_norm_key(key: str) -> str | None:
+    """The key slurmrl wrote a MoE layer's pre-MLP norm under before it keyed it as slime does, or None
+    for any other key (a layer's keys may carry its number: decoder.layers.3.pre_mlp_layernorm.weight)."""
+    moe_suffix, dense_suffix = (k.removeprefix("decoder.layers.") for k in (MOE_NORM_KEY, DENSE_NORM_KEY))
+    return key.removesuffix(moe_suffix) + dense_suffix if key.endswith(moe_suffix) else None
 
 
 @dataclass(frozen=True)
@@ -130,9 +141,9 @@ def _layer_rules(shape: ModelShape, moe: bool, linear: bool = False) -> list[Rul
     if shape.post_norms:  # slime's megatron names them as HF does
         out.append(Rule("decoder.layers.post_self_attn_layernorm.weight",
                         ("model.layers.{l}.post_self_attn_layernorm.weight",)))
-    # The local spec stores the pre-MLP norm under the dense MLP's name (a MoE layer's too), but not with MLA.
-    norm = Rule("decoder.layers.pre_mlp_layernorm.weight" if shape.mla
-                else "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+    # A dense layer's pre-MLP norm under its fused linear's name; a MoE layer's (which has no fused linear)
+    # and MLA's under their own, as megatron's TransformerEngine spec (slime's) keys them (megatron_model.moe_norm_key)
+    norm = Rule(MOE_NORM_KEY if shape.mla or moe else DENSE_NORM_KEY,
                 ("model.layers.{l}.post_attention_layernorm.weight",))
     if moe:
         expert = sparse + "experts.{e}."

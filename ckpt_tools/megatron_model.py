@@ -6,13 +6,17 @@ Used by the checkpoint tools (verify) and their tests; runs on CPU (gloo) throug
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -37,6 +41,7 @@ from ckpt_tools.architectures import expert_ffn_size
 from ckpt_tools.full_qk_norm import FullQKNormSelfAttention
 from ckpt_tools.gated_delta_net import gated_delta_net_layer
 from ckpt_tools.gated_delta_rule import GdnBackend
+from ckpt_tools.mapping import legacy_norm_key
 from ckpt_tools.mla_attention import MLADotProductAttention
 from ckpt_tools.model_shape import ModelShape
 from ckpt_tools.mtp_model import MTPGPTModel
@@ -44,6 +49,7 @@ from ckpt_tools.post_norm_layer import with_post_norms
 from ckpt_tools.qwen3_5_config import language_model_config
 from ckpt_tools.qwen3_next_norms import ZeroCenteredNorm
 from ckpt_tools.rope import gpt_rope_kwargs, mla_rope_kwargs
+from ckpt_tools.torch_dist import read_metadata
 
 megatron_compat.apply()
 
@@ -220,8 +226,9 @@ def build_gpt_model(
     # One layer spec: megatron repeats it (and picks the final norm); layers of several kinds: the block's list.
     mixed = isinstance(config.moe_layer_freq, list) or isinstance(config.linear_attention_freq, list)
     block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm) if mixed else layers[0]
-    model = with_mtp_layers(config, block, local_spec(config.num_moe_experts), norm, model_kwargs,
-                            hf_config["vocab_size"])
+    mtp_layer = local_spec(config.num_moe_experts)
+    model = with_mtp_layers(config, block, moe_norm_key(mtp_layer) if config.num_moe_experts else mtp_layer, norm,
+                            model_kwargs, hf_config["vocab_size"])
     if torch.cuda.is_available():  # the torch norms of the local spec are built on the CPU whatever the config says
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     model.hf_vocab_size = hf_config["vocab_size"]
@@ -255,9 +262,33 @@ def stage_layer_specs(config: TransformerConfig, layer_spec: Callable[[int | Non
     specs = {}
     for moe, gdn in sorted(set(kinds)):
         spec = layer_spec(config.num_moe_experts if moe else None)
+        spec = moe_norm_key(spec) if moe and config.num_moe_experts else spec
         specs[moe, gdn] = gated_delta_net_layer(spec, gdn_backend, split_gdn) if gdn else spec
     offset = get_transformer_layer_offset(config)
     return [specs[kind] for kind in kinds[offset: offset + get_num_layers_to_build(config)]]
+
+
+def moe_norm_key(layer: ModuleSpec) -> ModuleSpec:
+    """A MoE layer's spec with its pre-MLP norm stored under its own name (mapping.MOE_NORM_KEY), as
+    megatron's TransformerEngine spec (slime's) stores it: the local spec stores it under the dense
+    MLP's fused linear, which a MoE layer does not have."""
+    layer = copy.deepcopy(layer)
+    keys = layer.submodules.sharded_state_dict_keys_map
+    layer.submodules.sharded_state_dict_keys_map = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}
+    return layer
+
+
+def with_legacy_norm_keys(sharded_state_dict: dict[str, Any], ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """The model's sharded state dict, with each tensor that a checkpoint slurmrl wrote before
+    2026-11-27 keeps under another key (a MoE layer's pre-MLP norm: mapping.legacy_norm_key) asked
+    for under that key. The optimizer's keys, made from the model's, follow."""
+    stored = read_metadata(Path(ckpt_dir)).state_dict_metadata
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensor) and value.key not in stored:
+            legacy = legacy_norm_key(value.key)
+            if legacy is not None and legacy in stored:
+                value.key = legacy
+    return sharded_state_dict
 
 
 # Megatron-LM keeps these non-model states in the same .distcp files; a model load skips them.
@@ -272,7 +303,7 @@ def load_torch_dist(model: GPTModel, ckpt_dir: str | os.PathLike) -> None:
     Strict both ways: a model tensor absent from the checkpoint, or a checkpoint model tensor
     the model has no place for (say output_layer.weight into tied embeddings), raises."""
     state_dict, in_ckpt_only, in_model_only = dist_checkpointing.load(
-        model.sharded_state_dict(), str(ckpt_dir), strict=StrictHandling.RETURN_ALL)
+        with_legacy_norm_keys(model.sharded_state_dict(), ckpt_dir), str(ckpt_dir), strict=StrictHandling.RETURN_ALL)
     in_ckpt_only = {k for k in in_ckpt_only if not k.startswith(_NON_MODEL_PREFIXES)}
     # common.pt's entries come back merged into the state dict: they are not the model's.
     state_dict = {k: v for k, v in state_dict.items() if not k.startswith(_NON_MODEL_PREFIXES)}

@@ -236,3 +236,31 @@ def test_qwen3_5_multimodal_keeps_its_vision_tower_and_fused_experts(tmp_path: P
     (config_only / "config.json").write_text((hf / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"holds no weights: .*vision tower \(model.visual."):
         torch_dist_to_hf(tmp_path / "td", tmp_path / "back", config_only, progress=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])  # glm4_moe: a dense first layer, layers keyed one by one
+def test_a_moe_layers_pre_mlp_norm_is_keyed_as_slimes_and_older_checkpoints_still_load(
+        tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron's TransformerEngine spec (slime's) keys a MoE layer's pre-MLP norm pre_mlp_layernorm.weight, a dense
+    layer's under its fused linear; slurmrl keyed both the dense way before, and its older checkpoints still load."""
+    from ckpt_tools import mapping
+    from ckpt_tools.verify import logits_max_diff
+
+    def norm_keys(ckpt: Path) -> set[str]:
+        stored = read_metadata(ckpt / "iter_0000000").state_dict_metadata
+        return {k for k in stored if k.endswith(("pre_mlp_layernorm.weight", "linear_fc1.layer_norm_weight"))}
+
+    hf = make_tiny_hf(arch, tmp_path / "hf", False)
+    config = json.loads((hf / "config.json").read_text())
+    dense = {f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight"
+             for i in range(config.get("first_k_dense_replace", 0))}
+    hf_to_torch_dist(hf, tmp_path / "td", progress=False)
+    moe = norm_keys(tmp_path / "td") - dense
+    assert moe and all(k.endswith("pre_mlp_layernorm.weight") for k in moe), norm_keys(tmp_path / "td")
+    monkeypatch.setattr(mapping, "MOE_NORM_KEY", mapping.DENSE_NORM_KEY)  # as slurmrl wrote them before
+    hf_to_torch_dist(hf, tmp_path / "legacy", progress=False)
+    monkeypatch.undo()
+    assert not any(k.endswith("pre_mlp_layernorm.weight") for k in norm_keys(tmp_path / "legacy"))
+    back = torch_dist_to_hf(tmp_path / "legacy", tmp_path / "back", hf, progress=False)
+    assert roundtrip_differences(hf, back) == []
+    assert logits_max_diff(hf, tmp_path / "legacy" / "iter_0000000") < 1e-5

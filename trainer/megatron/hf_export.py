@@ -18,9 +18,6 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from ckpt_tools import mapping
 from trainer.megatron import pipeline as megatron_pipeline
 
-# The local layer spec names two norms differently from the checkpoint (and ckpt_tools.mapping).
-_LOCAL_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _FP32_BIAS = "e_score_correction_bias"
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.transformer_layer\.)(.+)")
@@ -77,18 +74,22 @@ class HFExport:
         mtp = _MTP_LAYER.fullmatch(name)
         if mtp:  # an MTP layer's decoder layer: keyed alone, its HF layer in the rule's names
             layer, (prefix, rest) = None, mtp.groups()
+            module = name.removesuffix(rest).removesuffix(".")
         elif match:
             layer, rest = int(match.group(1)) + offset, match.group(2)
             # Layers of different kinds: each keyed apart, as ckpt_tools.mapping.rules says.
             prefix = f"decoder.layers.{layer}." if self.shape.layers_differ else "decoder.layers."
+            module = f"decoder.layers.{match.group(1)}"
         else:
             return name, None, None
         expert = _EXPERT.fullmatch(rest)
         if expert:
             per_rank = self.shape.num_experts // self.ep_size
             return prefix + "mlp.experts.experts." + expert.group(2), layer, (int(expert.group(1)), per_rank)
-        # The MLA local spec keeps the norms' own names, as the checkpoint does.
-        return prefix + (rest if self.shape.mla else _LOCAL_NAMES.get(rest, rest)), layer, None
+        # The layer spec stores some norms under other names (a dense layer's under its fused linears')
+        keys = self.model.get_submodule(module).submodules_config.sharded_state_dict_keys_map
+        stored = next((new + rest.removeprefix(old) for old, new in keys.items() if rest.startswith(old)), rest)
+        return prefix + stored, layer, None
 
     def _gather(self, name: str, param: torch.Tensor,
                 experts: tuple[int, int] | None) -> Iterator[tuple[int | None, torch.Tensor]]:

@@ -35,6 +35,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 
+from ckpt_tools.megatron_model import with_legacy_norm_keys
 from ckpt_tools.torch_dist import read_metadata
 from trainer.checkpoint import process_rng_state, set_process_rng_state
 from trainer.megatron.optimizer import ShardedOptimizer
@@ -84,7 +85,7 @@ def load_megatron(ckpt_dir: Path, model: GPTModel, optimizer: Optimizer | None, 
     optimizer: a full load): the RNG states too, when saved with the same parallel layout.
     Collective."""
     with_rng = optimizer is not None if with_rng is None else with_rng
-    model_state = model.sharded_state_dict()
+    model_state = with_legacy_norm_keys(model.sharded_state_dict(), ckpt_dir)
     request: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         request.update(_optimizer_request(Path(ckpt_dir), optimizer, model_state))
