@@ -13,6 +13,9 @@
 #           then again with the GPUs swapped; then STEP 4's layouts on SAMPLES (default 128) samples
 #   STEP=6: after a trainer change, all at once: a chain of tests/gpu on each GPU, the demo job over both, and the
 #           megatron layout tests a GPU per rank (the gradient buckets, Qwen3-Next and Qwen3.5)
+#   STEP=7: after a checkpoint-layout change, all at once: ckpt verify of every family on GPU 0, the MoE tests on GPU 1,
+#           Qwen3-Next's and Qwen3.5's layouts a GPU per rank (PP=2 with the alltoall dispatcher among them); then
+#           the NCCL publish bench with its breakdown (engine calls, receive, load)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -109,7 +112,21 @@ case "${STEP:-1}" in
     for f in gpu0 gpu1 trainer_layouts_on_gpus; do
         echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
     ;;
-*) echo "STEP must be 1 to 6, got $STEP" >&2; exit 2 ;;
+7)
+    ( export CUDA_VISIBLE_DEVICES=0
+      timeout -k 10 "${LIMIT:-420}" python -m pytest -v $COMMON $g/test_gpu_ckpt_verify.py > "$OUT/gpu0.txt" 2>&1 ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      timeout -k 10 "${LIMIT:-420}" python -m pytest -v $COMMON $g/test_megatron_moe.py $g/test_gpu_expert_bias_moe.py \
+          > "$OUT/gpu1.txt" 2>&1 ) &
+    timeout -k 10 "${LIMIT:-420}" python -m pytest -v $COMMON tests/trainer/test_megatron_qwen3_next.py \
+        > "$OUT/trainer_qwen3_next_on_gpus.txt" 2>&1 &
+    wait
+    for f in gpu0 gpu1 trainer_qwen3_next_on_gpus; do
+        echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed|SKIPPED" "$OUT/$f.txt" | cut -c1-250 | tail -8; done
+    timeout -k 10 150 python -m bench.bench_multi_gpu --parts weights --out /tmp/weights > "$OUT/bench_weights.txt" 2>&1
+    grep -h RESULT "$OUT/bench_weights.txt" | cut -c1-900
+    ;;
+*) echo "STEP must be 1 to 7, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true

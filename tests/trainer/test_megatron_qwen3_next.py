@@ -4,7 +4,8 @@ delta net layers then one of gated full attention, zero-centred norms, every lay
 each flag checked against config.json), with the torch gated-delta-rule kernel: one RL step gives HF's log-probs
 and the same loss, grad norm and new weights at TP=1 (unfused and fused attention), at TP=2 + SP with the experts
 over the two ranks (EP=2), at DP=2 and at CP=2 (every CP rank runs the gated delta nets over whole samples);
-PP=2 of a MoE needs the alltoall dispatcher (CUDA only). Flags that do not fit the checkpoint are named. End to
+PP=2 of a MoE needs the alltoall dispatcher (CUDA only): with a GPU per rank, TP=1 and PP=2 both under alltoall
+give the same step. Flags that do not fit the checkpoint are named. End to
 end (`python -m trainer`, a stand-in engine serving transformers' Qwen3Next behind the real router): every
 published version reaches the engine intact (on policy), over a weight-update group.
 
@@ -18,11 +19,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from ckpt_tools.mapping import ModelShape
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
-from tests.rank_devices import rank_devices
+from tests.rank_devices import hidden_gpus, rank_devices
 from tests.trainer.same_step import (
     assert_every_name_published,
     assert_log_probs_equal_hf,
@@ -57,6 +59,11 @@ LAYOUTS = {"tp1": (1, 1, "local", []), "tp1_sdpa": (1, 1, "sdpa", []), "tp2_sp_e
            # the dense and expert gradients summed in small buckets during the backward (trainer.grad_buckets)
            "dp2": (1, 2, "sdpa", ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
            "cp2": (1, 2, "sdpa", ["--context-parallel-size", "2"])}
+ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+# megatron's allgather dispatcher under PP=2 is refused (trainer.args), its alltoall runs on CUDA only: these two run
+# where each rank has a GPU of its own (the GPU machine; tests.rank_devices), against each other
+ALLTOALL_LAYOUTS = {"tp1_alltoall": (1, 1, "sdpa", ALLTOALL),
+                    "pp2_alltoall": (1, 2, "sdpa", [*ALLTOALL, "--pipeline-model-parallel-size", "2"])}
 # scripts/models/qwen3.5-35B-A3B.sh at the tiny model's sizes, as QWEN3_NEXT_FLAGS; --ffn-hidden-size is an expert's
 # width there (the config has no dense one)
 QWEN3_5_FLAGS = [
@@ -78,7 +85,9 @@ Runs = tuple[Path, dict[str, dict]]  # the tiny model, each layout's RL step
 def runs(tmp_path_factory) -> dict[str, Runs]:
     """The tiny models (Qwen3.5-MoE's a multimodal checkpoint with fused experts), and each layout's RL step from
     its torch_dist conversion: the layouts of one world size in one spawn."""
-    tables = {"qwen3_next": (QWEN3_NEXT_FLAGS, LAYOUTS), "qwen3_5_moe_vl": (QWEN3_5_FLAGS, QWEN3_5_LAYOUTS),
+    on_gpus = torch.cuda.is_available() and not hidden_gpus(2)
+    tables = {"qwen3_next": (QWEN3_NEXT_FLAGS, {**LAYOUTS, **(ALLTOALL_LAYOUTS if on_gpus else {})}),
+              "qwen3_5_moe_vl": (QWEN3_5_FLAGS, QWEN3_5_LAYOUTS),
               "qwen3_5": (QWEN3_5_DENSE_FLAGS, QWEN3_5_DENSE_LAYOUTS)}
     models = {arch: tiny_with_torch_dist(arch, tmp_path_factory.mktemp(arch)) for arch in tables}
     layouts = {f"{arch}-{name}": (models[arch], tp, world, attention, [*flags, *extra])
@@ -113,6 +122,13 @@ def test_one_step_is_the_same_at_every_layout(tiny) -> None:
     _, results = tiny
     for name in LAYOUTS:
         assert_same_step(results["tp1"], results[name], name, ATOL)
+
+
+def test_pp2_with_the_alltoall_dispatcher_is_the_same_step(tiny) -> None:
+    _, results = tiny
+    if "pp2_alltoall" not in results:
+        pytest.skip("PP=2 of a MoE needs the alltoall dispatcher, CUDA only: needs 2 CUDA GPUs, a GPU per rank")
+    assert_same_step(results["tp1_alltoall"], results["pp2_alltoall"], "pp2_alltoall", ATOL)
 
 
 def test_every_checkpoint_name_is_published(tiny) -> None:
