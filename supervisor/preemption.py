@@ -15,6 +15,11 @@ from supervisor.slurm_jobs import SlurmUnavailable, sacct_states
 
 # "the signal may be sent up to 60 seconds earlier than specified" (sbatch --signal)
 SLURM_SIGNAL_EARLY_S = 65.0
+# A job (or hetjob component) in one of these states is ending: its steps die with it, and a step
+# launched now would only race SLURM. Not SUSPENDED, STOPPED or SIGNALING: the job goes on after those.
+ENDING_STATES = frozenset({"COMPLETING", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL",
+                           "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                           "SPECIAL_EXIT", "STAGE_OUT", "REVOKED"})
 
 
 class SlurmJob:
@@ -44,13 +49,21 @@ class SlurmJob:
         return self.ending_state() is not None
 
     def ending_state(self) -> str | None:
-        """How SLURM is ending the job ("cancelled", "timeout", "completing"...), None while it runs."""
-        states = set(self._squeue("%T") or ())
-        if not states or "RUNNING" in states:
+        """How SLURM is ending the job ("cancelled", "timeout", "completing"...), None while it runs
+        (or when squeue does not answer). Any component in an ending state means the whole job ends
+        (a heterogeneous job's components end together), whatever another one still says; a job
+        squeue answers for but no longer lists has ended. How it ends is in the accounting once
+        squeue only says COMPLETING (or nothing): only its ending states count there, as sacct
+        may still say RUNNING of a component SLURM is ending (seen on the devcluster)."""
+        listed = self._squeue("%T")
+        if listed is None:
             return None
-        if states == {"COMPLETING"}:  # how it ends (cancelled, timeout...) is in the accounting by now
-            states = set(self._sacct_states()) or states
-        return "/".join(sorted(states)).lower()
+        states = set(listed)
+        if states and not states & ENDING_STATES:
+            return None
+        if states <= {"COMPLETING"}:
+            states = (set(self._sacct_states()) & ENDING_STATES) or states or {"ENDED"}
+        return "/".join(sorted(states & ENDING_STATES or states)).lower()
 
     def _sacct_states(self) -> list[str]:
         try:

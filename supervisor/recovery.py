@@ -72,7 +72,7 @@ class EngineRecovery:
         """Take the engine out and bring it back, in a worker thread (the caller goes on). False
         when it is being recovered already or was given up; True also when its recovery was
         waiting for its admission: that recovery tries again."""
-        if self.ending.by_slurm:  # the job is ending: nothing is relaunched
+        if self.requeue.relaunch_refused(engine.name):  # the job is ending: nothing is relaunched
             return False
         detected = time.time()
         job = self.job
@@ -189,7 +189,7 @@ class EngineRecovery:
             if self.job.gpus.trainer_holds:
                 self.job.events.emit("engine_start_deferred", engine.name, reason="the trainer holds the GPUs")
             with self.job.gpus.engine_start(self.job.finished) as go:  # colocated: never beside a training trainer
-                if not go:
+                if not go or self.requeue.relaunch_refused(engine.name):  # or SLURM is ending the job
                     return False
                 self.job.engines.count_restart(engine)
                 launched = time.monotonic()
@@ -229,14 +229,14 @@ class EngineRecovery:
 
     def _wait_out_rate_limit(self, engine: Engine, said: str, refusals: int) -> bool:
         """SLURM refused the engine's launch for its RPC rate limit (the pace of launches has halved):
-        wait retry_delays()[refusals] before the next try. False if the job ends first or SLURM
-        kept refusing for SLURM_OUTAGE_LIMIT_S."""
+        wait retry_delays()[refusals] before the next try. False if the job ends first (SLURM ends it
+        included) or SLURM kept refusing for SLURM_OUTAGE_LIMIT_S."""
         delays = retry_delays()
         if refusals >= len(delays):
             return False
         self.job.events.emit("slurm_rate_limited", engine.name, said=said, retry_in_s=delays[refusals],
                              refusals=refusals + 1)
-        return not self.job.finished.wait(delays[refusals])
+        return not self.job.finished.wait(delays[refusals]) and not self.requeue.relaunch_refused(engine.name)
 
     def _wait_for_slurm(self, engine: Engine, during: str) -> bool:
         """Ask SLURM again, with backoff, until it answers: True then; False if the job ends first

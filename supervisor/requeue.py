@@ -105,6 +105,12 @@ class Requeue:
         self.ending.slurm_ends(state)
         return True
 
+    def relaunch_refused(self, name: str) -> bool:
+        """Whether no step may be launched again (asked before each relaunch): SLURM is ending the job,
+        as already seen or as squeue says now. A step that dies with the job can be taken for failed
+        before its exit is seen (its probes, the trainer's report of it): a relaunch then would race SLURM."""
+        return self.ending.by_slurm is not None or self.slurm_ending([name])
+
     @property
     def outcome(self) -> str:
         """The job's outcome once the trainer has stopped for the preemption."""

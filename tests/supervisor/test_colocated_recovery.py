@@ -75,7 +75,8 @@ def colocated(tmp_path: Path):
     pool = ThreadPoolExecutor(max_workers=4)
     nodes = SimpleNamespace(place_on_live_node=lambda engine: None, watching=lambda engine, step: nullcontext())
     launcher = StepLauncher(job, SimpleNamespace(), "key", router)
-    recovery = EngineRecovery(job, launcher, SimpleNamespace(), nodes, HealthTracker(3, 0.0), SimpleNamespace(),
+    running = SimpleNamespace(relaunch_refused=lambda name: False)  # the requeue's word: SLURM is not ending the job
+    recovery = EngineRecovery(job, launcher, SimpleNamespace(), nodes, HealthTracker(3, 0.0), running,
                               Ending(user_stop=False), pool, ScalarWriter(job.dir.supervisor_tensorboard))
     launched: list[tuple[str, bool]] = []  # (engine, did the trainer hold the GPUs at its launch)
     recovery.launch = lambda engine: launched.append((engine.name, job.gpus.trainer_holds)) or SimpleNamespace(

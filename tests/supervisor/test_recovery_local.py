@@ -168,6 +168,29 @@ def test_an_engine_that_exits_is_relaunched_and_back_in_the_router(local_job, tm
         wiring.stop()
 
 
+def test_an_engine_taken_for_failed_while_slurm_ends_the_job_is_not_relaunched(
+        local_job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI: after a scancel an engine's step was launched again. An engine that dies with the job can
+    be taken for failed (its probes, the trainer's report) before its step's exit is seen: the
+    relaunch asks SLURM first, and launches nothing once the job is ending."""
+    job, router = local_job
+    wiring = _wire(job, router, tmp_path / "steps")
+    try:
+        _start(job, wiring)
+        # squeue during a hetjob's scancel: the components are COMPLETING (the accounting: CANCELLED)
+        slurm_job = wiring.recovery.requeue.slurm_job
+        monkeypatch.setattr(slurm_job, "_squeue", lambda field: ["COMPLETING", "COMPLETING", "COMPLETING"])
+        monkeypatch.setattr(slurm_job, "_sacct_states", lambda: ["CANCELLED", "CANCELLED", "CANCELLED"])
+        first = wiring.launcher.current("engine-0")
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        assert not wiring.recovery.recover(job.engines["engine-0"], "reported by the trainer: connection refused")
+        assert wiring.launcher.current("engine-0") is first
+        assert ("step_launched", "engine-0") not in _kinds(job)[2:]  # only the first start's launches
+        assert ("job_ending", "engine-0") in _kinds(job) and wiring.ending.by_slurm == "cancelled"
+    finally:
+        wiring.stop()
+
+
 def test_an_engine_that_keeps_crashing_is_given_up(local_job, tmp_path: Path) -> None:
     job, router = local_job
     wiring = _wire(job, router, tmp_path / "steps")
