@@ -88,21 +88,23 @@ class EngineState:
         return total
 
     def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                load_format: str | None) -> None:
+                load_format: str | None, last: bool) -> None:
         """One bucket, as the CPU engine takes it (SGLang's load_format): one flattened broadcast, or
         one per tensor (all queued before any is waited on), on the device; then load each into its
-        parameter."""
+        parameter. As the CPU engine, a bucket loads while the next one is received: its copies are
+        queued on the stream the next receive waits on, and only the last bucket (the versioned one)
+        waits for every load before its answer."""
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"load_format {load_format!r} is not supported")
         receive = group.receive_flat if load_format else group.receive
         began = time.perf_counter()
         tensors = receive(names, [parse_dtype(d) for d in dtypes], shapes, DEVICE)
-        _sync()
         received = time.perf_counter()
         for name, tensor in tensors.items():
             if name in self.params:
                 self.params[name].copy_(tensor)
-        _sync()
+        if last:
+            _sync()
         self.bucket_seconds.append((received - began, time.perf_counter() - received))
 
 
@@ -113,6 +115,11 @@ def _sync() -> None:
 
 def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # connections kept alive, as SGLang's uvicorn keeps them
+        # Headers and body go out as two writes: with Nagle's algorithm on a kept-alive connection the body
+        # would wait for the client's delayed ACK (40 ms)
+        disable_nagle_algorithm = True
+
         def log_message(self, *args: Any) -> None:  # quiet: one line per request would drown the bench's
             pass
 
@@ -163,7 +170,7 @@ def make_handler(state: EngineState) -> type[BaseHTTPRequestHandler]:
                     raise ValueError("update_weights_from_distributed outside /begin_weight_update")
                 with state.lock:
                     state.receive(state.groups[body["group_name"]], body["names"], body["dtypes"], body["shapes"],
-                                  body.get("load_format"))
+                                  body.get("load_format"), last=body.get("weight_version") is not None)
                 if body.get("weight_version") is not None:
                     state.version = body["weight_version"]
                 return {"success": True, "message": f"updated {len(body['names'])} parameters"}

@@ -196,8 +196,9 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
             "per_tensor_ratio_vs_plain": plain / per_tensor, "flattened_speedup": per_tensor / steady,
             "checksum_equal": equal, "all_publish_s": times,
             # Where a flattened publish's time goes (engine 0, steady state): the engine's HTTP calls in
-            # turn (each timed alone: call_s), each bucket received off the wire, then loaded before its answer
-            # (as SGLang answers), and what is left: the trainer's own work not overlapped, and waits
+            # turn (each timed alone: call_s), each bucket received off the wire, then its load queued (the
+            # last bucket's waited for before its answer), and what is left: the trainer's own work not
+            # overlapped, and waits
             "buckets": len(engine_side[-1]), "call_s": call_s, "engine_calls": calls,
             "engine_receive_s": received, "engine_load_s": loaded,
             "unexplained_s": steady - calls * call_s - received - loaded,

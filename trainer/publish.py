@@ -4,8 +4,9 @@ Three transports, the first two named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
-  while the engine set is unchanged; tensors are broadcast in buckets of --update-weight-buffer-size
-  between /begin_weight_update and /end_weight_update, pipelined (no lock step): the next bucket is
+  while the engine set is unchanged (its engines' sizes are not asked again); tensors are broadcast
+  in buckets of --update-weight-buffer-size between /begin_weight_update and /end_weight_update
+  (each engine's /model_info asked beside its end), pipelined (no lock step): the next bucket is
   gathered and queued while the previous one is on the wire (two in flight), and engines get each
   bucket's request as soon as they answered the one before. A bucket goes as ONE broadcast of its
   tensors' bytes packed on the trainer's device (SGLang's load_format "flattened_bucket"; layout in
@@ -31,7 +32,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +55,7 @@ from rollout.weight_group import (
     route_address,
     takes_flattened_buckets,
 )
+from trainer.bucket_feed import BucketFeed
 from trainer.engine_fanout import EngineFanOut
 from trainer.publish_tensor import send_by_reference
 from trainer.weight_folders import WeightFolders
@@ -153,7 +155,6 @@ class WeightPublisher:
         finally:
             for _ in weights:  # whatever was not sent is still drawn: the other ranks gather it with us
                 pass
-        updated = self._verify(version, updated, dropped)
         return PublishResult(version, updated, dropped, time.monotonic() - start, nbytes)
 
     def close(self) -> None:
@@ -167,9 +168,11 @@ class WeightPublisher:
                 dropped[url] = reason
                 self.on_drop(url, reason)
 
-    def _verify(self, version: int, engines: list[str], dropped: dict[str, str]) -> list[str]:
-        """Fence every engine whose /model_info does not name the new version."""
-        versions, failed = self._engines.each(engines, self._engines.weight_version)
+    def _verify(self, version: int, engines: list[str], dropped: dict[str, str],
+                asked: dict[str, Future] | None = None) -> list[str]:
+        """Fence every engine whose /model_info does not name the new version (asked: those calls, made already)."""
+        asked = self._engines.start(engines, self._engines.weight_version) if asked is None else asked
+        versions, failed = self._engines.settle(asked)
         for url, served in versions.items():
             if served != version:
                 failed[url] = f"/model_info says weight_version {served}, expected {version}"
@@ -189,7 +192,7 @@ class WeightPublisher:
             engines, lambda url: self._engines.load_from_disk(url, folder, version, self.timeout_s))
         self._drop_engines(failed, dropped)
         self._folders.prune(folder)
-        return [url for url in engines if url in done], nbytes
+        return self._verify(version, [url for url in engines if url in done], dropped), nbytes
 
     # ---- tensor (by reference) ----
 
@@ -206,7 +209,7 @@ class WeightPublisher:
             raise PublishError("no weights to publish")
         self._drop_engines(failed, dropped)
         self._drop_engines({url: reason for url, reason in end_failed.items() if url in taken}, dropped)
-        return [url for url in taken if url not in dropped], nbytes
+        return self._verify(version, [url for url in taken if url not in dropped], dropped), nbytes
 
     # ---- nccl (gloo on CPU) ----
 
@@ -215,25 +218,31 @@ class WeightPublisher:
         group = self._ready_group(engines, dropped)
         if group is None:
             return [], 0
-        members = group.engines
+        members, done = group.engines, list[str]()
         try:
             done, nbytes = self._send_buckets(version, group, weights, dropped)
         finally:  # even when the caller's weights fail: engines must not stay held
             ending = self._engines.start_call(members, "/end_weight_update", {})
+            asked = self._engines.start(done, self._engines.weight_version)  # the version rode on the last bucket
         # A dropped engine is ended too, in case it lives, but not waited for: it may hang.
         _, end_failed = self._engines.settle({url: f for url, f in ending.items() if url not in dropped})
         self._drop_engines({url: reason for url, reason in end_failed.items() if url in done}, dropped)
+        updated = self._verify(version, [url for url in done if url not in dropped], dropped,
+                               {url: f for url, f in asked.items() if url not in dropped})
         if any(url in dropped for url in members):
             self._drop_group(dropped)  # a member failed: the group may hang; the next publish rebuilds it
-        return [url for url in members if url not in dropped], nbytes
+        return updated, nbytes
 
     def _ready_group(self, engines: list[str], dropped: dict[str, str]) -> _Group | None:
         """The group of the live engines with the update begun on each. An engine failing on the
         way is dropped and the group rebuilt without it; each round drops one, so this ends."""
         while engines:
-            tp_sizes, failed = self._engines.each(engines, self._tp_size)
-            self._drop_engines(failed, dropped)
-            layout = tuple((url, tp_sizes[url]) for url in engines if url in tp_sizes)
+            if self._group is not None and engines == self._group.engines:  # (an engine gone fails begin)
+                layout = self._group.layout
+            else:
+                tp_sizes, failed = self._engines.each(engines, self._tp_size)
+                self._drop_engines(failed, dropped)
+                layout = tuple((url, tp_sizes[url]) for url in engines if url in tp_sizes)
             if not layout:
                 return None
             if self._group is None or self._group.layout != layout:
@@ -298,9 +307,9 @@ class WeightPublisher:
         """Broadcast bucket by bucket, pipelined: bucket k+1 is gathered, packed and queued while k
         is still on the wire (two buckets in flight at most); a bucket is one broadcast (flattened)
         or, for an engine older than flattened buckets, one per tensor, all queued before any is
-        waited on. Each engine is asked for its buckets in order (_Feed). Returns the members that
+        waited on. Each engine is asked for its buckets in order (BucketFeed). Returns the members that
         took every bucket and the bytes sent; the version rides on the last bucket."""
-        feeds = {url: _Feed(self._engines, url) for url in group.engines}
+        feeds = {url: BucketFeed(self._engines, url) for url in group.engines}
         device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
         flattened = all(self._takes_flat.get(url, True) for url in group.engines)
         in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's buffers, held till waited
@@ -363,35 +372,3 @@ def _wait(group: UpdateGroup, works: list[Any]) -> str | None:
     except RuntimeError as err:
         return f"the weight broadcast broke off: {err}"
     return None
-
-
-class _Feed:
-    """One engine's bucket requests, each posted once the engine answered the one before: an engine
-    takes its buckets one request at a time (as SGLang does), and two requests at once could meet
-    the broadcasts out of order. The trainer does not wait for the answers; after the first
-    failure nothing more is posted."""
-
-    def __init__(self, engines: EngineFanOut, url: str) -> None:
-        self._engines = engines
-        self.url = url
-        self.failure: str | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1)
-
-    def post(self, body: dict[str, Any]) -> None:
-        self._pool.submit(self._call, body)
-
-    def _call(self, body: dict[str, Any]) -> None:
-        if self.failure is None:
-            try:
-                self._engines.call(self.url, "/update_weights_from_distributed", body)
-            except EngineError as err:
-                self.failure = str(err)
-
-    def stop(self, reason: str) -> None:
-        """Post nothing more (the request on its way still gets its answer)."""
-        self.failure = self.failure or reason
-
-    def finish(self) -> str | None:
-        """Wait for the requests posted (each bounded by the engine timeout); the first failure, or None."""
-        self._pool.shutdown(wait=True)
-        return self.failure

@@ -112,3 +112,42 @@ def test_a_flattened_bucket_is_packed_with_every_tensor_aligned_for_its_view(tmp
     with pytest.raises(WeightSyncError, match="starts at byte 6"):  # SGLang's views need the order above
         unflatten(flatten([by_name["odd_bf16"], by_name["f32"]], torch.device("cpu")), [torch.bfloat16, torch.float32],
                   [[3], [2, 3]])
+
+
+def test_a_kept_group_asks_no_sizes_and_the_version_is_asked_beside_the_end(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine call of a publish is a round trip the update waits for: a publish to the engines of the group
+    already formed asks no /server_info again, and each engine's /model_info (the version rode on the last
+    bucket) is asked while its /end_weight_update is still unanswered."""
+    publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
+    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped: _Group(layout, RecordingGroup(), "gloo"))
+    routes: list[tuple[str, str]] = []
+    served: dict[str, str | None] = {url: None for url in ENGINES}
+    version_asked = {url: threading.Event() for url in ENGINES}
+    lock = threading.Lock()
+
+    def call(url: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        with lock:
+            routes.append((url, route))
+        if route == "/server_info":
+            return {"tp_size": 1}
+        if route == "/model_info":
+            version_asked[url].set()
+            return {"weight_version": served[url]}
+        if route == "/end_weight_update":
+            assert version_asked[url].wait(QUEUE_WAIT_S), "the version was asked only after the end"
+        if route == "/update_weights_from_distributed" and body and body["weight_version"] is not None:
+            served[url] = body["weight_version"]
+        return {"success": True}
+
+    monkeypatch.setattr(publisher._engines, "call", call)
+    weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(4)]
+    for version in (1, 2):
+        for event in version_asked.values():
+            event.clear()
+        routes.clear()
+        result = publisher.publish(version, list(ENGINES), iter(weights))
+        assert result.updated == list(ENGINES) and not result.dropped, result
+        asked = sorted(route for _, route in routes)
+        assert asked.count("/model_info") == 2 and asked.count("/end_weight_update") == 2
+        assert asked.count("/server_info") == (2 if version == 1 else 0), f"publish {version}: {asked}"
