@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rollout.cpu_engine.faults import AT_START_ENV, STUCK
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import events, rollouts_done, slurmrl, status, submit
+from tests.integration.test_rl_job import STATUS_POLL_S, events, rollouts_done, slurmrl, status, submit
 from tests.slurm_helpers import listening_pid, wait_job_gone
 
 FIRST_ROLLOUTS_S = 300  # the job's start (as test_rl_job waits)
@@ -66,7 +66,8 @@ def test_a_lost_model_folder_and_an_engine_at_an_old_version(devcluster, toy, tm
         assert "failed the same way" in given_up["reason"] and NO_CONFIG in given_up["reason"], given_up
         assert "engine-1" not in _steps_running(job_id), "the given-up engine's step runs on"
         published = status(job_dir)["weight_version"]
-        wait_for(lambda: status(job_dir)["weight_version"] > published, GIVEN_UP_S, "a publish without the folder")
+        wait_for(lambda: status(job_dir)["weight_version"] > published, GIVEN_UP_S, "a publish without the folder",
+                 interval_s=STATUS_POLL_S)
         folder = job_dir / "weights" / str(status(job_dir)["weight_version"])
         assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file(), sorted(os.listdir(folder))
 

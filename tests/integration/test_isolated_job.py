@@ -35,6 +35,7 @@ from supervisor.keys import load_key
 from tests.integration.netfaults import fault
 from tests.integration.test_resume import replayed_after, resumed_at
 from tests.integration.test_rl_job import (
+    STATUS_POLL_S,
     assert_never_stale,
     events,
     heartbeat,
@@ -163,7 +164,8 @@ def test_toy_job_on_isolated_nodes_with_a_slow_engine_node(isolated_devcluster: 
         wait_for(lambda: rollouts_done(job_dir) >= 1, FIRST_ROLLOUTS_S, "the first rollout")
         # An engine that answers after the first publish joins once it has loaded the current version
         # (the supervisor leaves it out of publishes meanwhile): a rollout or two later.
-        wait_for(lambda: _lists_both(job_dir, listed), BOTH_LISTED_S, "the router to list both engines")
+        wait_for(lambda: _lists_both(job_dir, listed), BOTH_LISTED_S, "the router to list both engines",
+                 interval_s=STATUS_POLL_S)
         slow = status(job_dir)["steps"]["engine-1"]["nodes"][0]
         fault(root, "slow", slow, "--delay-ms", "200", "--loss", "5")
         slowed_at = rollouts_done(job_dir)
@@ -216,7 +218,8 @@ def test_cut_engine_node_is_replaced_and_never_rejoins_stale(isolated_devcluster
         node = old["nodes"][0]
         fault(root, "cut", node)
         cut_at = time.monotonic()
-        wait_for(lambda: old["url"] not in router_workers(job_dir), OUT_OF_ROUTER_S, "engine-1 out of the router")
+        wait_for(lambda: old["url"] not in router_workers(job_dir), OUT_OF_ROUTER_S, "engine-1 out of the router",
+                 interval_s=STATUS_POLL_S)
         out_s = time.monotonic() - cut_at
         wait_for(lambda: events(job_dir, "engine_recovered", "engine-1"), REPLACED_S, "engine-1 replaced")
         # The job goes on while the node is still cut off, even if the cut fell in a publish (the
@@ -230,7 +233,7 @@ def test_cut_engine_node_is_replaced_and_never_rejoins_stale(isolated_devcluster
         key = load_key(JobDir(job_dir))
         try:
             wait_for(lambda: _router_view(job_dir, key, view), AGREE_S, "the router's engines at one version",
-                     interval_s=1)
+                     interval_s=STATUS_POLL_S)
         except TimeoutError as e:
             raise AssertionError(f"{e}: {view}") from None
         assert old["url"] not in view["listed"], view

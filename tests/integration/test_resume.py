@@ -27,7 +27,15 @@ import pytest
 from ckpt_tools.tracker import iteration_dirname, read_tracker
 from rollout.toy_task import write_toy_data
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import assert_never_stale, events, heartbeat, rollouts_done, status, submit
+from tests.integration.test_rl_job import (
+    STATUS_POLL_S,
+    assert_never_stale,
+    events,
+    heartbeat,
+    rollouts_done,
+    status,
+    submit,
+)
 from tests.slurm_helpers import listening_pids, wait_job_gone
 from trainer import checkpoint
 
@@ -209,7 +217,8 @@ def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Pat
                  "the requeued job to resume and go on")
         # every engine of the resumed job up (one may be starting or restarting when the rollouts are)
         engines: list[int] = []
-        wait_for(lambda: _each_engine_listening(job_dir, engines), 120, "every engine to listen")
+        wait_for(lambda: _each_engine_listening(job_dir, engines), 120, "every engine to listen",
+                 interval_s=STATUS_POLL_S)
         stopped += engines
         freeze_during_rollout(job_dir, engines)
         preempt(job_id)

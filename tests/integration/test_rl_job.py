@@ -57,6 +57,11 @@ def submit(toy: tuple[Path, Path], job_dir: Path, *flags: str) -> str:
     return json.loads(done.stdout.strip().splitlines()[-1])["job_id"]
 
 
+# Between two looks at `slurmrl status` in a wait: each is a process of about half a second of CPU, and a
+# wait at wait_for's default 0.2 s would keep a core of the 2-core CI machine busy beside the job under test
+STATUS_POLL_S = 1.0
+
+
 def status(job_dir: Path) -> dict:
     return json.loads(slurmrl("status", str(job_dir), "--json").stdout)
 
@@ -150,7 +155,7 @@ def test_toy_job_is_profiled_recovers_from_failures_and_stops(devcluster, toy, t
         wait_for(lambda: rollouts_done(job_dir) >= 1, 300, "the first rollout")
         # Profiling reaches the engines that are healthy now: wait until both are (one may be restarting).
         wait_for(lambda: all(status(job_dir)["steps"][f"engine-{k}"]["state"] == "healthy" for k in (0, 1)), 120,
-                 "both engines healthy")
+                 "both engines healthy", interval_s=STATUS_POLL_S)
         rollout = slurmrl("profile", str(job_dir), "--rollout", "--steps", "3").stdout
         train = slurmrl("profile", job_id, "--train", "--steps", "1").stdout
         wait_profiles_written(job_dir)  # before any failure: a killed engine writes no trace
