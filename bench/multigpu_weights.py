@@ -124,9 +124,9 @@ def plain_broadcast_seconds(urls: list[str], backend: str, nbytes: int, repeats:
         group.close()
 
 
-# Engine calls of a publish besides its buckets: /server_info, /begin_weight_update, /end_weight_update,
-# /model_info (trainer/publish.py)
-FIXED_CALLS = 4
+# Engine calls a publish waits for in turn besides its buckets: /begin_weight_update, then /end_weight_update with
+# /model_info beside it (trainer/publish.py; a kept group's /server_info is not asked again)
+FIXED_CALLS = 2
 
 
 def engine_call_seconds(url: str, count: int = 50) -> float:
