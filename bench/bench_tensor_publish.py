@@ -3,7 +3,9 @@ on the trainer's own device (this process, GPU 0; on the CPU: /dev/shm), through
 and the engine's /update_weights_from_tensor, against, in the same run:
 - a device-to-device copy of the same bytes into tensors of this process (the goal: the publish
   >= 0.85x of it: ratio_vs_copy);
-- the disk publish of the same weights (what colocated jobs take otherwise: disk_publish_s).
+- the disk publish of the same weights (what colocated jobs take otherwise: disk_publish_s);
+- the same publish with a CUDA IPC handle per tensor, as to an SGLang older than flattened buckets
+  (per_tensor_handles_s; the flattened buckets' speed-up over it: flattened_speedup).
 
     python -m bench.bench_tensor_publish [--shape small|qwen3-0.6b] [--repeats 3]
 
@@ -58,12 +60,16 @@ def main() -> None:
     try:
         by_reference = WeightPublisher("tensor", work / "job", model, API_KEY, timeout_s=600)
         through_disk = WeightPublisher("disk", work / "job", model, API_KEY, timeout_s=600)
+        # the same publish as to an SGLang older than flattened buckets (0.5.5): a CUDA IPC handle per tensor
+        per_tensor = WeightPublisher("tensor", work / "job", model, API_KEY, timeout_s=600)
+        per_tensor._takes_flat[server.url] = False
 
         def publish(publisher: WeightPublisher, version: int) -> None:
             result = publisher.publish(version, [server.url], iter(weights))
             assert result.updated == [server.url], result.dropped
 
         tensor_s = best_of(args.repeats, lambda i: publish(by_reference, 10 + i), device)
+        per_tensor_s = best_of(args.repeats, lambda i: publish(per_tensor, 30 + i), device)
         disk_s = best_of(args.repeats, lambda i: publish(through_disk, 20 + i), device)
         targets = [torch.empty_like(t) for _, t in weights]
         copy_s = best_of(args.repeats, lambda i: [dst.copy_(src) for dst, (_, src) in zip(targets, weights)], device)
@@ -71,11 +77,12 @@ def main() -> None:
         server.stop()
     where = torch.cuda.get_device_name(device) if cuda else "cpu"
     result = {"shape": shape, "device": where, "bytes": nbytes, "tensors": len(weights),
-              "tensor_publish_s": tensor_s, "tensor_publish_gbps": nbytes / tensor_s / 1e9, "copy_s": copy_s,
+              "tensor_publish_s": tensor_s, "tensor_publish_gbps": nbytes / tensor_s / 1e9,
+              "per_tensor_handles_s": per_tensor_s, "flattened_speedup": per_tensor_s / tensor_s, "copy_s": copy_s,
               "copy_gbps": nbytes / copy_s / 1e9, "ratio_vs_copy": copy_s / tensor_s, "disk_publish_s": disk_s,
               "tensor_vs_disk": disk_s / tensor_s}
     print(f"{shape} ({nbytes / 1e9:.2f} GB bf16, {len(weights)} tensors) on {where}: publish by reference "
-          f"{tensor_s * 1e3:.1f} ms, device copy {copy_s * 1e3:.1f} ms (ratio {copy_s / tensor_s:.3f}, goal >= 0.85), "
+          f"{tensor_s * 1e3:.1f} ms (a handle per tensor: {per_tensor_s * 1e3:.1f} ms), device copy {copy_s * 1e3:.1f} ms (ratio {copy_s / tensor_s:.3f}, goal >= 0.85), "
           f"disk publish {disk_s * 1e3:.1f} ms ({disk_s / tensor_s:.1f}x the by-reference time)")
     print("RESULT " + json.dumps(result))
 

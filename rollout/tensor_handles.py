@@ -14,6 +14,10 @@ The sender must keep its tensors alive until the receiver has copied them (the c
 them returned). CPU tensors must be views of a shared_buffer: an anonymous memory file the receiver
 maps through /proc (slurmrl's own form: torch's CPU sharing needs a torch_shm_manager daemon, which
 the sender would start and which outlives it while receivers hold its memory). SGLang takes CUDA only.
+
+A bucket goes either as a list of (name, tensor), each tensor a handle of its own (load_format None),
+or as SGLang's load_format "flattened_bucket": one 1-D tensor of one dtype and each name's place in
+it (flattened_bucket, reconstruct), so the receiver maps one handle a bucket, not one a tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -128,8 +133,9 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
 
 # What a payload may name besides the two rebuild functions: the classes and dtypes a tensor's
 # reduction refers to (torch's own reduce_tensor for CUDA tensors), nothing that runs code.
+# (A flattened bucket's metadata entries are SimpleNamespaces: plain attributes, no code.)
 _TYPES = {("torch", "Tensor"), ("torch", "Size"), ("torch.nn.parameter", "Parameter"),
-          ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage")}
+          ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("types", "SimpleNamespace")}
 
 
 class _Unpickler(pickle.Unpickler):
@@ -152,3 +158,44 @@ def deserialize(payload: str) -> Any:
         raise
     except (ValueError, pickle.UnpicklingError, EOFError, RuntimeError, OSError) as err:
         raise TensorHandleError(f"not tensors by reference: {err}") from err
+
+
+def flattened_bucket(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> dict[str, Any]:
+    """SGLang's "flattened_bucket" for /update_weights_from_tensor: `flat`, a 1-D tensor of one dtype
+    holding `named`'s values back to back in order, and each tensor's place in it, with the fields of
+    sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata. SGLang reads them as attributes, so
+    they go as SimpleNamespaces: any engine unpickles those, with or without slurmrl."""
+    metadata, start = [], 0
+    for name, tensor in named:
+        numel = tensor.numel()
+        metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start,
+                                        end_idx=start + numel, numel=numel))
+        start += numel
+    if flat.dim() != 1 or flat.numel() != start or any(t.dtype != flat.dtype for _, t in named):
+        raise TensorHandleError(f"a flattened bucket is one 1-D tensor of its tensors' one dtype and {start} "
+                                f"elements, got {flat.dtype} of shape {list(flat.shape)}")
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def reconstruct(bucket: Any) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) views of a flattened bucket, as SGLang's FlattenedTensorBucket makes them
+    (a slice of the flat tensor, reshaped, converted where its dtype differs)."""
+    if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
+        raise TensorHandleError("a flattened bucket is a dict of flattened_tensor and metadata")
+    flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
+    if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and isinstance(metadata, list)):
+        raise TensorHandleError("a flattened bucket's flattened_tensor is one 1-D tensor, its metadata a list")
+    named = []
+    for meta in metadata:
+        try:
+            name, shape, dtype = meta.name, torch.Size(meta.shape), meta.dtype
+            start, end = int(meta.start_idx), int(meta.end_idx)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise TensorHandleError(f"a flattened bucket's metadata entry lacks a field: {err}") from err
+        if not (isinstance(name, str) and isinstance(dtype, torch.dtype)
+                and 0 <= start <= end <= flat.numel() and end - start == shape.numel()):
+            raise TensorHandleError(f"{name!r}: elements {start}..{end} of {flat.numel()} do not hold shape "
+                                    f"{list(shape)}")
+        tensor = flat[start:end].reshape(shape)
+        named.append((name, tensor if tensor.dtype == dtype else tensor.to(dtype)))
+    return named

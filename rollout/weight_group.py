@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ _DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}
 # (Seen on 2 H200s, torch 2.11: the trainer lives; the abort still waits about 60 s for the
 # flight recorder's dump.)
 _NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+_NCCL_POLL_S = 5e-5  # between two looks at a broadcast's completion (UpdateGroup.wait)
 
 
 class WeightSyncError(Exception):
@@ -75,9 +77,15 @@ class UpdateGroup:
         return [self.start_broadcast(tensor, src) for tensor in tensors]
 
     def wait(self, works: list[dist.Work]) -> None:
-        """Wait for queued broadcasts, each bounded by the group's timeout (RuntimeError past it)."""
+        """Wait for queued broadcasts, each bounded by the group's timeout (RuntimeError past it).
+        NCCL's own wait with a timeout looks at the broadcast every millisecond (torch's
+        WorkNCCL::synchronize): a millisecond lost a bucket on each side. Its completion is looked at
+        every _NCCL_POLL_S here instead; the wait after it then returns at once, or raises."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
         for work in works:
-            work.wait(self.timeout)
+            while self.backend == "nccl" and not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(_NCCL_POLL_S)
+            work.wait(max(timedelta(milliseconds=1), timedelta(seconds=deadline - time.monotonic())))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Send (on src) or receive (elsewhere) one tensor, in place."""

@@ -16,8 +16,9 @@
 #   STEP=7: after a checkpoint-layout change, all at once: ckpt verify of every family on GPU 0, the MoE tests on GPU 1,
 #           Qwen3-Next's and Qwen3.5's layouts a GPU per rank (PP=2 with the alltoall dispatcher among them); then
 #           the NCCL publish bench with its breakdown (engine calls, receive, load)
-#   STEP=8: after a publish change: the NCCL publish bench to one engine then to two (one on each GPU), by the tree at
-#           BASE and then by this one; then the GPU tests of the publish paths
+#   STEP=8: after a publish change: the NCCL publish bench to one engine then to two (ENGINES: "1 2"; two need a GPU
+#           each beside the trainer's) and the colocated publish by reference, by the tree at BASE and then by this
+#           one; then the GPU tests of the publish paths
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -132,13 +133,14 @@ case "${STEP:-1}" in
     for tree in ${BASE:-} .; do
         name=$([ "$tree" = . ] && echo new || echo base)
         ( cd "$tree" && export PYTHONPATH=$PWD
-          for n in 1 2; do
+          for n in ${ENGINES:-1 2}; do
               timeout -k 10 100 python -m bench.bench_multi_gpu --parts weights --weight-engines $n --out /tmp/w_$name$n
-          done ) > "$OUT/publish_$name.txt" 2>&1
+          done
+          CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python -m bench.bench_tensor_publish ) > "$OUT/publish_$name.txt" 2>&1
         echo "== $name"; grep -h RESULT "$OUT/publish_$name.txt" | cut -c1-1000
     done
     timeout -k 10 "${LIMIT:-200}" python -m pytest -v $COMMON $g/test_gpu_flattened_publish.py $g/test_gpu_engine.py \
-        $g/test_gpu_tensor_publish.py > "$OUT/publish_tests.txt" 2>&1
+        $g/test_gpu_tensor_publish.py -m "not gpu_job" > "$OUT/publish_tests.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/publish_tests.txt" | cut -c1-250 | tail -8
     ;;
 *) echo "STEP must be 1 to 8, got $STEP" >&2; exit 2 ;;

@@ -18,7 +18,8 @@ Three transports, the first two named as slime names them:
 
 - tensor: by reference, for engines on the trainer's own GPU (--colocate; slime's path for colocated
   engines): POST /update_weights_from_tensor with CUDA IPC handles (shared memory on the CPU) of each
-  bucket; trainer/publish_tensor.py.
+  bucket, as flattened buckets where every engine takes them (its /server_info, asked once, as for nccl);
+  trainer/publish_tensor.py.
 
 An engine whose update fails or times out is dropped: reported, handed to on_drop and left out,
 while the others still get the version. Every wait is bounded by timeout_s. The API key only
@@ -198,11 +199,16 @@ class WeightPublisher:
 
     def _publish_tensor(self, version: int, engines: list[str], weights: Weights,
                         dropped: dict[str, str]) -> tuple[list[str], int]:
-        begun, failed = self._engines.on_all(engines, "/begin_weight_update", {"selector": "all"})
+        _, failed = self._engines.each([url for url in engines if url not in self._takes_flat], self._tp_size)
+        self._drop_engines(failed, dropped)
+        begun, failed = self._engines.on_all([url for url in engines if url not in dropped], "/begin_weight_update",
+                                             {"selector": "all"})
         self._drop_engines(failed, dropped)
         members = [url for url in engines if url in begun]
+        flattened = all(self._takes_flat[url] for url in members)
         try:
-            taken, failed, nbytes = send_by_reference(self._engines, version, members, weights, self.bucket_bytes)
+            taken, failed, nbytes = send_by_reference(self._engines, version, members, weights, self.bucket_bytes,
+                                                      flattened)
         finally:  # even when the caller's weights fail: engines must not stay held
             _, end_failed = self._engines.on_all(members, "/end_weight_update", {})
         if nbytes == 0:

@@ -29,7 +29,7 @@ from rollout.cpu_engine.engine import Engine
 from rollout.cpu_engine.faults import FAIL, Faults
 from rollout.cpu_engine.http_util import BodyError, EarlyResponse, error, read_json, run_on_scheduler
 from rollout.cpu_engine.weights import WeightError, copy_plan, load_into, plan_load, read_safetensors_folder
-from rollout.tensor_handles import TensorHandleError, deserialize
+from rollout.tensor_handles import TensorHandleError, deserialize, reconstruct
 from rollout.weight_group import FLATTENED_BUCKET, WeightSyncError, create_group, parse_dtype
 
 DEFAULT_GROUP = "weight_update_group"
@@ -233,7 +233,8 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
         # SGLang's route for colocated trainers: tensors by reference (rollout/tensor_handles.py), one
-        # serialized list of (name, tensor) per tensor-parallel rank; copied into the model at once.
+        # serialized list of (name, tensor), or flattened bucket, per tensor-parallel rank; copied into the
+        # model at once.
         body = await weight_body(request)
         if not engine.weight_update_open:
             return outside_update("update_weights_from_tensor")
@@ -244,16 +245,17 @@ def add_weight_routes(app: FastAPI, engine: Engine, faults: Faults) -> None:
         if engine.link is not None:
             return _result(False, "update_weights_from_tensor reaches this process's memory only; an engine over "
                                   "several nodes takes its weights from disk or a weight-update group")
-        if body.get("load_format") is not None:
-            return _result(False, f"load_format {body['load_format']!r} is not supported; use null (a list of "
-                                  "(name, tensor))")
+        load_format = body.get("load_format")
+        if load_format not in (None, FLATTENED_BUCKET):
+            return _result(False, f"load_format {load_format!r} is not supported; use null (a list of (name, tensor)) "
+                                  f"or {FLATTENED_BUCKET!r} (one tensor and each name's place in it)")
         if version is not None and not isinstance(version, str):
             return _result(False, "weight_version must be a string")
         if faults.update == FAIL:
             return _result(False, "Failed to update weights: the engine's test fault (slurmrl_fault update fail)")
         try:
             named = await asyncio.to_thread(deserialize, payloads[0])
-            tensors = dict(named)
+            tensors = dict(reconstruct(named) if load_format == FLATTENED_BUCKET else named)
         except (TensorHandleError, TypeError, ValueError) as err:
             return _result(False, f"Failed to update weights: {err}; the previous weights are kept.")
         failed = await apply(tensors, complete=False, version=version)

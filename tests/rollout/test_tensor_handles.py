@@ -1,7 +1,8 @@
 """Tensors by reference (rollout/tensor_handles.py), on the CPU: another process, not forked from
 the sender, maps the sender's shared memory (what it writes, the sender sees), and a payload that
-names anything but tensors runs nothing. The stand-in engine's /update_weights_from_tensor
-keeps SGLang's rules: only inside /begin_weight_update ... /end_weight_update, and a bad payload
+names anything but tensors runs nothing; a flattened bucket (SGLang's form: one tensor, each name's
+place in it) gives back its tensors exactly. The stand-in engine's /update_weights_from_tensor
+takes both forms and keeps SGLang's rules: only inside /begin_weight_update ... /end_weight_update, and a bad payload
 changes no weight. The publish over it: tests/trainer/test_publish.py; on a GPU (CUDA IPC):
 tests/gpu/test_gpu_tensor_publish.py."""
 
@@ -13,11 +14,20 @@ import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rollout.tensor_handles import TensorHandleError, _map_cpu, deserialize, serialize, shared_buffer
+from rollout.tensor_handles import (
+    TensorHandleError,
+    _map_cpu,
+    deserialize,
+    flattened_bucket,
+    reconstruct,
+    serialize,
+    shared_buffer,
+)
 from rollout.tiny_model import vocabulary
 from rollout.weight_group import unflatten
 from tests.rollout.cpu_engine_helpers import REPO, EngineProcess, make_tiny_model
@@ -48,6 +58,37 @@ def test_another_process_maps_the_senders_memory() -> None:
 def test_a_cpu_tensor_outside_a_shared_buffer_is_refused() -> None:
     with pytest.raises(TensorHandleError, match="only as a view of a shared_buffer"):
         serialize([("w", torch.zeros(3))])
+
+
+def test_a_flattened_bucket_gives_back_its_tensors() -> None:
+    """As SGLang's FlattenedTensorBucket: the views of one shared buffer, through the payload, equal the
+    tensors, and name their place by SGLang's field names."""
+    bf16 = torch.bfloat16
+    named = [("a", torch.arange(6, dtype=bf16).reshape(2, 3)), ("empty", torch.empty(0, 2, dtype=bf16)),
+             ("b", torch.full((4,), 7.0, dtype=bf16))]
+    with shared_buffer(2 * 10, torch.device("cpu")) as flat:
+        typed = flat.view(torch.bfloat16)
+        torch.cat([t.reshape(-1) for _, t in named], out=typed)
+        back = reconstruct(deserialize(serialize(flattened_bucket(named, typed))))
+    assert [name for name, _ in back] == ["a", "empty", "b"]
+    for (_, want), (_, got) in zip(named, back):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    meta = flattened_bucket(named, typed)["metadata"][2]
+    assert (meta.start_idx, meta.end_idx, meta.numel, list(meta.shape)) == (6, 10, 4, [4])
+    with pytest.raises(TensorHandleError, match="one 1-D tensor of its tensors' one dtype"):
+        flattened_bucket(named, torch.zeros(10))
+
+
+@pytest.mark.parametrize("bucket, message", [
+    ({"flattened_tensor": torch.zeros(4)}, "a dict of flattened_tensor and metadata"),
+    ({"flattened_tensor": torch.zeros(2, 2), "metadata": []}, "one 1-D tensor"),
+    ({"flattened_tensor": torch.zeros(4), "metadata": [SimpleNamespace(name="w", shape=[3])]}, "lacks a field"),
+    ({"flattened_tensor": torch.zeros(4), "metadata": [SimpleNamespace(
+        name="w", shape=[3], dtype=torch.float32, start_idx=2, end_idx=5, numel=3)]}, "elements 2..5 of 4"),
+])
+def test_a_flattened_bucket_that_does_not_add_up_is_refused(bucket: dict, message: str) -> None:
+    with pytest.raises(TensorHandleError, match=message):
+        reconstruct(bucket)
 
 
 class _RunsCode:
@@ -114,7 +155,15 @@ def _test_the_route(engine: EngineProcess, rows: list, new: torch.Tensor) -> Non
             "serialized_named_tensors": [serialize([("model.no_such.weight", new)])]})
         assert wrong.status_code == 400 and "unexpected tensor model.no_such.weight" in wrong.json()["message"]
         assert _embedding(engine) == rows  # nothing loaded
-        taken = engine.post("/update_weights_from_tensor", {**body, "weight_version": "7"})
+        flat = new.reshape(-1)  # the same tensor as SGLang's flattened bucket
+        bucket = {"serialized_named_tensors": [serialize(flattened_bucket([("model.embed_tokens.weight", new)], flat))],
+                  "load_format": "flattened_bucket"}
+        short = flattened_bucket([("model.embed_tokens.weight", new)], flat)
+        short["metadata"][0].end_idx -= 1
+        bad = engine.post("/update_weights_from_tensor", {**bucket, "serialized_named_tensors": [serialize(short)]})
+        assert bad.status_code == 400 and "do not hold shape" in bad.json()["message"]
+        assert _embedding(engine) == rows  # nothing loaded
+        taken = engine.post("/update_weights_from_tensor", {**bucket, "weight_version": "7"})
         assert taken.status_code == 200, taken.text
     finally:
         assert engine.post("/end_weight_update", {}).status_code == 200

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from contract.control_protocol import CallerFenced, ControlError
 from rollout.tiny_model import write_tiny_model
+from rollout.weight_group import buckets
 from tests.rollout import servers
 from trainer.engine_fanout import SERVING_POLL_S, TAKEN_OUT
 from trainer.publish import PublishResult, WeightPublisher
@@ -255,6 +256,19 @@ def test_pipelined_publish_is_bit_exact_for_any_bucket_size(engines: list[server
         publisher.close()
 
 
+def publish_mixed_dtypes(publisher: WeightPublisher, urls: list[str], base: dict[str, torch.Tensor],
+                         version: int) -> list[tuple[str, torch.Tensor]]:
+    """fp32 and bf16 tensors, alternately (so buckets hold both), published as `version`; every engine serves
+    them bit for bit. Returns them."""
+    weights = [(name, (t + version / 100).to(torch.bfloat16 if i % 2 else torch.float32))
+               for i, (name, t) in enumerate(sorted(base.items()))]
+    result = publisher.publish(version, urls, iter(weights))
+    assert result.updated == urls and result.dropped == {}
+    for url in urls:
+        assert_serving(url, version, weights)
+    return weights
+
+
 @pytest.mark.parametrize("sglang_version", [None, "0.5.5"])
 def test_mixed_dtype_buckets_reach_engines_flattened_or_per_tensor(engines: list[servers.Server], model: Path,
                                                                    base: dict[str, torch.Tensor], tmp_path: Path,
@@ -278,12 +292,7 @@ def test_mixed_dtype_buckets_reach_engines_flattened_or_per_tensor(engines: list
 
     monkeypatch.setattr(publisher._engines, "call", as_version)
     try:
-        weights = [(name, (t + 0.3).to(torch.bfloat16 if i % 2 else torch.float32))
-                   for i, (name, t) in enumerate(sorted(base.items()))]
-        result = publisher.publish(31, urls, iter(weights))
-        assert result.updated == urls and result.dropped == {}
-        for url in urls:
-            assert_serving(url, 31, weights)
+        publish_mixed_dtypes(publisher, urls, base, 31)
         assert len(answers) > 2 * 2 and all(("in one broadcast" in a) == (sglang_version is None) for a in answers)
     finally:
         publisher.close()
@@ -311,6 +320,35 @@ def test_tensor_publish_hands_the_engines_its_buckets_by_reference(engines: list
     # Other processes of a parallel suite make and remove their own semaphores and CUDA files meanwhile.
     left = {name for name in set(os.listdir("/dev/shm")) - shm_before if not name.startswith(("sem.", "cuda.shm."))}
     assert left == set()
+
+
+@pytest.mark.parametrize("sglang_version", [None, "0.5.5"])
+def test_tensor_publish_sends_flattened_buckets_or_a_handle_per_tensor(engines: list[servers.Server], model: Path,
+                                                                       base: dict[str, torch.Tensor], tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       sglang_version: str | None) -> None:
+    """By reference, a bucket of fp32 and bf16 tensors goes as one flattened bucket per dtype (SGLang's form: one
+    handle to map), or, to engines that say they are an SGLang older than that form (0.5.5), as one handle per
+    tensor; either way the engines serve the weights bit for bit."""
+    urls = [e.url for e in engines]
+    publisher = WeightPublisher("tensor", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=30)
+    call, formats = publisher._engines.call, []
+
+    def as_version(url: str, route: str, body=None):
+        if route == "/update_weights_from_tensor" and url == urls[0]:
+            formats.append((body["load_format"], body["weight_version"]))
+        answer = call(url, route, body)
+        if route == "/server_info" and sglang_version:
+            answer["version"] = sglang_version
+        return answer
+
+    monkeypatch.setattr(publisher._engines, "call", as_version)
+    weights = publish_mixed_dtypes(publisher, urls, base, 51)
+    dtypes = [len({t.dtype for _, t in bucket}) for bucket, _ in buckets(iter(weights), BUCKET)]
+    want = "flattened_bucket" if sglang_version is None else None
+    assert {fmt for fmt, _ in formats} == {want} and [v for _, v in formats if v] == ["51"] and formats[-1][1] == "51"
+    # a request per dtype of a bucket, or one per bucket
+    assert len(formats) == (sum(dtypes) if sglang_version is None else len(dtypes)) and max(dtypes) == 2
 
 
 def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:
