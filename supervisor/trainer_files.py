@@ -16,7 +16,9 @@ _RECENT = 20  # metrics lines to look back over
 
 class Pace:
     """The trainer's recent step and save times, read again from metrics.jsonl once it changed.
-    The save time is the longest of the recent saves; the last one measured when none is recent."""
+    The save time is the longest of the recent saves (the last one measured when none is recent),
+    the training time (with its publish) the longest of the recent rollouts': a stop planned on the
+    last one alone came too late when the next step ran slower (CI, a loaded machine)."""
 
     def __init__(self, job_dir: JobDir) -> None:
         self.job_dir = job_dir
@@ -45,7 +47,7 @@ class Pace:
         if not recent:
             return
         last = recent[-1]
-        train = float(last.get(Metric.TRAIN_SECONDS, 0.0)) + float(last.get(Metric.PUBLISH_SECONDS, 0.0))
+        train = max(float(m.get(Metric.TRAIN_SECONDS, 0.0)) + float(m.get(Metric.PUBLISH_SECONDS, 0.0)) for m in recent)
         saves = [float(m[Metric.SAVE_SECONDS]) for m in recent if Metric.SAVE_SECONDS in m]
         save = max(saves) if saves else self._costs.save_s
         self._costs = StopCosts(save, train, float(last.get(Metric.ROLLOUT_SECONDS, 0.0)) + train + save)

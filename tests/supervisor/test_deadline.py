@@ -113,13 +113,14 @@ def _metrics(job_dir: JobDir, *lines: dict) -> None:
             f.write(json.dumps(line) + "\n")
 
 
-def test_the_save_time_is_the_slowest_recent_save_or_the_one_under_way(tmp_path: Path) -> None:
+def test_the_save_and_training_times_are_the_slowest_recent_or_the_save_under_way(tmp_path: Path) -> None:
     job_dir = JobDir(tmp_path)
     pace = Pace(job_dir)
     assert pace.costs(None) == StopCosts(0.0, 0.0, 0.0)
     step = {Metric.ROLLOUT_SECONDS: 2.0, Metric.TRAIN_SECONDS: 3.0, Metric.PUBLISH_SECONDS: 1.0}
-    _metrics(job_dir, {**step, Metric.SAVE_SECONDS: 50.0}, {**step, Metric.SAVE_SECONDS: 20.0}, step)
-    assert pace.costs(None) == StopCosts(save_s=50.0, train_s=4.0, boundary_s=56.0)
+    slow = {**step, Metric.TRAIN_SECONDS: 9.0}
+    _metrics(job_dir, {**step, Metric.SAVE_SECONDS: 50.0}, {**slow, Metric.SAVE_SECONDS: 20.0}, step)
+    assert pace.costs(None) == StopCosts(save_s=50.0, train_s=10.0, boundary_s=62.0)
     _metrics(job_dir, *[step] * 25)  # the saves scrolled out of the recent lines: the last one known
     assert pace.costs(None).save_s == 50.0
     assert pace.costs(_beat(Phase.SAVE, 80)).save_s == pytest.approx(80, abs=1)  # slower than any before
