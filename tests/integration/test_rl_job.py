@@ -25,6 +25,8 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -55,6 +57,18 @@ def submit(toy: tuple[Path, Path], job_dir: Path, *flags: str) -> str:
     done = slurmrl("submit", "examples/toy_job.yaml", "--json", "--job-dir", str(job_dir), "--hf-checkpoint",
                    str(model), "--prompt-data", str(data), *flags)
     return json.loads(done.stdout.strip().splitlines()[-1])["job_id"]
+
+
+@contextmanager
+def background_job(toy: tuple[Path, Path], job_dir: Path, *flags: str) -> Iterator[str]:
+    """A job submitted now, to run beside the test's own: the toy job's tasks take 1 or 2 of a node's 8
+    CPUs and ask for no node of their own, so SLURM runs two toy jobs at once on the devcluster (their
+    ports differ, each from its job id). Cancelled when the block ends (a no-op once it has ended)."""
+    job_id = submit(toy, job_dir, *flags)
+    try:
+        yield job_id
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
 
 
 def status(job_dir: Path) -> dict:
