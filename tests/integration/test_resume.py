@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -30,6 +31,7 @@ from slurm.devcluster.daemons import wait_for
 from tests.integration.test_rl_job import (
     STATUS_POLL_S,
     assert_never_stale,
+    background_job,
     events,
     heartbeat,
     rollouts_done,
@@ -61,13 +63,22 @@ def eval_flags(tmp_path_factory) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(devcluster, toy, eval_flags, tmp_path_factory) -> list[dict]:
+def uninterrupted(devcluster, toy, eval_flags, tmp_path_factory) -> Iterator[Callable[[], list[dict]]]:
+    """The uninterrupted run's metrics, waited for when first asked: the run goes on beside the first
+    interrupted job (whose test compares with it only at its end)."""
     job_dir = tmp_path_factory.mktemp("whole") / "job"
-    wait_job_gone(submit(toy, job_dir, *FLAGS, *eval_flags), timeout_s=600)
-    rows = metrics(job_dir)
-    assert [m["rollout_id"] for m in rows if f"eval/{EVAL_SET}" in m] == [2, 5, 8, 11], "slime's eval schedule"
-    assert f"before_train/eval/{EVAL_SET}" in rows[0] and f"eval/{EVAL_SET}-pass@2" in rows[2]
-    return rows
+    rows: list[dict] = []
+
+    def ended() -> list[dict]:
+        if not rows:
+            wait_job_gone(job_id, timeout_s=600)
+            rows.extend(metrics(job_dir))
+            assert [m["rollout_id"] for m in rows if f"eval/{EVAL_SET}" in m] == [2, 5, 8, 11], "slime's eval schedule"
+            assert f"before_train/eval/{EVAL_SET}" in rows[0] and f"eval/{EVAL_SET}-pass@2" in rows[2]
+        return rows
+
+    with background_job(toy, job_dir, *FLAGS, *eval_flags) as job_id:
+        yield ended
 
 
 # Losses and norms may differ in their last bits between two runs from the same start. The GRPO
@@ -80,8 +91,8 @@ def same(x: object, y: object) -> bool:
     return x == y if not isinstance(x, float) else y == pytest.approx(x, rel=1e-4, abs=1e-5)
 
 
-def assert_same_run(expected: list[dict], job_dir: Path) -> None:
-    got = metrics(job_dir)
+def assert_same_run(uninterrupted: Callable[[], list[dict]], job_dir: Path) -> None:
+    expected, got = uninterrupted(), metrics(job_dir)
     assert [m["rollout_id"] for m in got] == list(range(len(expected))), "a rollout id was skipped or repeated"
     for x, y in zip(expected, got):
         for key in COMPARED:
@@ -193,9 +204,10 @@ def _each_engine_listening(job_dir: Path, pids: list[int]) -> bool:
     return bool(found) and all(len(each) == 1 for each in found)
 
 
-def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Path) -> None:
+def test_short_grace_saves_at_once(uninterrupted, time_limited, toy, eval_flags, tmp_path: Path) -> None:
     """preempt_grace 1 s is shorter than any rollout plus save: the supervisor has the trainer
-    save at once (save_now). Once during a checkpoint save, once during a rollout."""
+    save at once (save_now). Once during a checkpoint save, once during a rollout. (time_limited:
+    that test's job runs meanwhile.)"""
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, *FLAGS, *eval_flags, "--preempt-grace", "1", "--save-interval", "1")
     save_dir = job_dir / "checkpoints"
@@ -240,19 +252,28 @@ def test_short_grace_saves_at_once(uninterrupted, toy, eval_flags, tmp_path: Pat
     assert_same_run(uninterrupted, job_dir)
 
 
-def test_time_limit_shorter_than_the_work_finishes_over_several_requeues(toy, devcluster, tmp_path: Path) -> None:
+# A slow reward model makes each rollout take 1.3 s or more: 24 of them outlast the at most ~25 s a
+# one-minute start can work (15 s of start-up, then 20 s of grace).
+TIME_LIMITED = ("--num-rollout", "24", "--rollout-batch-size", "8", "--save-interval", "100",
+                "--custom-rm-path", "tests.trainer.plugins.slow_toy_reward", "--time", "1",
+                "--preempt-grace", "20", "--max-requeues", "8")
+
+
+@pytest.fixture(scope="module")
+def time_limited(devcluster, toy, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """The job of test_time_limit_shorter_than_the_work_finishes_over_several_requeues (its id and job
+    dir), submitted when first asked for: test_short_grace_saves_at_once asks for it so that it runs
+    beside that test's job (most of its minutes are waits for its time limit and requeue holds)."""
+    job_dir = tmp_path_factory.mktemp("time_limited") / "job"
+    with background_job(toy, job_dir, *TIME_LIMITED) as job_id:
+        yield job_id, job_dir
+
+
+def test_time_limit_shorter_than_the_work_finishes_over_several_requeues(time_limited) -> None:
     """A one-minute job with more than a minute of work: before each time limit it saves and
     requeues itself (SLURM's warning signal, or the end time it read), until the work is done."""
-    job_dir = tmp_path / "job"
-    # A slow reward model makes each rollout take 1.3 s or more: 24 of them outlast the at most
-    # ~25 s a one-minute start can work (15 s of start-up, then 20 s of grace).
-    job_id = submit(toy, job_dir, "--num-rollout", "24", "--rollout-batch-size", "8", "--save-interval", "100",
-                    "--custom-rm-path", "tests.trainer.plugins.slow_toy_reward", "--time", "1",
-                    "--preempt-grace", "20", "--max-requeues", "8")
-    try:
-        wait_job_gone(job_id, timeout_s=900)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
+    job_id, job_dir = time_limited
+    wait_job_gone(job_id, timeout_s=900)
     state = status(job_dir)
     assert state["stop_reason"] == "completed" and state["requeues"] >= 1, state
     assert len(events(job_dir, "requeue")) == state["requeues"] == len(events(job_dir, "preemption"))

@@ -25,6 +25,8 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -60,6 +62,18 @@ def submit(toy: tuple[Path, Path], job_dir: Path, *flags: str) -> str:
 # Between two looks at `slurmrl status` in a wait: each is a process of about half a second of CPU, and a
 # wait at wait_for's default 0.2 s would keep a core of the 2-core CI machine busy beside the job under test
 STATUS_POLL_S = 1.0
+
+
+@contextmanager
+def background_job(toy: tuple[Path, Path], job_dir: Path, *flags: str) -> Iterator[str]:
+    """A job submitted now, to run beside the test's own: the toy job's tasks take 1 or 2 of a node's 8
+    CPUs and ask for no node of their own, so SLURM runs two toy jobs at once on the devcluster (their
+    ports differ, each from its job id). Cancelled when the block ends (a no-op once it has ended)."""
+    job_id = submit(toy, job_dir, *flags)
+    try:
+        yield job_id
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
 
 
 def status(job_dir: Path) -> dict:
