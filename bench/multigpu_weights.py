@@ -1,5 +1,5 @@
 """Part 2 of bench_multi_gpu: a weight update over NCCL from a one-rank trainer (this process, GPU 0)
-to N engine-side processes (bench/multigpu_engine.py, engine i on GPU (1 + i) mod the GPUs), through the
+to N engine-side processes (bench/multigpu_engine.py, engine i on GPU 1 + i: N + 1 GPUs), through the
 real publisher, pipelined (trainer/publish.py: two buckets in flight, every broadcast queued before a wait;
 /init_weights_update_group, /begin_weight_update, bucketed broadcasts with
 /update_weights_from_distributed, /end_weight_update, /model_info) and update group
@@ -155,7 +155,7 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
     procs = []
     try:
         for i, port in enumerate(ports):
-            procs.append(start_engine(port, ["--param-shapes", str(shapes_file)], (1 + i) % gpus if gpus else None,
+            procs.append(start_engine(port, ["--param-shapes", str(shapes_file)], 1 + i if gpus else None,
                                       work / f"engine{i}.log"))
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         want = sum(float(t.float().sum()) for t in weights.values())
@@ -208,6 +208,8 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
 def run(shapes: dict[str, dict], repeats: int, out: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         engines: int = 1) -> list[dict]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and engines > gpus - 1:  # NCCL refuses two ranks of one group on one GPU (it hangs at the group's start)
+        raise SystemExit(f"{engines} engine(s) need {engines + 1} GPUs, one each beside the trainer's; {gpus} visible")
     if gpus:
         torch.cuda.set_device(0)
     results = []
