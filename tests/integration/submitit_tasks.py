@@ -20,9 +20,13 @@ class CountTo(submitit.helpers.Checkpointable):
 
     def __call__(self, n: int, progress_file: str, start: int = 0) -> dict[str, int]:
         progress = Path(progress_file)
+        staged = progress.with_name(progress.name + ".tmp")
         for i in range(start, n):
             time.sleep(0.2)  # one step of "work"
-            progress.write_text(str(i + 1))
+            # replaced whole: the checkpoint (SIGUSR2's handler, run between any two steps of this loop)
+            # would otherwise read a file truncated but not yet written (CI: "invalid literal ''")
+            staged.write_text(str(i + 1))
+            os.replace(staged, progress)
         return {"start": start, "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "reached": n}
 
     def checkpoint(self, n: int, progress_file: str, start: int = 0) -> submitit.helpers.DelayedSubmission:
