@@ -69,7 +69,8 @@ def _weights(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
     from bench import multigpu_weights
 
     shapes = TINY_WEIGHTS if opts.tiny else {"qwen3-0.6b": SHAPES["qwen3-0.6b"], "qwen3-4b": QWEN3_4B}
-    return multigpu_weights.run(shapes, opts.weight_repeats, out, opts.update_weight_buffer_size, opts.weight_engines)
+    return multigpu_weights.run(shapes, opts.weight_repeats, out, opts.update_weight_buffer_size, opts.weight_engines,
+                               opts.profile)
 
 
 def _colocate(opts, model, ckpt, shape, batch, dtype, max_tokens, work, out):
@@ -94,7 +95,8 @@ def main() -> None:
     parser.add_argument("--torch-compile", action="store_true", help="the layouts' trainer compiled, as users run it")
     parser.add_argument("--layouts", help="comma-separated layouts to run (TP=1, the baseline, always runs), e.g. "
                         "dp2_distopt; default: all")
-    parser.add_argument("--profile", action="store_true", help="print each layout's ops of one more step (torch.profiler)")
+    parser.add_argument("--profile", action="store_true", help="print each layout's ops of one more step (torch.profiler); "
+                        "profile one more weight update's trainer side (cProfile, OUT/profile_publish_*.txt)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
                         help="the layouts' pack size (default: 4096 on GPUs, 64 with --tiny)")
     parser.add_argument("--update-weight-buffer-size", type=int, default=DEFAULT_BUCKET_BYTES,

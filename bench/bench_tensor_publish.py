@@ -15,6 +15,7 @@ Each figure is the best of `--repeats` after one warm-up; one "RESULT {json}" li
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -24,9 +25,11 @@ from pathlib import Path
 import torch
 
 from bench.bench_trainer_step import make_model
+from bench.multigpu_weights import profiled
+from bench.tensor_ipc_parts import ipc_parts
 from rollout.cpu_engine.weights import read_safetensors_folder
 from tests.rollout.servers import API_KEY, engine
-from trainer.publish import WeightPublisher
+from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
 
 
 def best_of(repeats: int, run: Callable[[int], None], device: torch.device) -> float:
@@ -46,6 +49,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=("small", "qwen3-0.6b"), default=None,
                         help="default: qwen3-0.6b on a GPU, small on the CPU")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="also: one more publish's trainer side under cProfile (DIR/profile_tensor_publish.txt), "
+                             "and the parts of a publish by reference without HTTP (bench/tensor_ipc_parts.py)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -70,19 +76,25 @@ def main() -> None:
 
         tensor_s = best_of(args.repeats, lambda i: publish(by_reference, 10 + i), device)
         per_tensor_s = best_of(args.repeats, lambda i: publish(per_tensor, 30 + i), device)
+        if args.profile:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            versions = itertools.count(50)
+            profiled(lambda: publish(by_reference, next(versions)), Path(args.profile) / "profile_tensor_publish.txt")
         disk_s = best_of(args.repeats, lambda i: publish(through_disk, 20 + i), device)
         targets = [torch.empty_like(t) for _, t in weights]
         copy_s = best_of(args.repeats, lambda i: [dst.copy_(src) for dst, (_, src) in zip(targets, weights)], device)
     finally:
         server.stop()
+    parts = ipc_parts(weights, DEFAULT_BUCKET_BYTES, args.repeats) if args.profile and cuda else None
     where = torch.cuda.get_device_name(device) if cuda else "cpu"
     result = {"shape": shape, "device": where, "bytes": nbytes, "tensors": len(weights),
               "tensor_publish_s": tensor_s, "tensor_publish_gbps": nbytes / tensor_s / 1e9,
               "per_tensor_handles_s": per_tensor_s, "flattened_speedup": per_tensor_s / tensor_s, "copy_s": copy_s,
               "copy_gbps": nbytes / copy_s / 1e9, "ratio_vs_copy": copy_s / tensor_s, "disk_publish_s": disk_s,
-              "tensor_vs_disk": disk_s / tensor_s}
+              "tensor_vs_disk": disk_s / tensor_s, "ipc_parts": parts}
     print(f"{shape} ({nbytes / 1e9:.2f} GB bf16, {len(weights)} tensors) on {where}: publish by reference "
-          f"{tensor_s * 1e3:.1f} ms (a handle per tensor: {per_tensor_s * 1e3:.1f} ms), device copy {copy_s * 1e3:.1f} ms (ratio {copy_s / tensor_s:.3f}, goal >= 0.85), "
+          f"{tensor_s * 1e3:.1f} ms (a handle per tensor: {per_tensor_s * 1e3:.1f} ms), device copy "
+          f"{copy_s * 1e3:.1f} ms (ratio {copy_s / tensor_s:.3f}, goal >= 0.85), "
           f"disk publish {disk_s * 1e3:.1f} ms ({disk_s / tensor_s:.1f}x the by-reference time)")
     print("RESULT " + json.dumps(result))
 

@@ -12,19 +12,25 @@ only that) is timed too, the two alternating: per_tensor_publish_s, flattened_sp
 
 from __future__ import annotations
 
+import cProfile
+import io
+import itertools
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
 import torch
 
+from bench.publish_timeline import traced_publish
 from rollout.engine_client import EngineClient
 from rollout.weight_group import create_group, free_port
 from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
@@ -140,8 +146,20 @@ def engine_call_seconds(url: str, count: int = 50) -> float:
     return statistics.median(timings[5:])
 
 
+def profiled(run: Callable[[], object], path: Path) -> None:
+    """run() (a publish) twice: once traced (bench/publish_timeline.py), once under cProfile; the timeline and
+    the 40 costliest functions, by cumulative and by own time, written to path."""
+    text = io.StringIO()
+    text.write(traced_publish(run))
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    for order in ("cumulative", "tottime"):
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(40)
+    path.write_text(text.getvalue())
+
+
 def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bucket_bytes: int,
-                engines: int) -> dict:
+                engines: int, profile_to: Path | None = None) -> dict:
     params = qwen3_params(shape)
     shapes_file = work / f"{label}.json"
     shapes_file.write_text(json.dumps({name: ["bfloat16", s] for name, s in params.items()}))
@@ -178,6 +196,10 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
                     engine_side.append(post(urls[0], "/bench_bucket_seconds", {})["buckets"])
                 checksums = [post(url, "/bench_checksum", {})["checksum"] for url in urls]
                 equal = equal and all(abs(c - want) <= 1e-3 * max(1.0, abs(want)) for c in checksums)
+        if profile_to is not None:  # more steady publishes, their trainer side profiled
+            versions = itertools.count(len(times) + len(per_tensor_times) + 1)
+            profiled(lambda: publisher.publish(next(versions), urls, iter(weights.items())),
+                     profile_to / f"profile_publish_{label}.txt")
         publisher.close()
         plain = plain_broadcast_seconds(urls, publisher.backend, nbytes, repeats, device)
         call_s = engine_call_seconds(urls[0])
@@ -206,7 +228,7 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
 
 
 def run(shapes: dict[str, dict], repeats: int, out: Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        engines: int = 1) -> list[dict]:
+        engines: int = 1, profile: bool = False) -> list[dict]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and engines > gpus - 1:  # NCCL refuses two ranks of one group on one GPU (it hangs at the group's start)
         raise SystemExit(f"{engines} engine(s) need {engines + 1} GPUs, one each beside the trainer's; {gpus} visible")
@@ -215,7 +237,8 @@ def run(shapes: dict[str, dict], repeats: int, out: Path, bucket_bytes: int = DE
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, shape in shapes.items():
-            results.append(bench_model(label, shape, repeats, gpus, Path(tmp), bucket_bytes, engines))
+            results.append(bench_model(label, shape, repeats, gpus, Path(tmp), bucket_bytes, engines,
+                                       out if profile else None))
             print("RESULT " + json.dumps({"part": "weights", **results[-1]}), flush=True)
             if gpus:
                 torch.cuda.empty_cache()

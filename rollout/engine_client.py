@@ -94,6 +94,9 @@ class EngineClient:
         # Shared by every thread (urllib3's pools are thread-safe). A pooled connection whose engine
         # died was closed by its kernel, and urllib3 checks for that before reusing one.
         self._http = requests.Session()
+        # Engines are the job's own hosts: no proxy or .netrc from the environment applies to them, and
+        # reading the environment for those cost every call a scan of it.
+        self._http.trust_env = False
         self._http.mount("http://", requests.adapters.HTTPAdapter(KEPT_ENGINES, KEPT_CONNECTIONS))
 
     # ---- health ----

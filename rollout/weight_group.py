@@ -169,16 +169,18 @@ def flat_order(dtypes: list[torch.dtype]) -> list[int]:
 def flatten(tensors: list[torch.Tensor], device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """The flattened bucket of `tensors` (their bytes back to back, in order), built on `device`:
     one buffer (`out`, a uint8 tensor of their size, if given), each tensor copied into its range
-    (no host round trip for tensors already there)."""
+    (no host round trip for tensors already there; those on `device` in one batched copy)."""
     size = sum(t.numel() * t.element_size() for t in tensors)
     flat = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
     if flat.numel() != size or flat.dtype != torch.uint8:
         raise ValueError(f"out must be {size} bytes of uint8, got {flat.numel()} of {flat.dtype}")
+    as_bytes = [tensor.detach().reshape(-1).view(torch.uint8) for tensor in tensors]
+    if all(part.device == flat.device for part in as_bytes):  # one batched copy, not a launch per tensor
+        return torch.cat(as_bytes, out=flat) if as_bytes else flat
     start = 0
-    for tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        flat[start:start + size].copy_(tensor.detach().reshape(-1).view(torch.uint8))
-        start += size
+    for part in as_bytes:
+        flat[start:start + part.numel()].copy_(part)
+        start += part.numel()
     return flat
 
 

@@ -18,7 +18,8 @@
 #           the NCCL publish bench with its breakdown (engine calls, receive, load)
 #   STEP=8: after a publish change: the NCCL publish bench to one engine then to two (ENGINES: "1 2"; two need a GPU
 #           each beside the trainer's) and the colocated publish by reference, by the tree at BASE and then by this
-#           one; then the GPU tests of the publish paths
+#           one; then the GPU tests of the publish paths. PROFILE=1: this tree's publishes also profiled (the
+#           trainer's side under cProfile, and the parts of a publish by reference: OUT/profile_*.txt)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -133,10 +134,14 @@ case "${STEP:-1}" in
     for tree in ${BASE:-} .; do
         name=$([ "$tree" = . ] && echo new || echo base)
         ( cd "$tree" && export PYTHONPATH=$PWD
+          profile=$([ "$name" = new ] && [ "${PROFILE:-0}" = 1 ] && echo 1)
           for n in ${ENGINES:-1 2}; do
-              timeout -k 10 100 python -m bench.bench_multi_gpu --parts weights --weight-engines $n --out /tmp/w_$name$n
+              timeout -k 10 100 python -m bench.bench_multi_gpu --parts weights --weight-engines $n --out /tmp/w_$name$n \
+                  ${profile:+--profile}
+              [ -z "$profile" ] || cp /tmp/w_$name$n/profile_publish_* "$OUT/"
           done
-          CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python -m bench.bench_tensor_publish ) > "$OUT/publish_$name.txt" 2>&1
+          CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python -m bench.bench_tensor_publish ${profile:+--profile "$OUT"}
+        ) > "$OUT/publish_$name.txt" 2>&1
         echo "== $name"; grep -h RESULT "$OUT/publish_$name.txt" | cut -c1-1000
     done
     timeout -k 10 "${LIMIT:-200}" python -m pytest -v $COMMON $g/test_gpu_flattened_publish.py $g/test_gpu_engine.py \

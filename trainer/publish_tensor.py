@@ -13,7 +13,11 @@ Otherwise each tensor goes as a view of the buffer, a handle each.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,35 +35,61 @@ def send_by_reference(engines: EngineFanOut, version: int, urls: list[str], weig
     """Every bucket to every engine in `urls` (each already inside /begin_weight_update), the version
     on the last request; `flattened`: as SGLang's flattened buckets (every engine takes them). Returns
     the engines that took every bucket, url -> why for those that failed (sent nothing more), and the
-    bytes of the buckets."""
+    bytes of the buckets. Pipelined: request k+1 is packed while the engines copy from request k's
+    buffer (two buffers held at most), and posted once they answered k (one request at a time each)."""
     live, nbytes, last = list(urls), 0, False
     failed: dict[str, str] = {}
-    for bucket, last in buckets(weights, bucket_bytes):
-        bucket = [bucket[i] for i in flat_order([t.dtype for _, t in bucket])]  # each view aligned in the buffer
-        # a flattened bucket holds one dtype: one request each (flat_order keeps a dtype's tensors together)
-        parts = [list(part) for _, part in itertools.groupby(bucket, lambda item: item[1].dtype)] if flattened \
-            else [bucket]
-        for k, part in enumerate(parts):
-            versioned = last and k == len(parts) - 1
-            live = _send(engines, live, failed, part, flattened,
-                         version_to_wire(version) if versioned else None)
-            nbytes += sum(t.numel() * t.element_size() for _, t in part)
+    asked: _Asked | None = None
+    try:
+        for named, last in _requests(weights, bucket_bytes, flattened):
+            packed = _pack(named, flattened, version_to_wire(version) if last else None)
+            nbytes += sum(t.numel() * t.element_size() for _, t in named)
+            live, asked = _settle(engines, asked, live, failed), None
             if not live:
+                packed.holder.close()
                 break
-        if not live:
-            break
+            asked = _Asked(engines.start_call(live, "/update_weights_from_tensor", packed.body), packed)
+        live, asked = _settle(engines, asked, live, failed), None
+    finally:
+        if asked is not None:  # failing with a request out: its memory is freed only once the engines answered
+            _settle(engines, asked, live, failed)
     if not last:  # broke off: those that took the buckets so far still lack the rest
         failed.update({url: "the weight update broke off before its last bucket" for url in live})
         live = []
     return live, failed, nbytes
 
 
-def _send(engines: EngineFanOut, live: list[str], failed: dict[str, str], named: Named, flattened: bool,
-          version: str | None) -> list[str]:
-    """One request of `named` to the live engines; those still live after it."""
+def _requests(weights: Weights, bucket_bytes: int, flattened: bool) -> Iterator[tuple[Named, bool]]:
+    """Each request's tensors, with whether it is the publish's last: a bucket, or, flattened, a bucket's
+    tensors of one dtype (a flattened bucket holds one: flat_order keeps a dtype's tensors together)."""
+    for bucket, last in buckets(weights, bucket_bytes):
+        bucket = [bucket[i] for i in flat_order([t.dtype for _, t in bucket])]  # each view aligned in the buffer
+        parts = [list(part) for _, part in itertools.groupby(bucket, lambda item: item[1].dtype)] if flattened \
+            else [bucket]
+        for k, part in enumerate(parts):
+            yield part, last and k == len(parts) - 1
+
+
+@dataclass
+class _Packed:
+    body: dict[str, Any]
+    # what the body's handles map, kept (and, on the CPU, its memory file open) until every engine answered
+    flat: torch.Tensor
+    holder: ExitStack
+
+
+@dataclass
+class _Asked:
+    calls: dict[str, Future]
+    packed: _Packed
+
+
+def _pack(named: Named, flattened: bool, version: str | None) -> _Packed:
+    """`named` copied into a buffer the engines can map, and the request that hands it over."""
     tensors = [tensor.detach() for _, tensor in named]
     device = tensors[0].device
-    with shared_buffer(sum(t.numel() * t.element_size() for t in tensors), device) as flat:  # held till answered
+    with ExitStack() as held:
+        flat = held.enter_context(shared_buffer(sum(t.numel() * t.element_size() for t in tensors), device))
         flatten(tensors, device, out=flat)
         if flattened:
             payload: object = flattened_bucket(named, flat.view(tensors[0].dtype))
@@ -70,7 +100,14 @@ def _send(engines: EngineFanOut, live: list[str], failed: dict[str, str], named:
                 "load_format": FLATTENED_BUCKET if flattened else None, "weight_version": version}
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the engines read the buffer once asked
-        _, request_failed = engines.on_all(live, "/update_weights_from_tensor", body)
-        del payload
+        return _Packed(body, flat, held.pop_all())
+
+
+def _settle(engines: EngineFanOut, asked: _Asked | None, live: list[str], failed: dict[str, str]) -> list[str]:
+    """Wait for the engines' answers to the request in flight, then free its buffer; the engines still live."""
+    if asked is None:
+        return live
+    with asked.packed.holder:
+        _, request_failed = engines.settle(asked.calls)
     failed.update(request_failed)
     return [url for url in live if url not in request_failed]

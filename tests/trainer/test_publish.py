@@ -4,6 +4,7 @@ Every check reads the weights back from the engines, so nothing passes unless th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from contract.control_protocol import CallerFenced, ControlError
 from rollout.tiny_model import write_tiny_model
 from rollout.weight_group import buckets
 from tests.rollout import servers
+from trainer import publish_tensor
 from trainer.engine_fanout import SERVING_POLL_S, TAKEN_OUT
 from trainer.publish import PublishResult, WeightPublisher
 
@@ -349,6 +351,68 @@ def test_tensor_publish_sends_flattened_buckets_or_a_handle_per_tensor(engines: 
     assert {fmt for fmt, _ in formats} == {want} and [v for _, v in formats if v] == ["51"] and formats[-1][1] == "51"
     # a request per dtype of a bucket, or one per bucket
     assert len(formats) == (sum(dtypes) if sglang_version is None else len(dtypes)) and max(dtypes) == 2
+
+
+PACK_BOUND_S = 10.0  # an engine's request waits at most this long for the next request's packing to begin
+
+
+def test_tensor_publish_packs_the_next_request_while_the_engines_take_one(
+        engines: list[servers.Server], model: Path, base: dict[str, torch.Tensor], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By reference, pipelined: while the engines take request k, request k+1 is packed (each request
+    here holds its answer back until that packing began, so a publish in lock step would fail); each
+    engine still has one request at a time, at most two buffers are held, and the weights arrive bit for bit."""
+    urls = [e.url for e in engines]
+    publisher = WeightPublisher("tensor", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=30)
+    call, packs, overlapped = publisher._engines.call, [], []
+    in_flight: dict[str, int] = dict.fromkeys(urls, 0)
+    buffers, most_buffers, lock = [0], [0], threading.Lock()
+    pack, shared_buffer = publish_tensor.flatten, publish_tensor.shared_buffer
+
+    def counted_flatten(*args, **kwargs):
+        packs.append(time.monotonic())
+        return pack(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def counted_buffer(*args, **kwargs):
+        with lock:
+            buffers[0] += 1
+            most_buffers[0] = max(most_buffers[0], buffers[0])
+        try:
+            with shared_buffer(*args, **kwargs) as flat:
+                yield flat
+        finally:
+            with lock:
+                buffers[0] -= 1
+
+    def held_back(url: str, route: str, body=None):
+        if route != "/update_weights_from_tensor":
+            return call(url, route, body)
+        with lock:
+            in_flight[url] += 1
+            assert in_flight[url] == 1, f"two requests at once to {url}"
+            packed_so_far = len(packs)
+        try:
+            answer = call(url, route, body)
+            if body["weight_version"] is None and url == urls[0]:  # not the last: the next is being packed
+                deadline = time.monotonic() + PACK_BOUND_S
+                while len(packs) == packed_so_far and time.monotonic() < deadline:
+                    time.sleep(0.005)  # polling the condition (the next packing began), bounded by PACK_BOUND_S
+                overlapped.append(len(packs) > packed_so_far)
+            return answer
+        finally:
+            with lock:
+                in_flight[url] -= 1
+
+    monkeypatch.setattr(publish_tensor, "flatten", counted_flatten)
+    monkeypatch.setattr(publish_tensor, "shared_buffer", counted_buffer)
+    monkeypatch.setattr(publisher._engines, "call", held_back)
+    try:
+        publish_mixed_dtypes(publisher, urls, base, 61)
+    finally:
+        publisher.close()
+    assert len(overlapped) >= 3 and all(overlapped), overlapped
+    assert most_buffers[0] == 2 and buffers[0] == 0
 
 
 def stop_process_at(weights: Tensors, index: int, pid: int) -> Iterator[tuple[str, torch.Tensor]]:
