@@ -224,6 +224,9 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
             "buckets": len(engine_side[-1]), "call_s": call_s, "engine_calls": calls,
             "engine_receive_s": received, "engine_load_s": loaded,
             "unexplained_s": steady - calls * call_s - received - loaded,
+            # The best a publish can do under SGLang's contract (each bucket a request answered once it is
+            # loaded, between begin and end): the wire's time plus one call per request, none overlapped
+            "contract_bound_s": plain + calls * call_s, "contract_bound_ratio": plain / (plain + calls * call_s),
             "all_per_tensor_publish_s": per_tensor_times}
 
 

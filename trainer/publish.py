@@ -180,6 +180,18 @@ class WeightPublisher:
         self._drop_engines(failed, dropped)
         return [url for url in engines if url not in dropped]
 
+    def _end(self, version: int, members: list[str], done: list[str], dropped: dict[str, str]) -> list[str]:
+        """/end_weight_update on every member, with /model_info asked beside it of those that took every
+        bucket (`done`: the version rode on their last one); those that now serve `version`. A dropped
+        engine is ended too, in case it lives, but not waited for: it may hang."""
+        ending = self._engines.start_call(members, "/end_weight_update", {})
+        done = [url for url in done if url not in dropped]
+        asked = self._engines.start(done, self._engines.weight_version)
+        _, end_failed = self._engines.settle({url: f for url, f in ending.items() if url not in dropped})
+        self._drop_engines({url: reason for url, reason in end_failed.items() if url in done}, dropped)
+        return self._verify(version, [url for url in done if url not in dropped], dropped,
+                            {url: f for url, f in asked.items() if url not in dropped})
+
     # ---- disk ----
 
     def _publish_disk(self, version: int, engines: list[str], weights: Weights,
@@ -206,16 +218,16 @@ class WeightPublisher:
         self._drop_engines(failed, dropped)
         members = [url for url in engines if url in begun]
         flattened = all(self._takes_flat[url] for url in members)
+        taken, nbytes = list[str](), 0
         try:
             taken, failed, nbytes = send_by_reference(self._engines, version, members, weights, self.bucket_bytes,
                                                       flattened)
+            self._drop_engines(failed, dropped)
         finally:  # even when the caller's weights fail: engines must not stay held
-            _, end_failed = self._engines.on_all(members, "/end_weight_update", {})
+            updated = self._end(version, members, taken, dropped)
         if nbytes == 0:
             raise PublishError("no weights to publish")
-        self._drop_engines(failed, dropped)
-        self._drop_engines({url: reason for url, reason in end_failed.items() if url in taken}, dropped)
-        return self._verify(version, [url for url in taken if url not in dropped], dropped), nbytes
+        return updated, nbytes
 
     # ---- nccl (gloo on CPU) ----
 
@@ -228,13 +240,7 @@ class WeightPublisher:
         try:
             done, nbytes = self._send_buckets(version, group, weights, dropped)
         finally:  # even when the caller's weights fail: engines must not stay held
-            ending = self._engines.start_call(members, "/end_weight_update", {})
-            asked = self._engines.start(done, self._engines.weight_version)  # the version rode on the last bucket
-        # A dropped engine is ended too, in case it lives, but not waited for: it may hang.
-        _, end_failed = self._engines.settle({url: f for url, f in ending.items() if url not in dropped})
-        self._drop_engines({url: reason for url, reason in end_failed.items() if url in done}, dropped)
-        updated = self._verify(version, [url for url in done if url not in dropped], dropped,
-                               {url: f for url, f in asked.items() if url not in dropped})
+            updated = self._end(version, members, done, dropped)
         if any(url in dropped for url in members):
             self._drop_group(dropped)  # a member failed: the group may hang; the next publish rebuilds it
         return updated, nbytes
