@@ -22,11 +22,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import requests
 import torch
 
 from bench.bench_trainer_step import make_model
 from bench.multigpu_weights import profiled
 from bench.tensor_ipc_parts import ipc_parts
+from rollout.cpu_engine.faults import ROUTE as FAULT_ROUTE
 from rollout.cpu_engine.weights import read_safetensors_folder
 from tests.rollout.servers import API_KEY, engine
 from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
@@ -66,15 +68,16 @@ def main() -> None:
     try:
         by_reference = WeightPublisher("tensor", work / "job", model, API_KEY, timeout_s=600)
         through_disk = WeightPublisher("disk", work / "job", model, API_KEY, timeout_s=600)
-        # the same publish as to an SGLang older than flattened buckets (0.5.5): a CUDA IPC handle per tensor
         per_tensor = WeightPublisher("tensor", work / "job", model, API_KEY, timeout_s=600)
-        per_tensor._takes_flat[server.url] = False
 
         def publish(publisher: WeightPublisher, version: int) -> None:
             result = publisher.publish(version, [server.url], iter(weights))
             assert result.updated == [server.url], result.dropped
 
         tensor_s = best_of(args.repeats, lambda i: publish(by_reference, 10 + i), device)
+        # the same publish as to an SGLang older than flattened buckets (0.5.5): a CUDA IPC handle per tensor
+        requests.post(server.url + FAULT_ROUTE, json={"version": "0.5.5"},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).raise_for_status()
         per_tensor_s = best_of(args.repeats, lambda i: publish(per_tensor, 30 + i), device)
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)

@@ -167,6 +167,8 @@ class WeightPublisher:
         for url, reason in failed.items():
             if url not in dropped:
                 dropped[url] = reason
+                self._on_cpu.pop(url, None)
+                self._takes_flat.pop(url, None)
                 self.on_drop(url, reason)
 
     def _verify(self, version: int, engines: list[str], dropped: dict[str, str],
@@ -211,7 +213,8 @@ class WeightPublisher:
 
     def _publish_tensor(self, version: int, engines: list[str], weights: Weights,
                         dropped: dict[str, str]) -> tuple[list[str], int]:
-        _, failed = self._engines.each([url for url in engines if url not in self._takes_flat], self._tp_size)
+        _, failed = self._engines.each([url for url in engines if url not in self._takes_flat],
+                                       self._ask_server_info)
         self._drop_engines(failed, dropped)
         begun, failed = self._engines.on_all([url for url in engines if url not in dropped], "/begin_weight_update",
                                              {"selector": "all"})
@@ -252,7 +255,7 @@ class WeightPublisher:
             if self._group is not None and engines == self._group.engines:  # (an engine gone fails begin)
                 layout = self._group.layout
             else:
-                tp_sizes, failed = self._engines.each(engines, self._tp_size)
+                tp_sizes, failed = self._engines.each(engines, self._ask_server_info)
                 self._drop_engines(failed, dropped)
                 layout = tuple((url, tp_sizes[url]) for url in engines if url in tp_sizes)
             if not layout:
@@ -272,7 +275,9 @@ class WeightPublisher:
             engines = list(begun)
         return None
 
-    def _tp_size(self, url: str) -> int:
+    def _ask_server_info(self, url: str) -> int:
+        """The engine's tp size, from its /server_info, which also says its device and SGLang version
+        (kept for the publishes after it, until the engine is dropped: a replacement may differ)."""
         info = self._engines.call(url, "/server_info")
         size = info.get("tp_size", 1)
         if not isinstance(size, int) or size < 1:

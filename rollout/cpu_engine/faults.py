@@ -7,6 +7,8 @@
 
 and `POST /slurmrl_fault {"update": "fail"}` ("update": null clears it): every weight update from
 disk fails (an engine that cannot take a new version: out of memory, a bad path on its node).
+`POST /slurmrl_fault {"version": V}` makes /server_info say it is SGLang V (null: this engine's own
+version), e.g. "0.5.5", older than flattened buckets, to which a trainer sends a tensor per handle.
 
 And one taken at start, so that an engine launched again has it too: the file that
 $SLURMRL_CPU_ENGINE_FAULTS names, a JSON object {"HOST:PORT": {"weight_version": "stuck"}}, read
@@ -42,6 +44,7 @@ class Faults:
         self.generate: str | None = None
         self.update: str | None = None  # FAIL: weight updates fail
         self.version_stuck = version_stuck  # weight updates leave the reported version as it is
+        self.version: str | None = None  # the SGLang version /server_info reports instead of this engine's
         self._release = asyncio.Event()  # set when the fault is cleared: wedged requests go on
 
     @classmethod
@@ -68,6 +71,11 @@ class Faults:
         @app.post(ROUTE)
         async def set_fault(request: Request) -> Response:
             body = await read_json(request)
+            if "version" in body:
+                if not (body["version"] is None or isinstance(body["version"], str)):
+                    return error(f"version must be null or a string, got {body['version']!r}")
+                self.version = body["version"]
+                return Response(status_code=200)
             if "update" in body:
                 if body["update"] not in (None, FAIL):
                     return error(f"update must be null or {FAIL!r}, got {body['update']!r}")

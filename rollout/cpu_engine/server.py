@@ -150,7 +150,7 @@ def build_app(engine: Engine) -> FastAPI:
         return {**engine.args.public(), "device": engine.device.name, "model_path": engine.model_path,
                 "context_length": engine.context_len, "weight_version": scheduler.weight_version,
                 "internal_states": [{**scheduler.stats(), "memory_usage": engine.device.memory_usage()}],
-                "version": VERSION}
+                "version": faults.version or VERSION}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

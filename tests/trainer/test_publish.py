@@ -336,16 +336,20 @@ def test_tensor_publish_sends_flattened_buckets_or_a_handle_per_tensor(engines: 
     publisher = WeightPublisher("tensor", tmp_path, model, servers.API_KEY, bucket_bytes=BUCKET, timeout_s=30)
     call, formats = publisher._engines.call, []
 
-    def as_version(url: str, route: str, body=None):
+    def recorded(url: str, route: str, body=None):
         if route == "/update_weights_from_tensor" and url == urls[0]:
             formats.append((body["load_format"], body["weight_version"]))
-        answer = call(url, route, body)
-        if route == "/server_info" and sglang_version:
-            answer["version"] = sglang_version
-        return answer
+        return call(url, route, body)
 
-    monkeypatch.setattr(publisher._engines, "call", as_version)
-    weights = publish_mixed_dtypes(publisher, urls, base, 51)
+    monkeypatch.setattr(publisher._engines, "call", recorded)
+    for url in urls:  # the stand-in's /server_info says it is that SGLang (null: its own version)
+        requests.post(url + "/slurmrl_fault", json={"version": sglang_version}, headers=AUTH,
+                      timeout=10).raise_for_status()
+    try:
+        weights = publish_mixed_dtypes(publisher, urls, base, 51)
+    finally:
+        for url in urls:
+            requests.post(url + "/slurmrl_fault", json={"version": None}, headers=AUTH, timeout=10).raise_for_status()
     dtypes = [len({t.dtype for _, t in bucket}) for bucket, _ in buckets(iter(weights), BUCKET)]
     want = "flattened_bucket" if sglang_version is None else None
     assert {fmt for fmt, _ in formats} == {want} and [v for _, v in formats if v] == ["51"] and formats[-1][1] == "51"

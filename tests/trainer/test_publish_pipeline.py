@@ -73,7 +73,7 @@ def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(
 
     monkeypatch.setattr(publisher._engines, "call", call)
     for url in ENGINES:
-        assert publisher._tp_size(url) == 1
+        assert publisher._ask_server_info(url) == 1
     weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(6)]  # 32 bytes each: 3 buckets of 2
     layout = tuple((url, 1) for url in ENGINES)
     taken, nbytes = publisher._send_buckets(3, _Group(layout, group, "gloo"), iter(weights), {})  # type: ignore[arg-type]
