@@ -2,8 +2,9 @@
 CPU), each in its own spawned processes, one rank a GPU:
 
 - equivalence and speed: TP=1 (one GPU), TP=2 + sequence parallelism (compiled or not), PP=2, and
-  DP=2 with the distributed optimizer (its gradient reduce after the backward, or overlapped with it) take one RL step on the same batch from the same converted checkpoint;
-  log-probs, loss and grad norm against TP=1's, then the step time over more steps and MFU;
+  DP=2 with the distributed optimizer (its gradient reduce after the backward, or overlapped with it)
+  take one RL step on the same batch from the same converted checkpoint; log-probs, loss and grad
+  norm against TP=1's, then the step time over more steps and MFU;
 - resharding: a checkpoint saved at TP=2 (torch_dist) resumes at TP=1 and at PP=2, and the resumed
   step equals the step the uninterrupted TP=2 run takes (tiny model, fp32; the CPU tests' helpers).
 """
@@ -86,6 +87,7 @@ def _layout_step(backend, job: dict) -> dict:
     profile = _profiled_step(lambda: backend.train_step(samples, ids, loss, need_entropy=False)) \
         if job.get("profile") else None
     return {"logps": {i: lp[0].detach().float().cpu() for i, lp in logps.items()}, "metrics": first, "profile": profile,
+            "gpus": int(os.environ["WORLD_SIZE"]),
             "step_s": statistics.median(times[1:]), "lengths": [s.tokens.numel() for s in samples],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
 
@@ -134,7 +136,8 @@ def _worker(rank: int, world: int, port: int, job: dict) -> None:
 
     backend = _backend(job)
     if job["kind"] == "layout":
-        backend.load(Path(job["ckpt"]), weights_only=True)
+        if job["ckpt"]:  # else megatron's random init: a speed figure only (each layout draws its own weights)
+            backend.load(Path(job["ckpt"]), weights_only=True)
         result = _layout_step(backend, job)
     else:
         result = _reshard_step(backend, job)
@@ -153,22 +156,26 @@ def _logp_diff(a: dict, b: dict) -> tuple[float, float]:
     return float(diffs.max()), float(diffs.mean())
 
 
-def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, dtype: str,
+def run_layouts(model: Path, ckpt: Path | None, shape: dict, batch: dict, work: Path, dtype: str,
                 max_tokens: int, torch_compile: bool = False, names: list[str] | None = None,
-                profile: bool = False) -> list[dict]:
-    """Every layout's step (or those `names`, TP=1 first) against TP=1's; figures per layout (MFU against
-    the H200 bf16 peak). torch_compile: every layout compiled (as users run the trainer), TP=1's the
-    baseline of the same call. profile: each layout's table of the ops one more step spent its time in."""
+                profile: bool = False, baseline: str = "tp1") -> list[dict]:
+    """Every layout's step (or those `names`, the baseline first) against the baseline's (TP=1: the same
+    step in every layout); figures per layout (MFU against the H200 bf16 peak). torch_compile: every layout
+    compiled (as users run the trainer), the baseline of the same call too. profile: each layout's table of
+    the ops one more step spent its time in. ckpt None: every layout starts from megatron's random init (a
+    shape too large to convert here): speeds only, no equivalence."""
     common = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--lr", "1e-6",
               "--attention-backend", "sdpa", "--adam-eps", "1"] + (["--bf16"] if dtype == "bf16" else [])
     common += ["--torch-compile"] if torch_compile else []
     tol, rows, base = TOLERANCE[dtype], [], None
-    for name, (world, flags) in LAYOUTS.items():
-        if (torch_compile and name.endswith("_compiled")) or (names and name != "tp1" and name not in names):
+    for name in [baseline, *(name for name in LAYOUTS if name != baseline)]:
+        world, flags = LAYOUTS[name]
+        if (torch_compile and name.endswith("_compiled")) or (names and name != baseline and name not in names):
             continue  # compiled already, or not asked for
         began = time.monotonic()
         try:
-            got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt), "flags": common + flags,
+            got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt) if ckpt else None,
+                                 "flags": common + flags,
                                  "out": str(work / f"{name}.pt"), "profile": profile, **batch})
         except mp.ProcessRaisedException as err:  # one layout's failure is its row; the others still run
             rows.append({"layout": name, "gpus": world, "error": str(err).strip().splitlines()[-1]})
@@ -181,13 +188,14 @@ def run_layouts(model: Path, ckpt: Path, shape: dict, batch: dict, work: Path, d
         row = {"layout": name, "gpus": world, "tokens": sum(got["lengths"]), "loss": m["loss"],
                "grad_norm": m["grad_norm"], "d_loss": abs(m["loss"] - b["loss"]),
                "d_grad_norm_rel": abs(m["grad_norm"] - b["grad_norm"]) / max(b["grad_norm"], 1e-12),
-               "d_logp_max": logp_max, "d_logp_mean": logp_mean, "step_ms": got["step_s"] * 1e3, "speed_vs_tp1": base["step_s"] / got["step_s"],
-               "tokens_per_s": sum(got["lengths"]) / got["step_s"],
+               "d_logp_max": logp_max, "d_logp_mean": logp_mean, "step_ms": got["step_s"] * 1e3, "baseline": baseline,
+               "speed_vs_baseline": base["step_s"] / got["step_s"], "tokens_per_s": sum(got["lengths"]) / got["step_s"],
+               "per_gpu_vs_baseline": base["step_s"] * base["gpus"] / (got["step_s"] * world),
                "tflops_per_gpu": flops / got["step_s"] / world / 1e12,
                "mfu_vs_989": flops / got["step_s"] / world / H200_BF16_PEAK, "peak_gib": got["peak_gib"],
                "process_s": time.monotonic() - began}
-        row["equal_to_tp1"] = (row["d_logp_mean"] <= tol["logp_mean"] and row["d_loss"] <= tol["loss"]
-                               and row["d_grad_norm_rel"] <= tol["grad_norm_rel"])
+        row["equal_to_baseline"] = (row["d_logp_mean"] <= tol["logp_mean"] and row["d_loss"] <= tol["loss"]
+                                    and row["d_grad_norm_rel"] <= tol["grad_norm_rel"]) if ckpt else None
         rows.append(row)
         print("RESULT " + json.dumps({"part": "layouts", **row}), flush=True)
         if got["profile"]:
