@@ -38,7 +38,6 @@ import torch
 from bench.bench_trainer_step import SHAPES, make_model
 from ckpt_tools.convert import hf_to_torch_dist
 from rollout.tiny_model import write_tiny_model
-from trainer.dist_env import CUDA_ENV
 from trainer.publish import DEFAULT_BUCKET_BYTES
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -96,9 +95,8 @@ def main() -> None:
     parser.add_argument("--torch-compile", action="store_true", help="the layouts' trainer compiled, as users run it")
     parser.add_argument("--layouts", help="comma-separated layouts to run (TP=1, the baseline, always runs), e.g. "
                         "dp2_distopt; default: all")
-    parser.add_argument("--profile", action="store_true",
-                        help="print each layout's ops of one more step (torch.profiler); profile one more weight "
-                             "update's trainer side (cProfile, OUT/profile_publish_*.txt)")
+    parser.add_argument("--profile", action="store_true", help="print each layout's ops of one more step (torch.profiler); "
+                        "profile one more weight update's trainer side (cProfile, OUT/profile_publish_*.txt)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
                         help="the layouts' pack size (default: 4096 on GPUs, 64 with --tiny)")
     parser.add_argument("--update-weight-buffer-size", type=int, default=DEFAULT_BUCKET_BYTES,
@@ -114,8 +112,6 @@ def main() -> None:
         if value is not None and value < 1:
             raise SystemExit(f"{flag} must be at least 1, got {value}")
     os.environ.update(NO_MULTICAST)  # inherited by every process this one starts
-    for name, value in CUDA_ENV.items():  # as the trainer sets it for itself (python -m trainer)
-        os.environ.setdefault(name, value)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -9,7 +9,6 @@ layout draws its own weights, so the rows' loss and log-probs are not compared (
 bench_multi_gpu's, on the 0.6B shape from one checkpoint).
 
     python -m bench.bench_tp_8b [--samples 32] [--max-tokens-per-gpu 8192] [--no-compile] [--tiny]
-        [--layouts dp2_distopt,tp2_sp] [--profile]
 
 --tiny: a CPU dry run of the same code on gloo, the small shape. One "RESULT {json}" line a layout.
 """
@@ -27,7 +26,6 @@ import transformers
 from bench.bench_multi_gpu import CPU_BATCH, GPU_BATCH, NO_MULTICAST
 from bench.bench_trainer_step import SHAPES
 from bench.multigpu_layouts import run_layouts
-from trainer.dist_env import CUDA_ENV
 
 QWEN3_8B = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6}
@@ -48,9 +46,6 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-gpu", type=int, default=8192)
     parser.add_argument("--no-compile", action="store_true", help="the trainer uncompiled (users compile it)")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: gloo, the small shape")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help=f"comma-separated, the first the baseline (default {','.join(LAYOUTS)})")
-    parser.add_argument("--profile", action="store_true", help="print each layout's ops of one more step")
     opts = parser.parse_args()
     if opts.samples < 1 or opts.max_tokens_per_gpu < 1:
         raise SystemExit("--samples and --max-tokens-per-gpu must be at least 1")
@@ -58,15 +53,13 @@ def main() -> None:
     if not opts.tiny and gpus < 2:
         raise SystemExit(f"bench_tp_8b needs 2 GPUs ({gpus} visible); use --tiny for the CPU dry run")
     os.environ.update(NO_MULTICAST)
-    for name, value in CUDA_ENV.items():  # as the trainer sets it for itself (python -m trainer)
-        os.environ.setdefault(name, value)
     shape = SHAPES["small"] if opts.tiny else QWEN3_8B
     batch = {**(CPU_BATCH if opts.tiny else GPU_BATCH), "samples": opts.samples}
     with tempfile.TemporaryDirectory() as tmp:
         model = write_config(Path(tmp) / "model", shape)
         run_layouts(model, None, shape, batch, Path(tmp), "fp32" if opts.tiny else "bf16",
                     64 if opts.tiny else opts.max_tokens_per_gpu, torch_compile=not opts.no_compile,
-                    names=opts.layouts.split(","), baseline=opts.layouts.split(",")[0], profile=opts.profile)
+                    names=LAYOUTS, baseline=LAYOUTS[0])
 
 
 if __name__ == "__main__":

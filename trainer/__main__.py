@@ -12,7 +12,6 @@ from contract.job_dir import JobDir, write_trainer_finished
 from trainer import save_now
 from trainer.args import ArgsError, main_error, parse_args
 from trainer.config import TrainerConfig
-from trainer.dist_env import CUDA_ENV
 
 # Intel's conditions for run-to-run identical MKL results on CPU (exact resume compares losses bit
 # for bit): no dynamic thread counts, and CNR mode, strict for gemm (no measurable cost here). Set
@@ -35,7 +34,7 @@ def skip_unused_imports(use_wandb: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    for name, value in {**REPRODUCIBLE_MKL, **CUDA_ENV}.items():
+    for name, value in REPRODUCIBLE_MKL.items():
         os.environ.setdefault(name, value)
     save_now.install()  # before anything slow: the supervisor's save-now signal must not kill a loading trainer
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -22,11 +22,6 @@ _PORT_BASE, _PORT_SPAN = 20000, 20000
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
 _LISTEN_BACKLOG = 1024  # ranks connecting at once
 DEFAULT_TIMEOUT_MINUTES = 10  # slime's --distributed-timeout-minutes
-# What every slime run script gives its trainer (ray's runtime env), set unless the user set it, before
-# CUDA starts: one hardware queue a GPU, so that megatron's sequence-parallel backward runs its
-# all-gather and reduce-scatter beside the GEMMs it launched them before (megatron-core asks for it with
-# sequence parallelism). bench/RESULTS.md: TP=2 + SP 2% faster on 2 H200s, DP=2 unchanged.
-CUDA_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 def first_node(nodelist: str) -> str:
