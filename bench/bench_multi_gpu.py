@@ -95,8 +95,9 @@ def main() -> None:
     parser.add_argument("--torch-compile", action="store_true", help="the layouts' trainer compiled, as users run it")
     parser.add_argument("--layouts", help="comma-separated layouts to run (TP=1, the baseline, always runs), e.g. "
                         "dp2_distopt; default: all")
-    parser.add_argument("--profile", action="store_true", help="print each layout's ops of one more step (torch.profiler); "
-                        "profile one more weight update's trainer side (cProfile, OUT/profile_publish_*.txt)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each layout's ops of one more step (torch.profiler); profile one more weight "
+                             "update's trainer side (cProfile, OUT/profile_publish_*.txt)")
     parser.add_argument("--max-tokens-per-gpu", type=int, default=None,
                         help="the layouts' pack size (default: 4096 on GPUs, 64 with --tiny)")
     parser.add_argument("--update-weight-buffer-size", type=int, default=DEFAULT_BUCKET_BYTES,

@@ -21,7 +21,7 @@
 #           one; then the GPU tests of the publish paths. PROFILE=1: this tree's publishes also profiled (the
 #           trainer's side under cProfile, and the parts of a publish by reference: OUT/profile_*.txt)
 #   STEP=9: TP=2 + SP against DP=2 (distributed optimizer) on the Qwen3-8B shape (bench/bench_tp_8b.py; TOKENS a
-#           pack, default 4096; H200s: DP=2 of 8B does not fit 80 GB), then the GPU tests of the publish paths
+#           pack, default 8192; H200s: DP=2 of 8B does not fit 80 GB), then the GPU tests of the publish paths
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -151,7 +151,7 @@ case "${STEP:-1}" in
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/publish_tests.txt" | cut -c1-250 | tail -8
     ;;
 9)
-    timeout -k 10 "${LIMIT:-420}" python -m bench.bench_tp_8b --max-tokens-per-gpu "${TOKENS:-4096}" \
+    timeout -k 10 "${LIMIT:-420}" python -m bench.bench_tp_8b --max-tokens-per-gpu "${TOKENS:-8192}" \
         > "$OUT/bench_tp_8b.txt" 2>&1
     grep -h RESULT "$OUT/bench_tp_8b.txt" | cut -c1-900
     nvidia-smi --query-gpu=memory.total --format=csv,noheader | head -1
