@@ -24,7 +24,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,6 +47,7 @@ _DEVICE_PREFIX = {"gloo": "cpu/", "nccl": "cuda/"}
 # flight recorder's dump.)
 _NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 _NCCL_POLL_S = 5e-5  # between two looks at a broadcast's completion (UpdateGroup.wait)
+_GLOO_POLL_S = 1e-3  # the same on gloo, where it is looked at only to abandon a wait (on the CPU: cheaper)
 
 
 class WeightSyncError(Exception):
@@ -76,15 +77,24 @@ class UpdateGroup:
         """Queue every tensor's broadcast before any is waited on: the link never idles between them."""
         return [self.start_broadcast(tensor, src) for tensor in tensors]
 
-    def wait(self, works: list[dist.Work]) -> None:
+    def wait(self, works: list[dist.Work], abandon: Callable[[], str | None] | None = None,
+             grace_s: float = 0.0) -> None:
         """Wait for queued broadcasts, each bounded by the group's timeout (RuntimeError past it).
         NCCL's own wait with a timeout looks at the broadcast every millisecond (torch's
         WorkNCCL::synchronize): a millisecond lost a bucket on each side. Its completion is looked at
-        every _NCCL_POLL_S here instead; the wait after it then returns at once, or raises."""
+        every _NCCL_POLL_S here instead; the wait after it then returns at once, or raises.
+        abandon: asked while waiting; once it has given a reason (a member that will not take part) for
+        grace_s without the broadcasts completing, RuntimeError with that reason, not the timeout."""
         deadline = time.monotonic() + self.timeout.total_seconds()
+        poll_s = _NCCL_POLL_S if self.backend == "nccl" else _GLOO_POLL_S
+        reason, since = None, 0.0
         for work in works:
-            while self.backend == "nccl" and not work.is_completed() and time.monotonic() < deadline:
-                time.sleep(_NCCL_POLL_S)
+            while (self.backend == "nccl" or abandon) and not work.is_completed() and time.monotonic() < deadline:
+                if abandon is not None and reason is None and (reason := abandon()) is not None:
+                    since = time.monotonic()
+                if reason is not None and time.monotonic() - since > grace_s:
+                    raise RuntimeError(reason)
+                time.sleep(poll_s)
             work.wait(max(timedelta(milliseconds=1), timedelta(seconds=deadline - time.monotonic())))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:

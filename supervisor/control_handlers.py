@@ -80,10 +80,15 @@ class ControlHandlers:
 
     # ------------------------------------------------------------------ the trainer's calls
     def ready_engines(self) -> dict[str, Any]:
-        """The engines that get the next version; `starting` while none does yet because the
-        engines' first start is under way (the trainer, launched beside them, waits for one)."""
-        urls = [e.url for e in self.recovery.serving().values()]
-        return {"engines": urls, "starting": not urls and not self.recovery.started.is_set()}
+        """The engines that get the next version, with how often each was launched again; `starting` while
+        none does yet because the engines' first start is under way (the trainer, launched beside them,
+        waits for one)."""
+        serving = list(self.recovery.serving().values())
+        urls = [e.url for e in serving]
+        # launches: each engine's relaunches so far. A higher count at the same url is a new process, which
+        # left the trainer's weight-update group with its old one: the trainer forms the group again.
+        return {"engines": urls, "launches": {e.url: e.restarts for e in serving},
+                "starting": not urls and not self.recovery.started.is_set()}
 
     def published(self, version: int, updated: list[str], dropped: dict[str, str]) -> dict[str, Any]:
         """dropped: the engines left out of this update, url -> why; each is recovered."""

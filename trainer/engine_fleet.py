@@ -28,6 +28,11 @@ class EngineFleet:
             return self.supervisor.ready_engines()
         return sorted(self.router.workers()) if self.router else []
 
+    def launches(self) -> dict[str, int]:
+        """url -> how often the supervisor launched it again, for the engines engines() last named
+        (empty unsupervised: an engine's process is then not known to change under its url)."""
+        return dict(self.supervisor.launches) if self.supervisor else {}
+
     def drop(self, url: str, reason: str) -> None:
         """An engine that failed a request or an update stops getting work: the supervisor takes
         it out and brings it back at the current version; without one it leaves the router."""

@@ -92,7 +92,7 @@ def build_rank0(config: TrainerConfig) -> Rank0Parts:
         pub.update_weight_transport, Path(run.job_dir), Path(config.model.model_files), pub.api_key,
         bucket_bytes=pub.update_weight_buffer_size, keep_versions=pub.keep_weight_versions,
         timeout_s=pub.update_weight_timeout, on_drop=fleet.drop,
-        serving=fleet.supervisor.serving_engines if fleet.supervisor else None)
+        serving=fleet.supervisor.serving_engines if fleet.supervisor else None, launches=fleet.launches)
     return Rank0Parts(
         fleet=fleet, reporter=reporter,
         generator=RolloutGenerator(rollout, buffer, journal, train_data(config, plugin_args), save_now.install()),

@@ -32,9 +32,9 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -71,6 +71,11 @@ OnDrop = Callable[[str, str], None]
 # Seconds: bounds every single wait of a publish (one engine call, the group's rendezvous, one
 # broadcast) unless the caller names its own (--update-weight-timeout).
 DEFAULT_TIMEOUT_S = 600.0
+# Seconds a broadcast may still complete after a member's request failed (it may have failed after
+# receiving: a load error) before the publish gives it up, instead of waiting out timeout_s (NCCL's
+# group is then aborted at once; gloo's shutdown still waits for a send in progress); also how long,
+# once given up, the other members' answers are waited for.
+FAILED_MEMBER_GRACE_S = 1.0
 
 
 class PublishError(Exception):
@@ -93,6 +98,7 @@ class _Group:
     layout: tuple[tuple[str, int], ...]
     group: UpdateGroup
     backend: Backend
+    launches: dict[str, int | None] = field(default_factory=dict)  # each member's relaunches when it joined
 
     @property
     def engines(self) -> list[str]:
@@ -106,13 +112,16 @@ class WeightPublisher:
     (contract.job_dir.model_files_dir). bucket_bytes bounds one broadcast bucket (nccl) and one
     safetensors shard (disk); timeout_s bounds every single wait; on_drop(url, reason) is called
     once per dropped engine, as soon as it is dropped; serving (supervised) lists the engines the
-    supervisor serves with now: one it took out is no longer waited for (trainer.engine_fanout).
+    supervisor serves with now: one it took out is no longer waited for (trainer.engine_fanout);
+    launches (supervised) says how often each engine was launched again: a new process at a member's
+    url is no longer in the group, which is then formed again (not the engine dropped for it).
     Call close() when done, to destroy the update group."""
 
     def __init__(self, transport: Transport, job_dir: Path, model_files: Path, api_key: str | None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_versions: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
                  on_drop: OnDrop | None = None, backend: Backend | None = None,
-                 serving: Callable[[], list[str]] | None = None) -> None:
+                 serving: Callable[[], list[str]] | None = None,
+                 launches: Callable[[], Mapping[str, int]] | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if bucket_bytes <= 0 or keep_versions < 1 or timeout_s <= 0:
@@ -128,6 +137,7 @@ class WeightPublisher:
         self._on_cpu: dict[str, bool] = {}  # engine url -> its /server_info says device cpu
         self._takes_flat: dict[str, bool] = {}  # engine url -> it takes flattened buckets (takes_flattened_buckets)
         self._engines = EngineFanOut(api_key, timeout_s, serving)
+        self._launches = launches or dict
         self._group: _Group | None = None
         self._group_ids = itertools.count(1)
 
@@ -251,18 +261,21 @@ class WeightPublisher:
     def _ready_group(self, engines: list[str], dropped: dict[str, str]) -> _Group | None:
         """The group of the live engines with the update begun on each. An engine failing on the
         way is dropped and the group rebuilt without it; each round drops one, so this ends."""
+        launches = self._launches()
         while engines:
-            if self._group is not None and engines == self._group.engines:  # (an engine gone fails begin)
-                layout = self._group.layout
+            same = self._group is not None and all(
+                launches.get(url) == launched for url, launched in self._group.launches.items())
+            if same and self._group is not None and engines == self._group.engines:
+                layout = self._group.layout  # the same processes (one gone fails begin)
             else:
                 tp_sizes, failed = self._engines.each(engines, self._ask_server_info)
                 self._drop_engines(failed, dropped)
                 layout = tuple((url, tp_sizes[url]) for url in engines if url in tp_sizes)
             if not layout:
                 return None
-            if self._group is None or self._group.layout != layout:
+            if self._group is None or self._group.layout != layout or not same:
                 self._drop_group(dropped)
-                self._group = self._build_group(layout, dropped)
+                self._group = self._build_group(layout, dropped, {url: launches.get(url) for url, _ in layout})
                 if self._group is None:
                     engines = [url for url, _ in layout if url not in dropped]
                     continue
@@ -286,7 +299,8 @@ class WeightPublisher:
         self._takes_flat[url] = takes_flattened_buckets(info.get("version"))
         return size
 
-    def _build_group(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str]) -> _Group | None:
+    def _build_group(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str],
+                     launches: dict[str, int | None]) -> _Group | None:
         """Rank 0 here, engine i's ranks from 1 + the tp sizes before it. Engines that fail to
         join are dropped and None is returned; a failure of the trainer's own side raises."""
         name = f"slurmrl_weights_{os.getpid()}_{next(self._group_ids)}"  # unique: a stale group never clashes
@@ -310,7 +324,7 @@ class WeightPublisher:
             error = err
         joined, failed = self._engines.settle(futures)
         if not failed and group is not None:
-            return _Group(layout, group, backend)
+            return _Group(layout, group, backend, launches)
         if group is not None:
             group.close()
         self._engines.on_all(list(joined), "/destroy_weights_update_group", {"group_name": name})
@@ -350,17 +364,20 @@ class WeightPublisher:
                 in_flight.append((tensors, group.group.start_all(tensors)))
                 nbytes += sum(t.numel() * t.element_size() for t in tensors)
                 while len(in_flight) >= _BUCKETS_IN_FLIGHT or (last and in_flight):
-                    broken = broken or _wait(group.group, in_flight.popleft()[1])
+                    broken = broken or _wait(group.group, in_flight.popleft()[1], feeds)
                 if broken or all(feed.failure for feed in feeds.values()):
                     break
         except WeightSyncError as err:  # the group was closed under us
             broken = f"the weight broadcast broke off: {err}"
         finally:
             if broken:  # wakes engines blocked on a broadcast that will not come; the group is rebuilt
+                in_flight.clear()  # a queued broadcast holds the group's connections open
                 group.group.close()
                 for feed in feeds.values():
                     feed.stop(broken)
-            failed = {url: feed.finish() for url, feed in feeds.items()}
+            # Given up, an engine still blocked on it (one that relays it to others, or over NCCL, which
+            # does not see the trainer's side go) answers at its own timeout: it is dropped, not waited for.
+            failed = {url: feed.finish(FAILED_MEMBER_GRACE_S if broken else None) for url, feed in feeds.items()}
         if last is None:
             raise PublishError("no weights to publish")
         self._drop_engines({url: reason for url, reason in failed.items() if reason}, dropped)
@@ -382,10 +399,15 @@ class WeightPublisher:
         self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": group.group.name})
 
 
-def _wait(group: UpdateGroup, works: list[Any]) -> str | None:
-    """Wait for one bucket's queued broadcasts; the reason they broke off, or None."""
+def _wait(group: UpdateGroup, works: list[Any], feeds: dict[str, BucketFeed]) -> str | None:
+    """Wait for one bucket's queued broadcasts; the reason they broke off, or None. An engine whose
+    request failed (e.g. a new process at a member's url, outside the group) will not take part: the
+    broadcast is given up FAILED_MEMBER_GRACE_S after, not at the update's timeout."""
+    def failed_member() -> str | None:
+        return next((f"{feed.url} failed its bucket: {feed.failure}" for feed in feeds.values() if feed.failure),
+                    None)
     try:
-        group.wait(works)
+        group.wait(works, failed_member, FAILED_MEMBER_GRACE_S)
     except RuntimeError as err:
         return f"the weight broadcast broke off: {err}"
     return None

@@ -38,6 +38,9 @@ class SupervisorLink:
         self.gap_s = gap_s
         self.retry_s = retry_s
         self.engine_start_s = engine_start_s
+        # url -> relaunches so far, of the engines the last ready/serving answer named (the publisher forms
+        # its weight-update group again when an engine's count moved: a new process at the same url)
+        self.launches: dict[str, int] = {}
 
     @classmethod
     def of(cls, job_dir: JobDir, ft: FaultToleranceSpec) -> SupervisorLink:
@@ -51,12 +54,16 @@ class SupervisorLink:
         while True:
             answer = self._call(Call.READY_ENGINES)
             if not answer.get("starting") or time.monotonic() > deadline:
-                return list(answer["engines"])
+                return self._engines(answer)
             time.sleep(_STARTING_POLL_S)
 
     def serving_engines(self) -> list[str]:
         """The engines the supervisor serves with now, asked once (ControlError if it does not answer)."""
-        return list(self.client.call(Call.READY_ENGINES)["engines"])
+        return self._engines(self.client.call(Call.READY_ENGINES))
+
+    def _engines(self, answer: dict[str, Any]) -> list[str]:
+        self.launches = {url: int(count) for url, count in answer.get("launches", {}).items()}
+        return list(answer["engines"])
 
     def engine_failed(self, url: str, reason: str) -> None:
         # Not waited for (the rollout goes on meanwhile): a restarted supervisor probes the engine itself.

@@ -30,7 +30,7 @@ def test_the_trainer_is_launched_between_the_engines_launch_and_their_wait(tmp_p
     def await_engine(engine, step) -> None:
         assert "trainer" in order, "an engine was waited for before the trainer was launched"
         order.append(f"answered {engine.name}")
-        assert handlers.ready_engines() == {"engines": [], "starting": True}
+        assert handlers.ready_engines() == {"engines": [], "launches": {}, "starting": True}
 
     handlers = wiring.handlers
     monkeypatch.setattr(recovery, "launch", launch)
@@ -39,7 +39,7 @@ def test_the_trainer_is_launched_between_the_engines_launch_and_their_wait(tmp_p
     assert order[:3] == ["launch engine-0", "launch engine-1", "trainer"]
     assert sorted(order[3:]) == ["answered engine-0", "answered engine-1"]
     # The start is over: an empty answer now means no engine serves, and the trainer goes on.
-    assert recovery.started.is_set() and handlers.ready_engines() == {"engines": [], "starting": False}
+    assert recovery.started.is_set() and handlers.ready_engines() == {"engines": [], "launches": {}, "starting": False}
     wiring.pool.shutdown()
 
 
@@ -58,7 +58,7 @@ def test_a_failed_start_ends_the_wait_too(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(JobFailed, match="2 of 2 engines did not start"):
         wiring.recovery.start_all(set())
     assert wiring.recovery.started.is_set()
-    assert wiring.handlers.ready_engines() == {"engines": [], "starting": False}
+    assert wiring.handlers.ready_engines() == {"engines": [], "launches": {}, "starting": False}
     wiring.pool.shutdown()
 
 
@@ -66,5 +66,7 @@ def test_ready_engines_lists_a_serving_engine_while_others_still_start(tmp_path:
     job, router = unplaced_job(tmp_path)  # both engines HEALTHY
     wiring = wire_recovery(job, router)
     job.engines["engine-1"].state = STARTING
-    assert wiring.handlers.ready_engines() == {"engines": [job.engines["engine-0"].url], "starting": False}
+    job.engines["engine-0"].restarts = 2  # launched again twice: the trainer learns it, to form its group again
+    assert wiring.handlers.ready_engines() == {"engines": [job.engines["engine-0"].url],
+                                               "launches": {job.engines["engine-0"].url: 2}, "starting": False}
     wiring.pool.shutdown()

@@ -7,13 +7,15 @@ checks the same transport against real engines over gloo."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from rollout.weight_group import WeightSyncError, flatten, parse_dtype, unflatten
+from rollout.weight_group import WeightSyncError, create_group, flatten, parse_dtype, unflatten
+from tests.ports import free_port
 from trainer.publish import WeightPublisher, _Group
 
 # Seconds an engine's first answer may wait for the trainer to queue the second bucket.
@@ -37,7 +39,7 @@ class RecordingGroup:
             self.second_bucket_queued.set()
         return [bucket] * len(tensors)
 
-    def wait(self, works: list[int]) -> None:
+    def wait(self, works: list[int], abandon=None, grace_s: float = 0.0) -> None:
         self.events.append(("wait", works[0]))
 
     def close(self) -> None:
@@ -120,7 +122,7 @@ def test_a_kept_group_asks_no_sizes_and_the_version_is_asked_beside_the_end(tmp_
     already formed asks no /server_info again, and each engine's /model_info (the version rode on the last
     bucket) is asked while its /end_weight_update is still unanswered."""
     publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
-    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped: _Group(layout, RecordingGroup(), "gloo"))
+    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped, launches: _Group(layout, RecordingGroup(), "gloo"))
     routes: list[tuple[str, str]] = []
     served: dict[str, str | None] = {url: None for url in ENGINES}
     version_asked = {url: threading.Event() for url in ENGINES}
@@ -151,3 +153,39 @@ def test_a_kept_group_asks_no_sizes_and_the_version_is_asked_beside_the_end(tmp_
         asked = sorted(route for _, route in routes)
         assert asked.count("/model_info") == 2 and asked.count("/end_weight_update") == 2
         assert asked.count("/server_info") == (2 if version == 1 else 0), f"publish {version}: {asked}"
+
+
+ABANDON_GRACE_S = 0.2  # how long the wait below goes on once told a member will not take part
+GROUP_TIMEOUT_S = 30.0
+
+
+def test_a_broadcast_wait_is_abandoned_once_a_member_will_not_take_part() -> None:
+    """UpdateGroup.wait asks `abandon` while a broadcast is incomplete: once it gives a reason (an engine
+    answered its bucket's request with a failure) and the grace passed, it raises with that reason
+    instead of waiting out the group's timeout. Here rank 1 joins but never receives, and the bucket is
+    larger than the sockets' buffers, so the send cannot complete."""
+    port = free_port()
+    joined: dict[str, Any] = {}
+    member = threading.Thread(target=lambda: joined.setdefault(
+        "group", create_group("127.0.0.1", port, 1, 2, "abandon", GROUP_TIMEOUT_S)))
+    member.start()
+    group = create_group("127.0.0.1", port, 0, 2, "abandon", GROUP_TIMEOUT_S)
+    member.join(GROUP_TIMEOUT_S)
+    told: list[float] = []
+
+    def abandon() -> str | None:
+        if not told:
+            told.append(time.monotonic())
+            return None  # asked while waiting: the member fails only from the second look on
+        return "engine-1 refused its bucket"
+
+    try:
+        work = group.start_all([torch.zeros(64 * 2**20, dtype=torch.uint8)])
+        with pytest.raises(RuntimeError, match="engine-1 refused its bucket"):
+            group.wait(work, abandon, ABANDON_GRACE_S)
+        assert ABANDON_GRACE_S <= time.monotonic() - told[0] < GROUP_TIMEOUT_S / 3
+        assert not work[0].is_completed()
+    finally:  # the member first: gloo's shutdown of the sender waits out a send still pending
+        joined["group"].close()
+        del work
+        group.close()

@@ -90,14 +90,17 @@ def test_the_first_publish_waits_while_the_engines_start(tmp_path: Path) -> None
 
     def ready_engines() -> dict[str, Any]:
         asks.append(1)
-        return {"engines": ["http://e0"], "starting": False} if ready.is_set() else {"engines": [], "starting": True}
+        return {"engines": ["http://e0"], "launches": {"http://e0": 1}, "starting": False} if ready.is_set() \
+            else {"engines": [], "launches": {}, "starting": True}
 
     with ControlServer(JobDir(tmp_path), handler_table({Call.READY_ENGINES: ready_engines})):
         timer = threading.Timer(1.0, ready.set)
         timer.start()
         began = time.monotonic()
-        assert SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1).ready_engines() == ["http://e0"]
+        link = SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1)
+        assert link.ready_engines() == ["http://e0"]
         assert time.monotonic() - began >= 0.9 and len(asks) > 2
+        assert link.launches == {"http://e0": 1}  # how often each was launched again, for the publisher
         ready.clear()
         began = time.monotonic()
         link = SupervisorLink(JobDir(tmp_path), CALL_S, gap_s=30, retry_s=0.1, engine_start_s=0.5)
