@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from rollout import engine_client, weight_group
-from trainer import publish, publish_tensor
+from trainer import bucket_broadcast, publish_tensor
 
 # (owner, attribute): what a span is taken of; an engine call is labelled by its route
 _TRACED: list[tuple[Any, str]] = [
     (engine_client.EngineClient, "call"), (weight_group.UpdateGroup, "start_all"), (weight_group.UpdateGroup, "wait"),
-    (publish, "flatten"), (publish_tensor, "flatten"), (publish_tensor, "serialize"),
+    (bucket_broadcast, "flatten"), (publish_tensor, "flatten"), (publish_tensor, "serialize"),
 ]
 
 

@@ -4,7 +4,8 @@ Three transports, the first two named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
 - nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
-  while the engine set is unchanged (its engines' sizes are not asked again); tensors are broadcast
+  while the engine set and their processes are unchanged (the supervisor's relaunch counts; its
+  engines' sizes are not asked again); tensors are broadcast (trainer/bucket_broadcast.py)
   in buckets of --update-weight-buffer-size between /begin_weight_update and /end_weight_update
   (each engine's /model_info asked beside its end), pipelined (no lock step): the next bucket is
   gathered and queued while the previous one is on the wire (two in flight), and engines get each
@@ -31,12 +32,11 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 import torch
@@ -44,26 +44,20 @@ import torch
 from contract.job_dir import JobDir
 from rollout.engine_client import EngineError, version_to_wire
 from rollout.weight_group import (
-    FLATTENED_BUCKET,
     Backend,
     UpdateGroup,
     WeightSyncError,
-    buckets,
     create_group,
-    flat_order,
-    flatten,
     free_port,
     route_address,
     takes_flattened_buckets,
 )
-from trainer.bucket_feed import BucketFeed
+from trainer.bucket_broadcast import broadcast_buckets
 from trainer.engine_fanout import EngineFanOut
 from trainer.publish_tensor import send_by_reference
 from trainer.weight_folders import WeightFolders
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2  # --update-weight-buffer-size
-# Two buffers: the bucket on the wire and the next one being gathered and queued behind it.
-_BUCKETS_IN_FLIGHT = 2
 Transport = Literal["disk", "nccl", "tensor"]
 TRANSPORTS: tuple[Transport, ...] = ("disk", "nccl", "tensor")
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -71,11 +65,6 @@ OnDrop = Callable[[str, str], None]
 # Seconds: bounds every single wait of a publish (one engine call, the group's rendezvous, one
 # broadcast) unless the caller names its own (--update-weight-timeout).
 DEFAULT_TIMEOUT_S = 600.0
-# Seconds a broadcast may still complete after a member's request failed (it may have failed after
-# receiving: a load error) before the publish gives it up, instead of waiting out timeout_s (NCCL's
-# group is then aborted at once; gloo's shutdown still waits for a send in progress); also how long,
-# once given up, the other members' answers are waited for.
-FAILED_MEMBER_GRACE_S = 1.0
 
 
 class PublishError(Exception):
@@ -96,8 +85,7 @@ class _Group:
     """The update group and the engines in it, in rank order, with their tp sizes."""
 
     layout: tuple[tuple[str, int], ...]
-    group: UpdateGroup
-    backend: Backend
+    group: UpdateGroup  # its backend: gloo where a member is a CPU engine
     launches: dict[str, int | None] = field(default_factory=dict)  # each member's relaunches when it joined
 
     @property
@@ -324,7 +312,7 @@ class WeightPublisher:
             error = err
         joined, failed = self._engines.settle(futures)
         if not failed and group is not None:
-            return _Group(layout, group, backend, launches)
+            return _Group(layout, group, launches)
         if group is not None:
             group.close()
         self._engines.on_all(list(joined), "/destroy_weights_update_group", {"group_name": name})
@@ -335,58 +323,20 @@ class WeightPublisher:
 
     def _send_buckets(self, version: int, group: _Group, weights: Weights,
                       dropped: dict[str, str]) -> tuple[list[str], int]:
-        """Broadcast bucket by bucket, pipelined: bucket k+1 is gathered, packed and queued while k
-        is still on the wire (two buckets in flight at most); a bucket is one broadcast (flattened)
-        or, for an engine older than flattened buckets, one per tensor, all queued before any is
-        waited on. Each engine is asked for its buckets in order (BucketFeed). Returns the members that
+        """The buckets broadcast to the group (trainer/bucket_broadcast.py); returns the members that
         took every bucket and the bytes sent; the version rides on the last bucket."""
-        feeds = {url: BucketFeed(self._engines, url) for url in group.engines}
-        device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
         flattened = all(self._takes_flat.get(url, True) for url in group.engines)
-        in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's buffers, held till waited
-        nbytes, last, broken = 0, None, None
-        try:
-            for bucket, last in buckets(weights, self.bucket_bytes):
-                if flattened:  # a tensor of element size k starts at a multiple of k (flat_order)
-                    bucket = [bucket[i] for i in flat_order([t.dtype for _, t in bucket])]
-                tensors = [tensor.detach() for _, tensor in bucket]
-                body = {"names": [name for name, _ in bucket],
-                        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                        "shapes": [list(t.shape) for t in tensors], "group_name": group.group.name,
-                        "flush_cache": last, "weight_version": version_to_wire(version) if last else None}
-                if flattened:
-                    body["load_format"] = FLATTENED_BUCKET
-                    tensors = [flatten(tensors, device)]
-                else:
-                    tensors = [tensor.to(device).contiguous() for tensor in tensors]
-                for feed in feeds.values():
-                    feed.post(body)
-                in_flight.append((tensors, group.group.start_all(tensors)))
-                nbytes += sum(t.numel() * t.element_size() for t in tensors)
-                while len(in_flight) >= _BUCKETS_IN_FLIGHT or (last and in_flight):
-                    broken = broken or _wait(group.group, in_flight.popleft()[1], feeds)
-                if broken or all(feed.failure for feed in feeds.values()):
-                    break
-        except WeightSyncError as err:  # the group was closed under us
-            broken = f"the weight broadcast broke off: {err}"
-        finally:
-            if broken:  # wakes engines blocked on a broadcast that will not come; the group is rebuilt
-                in_flight.clear()  # a queued broadcast holds the group's connections open
-                group.group.close()
-                for feed in feeds.values():
-                    feed.stop(broken)
-            # Given up, an engine still blocked on it (one that relays it to others, or over NCCL, which
-            # does not see the trainer's side go) answers at its own timeout: it is dropped, not waited for.
-            failed = {url: feed.finish(FAILED_MEMBER_GRACE_S if broken else None) for url, feed in feeds.items()}
-        if last is None:
+        sent = broadcast_buckets(self._engines, group.group, group.engines, weights, self.bucket_bytes,
+                                 version_to_wire(version), flattened)
+        if sent.last is None:
             raise PublishError("no weights to publish")
-        self._drop_engines({url: reason for url, reason in failed.items() if reason}, dropped)
+        self._drop_engines({url: reason for url, reason in sent.failed.items() if reason}, dropped)
         taken = [url for url in group.engines if url not in dropped]
-        if broken or not last:  # broke off early: those that took the buckets so far still lack the rest
-            self._drop_engines({url: broken or "the weight update broke off before its last bucket"
+        if sent.broken or not sent.last:  # broke off early: those that took the buckets so far still lack the rest
+            self._drop_engines({url: sent.broken or "the weight update broke off before its last bucket"
                                 for url in taken}, dropped)
-            return [], nbytes
-        return taken, nbytes
+            return [], sent.nbytes
+        return taken, sent.nbytes
 
     def _drop_group(self, dropped: dict[str, str] | None = None) -> None:
         """Close the trainer's side first (so engines blocked on it fail fast), then destroy it
@@ -398,16 +348,3 @@ class WeightPublisher:
         alive = [url for url in group.engines if url not in (dropped or {})]
         self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": group.group.name})
 
-
-def _wait(group: UpdateGroup, works: list[Any], feeds: dict[str, BucketFeed]) -> str | None:
-    """Wait for one bucket's queued broadcasts; the reason they broke off, or None. An engine whose
-    request failed (e.g. a new process at a member's url, outside the group) will not take part: the
-    broadcast is given up FAILED_MEMBER_GRACE_S after, not at the update's timeout."""
-    def failed_member() -> str | None:
-        return next((f"{feed.url} failed its bucket: {feed.failure}" for feed in feeds.values() if feed.failure),
-                    None)
-    try:
-        group.wait(works, failed_member, FAILED_MEMBER_GRACE_S)
-    except RuntimeError as err:
-        return f"the weight broadcast broke off: {err}"
-    return None

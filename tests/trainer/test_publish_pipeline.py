@@ -27,6 +27,7 @@ class RecordingGroup:
     """Records ('start', bucket, tensors queued) and ('wait', bucket) in order."""
 
     name = "recorded"
+    backend = "gloo"
 
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
@@ -78,7 +79,7 @@ def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(
         assert publisher._ask_server_info(url) == 1
     weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(6)]  # 32 bytes each: 3 buckets of 2
     layout = tuple((url, 1) for url in ENGINES)
-    taken, nbytes = publisher._send_buckets(3, _Group(layout, group, "gloo"), iter(weights), {})  # type: ignore[arg-type]
+    taken, nbytes = publisher._send_buckets(3, _Group(layout, group), iter(weights), {})  # type: ignore[arg-type]
 
     assert taken == list(ENGINES) and nbytes == 6 * 32
     assert group.events == [("start", 0, per_bucket), ("start", 1, per_bucket), ("wait", 0),
@@ -102,7 +103,7 @@ def test_a_flattened_bucket_is_packed_with_every_tensor_aligned_for_its_view(tmp
     weights = [("odd_bf16", torch.randn(3).bfloat16()), ("f32", torch.randn(2, 3)),
                ("f64", torch.tensor(2.5, dtype=torch.float64)), ("f16", torch.randn(5).half()),
                ("empty", torch.empty(0, 4))]
-    publisher._send_buckets(1, _Group(((ENGINES[0], 1),), group, "gloo"), iter(weights), {})  # type: ignore[arg-type]
+    publisher._send_buckets(1, _Group(((ENGINES[0], 1),), group), iter(weights), {})  # type: ignore[arg-type]
 
     assert len(sent) == 1 and sent[0].dtype == torch.uint8
     body = bodies[0]
@@ -122,7 +123,7 @@ def test_a_kept_group_asks_no_sizes_and_the_version_is_asked_beside_the_end(tmp_
     already formed asks no /server_info again, and each engine's /model_info (the version rode on the last
     bucket) is asked while its /end_weight_update is still unanswered."""
     publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
-    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped, launches: _Group(layout, RecordingGroup(), "gloo"))
+    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped, launches: _Group(layout, RecordingGroup()))
     routes: list[tuple[str, str]] = []
     served: dict[str, str | None] = {url: None for url in ENGINES}
     version_asked = {url: threading.Event() for url in ENGINES}

@@ -1,0 +1,92 @@
+"""The NCCL (gloo on the CPU) publish's buckets on the wire (trainer/publish.py): bucket by bucket,
+pipelined: bucket k+1 is gathered, packed and queued while k is still on the wire (two buckets in
+flight at most). A bucket is one broadcast of its tensors' bytes (SGLang's "flattened_bucket") or, for
+an engine older than that format, one per tensor, all queued before any is waited on. Each engine is
+asked for its buckets in order (BucketFeed)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.weight_group import FLATTENED_BUCKET, UpdateGroup, WeightSyncError, buckets, flat_order, flatten
+from trainer.bucket_feed import BucketFeed
+from trainer.engine_fanout import EngineFanOut
+
+# Two buffers: the bucket on the wire and the next one being gathered and queued behind it.
+_BUCKETS_IN_FLIGHT = 2
+# Seconds a broadcast may still complete after a member's request failed (it may have failed after
+# receiving: a load error) before the publish gives it up, instead of waiting out the update's timeout
+# (NCCL's group is then aborted at once; gloo's shutdown still waits for a send in progress); also how
+# long, once given up, the other members' answers are waited for.
+FAILED_MEMBER_GRACE_S = 1.0
+
+
+@dataclass
+class Sent:
+    failed: dict[str, str | None]  # member -> why its requests failed, None if they did not
+    broken: str | None  # why the broadcast broke off, for every member
+    last: bool | None  # whether the last bucket went (None: there were no weights)
+    nbytes: int
+
+
+def broadcast_buckets(engines: EngineFanOut, group: UpdateGroup, members: list[str],
+                      weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: str,
+                      flattened: bool) -> Sent:
+    """Every bucket to the group's members (`version` on the last); see the module docstring."""
+    feeds = {url: BucketFeed(engines, url) for url in members}
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
+    in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's buffers, held till waited
+    nbytes, last, broken = 0, None, None
+    try:
+        for bucket, last in buckets(weights, bucket_bytes):
+            if flattened:  # a tensor of element size k starts at a multiple of k (flat_order)
+                bucket = [bucket[i] for i in flat_order([t.dtype for _, t in bucket])]
+            tensors = [tensor.detach() for _, tensor in bucket]
+            body = {"names": [name for name, _ in bucket],
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors], "group_name": group.name, "flush_cache": last,
+                    "weight_version": version if last else None}
+            if flattened:
+                body["load_format"] = FLATTENED_BUCKET
+                tensors = [flatten(tensors, device)]
+            else:
+                tensors = [tensor.to(device).contiguous() for tensor in tensors]
+            for feed in feeds.values():
+                feed.post(body)
+            in_flight.append((tensors, group.start_all(tensors)))
+            nbytes += sum(t.numel() * t.element_size() for t in tensors)
+            while len(in_flight) >= _BUCKETS_IN_FLIGHT or (last and in_flight):
+                broken = broken or _wait(group, in_flight.popleft()[1], feeds)
+            if broken or all(feed.failure for feed in feeds.values()):
+                break
+    except WeightSyncError as err:  # the group was closed under us
+        broken = f"the weight broadcast broke off: {err}"
+    finally:
+        if broken:  # wakes engines blocked on a broadcast that will not come; the group is rebuilt
+            in_flight.clear()  # a queued broadcast holds the group's connections open
+            group.close()
+            for feed in feeds.values():
+                feed.stop(broken)
+        # Given up, an engine still blocked on it (one that relays it to others, or over NCCL, which
+        # does not see the trainer's side go) answers at its own timeout: it is dropped, not waited for.
+        failed = {url: feed.finish(FAILED_MEMBER_GRACE_S if broken else None) for url, feed in feeds.items()}
+    return Sent(failed, broken, last, nbytes)
+
+
+def _wait(group: UpdateGroup, works: list[Any], feeds: dict[str, BucketFeed]) -> str | None:
+    """Wait for one bucket's queued broadcasts; the reason they broke off, or None. An engine whose
+    request failed (e.g. a new process at a member's url, outside the group) will not take part: the
+    broadcast is given up FAILED_MEMBER_GRACE_S after, not at the update's timeout."""
+    def failed_member() -> str | None:
+        return next((f"{feed.url} failed its bucket: {feed.failure}" for feed in feeds.values() if feed.failure),
+                    None)
+    try:
+        group.wait(works, failed_member, FAILED_MEMBER_GRACE_S)
+    except RuntimeError as err:
+        return f"the weight broadcast broke off: {err}"
+    return None
