@@ -35,6 +35,8 @@ LAYOUTS = {  # name -> (ranks, flags)
     # the gradient reduce bucket by bucket under the backward (megatron's flag, off by default as in slime)
     "dp2_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
     "tp2_sp_compiled": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--torch-compile"]),
+    "dp4_distopt": (4, ["--use-distributed-optimizer"]),
+    "dp4_overlap": (4, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
 }
 RESHARD = {"resume_tp1": (1, []), "resume_pp2": (2, ["--pipeline-model-parallel-size", "2"])}
 SAVED_AT = (2, ["--tensor-model-parallel-size", "2"])
@@ -172,13 +174,18 @@ def run_layouts(model: Path, ckpt: Path | None, shape: dict, batch: dict, work: 
         world, flags = LAYOUTS[name]
         if (torch_compile and name.endswith("_compiled")) or (names and name != baseline and name not in names):
             continue  # compiled already, or not asked for
-        began = time.monotonic()
-        try:
-            got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt) if ckpt else None,
-                                 "flags": common + flags,
-                                 "out": str(work / f"{name}.pt"), "profile": profile, **batch})
-        except mp.ProcessRaisedException as err:  # one layout's failure is its row; the others still run
-            rows.append({"layout": name, "gpus": world, "error": str(err).strip().splitlines()[-1]})
+        began, got, why_not = time.monotonic(), None, None
+        if torch.cuda.is_available() and world > torch.cuda.device_count():
+            why_not = {"skipped": f"needs {world} GPUs, {torch.cuda.device_count()} here"}
+        else:
+            try:
+                got = _spawn(world, {"kind": "layout", "model": str(model), "ckpt": str(ckpt) if ckpt else None,
+                                     "flags": common + flags,
+                                     "out": str(work / f"{name}.pt"), "profile": profile, **batch})
+            except mp.ProcessRaisedException as err:  # one layout's failure is its row; the others still run
+                why_not = {"error": str(err).strip().splitlines()[-1]}
+        if got is None:
+            rows.append({"layout": name, "gpus": world, **(why_not or {})})
             print("RESULT " + json.dumps({"part": "layouts", **rows[-1]}), flush=True)
             continue
         base = base or got
