@@ -21,9 +21,10 @@ from trainer.engine_fanout import EngineFanOut
 _BUCKETS_IN_FLIGHT = 2
 # Seconds a broadcast may still complete after a member's request failed (it may have failed after
 # receiving: a load error) before the publish gives it up, instead of waiting out the update's timeout
-# (NCCL's group is then aborted at once; gloo's shutdown still waits for a send in progress); also how
-# long, once given up, the other members' answers are waited for.
+# (NCCL's group is then aborted at once; gloo's shutdown still waits for a send in progress).
 FAILED_MEMBER_GRACE_S = 1.0
+# Seconds, once a broadcast was given up, that the members' answers to their bucket requests are waited for.
+GIVEN_UP_ANSWER_S = 1.0
 
 
 @dataclass
@@ -74,7 +75,7 @@ def broadcast_buckets(engines: EngineFanOut, group: UpdateGroup, members: list[s
                 feed.stop(broken)
         # Given up, an engine still blocked on it (one that relays it to others, or over NCCL, which
         # does not see the trainer's side go) answers at its own timeout: it is dropped, not waited for.
-        failed = {url: feed.finish(FAILED_MEMBER_GRACE_S if broken else None) for url, feed in feeds.items()}
+        failed = {url: feed.finish(GIVEN_UP_ANSWER_S if broken else None) for url, feed in feeds.items()}
     return Sent(failed, broken, last, nbytes)
 
 
