@@ -274,6 +274,7 @@ class Daemon:
             self._probe_cycle()
             self._record_steps()
             self.trainer.check_heartbeat()
+            self.trainer.check_stranded_engines()
             for engine, why in self.nodes.check_due():
                 self.recovery.recover(engine, why)
             self.trainer_nodes.follow_up()

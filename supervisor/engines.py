@@ -86,6 +86,14 @@ class Engines(Mapping[str, Engine]):
         with self._lock:
             return sum(e.state == state for e in self._engines.values())
 
+    def stranded(self) -> list[str]:
+        """With no engine serving: those that answer (WAITING) behind the current version, which only
+        the trainer's next publish brings them when it is not on disk (an update group's)."""
+        with self._lock:
+            if self._current is None or any(e.state == HEALTHY for e in self._engines.values()):
+                return []
+            return [name for name, e in self._engines.items() if e.state == WAITING and e.version != self._current]
+
     def served_version(self, engine: Engine) -> int | None:
         """The version the engine itself reports; None when it does not answer."""
         try:

@@ -21,6 +21,10 @@ from supervisor.step_control import Step, StepControl
 log = logging.getLogger(__name__)
 
 SAVE_NOW_EXITS = (128 + signal.SIGUSR1, -signal.SIGUSR1)  # a task ended by SIGUSR1 (srun's code; a process's)
+# How long engines may wait for the trainer's next publish while it generates a rollout they alone could serve
+# (every engine relaunched, the version an update group's): past it the trainer is restarted. Not at once: a
+# rollout whose generation was done may still be scoring its samples, and then publishes to them itself.
+STRANDED_S = 60.0
 
 
 class TrainerWatch:
@@ -37,6 +41,7 @@ class TrainerWatch:
         self._launched = 0.0  # unix time of the step's (re)launch or adoption: its heartbeat counts from here
         self._ended_why: str | None = None  # why the supervisor ended the step, if it did
         self._beating = False  # its heartbeat has left the start phase: the step is healthy
+        self._stranded_since: float | None = None  # monitor thread only (check_stranded_engines)
 
     def launch(self) -> None:
         with self._lock:
@@ -63,6 +68,32 @@ class TrainerWatch:
         self.job.events.emit("restart_requested", TRAINER)
         self._end("restart asked with slurmrl restart")
         self.steps.cancel(step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+
+    def check_stranded_engines(self) -> None:
+        """Engines relaunched behind an update group's version (not on disk) wait outside the router for
+        the trainer's next publish; with none serving, a trainer in its rollout waits for them in turn.
+        After STRANDED_S of that, the trainer is restarted as `slurmrl restart trainer` does (it saves
+        first), and the restarted trainer publishes to them first thing."""
+        step = self.launcher.current(TRAINER)
+        with self._lock:
+            launched, ended = self._launched, self._ended_why
+        current = self.job.engines.current
+        stranded = self.job.engines.stranded() if current is not None and not self.job.dir.weights_of(
+            current).is_dir() else []
+        if (not stranded or step is None or step.returncode is not None or ended
+                or read_heartbeat(self.job.dir, launched).phase is not Phase.ROLLOUT):
+            self._stranded_since = None
+            return
+        now = time.monotonic()
+        self._stranded_since = self._stranded_since or now
+        if now - self._stranded_since < STRANDED_S:
+            return
+        why = (f"engines {', '.join(stranded)} wait for weight version {current}, which only a publish brings, "
+               f"while the trainer's rollout waits for them: restarted to publish it")
+        self._stranded_since = None
+        if self._end(why):
+            self.job.events.emit("engines_stranded", TRAINER, reason=why, engines=stranded, weight_version=current)
+            self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
 
     def check_deadline(self) -> None:
         """Preemption and the job's end (Requeue.check), knowing the running trainer's phase. When no

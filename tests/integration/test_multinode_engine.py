@@ -2,8 +2,13 @@
 router, the trainer, and one CPU engine of two node ranks in one srun step (one task per node;
 --rollout-num-gpus-per-engine 8 over nodes of 4 makes engines of 2 nodes). Mid-run its rank-1
 process is SIGKILLed: the whole step ends, the supervisor relaunches it on the same two nodes, it
-comes back at the current weight version (from disk) and the job completes with rewards rising,
-every rollout id once, and never a rollout served with stale weights.
+comes back at the current weight version and the job completes with rewards rising, every rollout id
+once, and never a rollout served with stale weights.
+
+The weights go over an update group (--update-weight-transport nccl; gloo on the CPU), so the current
+version is on no disk: only the trainer's next publish brings the relaunched engine back, and with the
+job's only engine gone, a trainer in its rollout waits for it in turn. Then the supervisor restarts the
+trainer (supervisor.trainer_watch.STRANDED_S), which publishes to it first thing.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import psutil
 
 from contract.job_dir import JOB_DIR_ENV
 from slurm.devcluster.daemons import wait_for
-from tests.integration.test_rl_job import SERVED, events, rollouts_done, status, submit
+from supervisor.trainer_watch import STRANDED_S
+from tests.integration.test_rl_job import SERVED, events, heartbeat, rollouts_done, status, submit
 from tests.slurm_helpers import wait_job_gone, wait_sacct_states
 
 ROLLOUTS = 12
+RECOVERED_S = STRANDED_S + 120  # a relaunch, the trainer's restart if it was generating, its first publish
 FOLLOWER = re.compile(r"cpu_engine: node rank 1 of 2 \(pid (\d+)\) follows node rank 0")
 
 
@@ -36,7 +43,8 @@ def rank_1_pids(job_dir: Path) -> list[int]:
 def test_a_two_node_engine_survives_the_death_of_its_rank_1(devcluster, toy, tmp_path: Path) -> None:
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, "--num-rollout", str(ROLLOUTS), "--rollout-num-engines", "1",
-                    "--rollout-num-gpus-per-engine", "8", "--rollout-num-gpus-per-node", "4")
+                    "--rollout-num-gpus-per-engine", "8", "--rollout-num-gpus-per-node", "4",
+                    "--update-weight-transport", "nccl")
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 3, 120, "the first rollouts")
         engine = status(job_dir)["steps"]["engine-0"]
@@ -47,8 +55,10 @@ def test_a_two_node_engine_survives_the_death_of_its_rank_1(devcluster, toy, tmp
         env = follower.environ()
         assert env["SLURMD_NODENAME"] == engine["nodes"][1] and env["SLURM_JOB_NAME"] == "engine-0", env
         assert env[JOB_DIR_ENV] == str(job_dir), env
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: events(job_dir, "engine_recovered", "engine-0"), 120, "engine-0 recovered")
+        # in a rollout: the trainer then waits for the engine, which waits for the trainer's publish
+        wait_for(lambda: heartbeat(job_dir).get("phase") == "rollout" and (os.kill(pid, signal.SIGKILL) or True),
+                 120, "a rollout being generated", interval_s=0.002)
+        wait_for(lambda: events(job_dir, "engine_recovered", "engine-0"), RECOVERED_S, "engine-0 recovered")
         wait_job_gone(job_id, timeout_s=120)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
@@ -62,8 +72,12 @@ def test_a_two_node_engine_survives_the_death_of_its_rank_1(devcluster, toy, tmp
     assert len(events(job_dir, "step_launched", "engine-0")) == 2
     (failed,) = events(job_dir, "engine_failed", "engine-0")
     assert "exited" in failed["reason"] or "reported by the trainer" in failed["reason"], failed
+    (stranded,) = events(job_dir, "engines_stranded")
+    assert stranded["engines"] == ["engine-0"] and stranded["weight_version"] >= 3, stranded
+    assert len(events(job_dir, "trainer_restarted")) == 1
+    # at the version the restarted trainer resumed at (its latest checkpoint's), which it published first thing
     (recovered,) = events(job_dir, "engine_recovered", "engine-0")
-    assert recovered["in_router"] and recovered["weight_version"] >= 3, recovered
+    assert recovered["in_router"] and recovered["weight_version"] is not None, recovered
     metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_id"] for m in metrics] == list(range(ROLLOUTS)), "a rollout id was skipped or repeated"
     rewards = [m["reward_mean"] for m in metrics]
