@@ -85,7 +85,8 @@ class TrainerWatch:
             self._stranded_since = None
             return
         now = time.monotonic()
-        self._stranded_since = self._stranded_since or now
+        if self._stranded_since is None:
+            self._stranded_since = now
         if now - self._stranded_since < STRANDED_S:
             return
         why = (f"engines {', '.join(stranded)} wait for weight version {current}, which only a publish brings, "

@@ -1,0 +1,85 @@
+"""TrainerWatch.check_stranded_engines: engines relaunched behind an update group's version (on no disk)
+while none serves, and a trainer in its rollout waiting for them, get the trainer restarted, once, after
+STRANDED_S of that; in any other phase, or with the version on disk, nothing happens. (The whole job:
+tests/integration/test_multinode_engine.py.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from contract.job_dir import JobDir, Phase, write_heartbeat
+from supervisor import trainer_watch
+from supervisor.trainer_watch import STRANDED_S, TrainerWatch
+
+VERSION = 4
+
+
+class Watched:
+    """A TrainerWatch over stand-ins for what the check reads (the engines' answer, the heartbeat, the
+    trainer's step) and does (an event, the step's cancel), on a clock the test moves."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stranded: list[str]) -> None:
+        self.dir = JobDir(tmp_path)
+        self.dir.root.mkdir(parents=True, exist_ok=True)
+        self.now = 0.0
+        monkeypatch.setattr(trainer_watch, "time", SimpleNamespace(monotonic=lambda: self.now, time=time.time))
+        self.events: list[tuple[str, dict]] = []
+        self.cancelled: list[object] = []
+        engines = SimpleNamespace(current=VERSION, stranded=lambda: stranded)
+        job = SimpleNamespace(engines=engines, dir=self.dir, ft=SimpleNamespace(step_stop_timeout=1.0,
+                                                                                step_term_grace=1.0),
+                              events=SimpleNamespace(emit=lambda kind, step=None, **kw: self.events.append((kind, kw))))
+        self.step = SimpleNamespace(returncode=None)
+        launcher = SimpleNamespace(current=lambda name: self.step)
+        steps = SimpleNamespace(cancel=lambda step, timeout_s, grace_s: self.cancelled.append(step))
+        pool = SimpleNamespace(submit=lambda fn, *args: fn(*args))
+        self.watch = TrainerWatch(job, launcher, steps, None, None, pool, restarts=0)  # type: ignore[arg-type]
+
+    def at(self, seconds: float, phase: Phase = Phase.ROLLOUT) -> None:
+        self.now = seconds
+        write_heartbeat(self.dir, phase, rollout_id=3)
+        self.watch.check_stranded_engines()
+
+
+def test_the_trainer_is_restarted_once_after_the_engines_waited_stranded_s_in_its_rollout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = Watched(tmp_path, monkeypatch, ["engine-0"])
+    w.at(0.0)
+    w.at(STRANDED_S - 1)
+    assert not w.cancelled and not w.events
+    w.at(STRANDED_S + 1)
+    assert w.cancelled == [w.step]
+    [(kind, said)] = w.events
+    assert kind == "engines_stranded" and said["engines"] == ["engine-0"] and said["weight_version"] == VERSION
+    w.at(3 * STRANDED_S)
+    assert w.cancelled == [w.step], "ended already: its exit restarts it"
+
+
+def test_the_wait_counts_from_when_the_trainer_is_back_in_a_rollout(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training, the trainer publishes next: the engines get the version without a restart."""
+    w = Watched(tmp_path, monkeypatch, ["engine-0"])
+    w.at(0.0)
+    w.at(STRANDED_S / 2, Phase.TRAIN)
+    w.at(STRANDED_S + 1)
+    w.at(2 * STRANDED_S)
+    assert not w.cancelled
+    w.at(2 * STRANDED_S + 2)
+    assert w.cancelled == [w.step]
+
+
+@pytest.mark.parametrize("case", ["none stranded", "version on disk", "trainer exited"])
+def test_nothing_is_restarted_when_a_publish_is_not_what_the_engines_wait_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    w = Watched(tmp_path, monkeypatch, [] if case == "none stranded" else ["engine-0"])
+    if case == "version on disk":  # the engines' recovery loads it from there
+        w.dir.weights_of(VERSION).mkdir(parents=True)
+    if case == "trainer exited":  # its exit is handled (on_exit) before anything else
+        w.step.returncode = 1
+    w.at(0.0)
+    w.at(10 * STRANDED_S)
+    assert not w.cancelled and not w.events
