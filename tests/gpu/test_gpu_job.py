@@ -7,6 +7,9 @@ without CUDA, SLURM or the GPUs it needs.
   phase's peak GPU memory from the job's own metrics, and the engine's memory released around training.
 - 2 GPUs (e): the trainer on one GPU, two engines sharing the other (weights from disk: NCCL refuses
   two ranks on one GPU).
+- 2 GPUs (a): the job's only engine SIGKILLed mid-rollout and relaunched at its url, behind an update
+  group's version: the supervisor restarts the trainer (supervisor.trainer_watch.STRANDED_S), which
+  forms a new NCCL group with the new process and publishes to it; the engine fails once only.
 - 2 GPUs (c): a preemption (SLURM's warning signal) saves, requeues and resumes: the same rollouts,
   samples' rewards and versions as the uninterrupted run, losses within bf16's reproducibility.
 - 4 GPUs (e, a, b, one job): the trainer at DP=2 on two GPUs, two engines of one GPU each, weights
@@ -221,6 +224,40 @@ def test_a_preempted_gpu_job_resumes_exactly(gpu_cluster, toy, tmp_path: Path) -
         for key in ("loss", "grad_norm"):
             assert same_bf16(*row[key]), row
     never_stale(cut_dir, engines=1)
+
+
+@needs_gpus(2)
+def test_the_only_engine_relaunched_in_a_rollout_gets_the_weights_of_a_restarted_trainer(
+        gpu_cluster, toy, tmp_path: Path) -> None:  # noqa: F811
+    job_dir = tmp_path / "job"
+    job_id = submit(toy, job_dir, *ONE_ENGINE_NCCL, "--num-rollout", "100000", "--rollout-batch-size", "8",
+                    *SLOW_REWARD)
+    try:
+        wait_for(lambda: rollouts_done(job_dir) >= 2, JOB_START_S, "the first rollouts")
+        url = status(job_dir)["steps"]["engine-0"]["url"]
+        wait_for(lambda: heartbeat(job_dir).get("phase") == "rollout"
+                 and (os.kill(engine_pid(url), signal.SIGKILL) or True),
+                 RECOVERY_S, "a rollout being generated", interval_s=0.002)
+        wait_for(lambda: events(job_dir, "engine_recovered", "engine-0"), RECOVERY_S, "engine-0 recovered")
+        done = rollouts_done(job_dir)
+        wait_for(lambda: rollouts_done(job_dir) >= done + 3, RECOVERY_S, "rollouts after the recovery")
+        slurmrl("stop", job_id)
+        wait_job_gone(job_id, timeout_s=JOB_END_S)
+    finally:
+        cancel(job_id)
+    failed = events(job_dir, "engine_failed", "engine-0")
+    joined = JOINED.findall((job_dir / "logs" / "engine-0.log").read_text())
+    keep("engine_relaunched_nccl", {"engine_failed": failed, "groups_joined": joined,
+                                    "engines_stranded": events(job_dir, "engines_stranded"),
+                                    "engine_recovered": events(job_dir, "engine_recovered", "engine-0")})
+    assert len(failed) == 1, f"the relaunched engine failed again (sent a bucket outside its group?): {failed}"
+    # the job's only engine, relaunched in a rollout: the trainer restarted to publish to it
+    assert len(events(job_dir, "engines_stranded")) == 1 and len(events(job_dir, "trainer_restarted")) == 1
+    assert len({name for name, _ in joined}) >= 2 and all(backend == "nccl" for _, backend in joined), joined
+    lines = metrics(job_dir)
+    assert [m["rollout_id"] for m in lines] == list(range(len(lines))), "a rollout id was skipped or repeated"
+    assert all(m["engines_updated"] == 1 for m in lines[-3:]), lines[-3:]
+    never_stale(job_dir, engines=1)
 
 
 @needs_gpus(4)
