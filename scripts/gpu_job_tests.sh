@@ -4,7 +4,8 @@
 # device's 10 minutes a call. PART picks what the kind is for (the tests that need more GPUs than
 # the machine has skip themselves, saying so):
 #   PART=one   the engine on a GPU; --colocate on one GPU for 20 rollouts (d)
-#   PART=two   2 GPUs: trainer on one, two engines on the other (e); NCCL weights into a GPU engine
+#   PART=two   2 GPUs: trainer on one, two engines on the other (e); NCCL weights into a GPU engine; the
+#              only engine SIGKILLed in a rollout over NCCL (a)
 #   PART=resume  2 GPUs: preemption and exact resume (c): two jobs, the uninterrupted and the preempted
 #   PART=four  4 GPUs: the trainer at DP=2 and two engines, an engine and the trainer SIGKILLed (e, a, b)
 # e.g. run(kind="nvidia-h100-x2", command="PART=two bash scripts/gpu_job_tests.sh", carry=[".whl", ".debs"],
@@ -20,7 +21,7 @@ mkdir -p "$OUT"
 nvidia-smi -L || true
 case "${PART:-all}" in
     one) select="test_gpu_engine and not nccl or colocated" ;;
-    two) select="two_gpus or nccl_weights" ;;
+    two) select="two_gpus or nccl_weights or only_engine" ;;
     resume) select="preempted" ;;
     four) select="four_gpus" ;;
     all) select="" ;;
