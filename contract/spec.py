@@ -264,6 +264,10 @@ class FaultToleranceSpec:
     trainer_train_timeout: float = bounded(1800.0, "s", 1)   # per optimizer step
     trainer_publish_timeout: float = bounded(900.0, "s", 1)
     trainer_save_timeout: float = bounded(1800.0, "s", 1)
+    # Engines relaunched behind an update group's weight version (on no disk) wait for the trainer's next publish,
+    # while no engine serves and the trainer waits in its rollout: past this the trainer saves now and is restarted
+    # (not at once: a rollout whose generation was done may still be scoring its samples, and then publishes itself)
+    engine_stranded_timeout: float = bounded(60.0, "s", 0.1)
     # Starting and stopping steps
     router_start_timeout: float = bounded(60.0, "s", 0.1)      # the router's launch until it answers
     # an engine's (re)launch until it answers /health_generate

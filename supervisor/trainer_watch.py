@@ -21,10 +21,6 @@ from supervisor.step_control import Step, StepControl
 log = logging.getLogger(__name__)
 
 SAVE_NOW_EXITS = (128 + signal.SIGUSR1, -signal.SIGUSR1)  # a task ended by SIGUSR1 (srun's code; a process's)
-# How long engines may wait for the trainer's next publish while it generates a rollout they alone could serve
-# (every engine relaunched, the version an update group's): past it the trainer is restarted. Not at once: a
-# rollout whose generation was done may still be scoring its samples, and then publishes to them itself.
-STRANDED_S = 60.0
 
 
 class TrainerWatch:
@@ -41,7 +37,9 @@ class TrainerWatch:
         self._launched = 0.0  # unix time of the step's (re)launch or adoption: its heartbeat counts from here
         self._ended_why: str | None = None  # why the supervisor ended the step, if it did
         self._beating = False  # its heartbeat has left the start phase: the step is healthy
-        self._stranded_since: float | None = None  # monitor thread only (check_stranded_engines)
+        # monitor thread only (check_stranded_engines): since when engines are stranded; the step asked to save
+        self._stranded_since: float | None = None
+        self._save_asked: tuple[Step, float] | None = None
 
     def launch(self) -> None:
         with self._lock:
@@ -72,28 +70,39 @@ class TrainerWatch:
     def check_stranded_engines(self) -> None:
         """Engines relaunched behind an update group's version (not on disk) wait outside the router for
         the trainer's next publish; with none serving, a trainer in its rollout waits for them in turn.
-        After STRANDED_S of that, the trainer is restarted as `slurmrl restart trainer` does (it saves
-        first), and the restarted trainer publishes to them first thing."""
+        After engine_stranded_timeout of that the trainer is asked to save now (SIGUSR1: it abandons the rollout and
+        saves the last one it finished) and end; its exit restarts it, and the restarted trainer publishes
+        to them first thing. One that has not ended within trainer_save_timeout is cancelled."""
         step = self.launcher.current(TRAINER)
+        if step is None or step.returncode is not None:
+            self._stranded_since = self._save_asked = None
+            return
+        now = time.monotonic()
+        if self._save_asked is not None:
+            asked_step, asked_at = self._save_asked
+            if asked_step is step and now - asked_at > self.job.ft.trainer_save_timeout:
+                self._save_asked = None
+                self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+            return
         with self._lock:
             launched, ended = self._launched, self._ended_why
         current = self.job.engines.current
         stranded = self.job.engines.stranded() if current is not None and not self.job.dir.weights_of(
             current).is_dir() else []
-        if (not stranded or step is None or step.returncode is not None or ended
-                or read_heartbeat(self.job.dir, launched).phase is not Phase.ROLLOUT):
+        if not stranded or ended or read_heartbeat(self.job.dir, launched).phase is not Phase.ROLLOUT:
             self._stranded_since = None
             return
-        now = time.monotonic()
         if self._stranded_since is None:
             self._stranded_since = now
-        if now - self._stranded_since < STRANDED_S:
-            return
         why = (f"engines {', '.join(stranded)} wait for weight version {current}, which only a publish brings, "
-               f"while the trainer's rollout waits for them: restarted to publish it")
+               "while the trainer's rollout waits for them: restarted to publish it")
+        if now - self._stranded_since < self.job.ft.engine_stranded_timeout or not self._end(why):
+            return
         self._stranded_since = None
-        if self._end(why):
-            self.job.events.emit("engines_stranded", TRAINER, reason=why, engines=stranded, weight_version=current)
+        self.job.events.emit("engines_stranded", TRAINER, reason=why, engines=stranded, weight_version=current)
+        if self.requeue.signal_trainer("USR1"):
+            self._save_asked = (step, now)
+        else:  # SLURM did not take the signal: end it without a save (it resumes from its last checkpoint)
             self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
 
     def check_deadline(self) -> None:

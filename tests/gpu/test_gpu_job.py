@@ -8,7 +8,7 @@ without CUDA, SLURM or the GPUs it needs.
 - 2 GPUs (e): the trainer on one GPU, two engines sharing the other (weights from disk: NCCL refuses
   two ranks on one GPU).
 - 2 GPUs (a): the job's only engine SIGKILLed mid-rollout and relaunched at its url, behind an update
-  group's version: the supervisor restarts the trainer (supervisor.trainer_watch.STRANDED_S), which
+  group's version: the supervisor has the trainer save now and restarts it (--engine-stranded-timeout), which
   forms a new NCCL group with the new process and publishes to it; the engine fails once only.
 - 2 GPUs (c): a preemption (SLURM's warning signal) saves, requeues and resumes: the same rollouts,
   samples' rewards and versions as the uninterrupted run, losses within bf16's reproducibility.
@@ -231,7 +231,7 @@ def test_the_only_engine_relaunched_in_a_rollout_gets_the_weights_of_a_restarted
         gpu_cluster, toy, tmp_path: Path) -> None:  # noqa: F811
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, *ONE_ENGINE_NCCL, "--num-rollout", "100000", "--rollout-batch-size", "8",
-                    *SLOW_REWARD)
+                    "--engine-stranded-timeout", "10", *SLOW_REWARD)
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 2, JOB_START_S, "the first rollouts")
         url = status(job_dir)["steps"]["engine-0"]["url"]

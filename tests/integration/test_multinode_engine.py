@@ -7,8 +7,8 @@ once, and never a rollout served with stale weights.
 
 The weights go over an update group (--update-weight-transport nccl; gloo on the CPU), so the current
 version is on no disk: only the trainer's next publish brings the relaunched engine back, and with the
-job's only engine gone, a trainer in its rollout waits for it in turn. Then the supervisor restarts the
-trainer (supervisor.trainer_watch.STRANDED_S), which publishes to it first thing.
+job's only engine gone, a trainer in its rollout waits for it in turn. Then the supervisor has the trainer
+save now and restarts it (--engine-stranded-timeout), and it publishes to the engine first thing.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import psutil
 
 from contract.job_dir import JOB_DIR_ENV
 from slurm.devcluster.daemons import wait_for
-from supervisor.trainer_watch import STRANDED_S
 from tests.integration.test_rl_job import SERVED, events, heartbeat, rollouts_done, status, submit
 from tests.slurm_helpers import wait_job_gone, wait_sacct_states
 
 ROLLOUTS = 12
-RECOVERED_S = STRANDED_S + 120  # a relaunch, the trainer's restart if it was generating, its first publish
+STRANDED_S = 5  # --engine-stranded-timeout: the trainer is in a rollout that no engine can serve
+RECOVERED_S = 120  # a relaunch, the trainer's save and restart, its first publish
 FOLLOWER = re.compile(r"cpu_engine: node rank 1 of 2 \(pid (\d+)\) follows node rank 0")
 
 
@@ -44,7 +44,7 @@ def test_a_two_node_engine_survives_the_death_of_its_rank_1(devcluster, toy, tmp
     job_dir = tmp_path / "job"
     job_id = submit(toy, job_dir, "--num-rollout", str(ROLLOUTS), "--rollout-num-engines", "1",
                     "--rollout-num-gpus-per-engine", "8", "--rollout-num-gpus-per-node", "4",
-                    "--update-weight-transport", "nccl")
+                    "--update-weight-transport", "nccl", "--engine-stranded-timeout", str(STRANDED_S))
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 3, 120, "the first rollouts")
         engine = status(job_dir)["steps"]["engine-0"]
@@ -75,9 +75,9 @@ def test_a_two_node_engine_survives_the_death_of_its_rank_1(devcluster, toy, tmp
     (stranded,) = events(job_dir, "engines_stranded")
     assert stranded["engines"] == ["engine-0"] and stranded["weight_version"] >= 3, stranded
     assert len(events(job_dir, "trainer_restarted")) == 1
-    # at the version the restarted trainer resumed at (its latest checkpoint's), which it published first thing
+    # asked to save now, the trainer kept its last finished rollout: its restart publishes the very version
     (recovered,) = events(job_dir, "engine_recovered", "engine-0")
-    assert recovered["in_router"] and recovered["weight_version"] is not None, recovered
+    assert recovered["in_router"] and recovered["weight_version"] == stranded["weight_version"], recovered
     metrics = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_id"] for m in metrics] == list(range(ROLLOUTS)), "a rollout id was skipped or repeated"
     rewards = [m["reward_mean"] for m in metrics]
