@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,20 @@ def run_to_the_end(job_id: str) -> None:
         cancel(job_id)
 
 
+def kill_in(job_dir: Path, phase: str, pid: Callable[[], int], what: str) -> None:
+    """SIGKILL the process pid() names as soon as the trainer's heartbeat says `phase`."""
+    wait_for(lambda: heartbeat(job_dir).get("phase") == phase and (os.kill(pid(), signal.SIGKILL) or True),
+             RECOVERY_S, what, interval_s=0.002)
+
+
+def stop_after(job_dir: Path, job_id: str, more: int, what: str) -> None:
+    """`slurmrl stop` once `more` rollouts were done from now, and wait until the job is gone."""
+    done = rollouts_done(job_dir)
+    wait_for(lambda: rollouts_done(job_dir) >= done + more, RECOVERY_S, what)
+    slurmrl("stop", job_id)
+    wait_job_gone(job_id, timeout_s=JOB_END_S)
+
+
 @needs_gpus(1)
 def test_one_gpu_colocated_twenty_rollouts_without_oom(gpu_cluster, toy, tmp_path: Path) -> None:  # noqa: F811
     job_dir = tmp_path / "job"
@@ -235,14 +250,9 @@ def test_the_only_engine_relaunched_in_a_rollout_gets_the_weights_of_a_restarted
     try:
         wait_for(lambda: rollouts_done(job_dir) >= 2, JOB_START_S, "the first rollouts")
         url = status(job_dir)["steps"]["engine-0"]["url"]
-        wait_for(lambda: heartbeat(job_dir).get("phase") == "rollout"
-                 and (os.kill(engine_pid(url), signal.SIGKILL) or True),
-                 RECOVERY_S, "a rollout being generated", interval_s=0.002)
+        kill_in(job_dir, "rollout", lambda: engine_pid(url), "a rollout being generated")
         wait_for(lambda: events(job_dir, "engine_recovered", "engine-0"), RECOVERY_S, "engine-0 recovered")
-        done = rollouts_done(job_dir)
-        wait_for(lambda: rollouts_done(job_dir) >= done + 3, RECOVERY_S, "rollouts after the recovery")
-        slurmrl("stop", job_id)
-        wait_job_gone(job_id, timeout_s=JOB_END_S)
+        stop_after(job_dir, job_id, 3, "rollouts after the recovery")
     finally:
         cancel(job_id)
     failed = events(job_dir, "engine_failed", "engine-0")
@@ -274,9 +284,7 @@ def test_four_gpus_dp2_trainer_two_engines_and_faults_over_nccl(gpu_cluster, toy
         assert len(set(gpus.values())) == 4 and all(gpus.values()), f"four GPUs, one each: {gpus}"
 
         # a: engine-0 SIGKILLed while rank 0 generates a rollout
-        wait_for(lambda: heartbeat(job_dir).get("phase") == "rollout"
-                 and (os.kill(engine_pid(urls["engine-0"]), signal.SIGKILL) or True),
-                 RECOVERY_S, "a rollout being generated", interval_s=0.002)
+        kill_in(job_dir, "rollout", lambda: engine_pid(urls["engine-0"]), "a rollout being generated")
         wait_for(lambda: events(job_dir, "engine_recovered", "engine-0"), RECOVERY_S, "engine-0 recovered")
         [recovered] = events(job_dir, "engine_recovered", "engine-0")
         done = rollouts_done(job_dir)
@@ -285,13 +293,9 @@ def test_four_gpus_dp2_trainer_two_engines_and_faults_over_nccl(gpu_cluster, toy
 
         # b: trainer rank 0 SIGKILLed in an optimizer step
         killed = heartbeat(job_dir)["pid"]
-        wait_for(lambda: heartbeat(job_dir).get("phase") == "train" and (os.kill(killed, signal.SIGKILL) or True),
-                 RECOVERY_S, "a training step", interval_s=0.002)
+        kill_in(job_dir, "train", lambda: killed, "a training step")
         wait_for(lambda: events(job_dir, "trainer_restarted"), RECOVERY_S, "the trainer restarted")
-        done = rollouts_done(job_dir)
-        wait_for(lambda: rollouts_done(job_dir) >= done + 2, RECOVERY_S, "rollouts after the restart")
-        slurmrl("stop", job_id)
-        wait_job_gone(job_id, timeout_s=JOB_END_S)
+        stop_after(job_dir, job_id, 2, "rollouts after the restart")
     finally:
         cancel(job_id)
     state = status(job_dir)
