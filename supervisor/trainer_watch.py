@@ -58,6 +58,10 @@ class TrainerWatch:
             self._ended_why = why
             return True
 
+    def _cancel_later(self, step: Step) -> None:
+        """Cancel the step in the pool (the monitor goes on meanwhile); its exit is handled by on_exit."""
+        self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+
     def restart_requested(self) -> None:
         """`slurmrl restart trainer` (a control thread): end the step; its exit relaunches it."""
         step = self.launcher.current(TRAINER)
@@ -82,7 +86,7 @@ class TrainerWatch:
             asked_step, asked_at = self._save_asked
             if asked_step is step and now - asked_at > self.job.ft.trainer_save_timeout:
                 self._save_asked = None
-                self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+                self._cancel_later(step)
             return
         with self._lock:
             launched, ended = self._launched, self._ended_why
@@ -103,7 +107,7 @@ class TrainerWatch:
         if self.requeue.signal_trainer("USR1"):
             self._save_asked = (step, now)
         else:  # SLURM did not take the signal: end it without a save (it resumes from its last checkpoint)
-            self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+            self._cancel_later(step)
 
     def check_deadline(self) -> None:
         """Preemption and the job's end (Requeue.check), knowing the running trainer's phase. When no
@@ -117,7 +121,7 @@ class TrainerWatch:
         if why is None or step is None or not running or not self._end(why):
             return
         if not self.requeue.signal_trainer("KILL"):
-            self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+            self._cancel_later(step)
 
     def publishing(self) -> bool:
         """The running trainer is updating the engines' weights (its heartbeat's phase is publish).
@@ -153,7 +157,7 @@ class TrainerWatch:
         if self._end(why):
             self.job.events.emit("trainer_hung", TRAINER, reason=why, phase=beat.phase.value,
                                  rollout_id=beat.rollout_id)
-            self.pool.submit(self.steps.cancel, step, self.job.ft.step_stop_timeout, self.job.ft.step_term_grace)
+            self._cancel_later(step)
 
     def on_exit(self, step: Step) -> str | None:
         """The trainer step ended: the job's outcome, or None once it is restarted."""
