@@ -6,7 +6,7 @@ failing engines, so a round finishes while any engine lives and every sample is 
 once; then the sample hooks and the reward). With dynamic sampling, groups are generated until
 enough pass the filter; groups still running then are aborted on the engines and, with
 --partial-rollout, go back to the buffer with the tokens they have, to be continued in a later
-round. A round stops early on a RoundStop request from another thread (round_stop.py). A user
+round. A round stops early on a stop request (round_stop.py). A user
 function that fails where a restart would fail again (it does not load, or raises outside any one
 sample) raises PluginError (plugins.py); a round where every sample failed raises RolloutError.
 """
@@ -26,7 +26,7 @@ from rollout.plugins import load_function, raised
 from rollout.request_transport import RequestTransport
 from rollout.rollout_args import RolloutArgs
 from rollout.rollout_output import RolloutFnTrainOutput, train_groups
-from rollout.round_stop import RoundStop, RoundStopped
+from rollout.round_stop import RoundStopped, Stop
 from rollout.sample import Sample, numbered
 from rollout.sample_errors import nothing_trainable
 
@@ -36,14 +36,20 @@ __all__ = ["RolloutArgs", "UnfinishedSample", "generate_rollout", "run_rollout"]
 
 
 def generate_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
-                     evaluation: bool = False, stop: RoundStop | None = None) -> list[list[Sample]]:
+                     evaluation: bool = False, stop: Stop | None = None) -> list[list[Sample]]:
     """data_buffer is None only where --rollout-function-path supplies every prompt. stop: a
-    request from another thread that the built-in round end now (rollout.round_stop)."""
+    request that the built-in round end now (rollout.round_stop)."""
     return run_rollout(args, rollout_id, data_buffer, evaluation, stop).samples
 
 
+def takes_a_stop(args: RolloutArgs) -> bool:
+    """Whether run_rollout's stop can end the round: the built-in round's can; a --rollout-function-path
+    (or the debug data it loads) runs without one."""
+    return not args.rollout_function_path and not args.load_debug_rollout_data
+
+
 def run_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | None,
-                evaluation: bool = False, stop: RoundStop | None = None) -> RolloutFnTrainOutput:
+                evaluation: bool = False, stop: Stop | None = None) -> RolloutFnTrainOutput:
     """The rollout's groups and the metrics a --rollout-function-path reported with them."""
     if args.rollout_function_path:
         function: RolloutFunction = load_function(args.rollout_function_path, "--rollout-function-path")
@@ -65,7 +71,7 @@ def run_rollout(args: RolloutArgs, rollout_id: int, data_buffer: DataBuffer | No
 
 class _Round:
     def __init__(self, args: RolloutArgs, rollout_id: int, buffer: DataBuffer, evaluation: bool,
-                 stop: RoundStop | None) -> None:
+                 stop: Stop | None) -> None:
         self.args, self.rollout_id, self.buffer, self.evaluation, self.stop = args, rollout_id, buffer, evaluation, stop
         self.transport = RequestTransport(
             args.router_url, args.api_key, router_timeout_s=args.router_timeout_s,

@@ -104,7 +104,11 @@ class RequestTransport:
     async def abort_all(self) -> None:
         """Abort whatever the engines are generating (the router does not forward aborts: each
         engine gets one)."""
-        for url in await asyncio.to_thread(lambda: list(self.router.workers())):
+        try:
+            urls = await asyncio.to_thread(lambda: list(self.router.workers()))
+        except RouterError:
+            return  # the router is away: the requests it held are gone with it
+        for url in urls:
             try:
                 async with self.http.post(url + "/abort_request", json={"abort_all": True}):
                     pass

@@ -24,8 +24,8 @@ from rollout.trace import KINDS
 
 # Events the timeline draws, by what they mean for the round (the rest of events.jsonl is left out).
 _FAILURES = {"engine_failed", "engine_given_up", "engine_degraded", "engine_start_failed", "engine_restart_failed",
-             "engines_stranded", "router_failed", "trainer_failed", "trainer_hung", "node_failed", "preemption",
-             "job_failed"}
+             "engines_stranded", "save_now_unanswered", "router_failed", "trainer_failed", "trainer_hung",
+             "node_failed", "preemption", "job_failed"}
 _RECOVERIES = {"engine_restarted", "engine_recovered", "engine_moved", "router_relaunched", "trainer_restarted",
                "requeue"}
 _TAIL_FRACTION = 0.1  # samples ending in the round's last tenth are the long tail

@@ -12,7 +12,7 @@
 #          timeout_s=600)
 # SLURM and munge come from the carried .deb files (.debs/, `bash scripts/fetch_slurm_debs.sh` where apt
 # works); wheels the machine lacks from .whl/. Logs, junit XML and each test's figures and events
-# (gpu_job/*.json) go to $OUT. LIMIT (seconds) bounds the pytest run; SELECT replaces PART's -k expression.
+# (gpu_job/*.json) go to $OUT, and where pytest fails, the jobs' text logs (failed_logs.tgz). LIMIT (seconds) bounds the pytest run; SELECT replaces PART's -k expression.
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" > /dev/null; then python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2; fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gpu_job_tests}
@@ -31,8 +31,12 @@ select=${SELECT:-$select}  # SELECT: a -k expression of one's own (several parts
 began=$SECONDS
 timeout -s INT -k 20 "${LIMIT:-570}" python -m pytest tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_job.py \
     ${select:+-k "$select"} -v -p no:cacheprovider -p no:randomly -rfEs --tb=short -o timeout=560 --durations=0 \
-    --junitxml="$OUT/gpu_job_tests.xml" > "$OUT/gpu_job_tests.txt" 2>&1
+    --basetemp /tmp/gpu_job_bt --junitxml="$OUT/gpu_job_tests.xml" > "$OUT/gpu_job_tests.txt" 2>&1
 rc=$?
+if [ "$rc" != 0 ]; then  # the jobs' logs, events and supervisor state: text under 4 MB each, no checkpoints
+    (cd /tmp/gpu_job_bt && find . -type f -size -4M \( -name "*.out" -o -name "*.err" -o -name "*.log" \
+        -o -name "*.jsonl" -o -name "*.json" -o -name "*.txt" \) -print0 | tar -czf "$OUT/failed_logs.tgz" --null -T -)
+fi
 echo "pytest rc=$rc after $((SECONDS - began)) s"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|skipped" "$OUT/gpu_job_tests.txt" | cut -c1-250 | tail -30
 ls "$OUT"/gpu_job 2>/dev/null

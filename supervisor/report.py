@@ -24,8 +24,8 @@ from supervisor import slurm_jobs
 REWARD, PHASES, EVENTS = "reward.png", "phases.png", "events.png"
 # events.jsonl kinds drawn on events.png: what went wrong, and what the supervisor did about it
 FAILURES = ("engine_failed", "engine_start_failed", "engine_restart_failed", "engine_given_up", "engine_degraded",
-            "engine_held_back", "no_engine_serving", "engines_stranded", "router_failed", "trainer_failed",
-            "trainer_hung", "node_failed", "trainer_node_lost", "exclude_failed", "job_failed")
+            "engine_held_back", "no_engine_serving", "engines_stranded", "save_now_unanswered", "router_failed",
+            "trainer_failed", "trainer_hung", "node_failed", "trainer_node_lost", "exclude_failed", "job_failed")
 RECOVERIES = ("engine_recovered", "engine_hold_released", "engine_moved", "router_relaunched", "trainer_restarted",
               "step_adopted")
 INTERRUPTIONS = ("preemption", "requeue", "save_now", "job_ending", "stop_requested", "time_limit_changed",

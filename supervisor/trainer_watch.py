@@ -21,6 +21,10 @@ from supervisor.step_control import Step, StepControl
 log = logging.getLogger(__name__)
 
 SAVE_NOW_EXITS = (128 + signal.SIGUSR1, -signal.SIGUSR1)  # a task ended by SIGUSR1 (srun's code; a process's)
+# A trainer told to save now in its rollout abandons it at once (the round looks at the request every
+# 0.2 s, and ends after its requests' next answer or backoff): one still in it this much later never
+# got the signal or cannot act on it, and is cancelled (SIGTERM, itself a save-now; then SIGKILL).
+SAVE_NOW_ANSWER_S = 30.0
 
 
 class TrainerWatch:
@@ -76,20 +80,26 @@ class TrainerWatch:
         the trainer's next publish; with none serving, a trainer in its rollout waits for them in turn.
         After engine_stranded_timeout of that the trainer is asked to save now (SIGUSR1: it abandons the rollout and
         saves the last one it finished) and end; its exit restarts it, and the restarted trainer publishes
-        to them first thing. One that has not ended within trainer_save_timeout is cancelled."""
+        to them first thing. One still in its rollout SAVE_NOW_ANSWER_S later, or that has not ended within
+        trainer_save_timeout, is cancelled."""
         step = self.launcher.current(TRAINER)
         if step is None or step.returncode is not None:
             self._stranded_since = self._save_asked = None
             return
         now = time.monotonic()
-        if self._save_asked is not None:
-            asked_step, asked_at = self._save_asked
-            if asked_step is step and now - asked_at > self.job.ft.trainer_save_timeout:
-                self._save_asked = None
-                self._cancel_later(step)
-            return
         with self._lock:
             launched, ended = self._launched, self._ended_why
+        if self._save_asked is not None:
+            asked_step, asked_at = self._save_asked
+            answered = read_heartbeat(self.job.dir, launched).phase is not Phase.ROLLOUT
+            if asked_step is step and now - asked_at > (
+                    self.job.ft.trainer_save_timeout if answered else SAVE_NOW_ANSWER_S):
+                self._save_asked = None
+                if not answered:
+                    self.job.events.emit("save_now_unanswered", TRAINER, reason=(
+                        f"still in its rollout {SAVE_NOW_ANSWER_S:.0f} s after the save-now signal: cancelled"))
+                self._cancel_later(step)
+            return
         current = self.job.engines.current
         stranded = self.job.engines.stranded() if current is not None and not self.job.dir.weights_of(
             current).is_dir() else []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in REPRODUCIBLE_MKL.items():
         os.environ.setdefault(name, value)
     save_now.install()  # before anything slow: the supervisor's save-now signal must not kill a loading trainer
+    # `scancel --signal=QUIT JOB.STEP`: every thread's Python stack in the trainer's log (where a hang
+    # waits), and the trainer goes on
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for message in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 from contract.job_dir import Phase
 from rollout.buffer import DataBuffer
-from rollout.generate import RolloutArgs, run_rollout
+from rollout.generate import RolloutArgs, run_rollout, takes_a_stop
 from rollout.request_transport import RETRIED_METRIC
-from rollout.round_stop import RoundStop
+from rollout.round_stop import PolledStop, RoundStopped, Stop
 from rollout.sample import Sample
 from rollout.sample_errors import METRIC as SAMPLE_ERRORS
 from trainer.batch import TrainSample
@@ -99,14 +99,14 @@ class RolloutGenerator:
         self.signal = signal
         self.metrics: dict[str, Any] = {}  # of the last rollout generated
 
-    def generate(self, rollout_id: int) -> list[list[TrainSample]]:
-        groups, self.metrics = self.generate_samples(rollout_id)
+    def generate(self, rollout_id: int, stop: Stop | None = None) -> list[list[TrainSample]]:
+        groups, self.metrics = self.generate_samples(rollout_id, stop)
         return self.train_samples(groups)
 
-    def generate_samples(self, rollout_id: int, stop: RoundStop | None = None
+    def generate_samples(self, rollout_id: int, stop: Stop | None = None
                          ) -> tuple[list[list[Sample]], dict[str, Any]]:
-        """The groups of rollout `rollout_id` and the generation's own metrics. stop: a request from
-        another thread that the round end now (it then raises RoundStopped, recording nothing)."""
+        """The groups of rollout `rollout_id` and the generation's own metrics. stop: a request that
+        the round end now (it then raises RoundStopped, recording nothing)."""
         errors, requests = self.rollout_args.sample_errors, self.rollout_args.request_counts
         before, retried = errors.total, requests.retried
         done = self.journal.replay(rollout_id) if self.journal else None
@@ -130,12 +130,16 @@ class RolloutGenerator:
 
     def generate_abandonable(self, rollout_id: int) -> list[list[TrainSample]] | None:
         """generate(), or None if a save-now request abandoned it: the data buffer is then put
-        back as it was, so the resumed run generates this rollout again, identically."""
+        back as it was, so the resumed run generates this rollout again, identically. The built-in
+        round is stopped (it looks at the request between two of its awaits); a rollout function, which
+        takes no stop, is interrupted where it is by SaveNow raised in it."""
         before = self.buffer.state_dict() if self.buffer else None
         try:
+            if takes_a_stop(self.rollout_args):
+                return self.generate(rollout_id, PolledStop(lambda: self.signal.requested))
             with self.signal.abandonable():
                 return self.generate(rollout_id)
-        except SaveNow:
+        except (SaveNow, RoundStopped):
             if self.buffer and before is not None:
                 self.buffer.load_state_dict(before)
             return None

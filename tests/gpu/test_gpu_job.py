@@ -76,6 +76,7 @@ BF16_REL, BF16_ABS = 2e-2, 1e-3
 JOB_START_S = 300  # submission to the first rollouts: engines loading on their GPUs, the trainer's start
 JOB_END_S = 540  # a whole short job
 RECOVERY_S = 240  # an engine or the trainer relaunched, brought to the current weights
+SAVE_NOW_S = 20  # a trainer told to save now in a rollout leaves it (the supervisor cancels one in it at 30 s)
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 FREED_GB = 0.01  # what a released engine still holds on its GPU (buffers such as rotary tables)
 JOINED = re.compile(r"cpu_engine joined weight update group (\S+) backend=(\S+)")
@@ -143,6 +144,27 @@ def kill_in(job_dir: Path, phase: str, pid: Callable[[], int], what: str) -> Non
     """SIGKILL the process pid() names as soon as the trainer's heartbeat says `phase`."""
     wait_for(lambda: heartbeat(job_dir).get("phase") == phase and (os.kill(pid(), signal.SIGKILL) or True),
              RECOVERY_S, what, interval_s=0.002)
+
+
+def stuck_trainer(job_dir: Path) -> dict[str, Any]:
+    """Where a trainer that did not act on its save-now signal waits: each thread's signal masks and
+    kernel wait ($OUT's json), its Python stacks (SIGQUIT: in trainer.log), and whether SIGUSR1 sent
+    to it here, not through SLURM, ends its rollout."""
+    pid = heartbeat(job_dir)["pid"]
+    threads = {}
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+        threads[task.name] = {key: fields[key].strip() for key in ("Name", "State", "SigPnd", "SigBlk", "SigCgt")}
+        threads[task.name]["wchan"] = (task / "wchan").read_text()
+    shared = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())["ShdPnd"]
+    os.kill(pid, signal.SIGQUIT)
+    os.kill(pid, signal.SIGUSR1)
+    try:  # before the supervisor cancels it (trainer_watch.SAVE_NOW_ANSWER_S)
+        wait_for(lambda: heartbeat(job_dir).get("phase") != "rollout", 5, "the trainer, signalled here")
+        direct = "left its rollout"
+    except TimeoutError:
+        direct = "still in its rollout"
+    return {"pid": pid, "shared_pending": shared.strip(), "threads": threads, "sigusr1_from_the_test": direct}
 
 
 def stop_after(job_dir: Path, job_id: str, more: int, what: str) -> None:
@@ -251,6 +273,13 @@ def test_the_only_engine_relaunched_in_a_rollout_gets_the_weights_of_a_restarted
         wait_for(lambda: rollouts_done(job_dir) >= 2, JOB_START_S, "the first rollouts")
         url = status(job_dir)["steps"]["engine-0"]["url"]
         kill_in(job_dir, "rollout", lambda: engine_pid(url), "a rollout being generated")
+        wait_for(lambda: events(job_dir, "engines_stranded"), RECOVERY_S, "the supervisor to see the engine stranded")
+        try:
+            wait_for(lambda: heartbeat(job_dir).get("phase") != "rollout" or events(job_dir, "trainer_restarted"),
+                     SAVE_NOW_S, "the trainer to leave its rollout on the save-now signal")
+        except TimeoutError:
+            keep("engine_relaunched_nccl_stuck", stuck_trainer(job_dir))
+            raise
         wait_for(lambda: events(job_dir, "engine_recovered", "engine-0"), RECOVERY_S, "engine-0 recovered")
         stop_after(job_dir, job_id, 3, "rollouts after the recovery")
     finally:
@@ -263,6 +292,7 @@ def test_the_only_engine_relaunched_in_a_rollout_gets_the_weights_of_a_restarted
     assert len(failed) == 1, f"the relaunched engine failed again (sent a bucket outside its group?): {failed}"
     # the job's only engine, relaunched in a rollout: the trainer restarted to publish to it
     assert len(events(job_dir, "engines_stranded")) == 1 and len(events(job_dir, "trainer_restarted")) == 1
+    assert not events(job_dir, "save_now_unanswered")
     assert len({name for name, _ in joined}) >= 2 and all(backend == "nccl" for _, backend in joined), joined
     lines = metrics(job_dir)
     assert [m["rollout_id"] for m in lines] == list(range(len(lines))), "a rollout id was skipped or repeated"

@@ -1,7 +1,8 @@
 """TrainerWatch.check_stranded_engines: engines relaunched behind an update group's version (on no disk)
 while none serves, and a trainer in its rollout waiting for them, get the trainer asked to save now and
-end (its exit restarts it), once, after engine_stranded_timeout of that; cancelled if it has not ended within
-trainer_save_timeout. In any other phase, or with the version on disk, nothing happens. (The whole job:
+end (its exit restarts it), once, after engine_stranded_timeout of that; cancelled if it is still in its
+rollout SAVE_NOW_ANSWER_S later (the signal did not reach it), or has not ended within trainer_save_timeout.
+In any other phase, or with the version on disk, nothing happens. (The whole job:
 tests/integration/test_multinode_engine.py.)"""
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ def test_the_trainer_is_asked_once_to_save_and_end_after_the_engines_waited_stra
     assert w.cancelled == [w.step] and w.signals == ["USR1"], "past trainer_save_timeout: cancelled, once"
     w.at(3 * STRANDED_S + SAVE_S)
     assert w.cancelled == [w.step] and len(w.events) == 1
+
+
+def test_a_trainer_still_in_its_rollout_after_the_signal_is_cancelled(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    w = Watched(tmp_path, monkeypatch, ["engine-0"])
+    w.at(0.0)
+    w.at(STRANDED_S + 1)
+    w.at(STRANDED_S + 1 + trainer_watch.SAVE_NOW_ANSWER_S - 1)
+    assert w.signals == ["USR1"] and not w.cancelled, "within its bound to answer"
+    w.at(STRANDED_S + 2 + trainer_watch.SAVE_NOW_ANSWER_S)
+    assert w.cancelled == [w.step] and [kind for kind, _ in w.events] == ["engines_stranded", "save_now_unanswered"]
+    w.at(STRANDED_S + SAVE_S * 2)
+    assert w.cancelled == [w.step], "once"
 
 
 def test_a_trainer_slurm_did_not_signal_is_cancelled_at_once(tmp_path: Path,
