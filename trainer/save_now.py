@@ -23,11 +23,23 @@ class SaveNow(BaseException):
     on the way may swallow it.)"""
 
 
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
 class SaveNowSignal:
     def __init__(self) -> None:
         self.requested = False
         self._abandonable = False
-        for signum in (signal.SIGUSR1, signal.SIGTERM):
+        self.take_signals()
+
+    def take_signals(self) -> None:
+        """Put Python's handler in front of SIGUSR1 and SIGTERM again. A library can set its own C
+        handler over it: Triton, loaded by torch.compile's first GPU kernel, sets LLVM's stack-trace
+        handlers (triton-lang/triton#4129), which take SIGUSR1 as LLVM's "info" signal and never pass
+        it on (seen on H100 and H200, torch 2.11: the supervisor's save-now was lost); Python's
+        signal.getsignal does not see that. LLVM sets them once per process, so a signal is lost only
+        between the first compile and the loop's next call here."""
+        for signum in SIGNALS:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -80,6 +92,7 @@ class StopRequests:
         self.arm_profiler = arm_profiler
 
     def before_rollout(self, rollout_id: int) -> bool:
+        self.signal.take_signals()  # the train step may have compiled a GPU kernel (Triton: see take_signals)
         stop, profile = self.signal.requested, None
         if not stop and self.poll:
             stop, profile = self.poll(rollout_id)
@@ -89,4 +102,5 @@ class StopRequests:
         return bool(stop)
 
     def after_train(self) -> bool:
+        self.signal.take_signals()
         return bool(self.broadcast(self.signal.requested))
