@@ -10,6 +10,5 @@ python3 -m ruff check contract jobs supervisor trainer rollout ckpt_tools slurm 
 python3 -m mypy
 # Two workers, each with a devcluster of its own; the tests of one file that uses SLURM run in one
 # worker (tests/conftest.py says why). Three took 29 min on CI's 2 cores against 31-33, but loaded them so
-# that test_deadline's supervisor misjudged a save's time once in two runs. The groups are handed out in
-# the order tests/conftest.py gives them (long ones first), not xdist's (by their number of tests).
-exec python3 -m pytest -ra -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+# that test_deadline's supervisor misjudged a save's time once in two runs.
+exec python3 -m pytest -ra -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -64,19 +64,12 @@ def _per_file_groups() -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which groups by the markers it finds
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     per_file = "PYTEST_XDIST_WORKER" in os.environ and _per_file_groups()
-    long_first: dict[str, int] = {}
     for item in items:
         if "slurm_programs" in item.fixturenames or item.path.parent.name in SLURM_DIRS:
             group = f"slurm:{item.nodeid.split('::')[0]}" if per_file else "slurm"
             item.add_marker(pytest.mark.xdist_group(group))
-            long_first[item.nodeid] = 0
         elif _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(f"module:{item.nodeid.split('::')[0]}"))
-            long_first[item.nodeid] = 1
-    # The groups (minutes each, run whole by one worker) are handed out first and the many short tests
-    # after them, which even the workers out: a group handed out last kept one worker busy minutes
-    # after the other had finished. (A stable sort: each file's tests keep their order.)
-    items.sort(key=lambda item: long_first.get(item.nodeid, 2))
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:
