@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 SAVE_NOW_EXITS = (128 + signal.SIGUSR1, -signal.SIGUSR1)  # a task ended by SIGUSR1 (srun's code; a process's)
 # A trainer told to save now in its rollout abandons it at once (the round looks at the request every
-# 0.2 s, and ends after its requests' next answer or backoff): one still in it this much later never
-# got the signal or cannot act on it, and is cancelled (SIGTERM, itself a save-now; then SIGKILL).
+# rollout.round_stop.STOP_POLL_S, and ends after its requests' next answer or backoff): one still in it
+# this much later never got the signal or cannot act on it, and is cancelled (SIGTERM, itself a
+# save-now; then SIGKILL).
 SAVE_NOW_ANSWER_S = 30.0
 
 

@@ -1,8 +1,9 @@
 """A save-now signal ends the trainer's own rollout round (trainer.rollout_source's generate_abandonable)
-wherever the kernel delivers it. On a GPU the trainer has many threads (CUDA's, NCCL's): a signal handed
-to one of them interrupts no wait of the main thread, whose Python handler then runs only when that
-thread next runs, possibly inside a callback of the round's event loop. The round looks at the
-request itself (rollout.round_stop.PolledStop), so the handler raises nothing into the loop.
+through the round's polled stop (rollout.round_stop.PolledStop), not an exception raised into its event
+loop: here the signal lands on another thread while the round's requests go to a router that is away,
+and the round ends with the data buffer as before it and nothing recorded. (It found stopping a round
+whose router is away raising RouterError. It does not reproduce the GPU's lost save-now, whose cause was
+Triton's signal handlers: tests/trainer/test_save_now_signals.py.)
 """
 
 from __future__ import annotations
