@@ -27,6 +27,8 @@ BUCKET = 64 * 1024  # the tiny model is about 320 KiB: several buckets
 def test_the_engine_on_the_trainers_gpu_takes_the_weights_by_ipc_handle(tmp_path: Path) -> None:
     from trainer.publish import WeightPublisher
 
+    # children of this process before the test: e.g. torch.compile's worker pool, left by an earlier test
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}
     start, new = make_tiny_model(tmp_path / "seed0", seed=0), make_tiny_model(tmp_path / "seed1", seed=1)
     shared = torch.cuda.device_count() - 1  # the last GPU: index 1 here, index 0 in the engine, with 2 or more
     # the engine's CUDA_VISIBLE_DEVICES names it as this process's own does (physical ids, where that is set)
@@ -46,7 +48,8 @@ def test_the_engine_on_the_trainers_gpu_takes_the_weights_by_ipc_handle(tmp_path
         # no daemon of ours outlives the publish (torch's CPU sharing would start torch_shm_manager,
         # which holds a step's output open while engines hold its memory)
         engine_tree = {engine.proc.pid, *(p.pid for p in psutil.Process(engine.proc.pid).children(recursive=True))}
-        assert [p.name() for p in psutil.Process().children(recursive=True) if p.pid not in engine_tree] == []
+        assert [p.cmdline() for p in psutil.Process().children(recursive=True)
+                if p.pid not in engine_tree | earlier] == []
         for name, tensor in weights:
             served = engine.post("/get_weights_by_name", {"name": name, "truncate_size": 10**6}).json()
             assert torch.equal(torch.tensor(served, dtype=torch.float32), tensor.float().cpu()), name
