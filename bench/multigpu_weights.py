@@ -135,9 +135,9 @@ def plain_broadcast_seconds(urls: list[str], backend: str, nbytes: int, repeats:
 FIXED_CALLS = 2
 
 
-def engine_call_seconds(url: str, count: int = 50) -> float:
+def engine_call_seconds(url: str, count: int = 50, api_key: str | None = None) -> float:
     """The median seconds of one engine call as the publisher makes it (GET /model_info), after a warm-up."""
-    client = EngineClient(None, CALL_TIMEOUT_S)
+    client = EngineClient(api_key, CALL_TIMEOUT_S)
     timings = []
     for _ in range(count + 5):
         began = time.perf_counter()
