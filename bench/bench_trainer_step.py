@@ -12,6 +12,8 @@ its model FLOP/s as a share of --peak-tflops (MFU, bench_gpu_megatron's FLOP for
 log-probs pass (forward only, as the trainer runs it before training) in tokens/s against the step's.
 The megatron backend runs with --bf16 on a GPU (bf16 weights, fp32 main grads and masters).
 --profile: the compiled step's top operations by GPU and by host time, and how busy the GPU was.
+--busy-processes 1,3,7: the last variant's step timed again while that many other processes keep a CPU core
+busy each (as the other ranks of a DP job do), against the same step alone: a host-bound step slows with them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -98,6 +102,17 @@ def profile_step(step) -> None:
         print(events.table(sort_by=key, row_limit=20, max_name_column_width=70))
 
 
+def with_busy_cores(count: int, step) -> float:
+    """The step's seconds (time_steps) while `count` other processes each spin a CPU core."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        return time_steps(step, 5)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def hf_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: list[TrainSample]) -> None:
     """The same loss on a padded batch: log-probs of the response tokens, policy loss, AdamW."""
     device = next(model.parameters()).device
@@ -132,6 +147,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100/H200 SXM: 989)")
     parser.add_argument("--profile", action="store_true", help="print the compiled step's top GPU kernels (torch profiler)")
+    parser.add_argument("--busy-processes", default="", help="e.g. 1,3,7: the last variant's step again beside "
+                        "that many processes spinning a core each")
     opts = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
@@ -169,6 +186,11 @@ def main() -> None:
                       f"{seconds / forward:.2f}x the step's")
                 if opts.profile and extra:
                     profile_step(partial(backend.train_step, samples, ids, loss, False))
+            if (attention, extra) == variants[-1]:
+                for count in [int(n) for n in opts.busy_processes.split(",") if n]:
+                    busy = with_busy_cores(count, partial(backend.train_step, samples, ids, loss, False))
+                    print(f"    beside {count} busy processes: {busy * 1e3:8.1f} ms/step, {seconds / busy:.2f}x "
+                          f"the step alone")
             del backend
             # one backend per process in megatron's global state: tear it down before the next
             from megatron.core import parallel_state

@@ -103,15 +103,20 @@ def _profiled_step(step) -> str:
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
+        began = time.perf_counter()
         step()
         _sync()
+        wall = time.perf_counter() - began
     tables = prof.key_averages()
     host = tables.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
     if not torch.cuda.is_available():
         return host
+    # the GPU's busy time against the step's: a host-bound step leaves the GPU idle between launches
+    busy = sum(e.self_device_time_total for e in tables if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
     # the host's table shows where it waits on the GPU (cudaStreamSynchronize, copies) and what it spends launching
     device = tables.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
-    return f"by device time:\n{device}\nby host time:\n{host}"
+    return (f"profiled step: {wall * 1e3:.1f} ms wall, GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
+            f"by device time:\n{device}\nby host time:\n{host}")
 
 
 def _reshard_step(backend, job: dict) -> dict:

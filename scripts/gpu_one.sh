@@ -5,6 +5,8 @@
 #   STEP=1: at once, two chains of tests/gpu sharing the GPU, and the suite on the CPUs (SLURM's tests skip there)
 #   STEP=2: at once, the rest of tests/gpu, the GPU job tests of one GPU (scripts/gpu_job_tests.sh PART=one: the
 #           engine on the GPU, --colocate for 20 rollouts), and the suite again on fewer workers
+#   STEP=4: the compiled one-GPU step profiled (how busy the GPU is), and timed beside 1, 3, 7 and 15 processes that
+#           spin a core each (is a DP rank's slower pack its host's?)
 #   STEP=3: issue 31's one-GPU benches, one after another: the bare megatron-core step, the trainer's step (TP=1,
 #           compiled and not, 8192-token packs) and the colocated publish by reference, profiled (OUT/tensor_profile)
 # Logs go to $OUT (gpu*.txt, suite/, job/); the summary of each to stdout. LIMIT bounds each part (seconds).
@@ -42,5 +44,11 @@ case "${STEP:-1}" in
     timeout -k 10 150 python -m bench.bench_tensor_publish --profile "$OUT/tensor_profile" > "$OUT/tensor_publish.txt" 2>&1
     for f in bare_megatron trainer_step tensor_publish; do echo "== $f"; grep -v RESULT "$OUT/$f.txt" | tail -8; done
     ;;
-*) echo "STEP must be 1, 2 or 3, got ${STEP}" >&2; exit 2 ;;
+4)
+    python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+    timeout -k 10 250 python -m bench.bench_trainer_step --shape qwen3-0.6b --samples 16 --min-len 256 --max-len 768 \
+        --max-tokens-per-gpu 8192 --repeats 5 --profile --busy-processes 1,3,7,15 > "$OUT/host_contention.txt" 2>&1
+    grep -E "ms/step|profiled step|TFLOP" "$OUT/host_contention.txt"
+    ;;
+*) echo "STEP must be 1 to 4, got ${STEP}" >&2; exit 2 ;;
 esac
