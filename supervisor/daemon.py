@@ -183,6 +183,7 @@ class Daemon:
                                        self.ending, self.pool, self.scalars)
         handlers = ControlHandlers(self.job, self.launcher, self.steps, self.recovery, self.trainer, self.requeue,
                                    self.ending, self.pool, self._last_checkpoint)
+        self.profiling = handlers.profiling  # its rollout profiles change how their engines are probed
         self.control = ControlServer(job_dir, handlers.table(), run=CallerRun.here())
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
 
@@ -304,10 +305,15 @@ class Daemon:
         targets = {name: e.url for name, e in self.recovery.serving().items()}
         if not targets or job.gpus.trainer_holds:  # colocated engines that released their memory do not answer
             return
-        # An engine in a weight update answers its generation probe late: during a publish only
-        # whether it is alive and reachable counts (a dead or cut-off engine must still leave the
-        # router, not hold the job until the update's own timeout).
-        results = job.client.probe_all(targets, LIVENESS_PATH if self.trainer.publishing() else HEALTH_PATH)
+        # An engine in a weight update, or writing a rollout profile's trace, answers its generation probe
+        # late: then only whether it is alive and reachable counts (a dead or cut-off engine must still leave
+        # the router, not hold the job until the update's own timeout).
+        publishing, tracing = self.trainer.publishing(), self.profiling.tracing()
+        paths = {name: LIVENESS_PATH if publishing or name in tracing else HEALTH_PATH for name in targets}
+        results = {}
+        for path in set(paths.values()):
+            results.update(job.client.probe_all({name: url for name, url in targets.items() if paths[name] == path},
+                                                path))
         now = time.time()
         with job.store.update() as state:
             for name, result in results.items():

@@ -8,7 +8,9 @@ calls each engine directly, at the urls it keeps in its state. One folder per en
 (Call.TRAINER_POLL's answer carries it); the trainer then runs the torch profiler for its next N
 optimizer steps (trainer/profiling.py), one trace per rank.
 
-Every trace lands under JOB_DIR/profiles/{rollout,train}-UTCSTAMP/.
+Every trace lands under JOB_DIR/profiles/{rollout,train}-UTCSTAMP/. An engine writes its trace on its
+scheduler's thread, generating nothing meanwhile: for PROFILE_TRACE_S after the start the daemon probes the
+profiled engines for liveness only (tracing()).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from supervisor.context import JobContext
 from supervisor.engine_record import Engine
 
 ROLLOUT, TRAIN = "rollout", "train"
+# How long after a rollout profile starts its engines are probed for liveness only (Daemon._probe_cycle): once its
+# num_steps are done, SGLang writes the trace on the scheduler's thread and generates nothing meanwhile (seconds
+# for a long GPU trace or a loaded machine), which the generation probe takes for a hung engine (CI: an engine
+# restarted mid-write, its trace lost).
+PROFILE_TRACE_S = 120.0
 
 
 class Profiling:
@@ -32,6 +39,7 @@ class Profiling:
         self.serving = serving
         self._lock = threading.Lock()
         self._train: dict[str, Any] | None = None  # a request the trainer has not polled yet
+        self._tracing: dict[str, float] = {}  # engine -> when (monotonic) its rollout profile's window ends
 
     def start(self, target: str, steps: int) -> dict[str, Any]:
         if steps < 1:
@@ -41,6 +49,13 @@ class Profiling:
         if target == TRAIN:
             return self._ask_trainer(steps)
         raise ValueError(f"target must be {ROLLOUT} or {TRAIN}, got {target!r}")
+
+    def tracing(self) -> set[str]:
+        """The engines whose rollout profile may still be writing its trace (PROFILE_TRACE_S from its start)."""
+        now = time.monotonic()
+        with self._lock:
+            self._tracing = {name: end for name, end in self._tracing.items() if end > now}
+            return set(self._tracing)
 
     def take_train_request(self) -> dict[str, Any] | None:
         """The trainer's poll: the pending --train request, handed over once."""
@@ -67,6 +82,8 @@ class Profiling:
                 started.append(name)
             except EngineError as err:
                 failed[name] = str(err)
+        with self._lock:
+            self._tracing.update(dict.fromkeys(started, time.monotonic() + PROFILE_TRACE_S))
         self.job.events.emit("profile_started", target=ROLLOUT, steps=steps, dir=str(folder), engines=started,
                              failed=failed)
         return {"dir": str(folder), "engines": started, "failed": failed}

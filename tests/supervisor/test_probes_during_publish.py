@@ -1,7 +1,8 @@
 """While the trainer updates the engines' weights the supervisor's probes ask only whether an engine
 is alive (SGLang's /ping): its /health is a generation, which waits while an update runs, so a
 generation probe then fails on an engine that is only busy, but an engine that is dead or cut off
-must still leave the router. Outside the publish phase the probe is the generation, as before. No
+must still leave the router. Outside the publish phase the probe is the generation, as before. So
+too for an engine whose rollout profile may be writing its trace (`slurmrl profile --rollout`). No
 SLURM: the trainer is a plain process (LocalSteps) whose heartbeat the test writes; engine-0 is a
 stand-in that answers /ping and holds /health_generate past the probe timeout (busy in an update),
 engine-1's port has no listener (dead)."""
@@ -22,7 +23,9 @@ from contract.spec import FaultToleranceSpec, JobSpec, RolloutSpec
 from supervisor.daemon import Daemon
 from supervisor.launcher import TRAINER
 from supervisor.local_steps import LocalSteps
+from supervisor import profiling
 from supervisor.probe import HealthTracker, KillBudget
+from supervisor.profiling import ROLLOUT, Profiling
 from tests.supervisor.job_context import two_engine_job
 from tests.supervisor.recovery_wiring import Wiring, wire_recovery
 
@@ -38,6 +41,11 @@ class _BusyEngine(BaseHTTPRequestHandler):
         if self.path == "/health_generate":
             threading.Event().wait(BUSY_S)
         self.send_response(200 if self.path in ("/ping", "/health_generate") else 404)
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200 if self.path == "/start_profile" else 404)  # SGLang's answer: plain text
         self.end_headers()
 
     def log_message(self, *args) -> None:
@@ -62,7 +70,7 @@ def watched(tmp_path: Path) -> Iterator[tuple[Wiring, HealthTracker, SimpleNames
         tracker.started(name)
     # what Daemon._probe_cycle reads of itself
     daemon = SimpleNamespace(job=job, recovery=wiring.recovery, trainer=wiring.trainer, tracker=tracker,
-                             budget=KillBudget(0.5, 60.0))
+                             budget=KillBudget(0.5, 60.0), profiling=Profiling(job, wiring.recovery.serving))
     try:
         yield wiring, tracker, daemon
     finally:
@@ -98,3 +106,17 @@ def test_a_trainer_that_exited_in_the_publish_phase_pauses_nothing(watched) -> N
     wiring.steps.cancel(step, timeout_s=EXIT_WAIT_S, term_grace_s=1.0)
     assert step.returncode is not None
     assert not wiring.trainer.publishing()
+
+
+@pytest.mark.parametrize("window_s", [profiling.PROFILE_TRACE_S, 0.0])
+def test_an_engine_writing_its_rollout_profile_passes_within_the_window(watched, monkeypatch, window_s) -> None:
+    """engine-0 took the profile (the dead engine-1 did not): within PROFILE_TRACE_S its late generation probe
+    is not asked, only whether it is alive; past it (window 0) the generation probe is asked again."""
+    wiring, tracker, daemon = watched
+    write_heartbeat(daemon.job.dir, Phase.ROLLOUT, rollout_id=4)
+    monkeypatch.setattr(profiling, "PROFILE_TRACE_S", window_s)
+    started = daemon.profiling.start(ROLLOUT, 3)
+    assert started["engines"] == ["engine-0"] and list(started["failed"]) == ["engine-1"], started
+    assert daemon.profiling.tracing() == ({"engine-0"} if window_s else set())
+    Daemon._probe_cycle(daemon)  # type: ignore[arg-type]
+    assert _failures(tracker) == ([0, 1] if window_s else [1, 1])
