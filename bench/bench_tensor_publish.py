@@ -32,8 +32,8 @@ from bench.multigpu_weights import FIXED_CALLS, engine_call_seconds, profiled
 from bench.tensor_ipc_parts import ipc_parts
 from rollout.cpu_engine.faults import ROUTE as FAULT_ROUTE
 from rollout.cpu_engine.weights import read_safetensors_folder
-from tests.rollout.servers import API_KEY, engine
 from rollout.weight_group import buckets
+from tests.rollout.servers import API_KEY, engine
 from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
 
 
