@@ -25,6 +25,7 @@ from bench.bench_trainer_step import make_samples
 from tests.rollout.servers import free_port
 from trainer.args import build_config, build_parser, read_hf_config
 from trainer.losses import LossConfig
+from trainer.profiling import PHASE
 from trainer.rl_step import make_pack_loss
 
 LAYOUTS = {  # name -> (ranks, flags)
@@ -109,14 +110,49 @@ def _profiled_step(step) -> str:
         wall = time.perf_counter() - began
     tables = prof.key_averages()
     host = tables.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
+    events = prof.events()
     if not torch.cuda.is_available():
-        return host
+        return f"{_phases(events)}\nby host time:\n{host}"
     # the GPU's busy time against the step's: a host-bound step leaves the GPU idle between launches
-    busy = sum(e.self_device_time_total for e in tables if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    busy = _covered(_kernels(events)) / 1e6
     # the host's table shows where it waits on the GPU (cudaStreamSynchronize, copies) and what it spends launching
     device = tables.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
     return (f"profiled step: {wall * 1e3:.1f} ms wall, GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
-            f"by device time:\n{device}\nby host time:\n{host}")
+            f"{_phases(events)}\nby device time:\n{device}\nby host time:\n{host}")
+
+
+def _kernels(events) -> list:
+    """The GPU's own work: its kernels and copies, not the ranges a record_function draws on its timeline."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+
+
+def _covered(kernels) -> float:
+    """Microseconds in which at least one of these ran (NCCL's stream runs beside the compute stream)."""
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda k: k.time_range.start):
+        total += max(0.0, k.time_range.end - max(k.time_range.start, end))
+        end = max(end, k.time_range.end)
+    return total
+
+
+def _phases(events) -> str:
+    """The step's phases (trainer.profiling.phase ranges): the host's time in each; on a GPU the phase's span
+    on the GPU's timeline (its first kernel's start to its last's end), the time a kernel ran in that span and
+    NCCL's share (collectives: what data parallelism adds to a step)."""
+    kernels = _kernels(events)
+    on_gpu = {e.name: e.time_range for e in events
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.is_user_annotation}
+    lines = ["phase         host ms  GPU span ms  busy ms  NCCL ms"]
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith(PHASE):
+            continue
+        row = f"{e.name.removeprefix(PHASE).strip():<12} {e.time_range.elapsed_us() / 1e3:8.1f}"
+        if (span := on_gpu.get(e.name)) is not None:
+            inside = [k for k in kernels if span.start <= k.time_range.start < span.end]
+            nccl = [k for k in inside if "nccl" in k.name.lower()]
+            row += f" {span.elapsed_us() / 1e3:12.1f} {_covered(inside) / 1e3:8.1f} {_covered(nccl) / 1e3:8.1f}"
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def _reshard_step(backend, job: dict) -> dict:

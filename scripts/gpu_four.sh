@@ -18,6 +18,8 @@
 #   STEP=6: DP=4 (LAYOUTS) against TP=1 (compiled, 8192-token packs, SAMPLES default 128), each profiled one
 #           more step (PROFILE=0: not), on quiet GPUs, until LIMIT (TP=1 alone took 82 s profiled; 190 s cut
 #           DP=4 off). The GPU job tests need a call of their own (PART=four bash scripts/gpu_job_tests.sh)
+#   STEP=7: DP=4's step by phase (SAMPLES, default 128; PROFILE_LAYOUTS, default tp1,dp4_distopt), then DP=4 and
+#           TP=1 unprofiled on a batch four times larger (a fixed cost per step shows as a ratio that grows with it)
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -89,7 +91,17 @@ case "${STEP:-1}" in
     STEP=4 WEIGHTS=0 LAYOUTS=${LAYOUTS:-dp4_overlap} SAMPLES=${SAMPLES:-128} LIMIT=${LIMIT:-400} \
         PROFILE=$([ "${PROFILE:-1}" = 1 ] && echo 1) bash scripts/gpu_two.sh
     ;;
-*) echo "STEP must be 1 to 6, got $STEP" >&2; exit 2 ;;
+7)
+    samples=${SAMPLES:-128}
+    for run in "profiled $samples ${PROFILE_LAYOUTS:-tp1,dp4_distopt} --profile" "unprofiled $((samples * 4)) dp4_distopt"; do
+        set -- $run
+        timeout -k 10 "${LIMIT:-280}" python -m bench.bench_multi_gpu --parts layouts --torch-compile \
+            --max-tokens-per-gpu 8192 --samples "$2" --layouts "$3" $4 --out "/tmp/layouts_$1" > "$OUT/dp4_$1.txt" 2>&1
+        echo "== $1, $2 samples: rc=$?"; grep -h RESULT "$OUT/dp4_$1.txt" | cut -c1-600
+        grep -h -A9 "^PROFILE" "$OUT/dp4_$1.txt" | grep -v "^--$" | head -30
+    done
+    ;;
+*) echo "STEP must be 1 to 7, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true

@@ -22,6 +22,10 @@
 #           trainer's side under cProfile, and the parts of a publish by reference: OUT/profile_*.txt)
 #   STEP=9: TP=2 + SP against DP=2 (distributed optimizer) on the Qwen3-8B shape (bench/bench_tp_8b.py; TOKENS a
 #           pack, default 8192; H200s: DP=2 of 8B does not fit 80 GB), then the GPU tests of the publish paths
+#   STEP=10: scripts/nccl_probe.py (the gradient reduce's collectives under NCCL's choice and forced protocols),
+#           then DP=2's step profiled by phase with NCCL's choice and with NCCL_PROTO=Simple
+#   STEP=11: after a change to the gradient reduce: tests/gpu/test_multi_gpu.py, the NCCL probe (NCCL's own choice),
+#           then STEP 4's layouts (LAYOUTS, SAMPLES, LIMIT, BASE) without the NCCL publish
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -159,7 +163,27 @@ case "${STEP:-1}" in
         $g/test_gpu_tensor_publish.py -m "not gpu_job" > "$OUT/publish_tests.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/publish_tests.txt" | cut -c1-250 | tail -8
     ;;
-*) echo "STEP must be 1 to 9, got $STEP" >&2; exit 2 ;;
+10)
+    timeout -k 10 120 python scripts/nccl_probe.py --debug > "$OUT/nccl_probe.txt" 2>&1
+    grep -v "NCCL INFO" "$OUT/nccl_probe.txt" | tail -20
+    grep -E "NCCL INFO (Algorithm|  *(Max|Tree|Ring|Protocol|Latency|Bandwidth)|.*(P2P|NVLS|nvls|Channel 00))" \
+        "$OUT/nccl_probe.txt" | head -30
+    for proto in "" Simple; do  # DP=2's step with NCCL's own protocol, then with the one the probe found faster
+        env ${proto:+NCCL_PROTO=$proto} timeout -k 10 "${LIMIT:-170}" python -m bench.bench_multi_gpu --parts layouts \
+            --torch-compile --max-tokens-per-gpu 8192 --samples "${SAMPLES:-128}" --layouts dp2_distopt --profile \
+            --out "/tmp/layouts_$proto" > "$OUT/dp2_proto_${proto:-default}.txt" 2>&1
+        echo "== NCCL_PROTO=${proto:-unset}"; grep -h RESULT "$OUT/dp2_proto_${proto:-default}.txt" | cut -c1-400
+        grep -h -A9 "^PROFILE" "$OUT/dp2_proto_${proto:-default}.txt" | grep -v "^--$" | head -24
+    done
+    ;;
+11)
+    timeout -k 10 300 python -m pytest -v $COMMON $g/test_multi_gpu.py > "$OUT/test_multi_gpu.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_multi_gpu.txt" | cut -c1-250 | tail -8
+    timeout -k 10 60 python scripts/nccl_probe.py --variants default > "$OUT/nccl_probe.txt" 2>&1
+    cat "$OUT/nccl_probe.txt"
+    STEP=4 WEIGHTS=0 bash scripts/gpu_two.sh
+    ;;
+*) echo "STEP must be 1 to 11, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true

@@ -2,7 +2,8 @@
 N optimizer steps of every rank, one Chrome trace per rank, `rank{R}.trace.json.gz` in the folder
 the supervisor named (JOB_DIR/profiles/train-STAMP/). The request arrives with rank 0's poll
 between rollouts and is broadcast to every rank, so all ranks profile the same steps. Each
-optimizer step is one `train_step` range in the trace."""
+optimizer step is one `train_step` range in the trace, and within it each phase of the step (`phase`)
+one range of its own: the packs' forward and backward, the gradient reduce, the norm, the optimizer."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from trainer.memory_history import MemoryHistory
 log = logging.getLogger(__name__)
 
 TRAIN_STEP = "slurmrl.train_step"
+PHASE = "slurmrl.phase"  # a range's name prefix: "slurmrl.phase packs", ...
+
+
+def phase(name: str) -> torch.profiler.record_function:
+    """One phase of a training step, a range in a profile's trace (a few microseconds unprofiled)."""
+    return torch.profiler.record_function(f"{PHASE} {name}")
 
 
 class TrainProfiler:

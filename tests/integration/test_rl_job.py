@@ -39,7 +39,7 @@ from rollout.cpu_engine.scheduler import FORWARD_STEP
 from slurm.devcluster.daemons import wait_for
 from supervisor.keys import load_key
 from tests.slurm_helpers import listening_pid, sacct_rows, wait_job_gone, wait_sacct_states
-from trainer.profiling import TRAIN_STEP
+from trainer.profiling import PHASE, TRAIN_STEP
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED = re.compile(r"cpu_engine served rid=r(\d+)-\S+ weight_version=(\S+)")
@@ -221,6 +221,8 @@ def test_toy_job_is_profiled_recovers_from_failures_and_stops(devcluster, toy, t
         [trace] = (rollout_dir / engine).glob(f"{engine}-*-TP-0.trace.json.gz")
         assert traced_steps(trace, FORWARD_STEP) == 3
     assert traced_steps(train_dir / "rank0.trace.json.gz", TRAIN_STEP) == 1
+    for phase in ("packs", "grad_reduce", "grad_norm", "optimizer"):  # the step's phases, each a range within it
+        assert traced_steps(train_dir / "rank0.trace.json.gz", f"{PHASE} {phase}") == 1, phase
     assert events(job_dir, "profile_started")[0]["engines"] == ["engine-0", "engine-1"]
 
     # The job's end: stopped by user, which saved the last rollout trained; its steps, metrics, report.

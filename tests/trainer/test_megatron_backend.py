@@ -43,7 +43,7 @@ def _samples(vocab: int) -> list[TrainSample]:
 # on it: slime's default (one sample per micro-batch) at TP=1, packs of at most 24 tokens at TP=2,
 # and at DP=2 those packs handed to the two ranks by Karmarkar-Karp.
 PACKED = ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "24"]
-BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"], (2, 4): PACKED}
+BATCHING = {(1, 1): [], (2, 2): PACKED, (1, 2): [*PACKED, "--balance-data"], (2, 4): PACKED, (1, 4): PACKED}
 
 
 Layout = tuple[str, int, str, list[str]]  # name, TP, attention backend, more flags

@@ -3,7 +3,7 @@ embeddings) in gloo processes, through megatron-core's schedules with variable-l
 one RL step at PP=2 (with the fused attention and the PPO critic; and with the unfused one)
 gives the same log-probs, loss, grad norm and new weights as PP=1 (so the tied embedding's
 gradient is summed over the first and last stages, and log-probs computed on the last stage
-reach every rank), so does TP=2 + SP with PP=2, and 3 layers split 2 + 1 over two stages;
+reach every rank), so do TP=2 + SP with PP=2 and DP=2 with PP=2, and 3 layers split 2 + 1 over two stages;
 publishing gathers every stage's weights, and a checkpoint saved at PP=2
 resumes at PP=1 and one saved at PP=1 at PP=2, each with the step the uninterrupted run takes."""
 
@@ -23,7 +23,7 @@ from tests.ckpt_tools.tiny_hf import make_tiny_hf
 from tests.rank_devices import rank_devices
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
-from tests.trainer.test_megatron_backend import ATOL, _run, run_all_models
+from tests.trainer.test_megatron_backend import ATOL, run_all_models
 from tests.trainer.test_megatron_optimizer import _step
 from trainer.args import ArgsError, build_config, build_parser
 
@@ -49,10 +49,15 @@ def test_one_step_at_pp2_equals_pp1(results) -> None:
         assert_same_step(results["pp1"], results[name], name)
 
 
-def test_one_step_at_tp2_sp_pp2_equals_pp1(tiny_megatron, results, tmp_path: Path) -> None:
+def test_one_step_on_four_ranks_over_two_stages_equals_pp1(tiny_megatron, results, tmp_path: Path) -> None:
+    """TP=2 + SP with PP=2; and DP=2 with PP=2, where the tied embedding's gradient is summed over the
+    data-parallel ranks and over the two stages, and each stage's distributed optimizer gives it to another
+    owner (the first stage's first weight, the last stage's last)."""
     with rank_devices(4):
-        tp2_sp_pp2 = _run(tiny_megatron, tmp_path, "tp2_sp_pp2", 2, 4, "sdpa", PP2 + ["--sequence-parallel"])
-    assert_same_step(results["pp1"], tp2_sp_pp2, "tp2_sp_pp2")
+        runs = run_all_models(tmp_path, {"tp2_sp_pp2": (tiny_megatron, 2, 4, "sdpa", PP2 + ["--sequence-parallel"]),
+                                         "dp2_pp2": (tiny_megatron, 1, 4, "sdpa", PP2)})
+    for name, run in runs.items():
+        assert_same_step(results["pp1"], run, name)
 
 
 def test_uneven_stages_equal_one_stage(results) -> None:

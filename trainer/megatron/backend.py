@@ -47,6 +47,7 @@ from trainer.megatron.rope import PackedRope
 from trainer.megatron.trainee_state import Trainee
 from trainer.numerics import attention_kernels, check_attention_backend
 from trainer.offload import Offloadable
+from trainer.profiling import phase
 from trainer.token_stats import chunked_log_probs_and_entropy, log_probs_and_entropy
 
 log = logging.getLogger(__name__)
@@ -293,8 +294,9 @@ class MegatronBackend(Backend):
             self._hooks["train_step"](self.plugin_args, rollout_id, step_id, [self.model], self.actor.optimizer,
                                       self.actor.scheduler)
         trainee.model.train()
-        trainee.optimizer.zero_grad()
-        trainee.grads.start()
+        with phase("zero_grad"):
+            trainee.optimizer.zero_grad()
+            trainee.grads.start()
         totals: dict[str, torch.Tensor] = {}
         mtp = role == "actor" and self.config.model.enable_mtp_training
         if mtp:
@@ -310,22 +312,28 @@ class MegatronBackend(Backend):
                 metrics = {**metrics, **megatron_mtp.metrics(trainee.model, packs)}
             return value, metrics
 
-        for metrics in self._each_pack(trainee.model, samples, ids, step, trainee):
-            for name, m in metrics.items():  # summed on the device: a copy to the host per pack would drain the GPU
-                totals[name] = totals.get(name, 0.0) + m.detach().float()
-        grad_sync.reduce_gradients(trainee.model, trainee.grads, self.sequence_parallel)
-        update_expert_bias(trainee.model)
-        grad_norm = grad_sync.grad_norm(trainee.model, self.tp_rank, self.device)
+        with phase("packs"):
+            for metrics in self._each_pack(trainee.model, samples, ids, step, trainee):
+                for name, m in metrics.items():  # summed on the device: a copy to the host per pack would drain it
+                    totals[name] = totals.get(name, 0.0) + m.detach().float()
+        with phase("grad_reduce"):
+            grad_sync.reduce_gradients(trainee.model, trainee.grads, self.sequence_parallel)
+            update_expert_bias(trainee.model)
+        with phase("grad_norm"):
+            grad_norm = grad_sync.grad_norm(trainee.model, self.tp_rank, self.device)
         opt = self.config.optimizer
         lr = trainee.scheduler.get_last_lr()[0]
         if steps_on(grad_norm, role, opt.check_for_nan_in_loss_and_grad):  # (the next step zeroes the grads)
-            if opt.clip_grad > 0 and grad_norm > opt.clip_grad:
-                grads = [g for p in trainee.model.parameters() if (g := main_grads.grad_of(p)) is not None]
-                torch._foreach_mul_(grads, opt.clip_grad / (grad_norm + 1e-6))
-            trainee.optimizer.step()
-            trainee.scheduler.step()
-        host_totals = {name: total.cpu() for name, total in totals.items()}
-        return {**self._sum_over_data_parallel(host_totals), "grad_norm": float(grad_norm), "lr": float(lr)}
+            with phase("optimizer"):
+                if opt.clip_grad > 0 and grad_norm > opt.clip_grad:
+                    grads = [g for p in trainee.model.parameters() if (g := main_grads.grad_of(p)) is not None]
+                    torch._foreach_mul_(grads, opt.clip_grad / (grad_norm + 1e-6))
+                trainee.optimizer.step()
+                trainee.scheduler.step()
+        with phase("metrics"):
+            host_totals = {name: total.cpu() for name, total in totals.items()}
+            summed = self._sum_over_data_parallel(host_totals)
+        return {**summed, "grad_norm": float(grad_norm), "lr": float(lr)}
 
     def _sum_over_data_parallel(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         # Ranks with no samples, and pipeline stages before the last, still join.
