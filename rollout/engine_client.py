@@ -105,9 +105,11 @@ class EngineClient:
         """Whether the engine answers GET /health_generate with 200 within the timeout."""
         return self.probe_all({url: url})[url].ok
 
-    def probe_all(self, targets: Mapping[str, str], path: str = HEALTH_PATH) -> dict[str, ProbeResult]:
-        """{engine name: base url} -> {engine name: result}, all probed at once (GET `path`); each
-        probe is bounded by timeout_s, so this returns after about that long at most."""
+    def probe_all(self, targets: Mapping[str, str],
+                  path: str | Mapping[str, str] = HEALTH_PATH) -> dict[str, ProbeResult]:
+        """{engine name: base url} -> {engine name: result}, all probed at once (GET `path`, or each
+        engine's own path where `path` maps names to paths); each probe is bounded by timeout_s, so this
+        returns after about that long at most."""
         _raise_fd_limit(len(targets) + FD_HEADROOM)
         prober = self._probe_loop()
         return asyncio.run_coroutine_threadsafe(self._probe_many(prober.session, targets, path), prober.loop).result()
@@ -129,9 +131,10 @@ class EngineClient:
         return aiohttp.ClientSession(connector=connector, headers=self._headers)
 
     async def _probe_many(self, session: aiohttp.ClientSession, targets: Mapping[str, str],
-                          path: str) -> dict[str, ProbeResult]:
+                          path: str | Mapping[str, str]) -> dict[str, ProbeResult]:
         names = list(targets)
-        results = await asyncio.gather(*(self._probe(session, targets[n], path) for n in names))
+        results = await asyncio.gather(*(self._probe(session, targets[n], path if isinstance(path, str) else path[n])
+                                         for n in names))
         return dict(zip(names, results))
 
     async def _probe(self, session: aiohttp.ClientSession, url: str, path: str) -> ProbeResult:

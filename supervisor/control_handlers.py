@@ -24,7 +24,7 @@ from supervisor.trainer_watch import TrainerWatch
 
 class ControlHandlers:
     def __init__(self, job: JobContext, launcher: StepLauncher, steps: StepControl, recovery: EngineRecovery,
-                 trainer: TrainerWatch, requeue: Requeue, ending: Ending, pool: Executor,
+                 trainer: TrainerWatch, requeue: Requeue, ending: Ending, pool: Executor, profiling: Profiling,
                  last_checkpoint: Callable[[], str | None]) -> None:
         self.job = job
         self.launcher = launcher
@@ -35,7 +35,7 @@ class ControlHandlers:
         self.ending = ending
         self.pool = pool
         self.last_checkpoint = last_checkpoint
-        self.profiling = Profiling(job, recovery.serving)
+        self.profiling = profiling
 
     def table(self) -> dict[Call, Handler]:
         return {Call.STATUS: self.status, Call.RESTART: self.restart, Call.STOP: self.stop,

@@ -82,6 +82,7 @@ from supervisor.launcher import ROUTER, TRAINER, JobFailed, RouterPlace, StepLau
 from supervisor.node_agents import NodeAgentSteps
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker, KillBudget
+from supervisor.profiling import Profiling
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue, requeues
 from supervisor.state import StateStore
@@ -181,9 +182,10 @@ class Daemon:
                                     restarts=record.restarts if record else 0)
         self.recovery = EngineRecovery(self.job, self.launcher, self.steps, self.nodes, self.tracker, self.requeue,
                                        self.ending, self.pool, self.scalars)
+        # started through the control socket; its rollout profiles change how their engines are probed
+        self.profiling = Profiling(self.job, self.recovery.serving)
         handlers = ControlHandlers(self.job, self.launcher, self.steps, self.recovery, self.trainer, self.requeue,
-                                   self.ending, self.pool, self._last_checkpoint)
-        self.profiling = handlers.profiling  # its rollout profiles change how their engines are probed
+                                   self.ending, self.pool, self.profiling, self._last_checkpoint)
         self.control = ControlServer(job_dir, handlers.table(), run=CallerRun.here())
         self.cycles = 0  # monitor cycles: the x axis of the supervisor's TensorBoard scalars
 
@@ -309,11 +311,8 @@ class Daemon:
         # late: then only whether it is alive and reachable counts (a dead or cut-off engine must still leave
         # the router, not hold the job until the update's own timeout).
         publishing, tracing = self.trainer.publishing(), self.profiling.tracing()
-        paths = {name: LIVENESS_PATH if publishing or name in tracing else HEALTH_PATH for name in targets}
-        results = {}
-        for path in set(paths.values()):
-            results.update(job.client.probe_all({name: url for name, url in targets.items() if paths[name] == path},
-                                                path))
+        results = job.client.probe_all(
+            targets, {name: LIVENESS_PATH if publishing or name in tracing else HEALTH_PATH for name in targets})
         now = time.time()
         with job.store.update() as state:
             for name, result in results.items():

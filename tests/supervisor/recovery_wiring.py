@@ -11,6 +11,7 @@ from supervisor.control_handlers import ControlHandlers
 from supervisor.launcher import RouterPlace, StepLauncher
 from supervisor.node_failures import NodeFailures
 from supervisor.probe import HealthTracker
+from supervisor.profiling import Profiling
 from supervisor.recovery import EngineRecovery
 from supervisor.requeue import Requeue
 from supervisor.step_control import StepControl
@@ -50,5 +51,6 @@ def wire_recovery(job: JobContext, router: RouterPlace, steps: StepControl | Non
     recovery = EngineRecovery(job, launcher, steps, nodes, HealthTracker(3, 0.0), requeue, ending, pool,
                               ScalarWriter(job.dir.supervisor_tensorboard))
     trainer = TrainerWatch(job, launcher, steps, requeue, ending, pool, restarts=0)
-    handlers = ControlHandlers(job, launcher, steps, recovery, trainer, requeue, ending, pool, lambda: None)
+    handlers = ControlHandlers(job, launcher, steps, recovery, trainer, requeue, ending, pool,
+                               Profiling(job, recovery.serving), lambda: None)
     return Wiring(steps, launcher, trainer, recovery, handlers, ending, pool)

@@ -28,6 +28,7 @@ from supervisor.gpu_holder import GpuHolder
 from supervisor.launcher import StepLauncher
 from supervisor.layout import EnginePlace
 from supervisor.probe import HealthTracker
+from supervisor.profiling import Profiling
 from supervisor.recovery import EngineRecovery
 from supervisor.tensorboard import ScalarWriter
 from tests.supervisor.job_context import two_engine_job
@@ -85,7 +86,7 @@ def colocated(tmp_path: Path):
         engine.state, engine.in_router = HEALTHY, True
     recovery.await_engine = admitted
     handlers = ControlHandlers(job, launcher, SimpleNamespace(), recovery, SimpleNamespace(), SimpleNamespace(),
-                               Ending(user_stop=False), pool, lambda: None)
+                               Ending(user_stop=False), pool, Profiling(job, recovery.serving), lambda: None)
     yield job, recovery, handlers, launched
     job.finished.set()
     pool.shutdown(wait=True)
