@@ -223,10 +223,15 @@ def _hosts_without(marker: str) -> list[str]:
 
 
 def _write_hosts(lines: list[str]) -> None:
-    # In place, not by rename: /etc/hosts is often a bind mount (containers).
-    text = "\n".join(lines) + "\n"
-    if HOSTS_FILE.read_text() != text:
-        HOSTS_FILE.write_text(text)
+    # In place, not by rename: /etc/hosts is often a bind mount (containers). Not emptied first either: a
+    # process resolving a name meanwhile (gloo resolves the machine's own, CI saw `getaddrinfo` fail) would
+    # find nothing. The machine's own lines come first and keep their place, so they are whole at every moment.
+    data = ("\n".join(lines) + "\n").encode()
+    if HOSTS_FILE.read_bytes() == data:
+        return
+    with HOSTS_FILE.open("r+b") as f:
+        f.write(data)
+        f.truncate()
 
 
 def _ip(*args: str) -> str:
