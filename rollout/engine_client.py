@@ -111,8 +111,9 @@ class EngineClient:
         engine's own path where `path` maps names to paths); each probe is bounded by timeout_s, so this
         returns after about that long at most."""
         _raise_fd_limit(len(targets) + FD_HEADROOM)
+        paths = {name: path for name in targets} if isinstance(path, str) else path
         prober = self._probe_loop()
-        return asyncio.run_coroutine_threadsafe(self._probe_many(prober.session, targets, path), prober.loop).result()
+        return asyncio.run_coroutine_threadsafe(self._probe_many(prober.session, targets, paths), prober.loop).result()
 
     def _probe_loop(self) -> _ProbeLoop:
         with self._lock:
@@ -131,10 +132,9 @@ class EngineClient:
         return aiohttp.ClientSession(connector=connector, headers=self._headers)
 
     async def _probe_many(self, session: aiohttp.ClientSession, targets: Mapping[str, str],
-                          path: str | Mapping[str, str]) -> dict[str, ProbeResult]:
+                          paths: Mapping[str, str]) -> dict[str, ProbeResult]:
         names = list(targets)
-        results = await asyncio.gather(*(self._probe(session, targets[n], path if isinstance(path, str) else path[n])
-                                         for n in names))
+        results = await asyncio.gather(*(self._probe(session, targets[n], paths[n]) for n in names))
         return dict(zip(names, results))
 
     async def _probe(self, session: aiohttp.ClientSession, url: str, path: str) -> ProbeResult:

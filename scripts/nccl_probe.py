@@ -2,9 +2,9 @@
 trainer's bucketed fp32 all-reduce as ncclDevKernel_AllReduce_Sum_f32_RING_LL at ~100 GB/s bus bandwidth, where a
 plain broadcast between the same GPUs runs near 300). Each variant of NCCL's environment runs in fresh processes, one
 a GPU; rank 0 prints each collective's time and bus bandwidth (NCCL's nccl-tests definition), and with
-NCCL_DEBUG_SUBSYS=TUNING NCCL's own log says which algorithm and protocol it chose.
+--debug NCCL's own log (INIT, GRAPH, TUNING) says which algorithm and protocol it chose.
 
-    python scripts/nccl_probe.py [--gib 2.4] [--bucket-numel 40000000]
+    python scripts/nccl_probe.py [--gib 2.2] [--bucket-numel 40000000] [--variants default,simple] [--debug]
 """
 
 from __future__ import annotations
