@@ -20,6 +20,11 @@
 #           DP=4 off). The GPU job tests need a call of their own (PART=four bash scripts/gpu_job_tests.sh)
 #   STEP=7: DP=4's step by phase (SAMPLES, default 128; PROFILE_LAYOUTS, default tp1,dp4_distopt), then DP=4 and
 #           TP=1 unprofiled on a batch four times larger (a fixed cost per step shows as a ratio that grows with it)
+#   STEP=8: the machine's links (nvidia-smi topo, NVLink state), scripts/nccl_probe.py over all four GPUs with NCCL's
+#           log (its transport and algorithm), then over GPU pairs (0,1), (2,3), (0,2): whether four GPUs reduce
+#           slower than two because of the links or because of the ring's length
+#   STEP=9: DP=4 by phase on every rank (round-robin packs and --balance-data, SAMPLES default 128) with the GPUs'
+#           clocks and power sampled each second (nvidia-smi dmon), then both on a batch four times larger unprofiled
 #   STEP=3: the log-probs chunk bench, then the suite alone (a rerun after fixes; the device brings back
 #           8 files at most, so this step writes three)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
@@ -100,6 +105,33 @@ case "${STEP:-1}" in
         echo "== $1, $2 samples: rc=$?"; grep -h RESULT "$OUT/dp4_$1.txt" | cut -c1-600
         grep -h -A9 "^PROFILE" "$OUT/dp4_$1.txt" | grep -v "^--$" | head -30
     done
+    ;;
+8)
+    { nvidia-smi topo -m; nvidia-smi nvlink --status | head -40; nvidia-smi -q | grep -i -E "fabric|clique|bus id"; } \
+        > "$OUT/links.txt" 2>&1
+    head -12 "$OUT/links.txt"
+    timeout -k 10 150 python scripts/nccl_probe.py --debug --variants default,simple,tree,channels32 > "$OUT/probe4.txt" 2>&1
+    echo "== four GPUs: rc=$?"; grep -v "NCCL INFO" "$OUT/probe4.txt" | tail -16
+    grep -E "NCCL INFO .*(via |Channel 00|Ring 00|Trees|NVLS|P2P|SHM|comm 0x.* nRanks)" "$OUT/probe4.txt" | head -24
+    for pair in 0,1 2,3 0,2; do
+        CUDA_VISIBLE_DEVICES=$pair timeout -k 10 60 python scripts/nccl_probe.py --variants default \
+            > "$OUT/probe_$pair.txt" 2>&1
+        echo "== GPUs $pair: rc=$?"; grep -v "NCCL INFO" "$OUT/probe_$pair.txt" | tail -6
+    done
+    ;;
+9)
+    nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.txt" 2>&1 &
+    dmon=$!
+    samples=${SAMPLES:-128}
+    for run in "profiled $samples dp4_distopt,dp4_balanced --profile" "unprofiled $((samples * 4)) dp4_distopt,dp4_balanced"; do
+        set -- $run
+        timeout -k 10 "${LIMIT:-250}" python -m bench.bench_multi_gpu --parts layouts --torch-compile \
+            --max-tokens-per-gpu 8192 --samples "$2" --layouts "$3" $4 --out "/tmp/layouts_$1" > "$OUT/dp4_$1.txt" 2>&1
+        echo "== $1, $2 samples: rc=$?"; grep -h RESULT "$OUT/dp4_$1.txt" | cut -c1-600
+        grep -h -A40 "^PROFILE" "$OUT/dp4_$1.txt" | grep -E "^(PROFILE|rank|phase|packs|grad_|optim|zero|metrics|profiled)"
+    done
+    kill "$dmon"
+    awk 'NR <= 2 || NR % 10 == 0' "$OUT/dmon.txt" | head -60
     ;;
 *) echo "STEP must be 1 to 7, got $STEP" >&2; exit 2 ;;
 esac

@@ -23,6 +23,8 @@ VARIANTS = {  # name -> NCCL environment (on top of the machine's)
     "default": {},
     "simple": {"NCCL_PROTO": "Simple"},
     "ll128": {"NCCL_PROTO": "LL128"},
+    "tree": {"NCCL_ALGO": "Tree"},
+    "channels32": {"NCCL_MIN_NCHANNELS": "32"},  # more rings at once: NCCL may pick few on a 4-GPU NVSwitch
 }
 REPEATS = 5
 
