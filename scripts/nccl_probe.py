@@ -67,7 +67,12 @@ def _rank(rank: int, world: int, port: int, env: dict[str, str], numel: int, buc
         "broadcast bf16": (lambda: dist.broadcast(params, src=0, group=group), params.nbytes, 1.0),
     }
     for name, (op, nbytes, factor) in ops.items():
-        seconds = _timed(op)
+        try:
+            seconds = _timed(op)
+        except dist.DistBackendError as err:  # e.g. NCCL_ALGO=Tree has no reduce-scatter: every rank refuses it
+            if rank == 0:
+                print(f"  {name:28s} not available: {str(err).strip().splitlines()[-1]}", flush=True)
+            continue
         if rank == 0:
             print(f"  {name:28s} {nbytes / 2**30:5.2f} GiB {seconds * 1e3:8.2f} ms  "
                   f"busbw {nbytes / seconds * factor / 1e9:6.1f} GB/s", flush=True)
