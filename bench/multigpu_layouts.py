@@ -32,6 +32,10 @@ LAYOUTS = {  # name -> (ranks, flags)
     "tp1": (1, []),
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    # the last stage also holds the output layer and the loss: at Qwen3-0.6B's 151,936-token vocabulary that is
+    # about 9 layers' FLOPs, so an even split leaves the first stage idle a third of the step; a third of the
+    # layers on the last stage evens them (slime's recipes set the flag too)
+    "pp2_last_third": (2, ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "{third}"]),
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
     # the gradient reduce bucket by bucket under the backward (megatron's flag, off by default as in slime)
     "dp2_overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
@@ -229,6 +233,7 @@ def run_layouts(model: Path, ckpt: Path | None, shape: dict, batch: dict, work: 
     tol, rows, base = TOLERANCE[dtype], [], None
     for name in [baseline, *(name for name in LAYOUTS if name != baseline)]:
         world, flags = LAYOUTS[name]
+        flags = [flag.format(third=shape["num_hidden_layers"] // 3) for flag in flags]
         if (torch_compile and name.endswith("_compiled")) or (names and name != baseline and name not in names):
             continue  # compiled already, or not asked for
         began, got, why_not = time.monotonic(), None, None

@@ -25,7 +25,8 @@
 #   STEP=10: scripts/nccl_probe.py (the gradient reduce's collectives under NCCL's choice and forced protocols),
 #           then DP=2's step profiled by phase with NCCL's choice and with NCCL_PROTO=Simple
 #   STEP=11: after a change to the gradient reduce: tests/gpu/test_multi_gpu.py, the NCCL probe (NCCL's own choice),
-#           then STEP 4's layouts (LAYOUTS, SAMPLES, LIMIT, BASE) without the NCCL publish
+#           then STEP 4's layouts (LAYOUTS, SAMPLES, LIMIT, BASE) without the NCCL publish; PROBE=0: without the
+#           probe (after a pipeline change)
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -177,10 +178,12 @@ case "${STEP:-1}" in
     done
     ;;
 11)
-    timeout -k 10 300 python -m pytest -v $COMMON $g/test_multi_gpu.py > "$OUT/test_multi_gpu.txt" 2>&1
+    timeout -k 10 "${TEST_LIMIT:-300}" python -m pytest -v $COMMON $g/test_multi_gpu.py > "$OUT/test_multi_gpu.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_multi_gpu.txt" | cut -c1-250 | tail -8
-    timeout -k 10 60 python scripts/nccl_probe.py --variants default > "$OUT/nccl_probe.txt" 2>&1
-    cat "$OUT/nccl_probe.txt"
+    if [ "${PROBE:-1}" = 1 ]; then
+        timeout -k 10 60 python scripts/nccl_probe.py --variants default > "$OUT/nccl_probe.txt" 2>&1
+        cat "$OUT/nccl_probe.txt"
+    fi
     STEP=4 WEIGHTS=0 bash scripts/gpu_two.sh
     ;;
 *) echo "STEP must be 1 to 11, got $STEP" >&2; exit 2 ;;

@@ -1,13 +1,16 @@
 """Pipeline parallelism (--pipeline-model-parallel-size) for the megatron backend.
 
-Each stage holds a contiguous run of layers (megatron's even split); the first also the embedding,
-the last the final norm and output layer (with tied embeddings a copy of the embedding, whose
-gradient is summed with the first stage's over megatron's embedding group). A rank's packed
-micro-batches go through megatron-core's schedules (1F1B when training, forward only for
-log-probs) with variable sequence lengths: stages exchange activation shapes before each
-micro-batch. Only the last stage sees logits: the loss, log-probs and metrics are computed there,
-and the backend's all-gathers over every rank hand them to the whole trainer. Weights for
-publishing come from every stage, passed to global rank 0 over its pipeline group.
+Each stage holds a contiguous run of layers (megatron's even split, or --decoder-first/last-pipeline-
+num-layers); the first also the embedding, the last the final norm and output layer (with tied
+embeddings a copy of the embedding, whose gradient is summed with the first stage's over megatron's
+embedding group). A rank's packed micro-batches go through megatron-core's schedules (1F1B when
+training, forward only for log-probs) with variable sequence lengths. Each stage knows the shape of
+every activation it will receive (all stages of a pipeline hold the same packs, in the same order),
+so none is exchanged: megatron's exchange synchronises the whole device twice per transfer, and the
+host could never run ahead of the GPU. Only the last stage sees logits: the loss, log-probs and
+metrics are computed there, and the backend's all-gathers over every rank hand them to the whole
+trainer. Weights for publishing come from every stage, passed to global rank 0 over its pipeline
+group.
 
 Without pipeline parallelism `each_pack` runs the same callbacks in a plain loop. Either way the
 backward of every micro-batch but the last runs inside `no_sync` (megatron's config.no_sync_func),
@@ -26,6 +29,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
 from torch import Tensor
 
 from trainer import main_grads
@@ -58,6 +63,7 @@ def each_pack(model: GPTModel, packs: list[tuple[Pack, RowLayout]], run_model: C
     # config's constructor, which refuses it with MoE's allgather dispatcher: trainer.config refuses that.)
     model.config.variable_seq_lengths = True
     model.config.no_sync_func = no_sync  # the schedule leaves it before the last micro-batch's backward
+    model.config.batch_p2p_sync = False  # a device-wide sync after each transfer, for a bug of torch < 1.11
     data = iter(packs)
 
     def forward_step(data_iterator: Iterator[tuple[Pack, RowLayout]], chunk: GPTModel):
@@ -70,9 +76,30 @@ def each_pack(model: GPTModel, packs: list[tuple[Pack, RowLayout]], run_model: C
 
         return output, loss_func
 
+    config = model.config
+    split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    shapes = [(len(rows.tokens) // split, 1, config.hidden_size) for _, rows in packs]
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=len(packs),
-        seq_length=max(len(rows.tokens) for _, rows in packs), micro_batch_size=1, forward_only=not train)
+        seq_length=max(len(rows.tokens) for _, rows in packs), micro_batch_size=1, forward_only=not train,
+        p2p_communicator=KnownShapes(ps.get_pipeline_model_parallel_group(), config, shapes),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(
+            ["tp", "pp", "cp", "embd", "pos_embd", "dp_cp"]))  # the groups megatron takes when given none
+
+
+class KnownShapes(P2PCommunicator):
+    """megatron's point-to-point communicator, told each micro-batch's activation shape instead of
+    receiving it first: activations (from the previous stage) and their gradients (from the next)
+    each arrive in micro-batch order, so a queue of the packs' shapes per direction says them."""
+
+    def __init__(self, pp_group: dist.ProcessGroup, config: Any, shapes: list[tuple[int, int, int]]) -> None:
+        super().__init__(pp_group, config)
+        self._activations, self._gradients = iter(shapes), iter(shapes)
+
+    def _communicate_shapes(self, tensor_send_next: Tensor | None, tensor_send_prev: Tensor | None,
+                            recv_prev: bool, recv_next: bool) -> tuple[list[int], list[int]]:
+        return (list(next(self._activations)) if recv_prev else [0, 0, 0],
+                list(next(self._gradients)) if recv_next else [0, 0, 0])
 
 
 def reduce_embedding_grads(model: GPTModel) -> None:
