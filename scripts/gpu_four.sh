@@ -18,8 +18,9 @@
 #   STEP=6: DP=4 (LAYOUTS) against TP=1 (compiled, 8192-token packs, SAMPLES default 128), each profiled one
 #           more step (PROFILE=0: not), on quiet GPUs, until LIMIT (TP=1 alone took 82 s profiled; 190 s cut
 #           DP=4 off). The GPU job tests need a call of their own (PART=four bash scripts/gpu_job_tests.sh)
-#   STEP=7: DP=4's step by phase (SAMPLES, default 128; PROFILE_LAYOUTS, default tp1,dp4_distopt), then DP=4 and
-#           TP=1 unprofiled on a batch four times larger (a fixed cost per step shows as a ratio that grows with it)
+#   STEP=7: DP=4's step by phase on every rank (SAMPLES, default 128; LAYOUTS, default dp4_distopt; PROFILE_LAYOUTS,
+#           default tp1 and LAYOUTS), then LAYOUTS and TP=1 unprofiled on a batch four times larger (a fixed cost per
+#           step shows as a ratio that grows with it)
 #   STEP=8: the machine's links (nvidia-smi topo, NVLink state), scripts/nccl_probe.py over all four GPUs with NCCL's
 #           log (its transport and algorithm), then over GPU pairs (0,1), (2,3), (0,2): whether four GPUs reduce
 #           slower than two because of the links or because of the ring's length
@@ -98,12 +99,13 @@ case "${STEP:-1}" in
     ;;
 7)
     samples=${SAMPLES:-128}
-    for run in "profiled $samples ${PROFILE_LAYOUTS:-tp1,dp4_distopt} --profile" "unprofiled $((samples * 4)) dp4_distopt"; do
+    layouts=${LAYOUTS:-dp4_distopt}
+    for run in "profiled $samples ${PROFILE_LAYOUTS:-tp1,$layouts} --profile" "unprofiled $((samples * 4)) $layouts"; do
         set -- $run
         timeout -k 10 "${LIMIT:-280}" python -m bench.bench_multi_gpu --parts layouts --torch-compile \
             --max-tokens-per-gpu 8192 --samples "$2" --layouts "$3" $4 --out "/tmp/layouts_$1" > "$OUT/dp4_$1.txt" 2>&1
         echo "== $1, $2 samples: rc=$?"; grep -h RESULT "$OUT/dp4_$1.txt" | cut -c1-600
-        grep -h -A9 "^PROFILE" "$OUT/dp4_$1.txt" | grep -v "^--$" | head -30
+        grep -h -A40 "^PROFILE" "$OUT/dp4_$1.txt" | grep -E "^(PROFILE|rank|phase|packs|grad_|optim|zero|metrics|profiled)"
     done
     ;;
 8)
@@ -122,14 +124,8 @@ case "${STEP:-1}" in
 9)
     nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.txt" 2>&1 &
     dmon=$!
-    samples=${SAMPLES:-128}
-    for run in "profiled $samples dp4_distopt,dp4_balanced --profile" "unprofiled $((samples * 4)) dp4_distopt,dp4_balanced"; do
-        set -- $run
-        timeout -k 10 "${LIMIT:-250}" python -m bench.bench_multi_gpu --parts layouts --torch-compile \
-            --max-tokens-per-gpu 8192 --samples "$2" --layouts "$3" $4 --out "/tmp/layouts_$1" > "$OUT/dp4_$1.txt" 2>&1
-        echo "== $1, $2 samples: rc=$?"; grep -h RESULT "$OUT/dp4_$1.txt" | cut -c1-600
-        grep -h -A40 "^PROFILE" "$OUT/dp4_$1.txt" | grep -E "^(PROFILE|rank|phase|packs|grad_|optim|zero|metrics|profiled)"
-    done
+    STEP=7 LAYOUTS=dp4_distopt,dp4_balanced PROFILE_LAYOUTS=dp4_distopt,dp4_balanced LIMIT=${LIMIT:-250} \
+        bash scripts/gpu_four.sh
     kill "$dmon"
     awk 'NR <= 2 || NR % 10 == 0' "$OUT/dmon.txt" | head -60
     ;;

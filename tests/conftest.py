@@ -47,6 +47,11 @@ def pytest_configure(config: pytest.Config) -> None:
         use_torch_kernels()
 
 
+def pytest_sessionfinish() -> None:
+    if "tests.rank_devices" in sys.modules:  # it started ranks: stop the server they were forked from
+        sys.modules["tests.rank_devices"].stop_rank_server()
+
+
 def _worker() -> int:
     """This xdist worker's number (gw3 -> 3); 0 without xdist."""
     return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))

@@ -39,7 +39,7 @@ from ckpt_tools.model_shape import ModelShape
 from ckpt_tools.qwen3_5_config import language_model_config
 from ckpt_tools.torch_dist import read_metadata
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
-from tests.rank_devices import init_rank, rank_devices
+from tests.rank_devices import init_rank, rank_devices, start_ranks
 
 ATOL = 1e-5  # float32 end to end; TP only reorders sums
 # Qwen3-Next: float32 rounding of the gated delta rule (chunked triangular solves, exponentials of cumulative
@@ -220,11 +220,10 @@ def parallel_logits(request, cases: Cases, tmp_path_factory) -> ParallelLogits:
                 runs.append((case_id, run, case.hf_config, case.ckpt_dir))
     out_dir = tmp_path_factory.mktemp("parallel_logits")
     error = None
-    # start_processes uses mp.get_context("spawn") and stops the other rank if one fails.
+    # start_ranks stops the other rank if one fails.
     with rank_devices(2):
         try:
-            mp.start_processes(_parallel_worker, args=(2, str(out_dir / "rendezvous"), runs, out_dir), nprocs=2,
-                               start_method="spawn")
+            start_ranks(_parallel_worker, (2, str(out_dir / "rendezvous"), runs, out_dir), 2)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # the runs left undone fail with it
             error = str(err)
     return ParallelLogits(out_dir, error)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.rank_devices import start_ranks
 from tests.rollout.servers import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -99,8 +99,7 @@ def test_offloaded_trainer_frees_the_gpu_and_trains_as_if_it_never_left(tiny_meg
                                                                         kind: str) -> None:
     runs = {}
     for offload in (False, True):
-        mp.start_processes(_worker, args=(free_port(), kind, offload, *tiny_megatron, tmp_path), nprocs=1,
-                           start_method="spawn")
+        start_ranks(_worker, (free_port(), kind, offload, *tiny_megatron, tmp_path), 1)
         runs[offload] = torch.load(tmp_path / f"{kind}-{offload}.pt")
     off = runs[True]
     assert off["devices"] == ["cpu"]

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from megatron.core import parallel_state, tensor_parallel
 
 from ckpt_tools.convert import hf_to_torch_dist
@@ -28,7 +27,7 @@ from ckpt_tools.megatron_model import (
 from ckpt_tools.torch_dist import Chunk, write_chunks, write_megatron_files
 from ckpt_tools.tracker import TRACKER
 from tests.ckpt_tools.tiny_hf import _COMMON, make_tiny_hf
-from tests.rank_devices import init_rank, rank_devices
+from tests.rank_devices import init_rank, rank_devices, start_ranks
 from trainer import checkpoint
 from trainer.checkpoint import MANIFEST, CheckpointError, find_loadable
 from trainer.megatron.state import _rng_states, holds_optimizer, load_megatron, save_megatron
@@ -187,10 +186,9 @@ def _tp2_worker(rank: int, init_file: str, save_dir: Path) -> None:
 
 
 def test_resume_is_exact_tp2(tmp_path: Path, lone_process_group, caplog) -> None:
-    # start_processes stops the other rank and raises (with the traceback) if one fails.
+    # start_ranks stops the other rank and raises (with the traceback) if one fails.
     with rank_devices(2):
-        mp.start_processes(_tp2_worker, args=(str(tmp_path / "rendezvous"), tmp_path / "save"),
-                           nprocs=2, start_method="spawn")
+        start_ranks(_tp2_worker, (str(tmp_path / "rendezvous"), tmp_path / "save"), 2)
     folder = tmp_path / "save" / "iter_0000002"
     assert {"__0_0.distcp", "__1_0.distcp"} <= json.loads((folder / MANIFEST).read_text())["files"].keys()
     # The TP=2 checkpoint resumes at TP=1: model and optimizer reshard, RNG states cannot.

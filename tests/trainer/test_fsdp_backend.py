@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import transformers
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from rollout.tiny_model import write_tiny_model
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
+from tests.rank_devices import start_ranks
 from trainer.args import ArgsError, parse_args
 from trainer.backend import NonFiniteGradient, PackLoss
 from trainer.batch import Batching, Pack, TrainSample, rank_packs
@@ -178,8 +178,7 @@ BALANCED = Batching(dynamic=True, max_tokens=MAX_TOKENS, balance=True)
 def test_two_ranks_take_the_same_step_as_one(models, tmp_path: Path) -> None:
     """Two ranks with dynamic, balanced micro-batches against one rank with two samples per
     micro-batch: the same losses, gradients (through the weights) and log-probs."""
-    mp.start_processes(_parallel_worker, args=(2, str(tmp_path / "rendezvous"), models["actor"], tmp_path),
-                       nprocs=2, start_method="spawn")
+    start_ranks(_parallel_worker, (2, str(tmp_path / "rendezvous"), models["actor"], tmp_path), 2)
     alone = _scenario(FSDPBackend(models["actor"], **{**PARITY, "batching": Batching(micro_batch_size=2)}))
     for rank in range(2):
         result = torch.load(tmp_path / f"result_{rank}.pt")

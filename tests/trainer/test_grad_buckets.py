@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.rank_devices import start_ranks
 from trainer import main_grads
 from trainer.grad_buckets import DataParallelGrads
 
@@ -98,8 +99,6 @@ def _check(rank: int, dtype: torch.dtype, overlap: bool) -> None:
 
 
 def test_bucketed_sums_equal_one_process_with_and_without_overlap() -> None:
-    import torch.multiprocessing as mp
-
     from tests.ports import free_port
 
-    mp.start_processes(_worker, args=(free_port(),), nprocs=2, start_method="spawn")
+    start_ranks(_worker, (free_port(),), 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
+from tests.rank_devices import start_ranks
 from trainer import main_grads
 
 
@@ -68,8 +69,6 @@ def _reduce_worker(rank: int, port: int) -> None:
 
 
 def test_main_grads_are_all_reduced_in_place_other_tensors_through_a_copy() -> None:
-    import torch.multiprocessing as mp
-
     from tests.ports import free_port
 
-    mp.start_processes(_reduce_worker, args=(free_port(),), nprocs=2, start_method="spawn")
+    start_ranks(_reduce_worker, (free_port(),), 2)

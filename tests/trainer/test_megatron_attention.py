@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ckpt_tools.convert import hf_to_torch_dist
@@ -25,7 +24,7 @@ from ckpt_tools.megatron_model import (
     load_torch_dist,
 )
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
-from tests.rank_devices import init_rank, rank_devices
+from tests.rank_devices import init_rank, rank_devices, start_ranks
 from trainer.args import ArgsError
 from trainer.megatron.attention import gpt_layer_spec
 from trainer.numerics import attention_kernels, check_attention_backend
@@ -152,8 +151,7 @@ def test_tensor_parallel_matches_local(checkpoint, models, alone, tmp_path: Path
     """TP=2: each rank holds 2 of the 4 heads and 1 of the 2 query groups."""
     local, _ = models
     with rank_devices(2):
-        mp.start_processes(_tp_worker, args=(str(tmp_path / "rendezvous"), *checkpoint, tmp_path),
-                           nprocs=2, start_method="spawn")
+        start_ranks(_tp_worker, (str(tmp_path / "rendezvous"), *checkpoint, tmp_path), 2)
     reference = _logits(local, BATCH, _causal(BATCH.shape[1]))
     for rank in range(2):
         got = torch.load(tmp_path / f"logits_{rank}.pt")

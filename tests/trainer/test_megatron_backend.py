@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 
-from tests.rank_devices import rank_devices
+from tests.rank_devices import rank_devices, start_ranks
 from tests.rollout.servers import free_port
 from trainer.args import build_config, build_parser
 from trainer.batch import TrainSample
@@ -121,7 +120,7 @@ def _critic_step(backend, samples: list[TrainSample], ids: list[int]) -> dict:
 def _run_layouts(tmp_path: Path, world: int, layouts: list[tuple[Layout, ModelAndCkpt]]) -> dict:
     """Run `layouts` (of `world` ranks each, each of its model) one after another in one spawn; their
     results by name."""
-    mp.start_processes(_worker, args=(world, free_port(), layouts, tmp_path), nprocs=world, start_method="spawn")
+    start_ranks(_worker, (world, free_port(), layouts, tmp_path), world)
     return {name: torch.load(tmp_path / f"result_{name}.pt", map_location="cpu") for (name, *_), _ in layouts}
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.rank_devices import rank_devices
+from tests.rank_devices import rank_devices, start_ranks
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, _run, run_all
@@ -74,8 +73,7 @@ def test_a_cp2_checkpoint_resumes_at_cp1(tiny_megatron, tmp_path: Path) -> None:
     model, ckpt = tiny_megatron
     for phase, world in (("uninterrupted", 2), ("resumed", 1)):
         with rank_devices(2):
-            mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
-                               start_method="spawn")
+            start_ranks(_resume_worker, (world, free_port(), phase, model, ckpt, tmp_path), world)
     before, resumed = (torch.load(tmp_path / f"{phase}.pt") for phase in ("uninterrupted", "resumed"))
     for key in ("loss", "pg_loss", "grad_norm"):
         assert resumed["metrics"][key] == pytest.approx(before["metrics"][key], abs=ATOL), key

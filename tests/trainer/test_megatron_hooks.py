@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ckpt_tools.convert import hf_to_torch_dist
 from rollout.tiny_model import write_tiny_model
+from tests.rank_devices import start_ranks
 from tests.rollout.servers import free_port
 from tests.trainer.megatron_hooks import HOOK_LOG_ENV
 from tests.trainer.test_megatron_backend import _samples
@@ -77,7 +77,7 @@ def test_hooks_get_slimes_arguments_and_a_nan_gradient_stops_the_step(tmp_path: 
     ckpt = hf_to_torch_dist(model, tmp_path / "torch_dist", iteration=None, progress=False)
     log = tmp_path / "hooks.jsonl"
     monkeypatch.setenv(HOOK_LOG_ENV, str(log))
-    mp.start_processes(_worker, args=(free_port(), model, ckpt, tmp_path), nprocs=1, start_method="spawn")
+    start_ranks(_worker, (free_port(), model, ckpt, tmp_path), 1)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert calls[0] == {"hook": "init", "lr": 1e-3}
     assert calls[1] == {"hook": "log_prob", "chunks": ["GPTModel"], "store_prefix": ""}

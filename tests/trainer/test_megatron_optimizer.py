@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.rank_devices import rank_devices
+from tests.rank_devices import rank_devices, start_ranks
 from tests.rollout.servers import free_port
 from tests.trainer.test_megatron_backend import ATOL, _samples
 from trainer.args import build_config, build_parser
@@ -70,8 +69,7 @@ def _worker(rank: int, world: int, port: int, phase: str, extra: list[str], mode
 
 def _run(tiny_megatron: tuple[Path, Path], out: Path, phase: str, world: int, extra: list[str]) -> list[dict]:
     model, ckpt = tiny_megatron
-    mp.start_processes(_worker, args=(world, free_port(), phase, extra, model, ckpt, out), nprocs=world,
-                       start_method="spawn")
+    start_ranks(_worker, (world, free_port(), phase, extra, model, ckpt, out), world)
     return torch.load(out / f"{phase}.pt", map_location="cpu")
 
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ckpt_tools.convert import hf_to_torch_dist
 from tests.ckpt_tools.tiny_hf import make_tiny_hf
-from tests.rank_devices import rank_devices
+from tests.rank_devices import rank_devices, start_ranks
 from tests.rollout.servers import free_port
 from tests.trainer.same_step import assert_same_critic_step, assert_same_step
 from tests.trainer.test_megatron_backend import ATOL, run_all_models
@@ -100,8 +99,7 @@ def test_a_checkpoint_resumes_at_another_pipeline_size(tiny_megatron, tmp_path: 
     model, ckpt = tiny_megatron
     for phase, world in ((f"uninterrupted_{saved_at}", saved_at), (f"resumed_{saved_at}", resumed_at)):
         with rank_devices(2):
-            mp.start_processes(_resume_worker, args=(world, free_port(), phase, model, ckpt, tmp_path), nprocs=world,
-                               start_method="spawn")
+            start_ranks(_resume_worker, (world, free_port(), phase, model, ckpt, tmp_path), world)
     before, resumed = (torch.load(tmp_path / f"{phase}_{saved_at}.pt") for phase in ("uninterrupted", "resumed"))
     for key in ("loss", "pg_loss", "grad_norm"):
         assert resumed["metrics"][key] == pytest.approx(before["metrics"][key], abs=ATOL), key

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.rank_devices import start_ranks
 from tests.rollout.servers import free_port
 from tests.trainer.test_megatron_backend import _samples
 from trainer.args import build_config, build_parser
@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, model: Path, ckpt: Path, out: Path) -> None:
 def test_frozen_parameters_stay_and_no_save_optim_resumes_with_a_fresh_optimizer(tiny_megatron,
                                                                                  tmp_path: Path) -> None:
     model, ckpt = tiny_megatron
-    mp.start_processes(_worker, args=(free_port(), model, ckpt, tmp_path), nprocs=1, start_method="spawn")
+    start_ranks(_worker, (free_port(), model, ckpt, tmp_path), 1)
     result = torch.load(tmp_path / "result.pt")
     assert result["trainable"] and all(n.startswith("decoder.layers.0.") and "layernorm" not in n
                                        for n in result["trainable"])
