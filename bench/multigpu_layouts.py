@@ -118,15 +118,16 @@ def _profiled_step(step) -> str:
     tables = prof.key_averages()
     host = tables.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
     events = prof.events()
-    phases = _every_rank(_phases(events))
     if not torch.cuda.is_available():
-        return f"{phases}\nby host time:\n{host}"
-    # the GPU's busy time against the step's: a host-bound step leaves the GPU idle between launches
+        return f"{_every_rank(_phases(events))}\nby host time:\n{host}"
+    # the GPU's busy time against the step's, on every rank (a pipeline stage or a data-parallel rank): a host-bound
+    # step leaves the GPU idle between launches, a stage waiting on its neighbour idles too
     busy = _covered(_kernels(events)) / 1e6
+    phases = _every_rank(f"profiled step: {wall * 1e3:.1f} ms wall, GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
+                         f"{_phases(events)}")
     # the host's table shows where it waits on the GPU (cudaStreamSynchronize, copies) and what it spends launching
     device = tables.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS, max_name_column_width=60)
-    return (f"profiled step: {wall * 1e3:.1f} ms wall, GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
-            f"{phases}\nby device time:\n{device}\nby host time:\n{host}")
+    return f"{phases}\nby device time:\n{device}\nby host time:\n{host}"
 
 
 def _every_rank(table: str) -> str:

@@ -27,6 +27,9 @@
 #   STEP=11: after a change to the gradient reduce: tests/gpu/test_multi_gpu.py, the NCCL probe (NCCL's own choice),
 #           then STEP 4's layouts (LAYOUTS, SAMPLES, LIMIT, BASE) without the NCCL publish; PROBE=0: without the
 #           probe (after a pipeline change)
+#   STEP=12: TESTS (pytest node ids) bounded by TEST_LIMIT; at the bound every process of the run dumps its Python
+#           stacks (SIGABRT under PYTHONFAULTHANDLER: a hung rank shows where it waits); then STEP 4's layouts
+#           (LAYOUTS, SAMPLES, PROFILE) without the NCCL publish
 # Logs go to $OUT (one file per run, 8 at most); the summary of each to stdout.
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu_two} PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -186,7 +189,21 @@ case "${STEP:-1}" in
     fi
     STEP=4 WEIGHTS=0 bash scripts/gpu_two.sh
     ;;
-*) echo "STEP must be 1 to 11, got $STEP" >&2; exit 2 ;;
+12)
+    PYTHONFAULTHANDLER=1 python -m pytest -v $COMMON --durations=0 $TESTS > "$OUT/tests.txt" 2>&1 &
+    run=$!
+    deadline=$((SECONDS + ${TEST_LIMIT:-200}))
+    while kill -0 $run 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 1; done
+    if kill -0 $run 2>/dev/null; then  # the bound: every process under the run, children first, dumps its stacks
+        tree() { for child in $(pgrep -P "$1"); do tree "$child"; done; echo "$1"; }
+        echo "TEST_LIMIT reached: stacks of $(tree $run | tr '\n' ' ')" >> "$OUT/tests.txt"
+        for pid in $(tree $run); do kill -ABRT "$pid" 2>/dev/null; sleep 0.5; done  # one dump at a time
+    fi
+    wait $run
+    grep -E "^(FAILED|ERROR)|passed|failed|TEST_LIMIT|^[0-9.]+s (call|setup)" "$OUT/tests.txt" | cut -c1-250 | tail -20
+    STEP=4 WEIGHTS=0 bash scripts/gpu_two.sh
+    ;;
+*) echo "STEP must be 1 to 12, got $STEP" >&2; exit 2 ;;
 esac
 rm -f "$OUT"/*.xml  # the device brings back 8 files at most: the .txt logs say what the XML would
 true

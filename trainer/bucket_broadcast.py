@@ -1,13 +1,18 @@
 """The NCCL (gloo on the CPU) publish's buckets on the wire (trainer/publish.py): bucket by bucket,
 pipelined: bucket k+1 is gathered, packed and queued while k is still on the wire (two buckets in
 flight at most). A bucket is one broadcast of its tensors' bytes (SGLang's "flattened_bucket") or, for
-an engine older than that format, one per tensor, all queued before any is waited on. Each engine is
-asked for its buckets in order (BucketFeed)."""
+an engine older than that format, one per tensor, all queued before any is waited on.
+
+Buckets take turns on the lanes, update groups of their own over the same members (BucketFeed): an
+engine is asked for bucket k+1 while it still receives k, so it goes from one to the next without a
+round trip to the trainer; each lane's broadcasts run on their own communicator (and stream), so
+whichever request the engine takes first finds its bytes. The last bucket carries the version and
+is asked for only once every other was answered: the engine then serves it with all of them loaded."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,42 +40,57 @@ class Sent:
     nbytes: int
 
 
-def broadcast_buckets(engines: EngineFanOut, group: UpdateGroup, members: list[str],
+def broadcast_buckets(engines: EngineFanOut, lanes: Sequence[UpdateGroup], members: list[str],
                       weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: str,
                       flattened: bool) -> Sent:
-    """Every bucket to the group's members (`version` on the last); see the module docstring."""
-    feeds = {url: BucketFeed(engines, url) for url in members}
-    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
-    in_flight: deque[tuple[list[torch.Tensor], list[Any]]] = deque()  # a bucket's buffers, held till waited
+    """Every bucket to the lanes' members (`version` on the last); see the module docstring."""
+    feeds = {url: BucketFeed(engines, url, len(lanes)) for url in members}
+    device = torch.device("cuda", torch.cuda.current_device()) if lanes[0].backend == "nccl" else torch.device("cpu")
+    # a bucket's lane and buffers (held till its broadcasts were waited on) and those broadcasts
+    in_flight: deque[tuple[UpdateGroup, list[torch.Tensor], list[Any]]] = deque()
     nbytes, last, broken = 0, None, None
+
+    def wait_oldest() -> str | None:
+        lane, _, works = in_flight.popleft()
+        return _wait(lane, works, feeds)
+
     try:
-        for bucket, last in buckets(weights, bucket_bytes):
+        for index, (bucket, last) in enumerate(buckets(weights, bucket_bytes)):
+            lane = index % len(lanes)
             if flattened:  # a tensor of element size k starts at a multiple of k (flat_order)
                 bucket = [bucket[i] for i in flat_order([t.dtype for _, t in bucket])]
             tensors = [tensor.detach() for _, tensor in bucket]
             body = {"names": [name for name, _ in bucket],
                     "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                    "shapes": [list(t.shape) for t in tensors], "group_name": group.name, "flush_cache": last,
+                    "shapes": [list(t.shape) for t in tensors], "group_name": lanes[lane].name, "flush_cache": last,
                     "weight_version": version if last else None}
             if flattened:
                 body["load_format"] = FLATTENED_BUCKET
                 tensors = [flatten(tensors, device)]
             else:
                 tensors = [tensor.to(device).contiguous() for tensor in tensors]
+            if last and index:  # every other bucket received and answered first (the engine loaded it)
+                while in_flight:
+                    broken = broken or wait_oldest()
+                for feed in feeds.values():
+                    feed.wait_answered()
+                if broken or all(feed.failure for feed in feeds.values()):
+                    break
             for feed in feeds.values():
-                feed.post(body)
-            in_flight.append((tensors, group.start_all(tensors)))
+                feed.post(body, lane)
+            in_flight.append((lanes[lane], tensors, lanes[lane].start_all(tensors)))
             nbytes += sum(t.numel() * t.element_size() for t in tensors)
             while len(in_flight) >= _BUCKETS_IN_FLIGHT or (last and in_flight):
-                broken = broken or _wait(group, in_flight.popleft()[1], feeds)
+                broken = broken or wait_oldest()
             if broken or all(feed.failure for feed in feeds.values()):
                 break
-    except WeightSyncError as err:  # the group was closed under us
+    except WeightSyncError as err:  # a lane was closed under us
         broken = f"the weight broadcast broke off: {err}"
     finally:
-        if broken:  # wakes engines blocked on a broadcast that will not come; the group is rebuilt
+        if broken:  # wakes engines blocked on a broadcast that will not come; the lanes are rebuilt
             in_flight.clear()  # a queued broadcast holds the group's connections open
-            group.close()
+            for group in lanes:
+                group.close()
             for feed in feeds.values():
                 feed.stop(broken)
         # Given up, an engine still blocked on it (one that relays it to others, or over NCCL, which
@@ -80,7 +100,7 @@ def broadcast_buckets(engines: EngineFanOut, group: UpdateGroup, members: list[s
 
 
 def _wait(group: UpdateGroup, works: list[Any], feeds: dict[str, BucketFeed]) -> str | None:
-    """Wait for one bucket's queued broadcasts; the reason they broke off, or None. An engine whose
+    """Wait for one bucket's queued broadcasts on its lane; the reason they broke off, or None. An engine whose
     request failed (e.g. a new process at a member's url, outside the group) will not take part: the
     broadcast is given up FAILED_MEMBER_GRACE_S after, not at the update's timeout."""
     def failed_member() -> str | None:

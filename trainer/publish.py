@@ -3,13 +3,13 @@
 Three transports, the first two named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
-- nccl: one process group of the trainer (rank 0) and every engine rank, kept across publishes
-  while the engine set and their processes are unchanged (the supervisor's relaunch counts; its
-  engines' sizes are not asked again); tensors are broadcast (trainer/bucket_broadcast.py)
+- nccl: two process groups (lanes) of the trainer (rank 0) and every engine rank, kept across
+  publishes while the engine set and their processes are unchanged (the supervisor's relaunch counts;
+  its engines' sizes are not asked again); tensors are broadcast (trainer/bucket_broadcast.py)
   in buckets of --update-weight-buffer-size between /begin_weight_update and /end_weight_update
   (each engine's /model_info asked beside its end), pipelined (no lock step): the next bucket is
-  gathered and queued while the previous one is on the wire (two in flight), and engines get each
-  bucket's request as soon as they answered the one before. A bucket goes as ONE broadcast of its
+  gathered and queued while the previous one is on the wire (two in flight), buckets take turns on
+  the lanes, and an engine is asked for the next bucket while it still takes one. A bucket goes as ONE broadcast of its
   tensors' bytes packed on the trainer's device (SGLang's load_format "flattened_bucket"; layout in
   rollout/weight_group.py), unless an engine of the group is an SGLang older than that format
   (its /server_info version below weight_group.FLATTENED_SINCE): an older SGLang ignores load_format and would
@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,12 +80,18 @@ class PublishResult:
     bytes: int
 
 
+# Update groups over the same members, which buckets take turns on (trainer/bucket_broadcast.py): an
+# engine holds the next bucket's request while it receives one. Each costs the engines one more
+# communicator (NCCL's buffers) and the group's forming one more rendezvous.
+LANES = 2
+
+
 @dataclass
 class _Group:
-    """The update group and the engines in it, in rank order, with their tp sizes."""
+    """The update groups (lanes) and the engines in them, in rank order, with their tp sizes."""
 
     layout: tuple[tuple[str, int], ...]
-    group: UpdateGroup  # its backend: gloo where a member is a CPU engine
+    lanes: tuple[UpdateGroup, ...]  # their backend: gloo where a member is a CPU engine
     launches: dict[str, int | None] = field(default_factory=dict)  # each member's relaunches when it joined
 
     @property
@@ -136,7 +142,7 @@ class WeightPublisher:
 
     @property
     def group_name(self) -> str | None:
-        return self._group.group.name if self._group else None
+        return self._group.lanes[0].name if self._group else None
 
     def publish(self, version: int, engines: list[str], weights: Weights) -> PublishResult:
         if version < 0:
@@ -289,8 +295,22 @@ class WeightPublisher:
 
     def _build_group(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str],
                      launches: dict[str, int | None]) -> _Group | None:
-        """Rank 0 here, engine i's ranks from 1 + the tp sizes before it. Engines that fail to
-        join are dropped and None is returned; a failure of the trainer's own side raises."""
+        """Every lane's group, formed one after the other. Engines that fail to join one are dropped,
+        the lanes formed so far destroyed, and None is returned; a failure of the trainer's own side raises."""
+        lanes: list[UpdateGroup] = []
+        try:
+            for _ in range(LANES):
+                lane = self._form_lane(layout, dropped)
+                if lane is None:
+                    break
+                lanes.append(lane)
+        finally:
+            if len(lanes) < LANES:
+                self._destroy_lanes(lanes, [url for url, _ in layout if url not in dropped])
+        return _Group(layout, tuple(lanes), launches) if len(lanes) == LANES else None
+
+    def _form_lane(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str]) -> UpdateGroup | None:
+        """Rank 0 here, engine i's ranks from 1 + the tp sizes before it."""
         name = f"slurmrl_weights_{os.getpid()}_{next(self._group_ids)}"  # unique: a stale group never clashes
         engine = urlsplit(layout[0][0])
         if engine.hostname is None:
@@ -312,7 +332,7 @@ class WeightPublisher:
             error = err
         joined, failed = self._engines.settle(futures)
         if not failed and group is not None:
-            return _Group(layout, group, launches)
+            return group
         if group is not None:
             group.close()
         self._engines.on_all(list(joined), "/destroy_weights_update_group", {"group_name": name})
@@ -326,7 +346,7 @@ class WeightPublisher:
         """The buckets broadcast to the group (trainer/bucket_broadcast.py); returns the members that
         took every bucket and the bytes sent; the version rides on the last bucket."""
         flattened = all(self._takes_flat.get(url, True) for url in group.engines)
-        sent = broadcast_buckets(self._engines, group.group, group.engines, weights, self.bucket_bytes,
+        sent = broadcast_buckets(self._engines, group.lanes, group.engines, weights, self.bucket_bytes,
                                  version_to_wire(version), flattened)
         if sent.last is None:
             raise PublishError("no weights to publish")
@@ -344,7 +364,11 @@ class WeightPublisher:
         if self._group is None:
             return
         group, self._group = self._group, None
-        group.group.close()
-        alive = [url for url in group.engines if url not in (dropped or {})]
-        self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": group.group.name})
+        self._destroy_lanes(group.lanes, [url for url in group.engines if url not in (dropped or {})])
+
+    def _destroy_lanes(self, lanes: Sequence[UpdateGroup], alive: list[str]) -> None:
+        for lane in lanes:
+            lane.close()
+        for lane in lanes:
+            self._engines.on_all(alive, "/destroy_weights_update_group", {"group_name": lane.name})
 

@@ -1,7 +1,8 @@
 """The nccl transport's pipelining, seen from the trainer: every broadcast of a bucket queued before
 any is waited on, the next bucket queued before the previous one is waited on (two in flight at
-most), and each engine asked for its buckets one at a time, in order, without the trainer waiting
-for its answers. A recording group and engine stand in for the wire; tests/trainer/test_publish.py
+most), buckets taking turns on two lanes (update groups), and each engine holding the next bucket's
+request while it takes one, one per lane at a time, the last (versioned) one only once every other
+was answered. A recording group and engine stand in for the wire; tests/trainer/test_publish.py
 checks the same transport against real engines over gloo."""
 
 from __future__ import annotations
@@ -16,28 +17,26 @@ import torch
 
 from rollout.weight_group import WeightSyncError, create_group, flatten, parse_dtype, unflatten
 from tests.ports import free_port
-from trainer.publish import WeightPublisher, _Group
+from trainer.publish import LANES, WeightPublisher, _Group
 
-# Seconds an engine's first answer may wait for the trainer to queue the second bucket.
+# Seconds an engine's first answer may wait for the trainer to ask for the second bucket.
 QUEUE_WAIT_S = 10.0
 ENGINES = ("http://127.0.0.1:1", "http://127.0.0.1:2")
 
 
 class RecordingGroup:
-    """Records ('start', bucket, tensors queued) and ('wait', bucket) in order."""
+    """Records ('start', bucket, tensors queued, lane) and ('wait', bucket) in order, in `events` (shared by
+    the lanes)."""
 
-    name = "recorded"
     backend = "gloo"
 
-    def __init__(self) -> None:
-        self.events: list[tuple[Any, ...]] = []
-        self.second_bucket_queued = threading.Event()
+    def __init__(self, name: str = "recorded", events: list[tuple[Any, ...]] | None = None) -> None:
+        self.name = name
+        self.events = [] if events is None else events
 
     def start_all(self, tensors: list[torch.Tensor]) -> list[int]:
         bucket = sum(event[0] == "start" for event in self.events)
-        self.events.append(("start", bucket, len(tensors)))
-        if bucket == 1:
-            self.second_bucket_queued.set()
+        self.events.append(("start", bucket, len(tensors), self.name))
         return [bucket] * len(tensors)
 
     def wait(self, works: list[int], abandon=None, grace_s: float = 0.0) -> None:
@@ -52,12 +51,14 @@ class RecordingGroup:
     (None, 1, "flattened_bucket"),  # the stand-in engines give no SGLang version
     ("0.5.5", 2, None),  # an SGLang older than flattened buckets: one broadcast per tensor
 ])
-def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(
+def test_buckets_are_queued_ahead_and_each_engine_holds_the_next_request_while_taking_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sglang_version: str | None, per_bucket: int,
         load_format: str | None) -> None:
     publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
-    group = RecordingGroup()
-    calls: dict[str, list[tuple[str, str]]] = {url: [] for url in ENGINES}
+    events: list[tuple[Any, ...]] = []
+    lanes = tuple(RecordingGroup(f"lane{i}", events) for i in range(LANES))
+    calls: dict[str, list[tuple[str, str, str]]] = {url: [] for url in ENGINES}
+    second_asked = {url: threading.Event() for url in ENGINES}
     formats: list[str | None] = []
     lock = threading.Lock()
 
@@ -65,28 +66,40 @@ def test_buckets_are_queued_ahead_and_each_engine_gets_them_in_order(
         if route == "/server_info":
             return {"tp_size": 1, "version": sglang_version}
         assert body is not None
+        first = body["names"][0]
         with lock:
-            calls[url].append(("enter", body["names"][0]))
+            calls[url].append(("enter", first, body["group_name"]))
             formats.append(body.get("load_format"))
-        if len(calls[url]) == 1:  # the first bucket is answered only once the second is on its way
-            assert group.second_bucket_queued.wait(QUEUE_WAIT_S), "the trainer waited for an answer"
+        if first == "w2":
+            second_asked[url].set()
+        if first == "w0":  # the first bucket is answered only once the engine holds the second's request
+            assert second_asked[url].wait(QUEUE_WAIT_S), "the engine was asked for a bucket only after its answer"
         with lock:
-            calls[url].append(("leave", body["names"][0]))
+            calls[url].append(("leave", first, body["group_name"]))
         return {"success": True}
 
     monkeypatch.setattr(publisher._engines, "call", call)
     for url in ENGINES:
         assert publisher._ask_server_info(url) == 1
-    weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(6)]  # 32 bytes each: 3 buckets of 2
+    weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(8)]  # 32 bytes each: 4 buckets of 2
     layout = tuple((url, 1) for url in ENGINES)
-    taken, nbytes = publisher._send_buckets(3, _Group(layout, group), iter(weights), {})  # type: ignore[arg-type]
+    taken, nbytes = publisher._send_buckets(3, _Group(layout, lanes), iter(weights), {})  # type: ignore[arg-type]
 
-    assert taken == list(ENGINES) and nbytes == 6 * 32
-    assert group.events == [("start", 0, per_bucket), ("start", 1, per_bucket), ("wait", 0),
-                            ("start", 2, per_bucket), ("wait", 1), ("wait", 2)]
-    assert formats == [load_format] * 6
-    for url in ENGINES:  # one request at a time, in bucket order
-        assert calls[url] == [(step, first) for first in ("w0", "w2", "w4") for step in ("enter", "leave")]
+    assert taken == list(ENGINES) and nbytes == 8 * 32
+    assert events == [("start", 0, per_bucket, "lane0"), ("start", 1, per_bucket, "lane1"), ("wait", 0),
+                      ("start", 2, per_bucket, "lane0"), ("wait", 1),
+                      ("wait", 2), ("start", 3, per_bucket, "lane1"), ("wait", 3)]  # the last: after every other
+    assert formats == [load_format] * 8
+    for url in ENGINES:
+        seen = calls[url]
+        # bucket k's request on lane k % 2; a lane's next one only after the engine answered its previous one
+        assert sorted(seen) == sorted((step, f"w{2 * k}", f"lane{k % 2}") for k in range(4) for step in ("enter", "leave"))
+        for lane in ("lane0", "lane1"):
+            on_lane = [step for step, _, name in seen if name == lane]
+            assert on_lane == ["enter", "leave"] * 2, (lane, seen)
+        assert seen.index(("enter", "w2", "lane1")) < seen.index(("leave", "w0", "lane0"))
+        last = seen.index(("enter", "w6", "lane1"))  # asked for once every other bucket was answered
+        assert all(seen.index(("leave", f"w{2 * k}", f"lane{k % 2}")) < last for k in range(3))
 
 
 def test_a_flattened_bucket_is_packed_with_every_tensor_aligned_for_its_view(tmp_path: Path,
@@ -103,7 +116,7 @@ def test_a_flattened_bucket_is_packed_with_every_tensor_aligned_for_its_view(tmp
     weights = [("odd_bf16", torch.randn(3).bfloat16()), ("f32", torch.randn(2, 3)),
                ("f64", torch.tensor(2.5, dtype=torch.float64)), ("f16", torch.randn(5).half()),
                ("empty", torch.empty(0, 4))]
-    publisher._send_buckets(1, _Group(((ENGINES[0], 1),), group), iter(weights), {})  # type: ignore[arg-type]
+    publisher._send_buckets(1, _Group(((ENGINES[0], 1),), (group,)), iter(weights), {})  # type: ignore[arg-type]
 
     assert len(sent) == 1 and sent[0].dtype == torch.uint8
     body = bodies[0]
@@ -123,7 +136,7 @@ def test_a_kept_group_asks_no_sizes_and_the_version_is_asked_beside_the_end(tmp_
     already formed asks no /server_info again, and each engine's /model_info (the version rode on the last
     bucket) is asked while its /end_weight_update is still unanswered."""
     publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
-    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped, launches: _Group(layout, RecordingGroup()))
+    monkeypatch.setattr(publisher, "_build_group", lambda layout, dropped, launches: _Group(layout, (RecordingGroup(),)))
     routes: list[tuple[str, str]] = []
     served: dict[str, str | None] = {url: None for url in ENGINES}
     version_asked = {url: threading.Event() for url in ENGINES}
