@@ -3,11 +3,12 @@ pipelined: bucket k+1 is gathered, packed and queued while k is still on the wir
 flight at most). A bucket is one broadcast of its tensors' bytes (SGLang's "flattened_bucket") or, for
 an engine older than that format, one per tensor, all queued before any is waited on.
 
-Buckets take turns on the lanes, update groups of their own over the same members (BucketFeed): an
-engine is asked for bucket k+1 while it still receives k, so it goes from one to the next without a
-round trip to the trainer; each lane's broadcasts run on their own communicator (and stream), so
-whichever request the engine takes first finds its bytes. The last bucket carries the version and
-is asked for only once every other was answered: the engine then serves it with all of them loaded."""
+Buckets take turns on the lanes, update groups of their own over the same members (BucketFeed; two
+for a single engine, trainer/publish.py says why): an engine is asked for bucket k+1 while it still
+receives k, so it goes from one to the next without a round trip to the trainer; each lane's
+broadcasts run on their own communicator (and stream), so whichever request the engine takes first
+finds its bytes. The last bucket carries the version and is asked for only once every other was
+answered: the engine then serves it with all of them loaded."""
 
 from __future__ import annotations
 

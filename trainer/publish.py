@@ -3,13 +3,14 @@
 Three transports, the first two named as slime names them:
 - disk: an HF safetensors folder JOB/weights/<version>/, built in a hidden temporary folder and
   renamed into place, then POST /update_weights_from_disk to every engine at once.
-- nccl: two process groups (lanes) of the trainer (rank 0) and every engine rank, kept across
-  publishes while the engine set and their processes are unchanged (the supervisor's relaunch counts;
-  its engines' sizes are not asked again); tensors are broadcast (trainer/bucket_broadcast.py)
-  in buckets of --update-weight-buffer-size between /begin_weight_update and /end_weight_update
-  (each engine's /model_info asked beside its end), pipelined (no lock step): the next bucket is
-  gathered and queued while the previous one is on the wire (two in flight), buckets take turns on
-  the lanes, and an engine is asked for the next bucket while it still takes one. A bucket goes as ONE broadcast of its
+- nccl: one process group of the trainer (rank 0) and every engine rank (two, lanes, for a single
+  engine: LANES), kept across publishes while the engine set and their processes are unchanged (the
+  supervisor's relaunch counts; its engines' sizes are not asked again); tensors are broadcast
+  (trainer/bucket_broadcast.py) in buckets of --update-weight-buffer-size between /begin_weight_update
+  and /end_weight_update (each engine's /model_info asked beside its end), pipelined (no lock step):
+  the next bucket is gathered and queued while the previous one is on the wire (two in flight), and
+  engines get each bucket's request as soon as they answered the one before, or, on two lanes, while
+  they still take the one before. A bucket goes as ONE broadcast of its
   tensors' bytes packed on the trainer's device (SGLang's load_format "flattened_bucket"; layout in
   rollout/weight_group.py), unless an engine of the group is an SGLang older than that format
   (its /server_info version below weight_group.FLATTENED_SINCE): an older SGLang ignores load_format and would
@@ -81,9 +82,14 @@ class PublishResult:
 
 
 # Update groups over the same members, which buckets take turns on (trainer/bucket_broadcast.py): an
-# engine holds the next bucket's request while it receives one. Each costs the engines one more
-# communicator (NCCL's buffers) and the group's forming one more rendezvous.
+# engine holds the next bucket's request while it receives one. Each costs the engine one more
+# communicator (NCCL's buffers) and the group's forming one more rendezvous. Only a group of one engine
+# has them: its ranks take its requests in one order, but two engines may take the lanes' requests in
+# different orders, and a broadcast that one relays to the other (NCCL's ring) then waits forever.
 LANES = 2
+# Numbers the update groups of this process, of every publisher in it: an engine may keep a group it was dropped
+# from (its destroy is sent only to the engines not dropped), and a group formed later never takes its name.
+_GROUP_IDS = itertools.count(1)
 
 
 @dataclass
@@ -133,7 +139,6 @@ class WeightPublisher:
         self._engines = EngineFanOut(api_key, timeout_s, serving)
         self._launches = launches or dict
         self._group: _Group | None = None
-        self._group_ids = itertools.count(1)
 
     @property
     def group_engines(self) -> list[str]:
@@ -295,23 +300,25 @@ class WeightPublisher:
 
     def _build_group(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str],
                      launches: dict[str, int | None]) -> _Group | None:
-        """Every lane's group, formed one after the other. Engines that fail to join one are dropped,
-        the lanes formed so far destroyed, and None is returned; a failure of the trainer's own side raises."""
+        """Every lane's group (LANES for one engine, else one), formed one after the other. Engines that
+        fail to join one are dropped, the lanes formed so far destroyed, and None is returned; a failure
+        of the trainer's own side raises."""
+        count = LANES if len(layout) == 1 else 1
         lanes: list[UpdateGroup] = []
         try:
-            for _ in range(LANES):
+            for _ in range(count):
                 lane = self._form_lane(layout, dropped)
                 if lane is None:
                     break
                 lanes.append(lane)
         finally:
-            if len(lanes) < LANES:
+            if len(lanes) < count:
                 self._destroy_lanes(lanes, [url for url, _ in layout if url not in dropped])
-        return _Group(layout, tuple(lanes), launches) if len(lanes) == LANES else None
+        return _Group(layout, tuple(lanes), launches) if len(lanes) == count else None
 
     def _form_lane(self, layout: tuple[tuple[str, int], ...], dropped: dict[str, str]) -> UpdateGroup | None:
         """Rank 0 here, engine i's ranks from 1 + the tp sizes before it."""
-        name = f"slurmrl_weights_{os.getpid()}_{next(self._group_ids)}"  # unique: a stale group never clashes
+        name = f"slurmrl_weights_{os.getpid()}_{next(_GROUP_IDS)}"  # unique: a stale group never clashes
         engine = urlsplit(layout[0][0])
         if engine.hostname is None:
             raise EngineError(f"{layout[0][0]} names no host")

@@ -49,6 +49,7 @@ from tests.gpu.gpu_cluster import (  # noqa: F401 (gpu_cluster: a fixture)
 from tests.integration.test_rl_job import SERVED, events, heartbeat, rollouts_done, slurmrl, status
 from tests.integration.test_trainer_faults import trainer_rank
 from tests.slurm_helpers import wait_job_gone
+from trainer.publish import LANES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_job]
 
@@ -293,7 +294,8 @@ def test_the_only_engine_relaunched_in_a_rollout_gets_the_weights_of_a_restarted
     # the job's only engine, relaunched in a rollout: the trainer restarted to publish to it
     assert len(events(job_dir, "engines_stranded")) == 1 and len(events(job_dir, "trainer_restarted")) == 1
     assert not events(job_dir, "save_now_unanswered")
-    assert len({name for name, _ in joined}) >= 2 and all(backend == "nccl" for _, backend in joined), joined
+    # a group formed again for the relaunched engine (each formation joins LANES groups: the job's only engine)
+    assert len({name for name, _ in joined}) >= 2 * LANES and all(backend == "nccl" for _, backend in joined), joined
     lines = metrics(job_dir)
     assert [m["rollout_id"] for m in lines] == list(range(len(lines))), "a rollout id was skipped or repeated"
     assert all(m["engines_updated"] == 1 for m in lines[-3:]), lines[-3:]

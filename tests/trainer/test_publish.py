@@ -26,7 +26,7 @@ from rollout.weight_group import buckets
 from tests.rollout import servers
 from trainer import publish_tensor
 from trainer.engine_fanout import SERVING_POLL_S, TAKEN_OUT
-from trainer.publish import PublishResult, WeightPublisher
+from trainer.publish import LANES, PublishResult, WeightPublisher
 
 BUCKET = 64 * 1024  # the tiny model is about 320 KiB: several buckets (and disk shards)
 AUTH = {"Authorization": f"Bearer {servers.API_KEY}"}
@@ -488,6 +488,7 @@ def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Serv
         assert result.updated == [a], result.dropped
         assert_serving(a, 12, weights)
         alone = publisher.group_name
+        assert publisher._group is not None and len(publisher._group.lanes) == LANES  # one engine: its lanes
 
         # A freshly started engine replaces it: the group is rebuilt around the new set.
         fresh = servers.engine(model, tmp_path / "fresh.log")
@@ -495,6 +496,8 @@ def test_gloo_survives_hung_dead_and_replaced_engines(engines: list[servers.Serv
         result = publisher.publish(13, [a, fresh.url], iter(weights))
         assert result.updated == [a, fresh.url] and publisher.group_engines == [a, fresh.url]
         assert publisher.group_name != alone
+        # two engines could take two lanes' requests in different orders: one lane
+        assert publisher._group is not None and len(publisher._group.lanes) == 1
         for url in (a, fresh.url):
             assert_serving(url, 13, weights)
 
