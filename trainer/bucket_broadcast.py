@@ -7,8 +7,8 @@ Buckets take turns on the lanes, update groups of their own over the same member
 for a single engine, trainer/publish.py says why): an engine is asked for bucket k+1 while it still
 receives k, so it goes from one to the next without a round trip to the trainer; each lane's
 broadcasts run on their own communicator (and stream), so whichever request the engine takes first
-finds its bytes. The last bucket carries the version and is asked for only once every other was
-answered: the engine then serves it with all of them loaded."""
+finds its bytes. The last bucket carries the version: on lanes it is asked for only once every other
+was answered, so the engine serves it with all of them loaded."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def broadcast_buckets(engines: EngineFanOut, lanes: Sequence[UpdateGroup], membe
                 tensors = [flatten(tensors, device)]
             else:
                 tensors = [tensor.to(device).contiguous() for tensor in tensors]
-            if last and index:  # every other bucket received and answered first (the engine loaded it)
+            if last and index and len(lanes) > 1:  # every other bucket answered first (on one lane, its order says so)
                 while in_flight:
                     broken = broken or wait_oldest()
                 for feed in feeds.values():
