@@ -28,17 +28,13 @@ import requests
 import torch
 
 from bench.bench_trainer_step import make_model
-from bench.multigpu_weights import engine_call_seconds, profiled
+from bench.multigpu_weights import FIXED_CALLS, engine_call_seconds, profiled
 from bench.tensor_ipc_parts import ipc_parts
 from rollout.cpu_engine.faults import ROUTE as FAULT_ROUTE
 from rollout.cpu_engine.weights import read_safetensors_folder
 from rollout.weight_group import buckets
 from tests.rollout.servers import API_KEY, engine
 from trainer.publish import DEFAULT_BUCKET_BYTES, WeightPublisher
-
-# Engine calls a publish by reference waits for in turn besides its requests (each answered before the next is
-# posted): /begin_weight_update, then /end_weight_update with /model_info beside it (trainer/publish.py)
-FIXED_CALLS = 2
 
 
 def best_of(repeats: int, run: Callable[[int], None], device: torch.device) -> float:

@@ -130,10 +130,16 @@ def plain_broadcast_seconds(urls: list[str], backend: str, nbytes: int, repeats:
         group.close()
 
 
-# Engine calls a publish waits for in turn: /begin_weight_update, the last bucket's request (asked once every other
-# bucket was answered), then /end_weight_update with /model_info beside it (trainer/publish.py; a kept group's
-# /server_info is not asked again). The other buckets' requests are on their way while the engine takes one.
-SERIAL_CALLS = 3
+# Engine calls a publish waits for in turn besides its buckets: /begin_weight_update, then /end_weight_update with
+# /model_info beside it (trainer/publish.py; a kept group's /server_info is not asked again).
+FIXED_CALLS = 2
+
+
+def serial_calls(engines: int, buckets: int) -> int:
+    """The engine calls a publish waits for in turn. One engine has lanes: its next bucket's request is on its way
+    while it takes one, and only the last (asked once every other was answered) is waited for; several engines share
+    one lane, and every bucket's request follows the answer to the one before."""
+    return FIXED_CALLS + (1 if engines == 1 else buckets)
 
 
 def engine_call_seconds(url: str, count: int = 50, api_key: str | None = None) -> float:
@@ -211,6 +217,7 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
     steady, per_tensor = statistics.median(times[1:]), statistics.median(per_tensor_times[1:])
     received = statistics.median(sum(r for r, _ in buckets) for buckets in engine_side[1:])
     loaded = statistics.median(sum(load for _, load in buckets) for buckets in engine_side[1:])
+    calls = serial_calls(engines, len(engine_side[-1]))
     return {"model": label, "bytes": nbytes, "tensors": len(weights), "bucket_bytes": bucket_bytes,
             "engines": engines, "backend": publisher.backend, "first_publish_s": times[0], "publish_s": steady,
             "publish_gbps": nbytes / steady / 1e9, "plain_broadcast_s": plain, "plain_gbps": nbytes / plain / 1e9,
@@ -220,13 +227,13 @@ def bench_model(label: str, shape: dict, repeats: int, gpus: int, work: Path, bu
             # Where a flattened publish's time goes (engine 0, steady state): the engine's HTTP calls in
             # turn (each timed alone: call_s), each bucket received off the wire, then loaded, and what is
             # left: the trainer's own work not overlapped, and waits
-            "buckets": len(engine_side[-1]), "call_s": call_s, "serial_calls": SERIAL_CALLS,
+            "buckets": len(engine_side[-1]), "call_s": call_s, "serial_calls": calls,
             "engine_receive_s": received, "engine_load_s": loaded,
-            "unexplained_s": steady - SERIAL_CALLS * call_s - received - loaded,
+            "unexplained_s": steady - calls * call_s - received - loaded,
             # The best a publish can do under SGLang's contract (between begin and end, each bucket a request
             # the engine takes one at a time and answers once loaded): the wire's time, every load (no bucket
             # arrives while one loads) and the calls in turn
-            "contract_bound_s": (bound := plain + loaded + SERIAL_CALLS * call_s),
+            "contract_bound_s": (bound := plain + loaded + calls * call_s),
             "contract_bound_ratio": plain / bound,
             "all_per_tensor_publish_s": per_tensor_times}
 

@@ -33,10 +33,13 @@ class RecordingGroup:
     def __init__(self, name: str = "recorded", events: list[tuple[Any, ...]] | None = None) -> None:
         self.name = name
         self.events = [] if events is None else events
+        self.second_bucket_queued = threading.Event()
 
     def start_all(self, tensors: list[torch.Tensor]) -> list[int]:
         bucket = sum(event[0] == "start" for event in self.events)
         self.events.append(("start", bucket, len(tensors), self.name))
+        if bucket == 1:
+            self.second_bucket_queued.set()
         return [bucket] * len(tensors)
 
     def wait(self, works: list[int], abandon=None, grace_s: float = 0.0) -> None:
@@ -46,11 +49,54 @@ class RecordingGroup:
         pass
 
 
-@pytest.mark.parametrize(("sglang_version", "per_bucket", "load_format"), [
+FORMATS = [
     ("0.5.15.post1", 1, "flattened_bucket"),  # one broadcast per bucket (the tensors packed into one)
     (None, 1, "flattened_bucket"),  # the stand-in engines give no SGLang version
     ("0.5.5", 2, None),  # an SGLang older than flattened buckets: one broadcast per tensor
-])
+]
+
+
+@pytest.mark.parametrize(("sglang_version", "per_bucket", "load_format"), FORMATS)
+def test_buckets_are_queued_ahead_and_each_engine_of_a_group_of_several_gets_them_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sglang_version: str | None, per_bucket: int,
+        load_format: str | None) -> None:
+    """Several engines share one lane (trainer/publish.py: LANES): each gets a bucket's request once it answered
+    the one before, while the trainer queues the next bucket without waiting for the answers."""
+    publisher = WeightPublisher("nccl", tmp_path, tmp_path, None, bucket_bytes=64, backend="gloo")
+    group = RecordingGroup()
+    calls: dict[str, list[tuple[str, str]]] = {url: [] for url in ENGINES}
+    formats: list[str | None] = []
+    lock = threading.Lock()
+
+    def call(url: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        if route == "/server_info":
+            return {"tp_size": 1, "version": sglang_version}
+        assert body is not None
+        with lock:
+            calls[url].append(("enter", body["names"][0]))
+            formats.append(body.get("load_format"))
+        if len(calls[url]) == 1:  # the first bucket is answered only once the second is on its way
+            assert group.second_bucket_queued.wait(QUEUE_WAIT_S), "the trainer waited for an answer"
+        with lock:
+            calls[url].append(("leave", body["names"][0]))
+        return {"success": True}
+
+    monkeypatch.setattr(publisher._engines, "call", call)
+    for url in ENGINES:
+        assert publisher._ask_server_info(url) == 1
+    weights = [(f"w{i}", torch.full((8,), float(i))) for i in range(6)]  # 32 bytes each: 3 buckets of 2
+    layout = tuple((url, 1) for url in ENGINES)
+    taken, nbytes = publisher._send_buckets(3, _Group(layout, (group,)), iter(weights), {})  # type: ignore[arg-type]
+
+    assert taken == list(ENGINES) and nbytes == 6 * 32
+    assert group.events == [("start", 0, per_bucket, "recorded"), ("start", 1, per_bucket, "recorded"), ("wait", 0),
+                            ("start", 2, per_bucket, "recorded"), ("wait", 1), ("wait", 2)]
+    assert formats == [load_format] * 6
+    for url in ENGINES:  # one request at a time, in bucket order
+        assert calls[url] == [(step, first) for first in ("w0", "w2", "w4") for step in ("enter", "leave")]
+
+
+@pytest.mark.parametrize(("sglang_version", "per_bucket", "load_format"), FORMATS)
 def test_buckets_are_queued_ahead_and_a_single_engine_holds_the_next_request_while_taking_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sglang_version: str | None, per_bucket: int,
         load_format: str | None) -> None:
